@@ -1,0 +1,1 @@
+"""Stage `base`: resolve `base.model` into a diffusers pipeline folder (models/base/)."""

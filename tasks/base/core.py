@@ -1,0 +1,104 @@
+"""Resolve the base model: built-in tiny model, local diffusers folder, or a pinned hub download."""
+from __future__ import annotations
+
+import json
+import logging
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+from tasks.common.errors import UserError
+from tasks.common.tiny_sd import BUILTIN_PIPELINES, build_tiny_pipeline
+
+log = logging.getLogger(__name__)
+
+# What a diffusers pipeline needs; skips duplicate .bin/.ckpt weights, fp16 variants and samples.
+HUB_ALLOW_PATTERNS = ["*.json", "*.txt", "*.model", "*.safetensors"]
+HUB_IGNORE_PATTERNS = ["*.fp16.safetensors", "*non_ema*", "*.ckpt", "*ema-only*", "*.bin", "*.msgpack"]
+_COMMIT = re.compile(r"^[0-9a-f]{40}$")
+
+
+def classify(model: str) -> str:
+    """'builtin', 'local' or 'hub'."""
+    if model.startswith("builtin:"):
+        if model not in BUILTIN_PIPELINES:
+            raise UserError(
+                f"base.model: unknown built-in model {model!r}; choose one of {', '.join(BUILTIN_PIPELINES)}"
+            )
+        return "builtin"
+    if Path(model).expanduser().exists() or model.startswith((".", "/", "~")):
+        return "local"
+    if re.fullmatch(r"[\w.-]+/[\w.-]+", model):
+        return "hub"
+    raise UserError(
+        f"base.model: {model!r} is neither a built-in model, an existing local folder nor a hub id "
+        "of the form org/name"
+    )
+
+
+def check_pipeline_folder(path: Path) -> dict[str, Any]:
+    """Read model_index.json; fail clearly when the folder is not a diffusers pipeline."""
+    index = path / "model_index.json"
+    if not index.is_file():
+        raise UserError(
+            f"{path} is not a diffusers pipeline folder (no model_index.json). Point base.model at a "
+            "folder saved with DiffusionPipeline.save_pretrained()"
+        )
+    return json.loads(index.read_text())
+
+
+def family(index: dict[str, Any]) -> str:
+    """'sdxl' for Stable Diffusion XL pipelines, 'sd' for SD 1.x/2.x."""
+    return "sdxl" if "text_encoder_2" in index or "XL" in index.get("_class_name", "") else "sd"
+
+
+def download(repo_id: str, revision: str | None, dst: Path) -> None:
+    """Download a pinned hub snapshot (diffusers layout, safetensors only) into dst."""
+    if not revision:
+        raise UserError(
+            f"base.revision must pin a commit of {repo_id} (a 40-character hash from the model page's "
+            "'Files and versions' history) so the run is reproducible"
+        )
+    if not _COMMIT.match(revision):
+        log.warning("base.revision %r is not a commit hash: a branch or tag can move", revision)
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError, OfflineModeIsEnabled
+
+    try:
+        snapshot_download(
+            repo_id,
+            revision=revision,
+            local_dir=dst,
+            allow_patterns=HUB_ALLOW_PATTERNS,
+            ignore_patterns=HUB_IGNORE_PATTERNS,
+        )
+    except (OfflineModeIsEnabled, LocalEntryNotFoundError, OSError, HfHubHTTPError) as err:
+        raise UserError(
+            f"could not download {repo_id}@{revision} from the Hugging Face Hub ({type(err).__name__}: "
+            f"{str(err).splitlines()[0] if str(err) else ''}). This machine looks offline or the id/revision "
+            "is wrong. Download it where there is network (hf download "
+            f"{repo_id} --revision {revision} --local-dir DIR), copy DIR here and set base.model: DIR"
+        ) from err
+
+
+def resolve(model: str, revision: str | None, seed: int, dst: Path) -> dict[str, Any]:
+    """Write the base pipeline to dst (an empty folder); return what was resolved."""
+    kind = classify(model)
+    if kind == "builtin":
+        log.info("building %s from seed %d", model, seed)
+        build_tiny_pipeline(model, seed, dst)
+    elif kind == "local":
+        src = Path(model).expanduser()
+        if not src.is_dir():
+            raise UserError(f"base.model: local folder {src} does not exist")
+        check_pipeline_folder(src)
+        log.info("copying local pipeline %s", src)
+        shutil.copytree(src, dst, dirs_exist_ok=True)
+    else:
+        log.info("downloading %s@%s", model, revision)
+        download(model, revision, dst)
+        shutil.rmtree(dst / ".cache", ignore_errors=True)
+    index = check_pipeline_folder(dst)
+    return {"source": kind, "model": model, "revision": revision, "family": family(index),
+            "pipeline_class": index.get("_class_name")}

@@ -1,0 +1,1 @@
+"""Shared services for the stages: params, errors, tracking, model and image helpers."""

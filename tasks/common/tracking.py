@@ -1,0 +1,143 @@
+"""MLflow behind one small service, so stages log the same way and tests can point it anywhere.
+
+- Tracking URI: `MLFLOW_TRACKING_URI` if set, else `sqlite:///mlflow.db` at the repository root.
+- Experiment: `MLFLOW_EXPERIMENT_NAME` if set, else `finetune`.
+- A stage started by the flow finds the flow's parent run id in `FINETUNE_PARENT_RUN_ID` and logs
+  as its child; a stage run by plain `dvc repro` logs as a top-level run of its own.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Iterator, Mapping
+
+log = logging.getLogger(__name__)
+
+PARENT_ENV = "FINETUNE_PARENT_RUN_ID"
+DEFAULT_EXPERIMENT = "finetune"
+
+
+def tracking_uri(root: Path | None = None) -> str:
+    uri = os.environ.get("MLFLOW_TRACKING_URI")
+    if uri:
+        return uri
+    root = (root or Path.cwd()).resolve()
+    return f"sqlite:///{root / 'mlflow.db'}"
+
+
+def experiment_name() -> str:
+    return os.environ.get("MLFLOW_EXPERIMENT_NAME", DEFAULT_EXPERIMENT)
+
+
+def git_commit(root: Path | None = None) -> str | None:
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=root or Path.cwd(), capture_output=True, text=True, check=True
+        )
+        return out.stdout.strip() or None
+    except (OSError, subprocess.CalledProcessError):
+        return None
+
+
+def flatten(data: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """{'a': {'b': 1}} -> {'a.b': 1}, for logging nested configs as MLflow params."""
+    flat: dict[str, Any] = {}
+    for key, value in data.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, Mapping):
+            flat.update(flatten(value, f"{name}."))
+        else:
+            flat[name] = value
+    return flat
+
+
+def configure() -> None:
+    """Point the MLflow client at this project's tracking URI and experiment."""
+    import mlflow
+
+    mlflow.set_tracking_uri(tracking_uri())
+    mlflow.set_experiment(experiment_name())
+
+
+class StageRun:
+    """Thin handle over an active MLflow run; the only MLflow surface stages use."""
+
+    def __init__(self, run: Any) -> None:
+        self._run = run
+        self.run_id: str = run.info.run_id
+
+    def log_params(self, params: Mapping[str, Any], prefix: str = "") -> None:
+        import mlflow
+
+        flat = flatten(params, prefix)
+        items = list(flat.items())
+        for i in range(0, len(items), 100):  # MLflow caps a batch at 100 params
+            mlflow.log_params({k: ("" if v is None else str(v)[:6000]) for k, v in items[i : i + 100]})
+
+    def log_metrics(self, metrics: Mapping[str, float], step: int | None = None) -> None:
+        import mlflow
+
+        mlflow.log_metrics({k: float(v) for k, v in metrics.items()}, step=step)
+
+    def log_artifact(self, path: Path | str, artifact_path: str | None = None) -> None:
+        import mlflow
+
+        path = Path(path)
+        if path.is_dir():
+            mlflow.log_artifacts(str(path), artifact_path=artifact_path)
+        else:
+            mlflow.log_artifact(str(path), artifact_path=artifact_path)
+
+    def log_image(self, image: Any, name: str) -> None:
+        import mlflow
+
+        mlflow.log_image(image, artifact_file=name)
+
+    def log_dict(self, data: Mapping[str, Any], name: str) -> None:
+        import mlflow
+
+        mlflow.log_dict(dict(data), name)
+
+    def log_table(self, rows: list[dict[str, Any]], name: str) -> None:
+        import mlflow
+
+        columns: dict[str, list[Any]] = {}
+        for row in rows:
+            for key in row:
+                columns.setdefault(key, [])
+        for row in rows:
+            for key in columns:
+                columns[key].append(row.get(key))
+        mlflow.log_table(data=columns, artifact_file=name)
+
+    def set_tags(self, tags: Mapping[str, Any]) -> None:
+        import mlflow
+
+        mlflow.set_tags({k: str(v) for k, v in tags.items()})
+
+
+@contextmanager
+def stage_run(stage: str, params: Mapping[str, Any] | None = None) -> Iterator[StageRun]:
+    """Start the MLflow run of one stage (child of the flow's run when there is one).
+
+    The run ends FINISHED on success and FAILED when the body raises.
+    """
+    import mlflow
+
+    configure()
+    tags = {"stage": stage}
+    parent = os.environ.get(PARENT_ENV)
+    if parent:
+        tags["mlflow.parentRunId"] = parent
+    commit = git_commit()
+    if commit:
+        tags["mlflow.source.git.commit"] = commit
+    with mlflow.start_run(run_name=stage, tags=tags) as run:
+        handle = StageRun(run)
+        if params:
+            handle.log_params(params)
+        log.info("MLflow run %s (stage %s) at %s", run.info.run_id, stage, tracking_uri())
+        yield handle
