@@ -1,0 +1,1 @@
+"""Stage `ingest`: instance images + captions -> a validated, normalised imagefolder."""

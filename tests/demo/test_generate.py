@@ -1,0 +1,77 @@
+"""The demo subject generator: deterministic bytes, six captioned pictures of one consistent toy."""
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+from PIL import Image
+
+from tests.conftest import REPO
+
+SCRIPT = REPO / "data" / "demo" / "generate.py"
+
+
+def load_generator():
+    spec = importlib.util.spec_from_file_location("demo_generate", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses resolve annotations through sys.modules
+    spec.loader.exec_module(module)
+    return module
+
+
+def digest(folder: Path) -> dict[str, str]:
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.iterdir())}
+
+
+def test_script_output_is_byte_identical_across_runs(tmp_path: Path) -> None:
+    for name in ("a", "b"):
+        subprocess.run([sys.executable, str(SCRIPT), "--out", str(tmp_path / name)], check=True)
+    assert digest(tmp_path / "a") == digest(tmp_path / "b")
+    gen = load_generator()
+    in_process = {n: hashlib.sha256(b).hexdigest() for n, b in gen.build().items()}
+    assert in_process == digest(tmp_path / "a")
+
+
+def test_six_images_with_captions(tmp_path: Path) -> None:
+    gen = load_generator()
+    gen.main(["--out", str(tmp_path / "s")])
+    files = sorted(p.name for p in (tmp_path / "s").iterdir())
+    stems = sorted({Path(f).stem for f in files})
+    assert len(stems) == 6
+    assert files == sorted([f"{s}.png" for s in stems] + [f"{s}.txt" for s in stems])
+    for stem in stems:
+        caption = (tmp_path / "s" / f"{stem}.txt").read_text()
+        assert caption.endswith("\n") and "sks toy" in caption and caption.count("\n") == 1
+        im = Image.open(tmp_path / "s" / f"{stem}.png")
+        assert im.size == (128, 128) and im.mode == "RGB"
+    assert len(set(digest(tmp_path / "s").values())) == 12  # every picture and caption differs
+
+
+def test_every_picture_shows_the_same_toy(tmp_path: Path) -> None:
+    """The subject's palette (red body, cyan eyes, yellow star) appears in every picture."""
+    gen = load_generator()
+    gen.main(["--out", str(tmp_path / "s")])
+    for png in sorted((tmp_path / "s").glob("*.png")):
+        px = np.asarray(Image.open(png)).astype(int).reshape(-1, 3)
+        for colour, min_pixels in ((gen.RED, 40), (gen.CYAN, 4), (gen.YELLOW, 4)):
+            near = (np.abs(px - np.array(colour)).max(axis=1) < 30).sum()
+            assert near >= min_pixels, f"{png.name}: too few pixels of {colour}"
+
+
+def test_rerun_leaves_identical_folder_untouched_and_repairs_a_changed_one(tmp_path: Path) -> None:
+    gen = load_generator()
+    out = tmp_path / "s"
+    assert gen.write(out, gen.build()) is True
+    mtimes = {p.name: p.stat().st_mtime_ns for p in out.iterdir()}
+    assert gen.write(out, gen.build()) is False
+    assert {p.name: p.stat().st_mtime_ns for p in out.iterdir()} == mtimes
+    before = digest(out)
+    (out / "sks_00.txt").write_text("edited\n")
+    (out / "extra.png").write_bytes(b"x")
+    assert gen.write(out, gen.build()) is True
+    assert digest(out) == before
+    assert [p.name for p in tmp_path.iterdir()] == ["s"]  # no temporary folders left behind
