@@ -1,0 +1,21 @@
+"""The `class_images` section of params.yaml."""
+from __future__ import annotations
+
+from pydantic import Field
+
+from tasks.common.config import StageConfig
+
+
+class ClassImagesConfig(StageConfig):
+    """`class_images` section: what to generate for DreamBooth's prior-preservation loss."""
+
+    prompt: str = Field("a photo of a toy", min_length=1, description="class prompt, without the identifier")
+    num_images: int = Field(
+        8, ge=0, le=100_000, description="images to have in the folder; the DreamBooth paper uses ~200"
+    )
+    resolution: int = Field(64, ge=8, le=4096, multiple_of=8, description="square side in pixels")
+    batch_size: int = Field(4, ge=1, le=1024, description="images per pipeline call (does not change the images)")
+    num_inference_steps: int = Field(10, ge=1, le=1000)
+    guidance_scale: float = Field(7.5, ge=0.0, le=50.0)
+    negative_prompt: str | None = Field(None, description="optional negative prompt")
+    seed: int = Field(0, ge=0, description="image i is drawn from a generator seeded with seed + i")

@@ -1,0 +1,239 @@
+"""Generate class images for the prior-preservation loss, resumably, one fixed seed per image.
+
+Image `i` is always `{i:05d}.png`, drawn from a generator seeded with `seed + i`: the same picture
+whether it is made alone, in a batch of any size, or by any rank of a split run (`shard`). What is
+already on disk is reused when it was made with the same generation settings and base model
+(recorded in `generation.json`); a change of prompt, resolution, sampler settings, seed or base
+weights makes the old images stale and they are replaced. Pure work on folders: no MLflow here.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import re
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+from PIL import Image
+from tqdm import tqdm
+
+from tasks.class_images.config import ClassImagesConfig
+from tasks.common.errors import UserError
+from tasks.common.fingerprint import folder_fingerprint
+from tasks.common.outputs import atomic_file
+
+log = logging.getLogger(__name__)
+
+METADATA = "metadata.jsonl"  # Hugging Face imagefolder metadata: file_name, text
+STATE = "generation.json"  # the settings and base model the images on disk were made with
+_IMAGE = re.compile(r"^(\d{5})\.png$")
+_LEFTOVER = re.compile(r"^\..+\.tmp-")  # atomic_file's temporaries left by a killed run
+
+
+def image_name(index: int) -> str:
+    return f"{index:05d}.png"
+
+
+def generation_key(cfg: ClassImagesConfig, base_fingerprint: str) -> dict[str, Any]:
+    """Everything that changes the pixels of image i (not num_images, not batch_size)."""
+    return {
+        "prompt": cfg.prompt,
+        "negative_prompt": cfg.negative_prompt,
+        "resolution": cfg.resolution,
+        "num_inference_steps": cfg.num_inference_steps,
+        "guidance_scale": cfg.guidance_scale,
+        "seed": cfg.seed,
+        "base_fingerprint": base_fingerprint,
+    }
+
+
+@dataclass
+class Plan:
+    """What to do in the output folder: indices to generate, indices to keep, files to delete."""
+
+    missing: list[int]
+    reused: list[int]
+    remove: list[Path] = field(default_factory=list)
+
+
+def _is_valid_png(path: Path, resolution: int) -> bool:
+    try:
+        with Image.open(path) as im:
+            if im.size != (resolution, resolution):
+                return False
+            im.verify()  # checks the chunks' CRCs: a truncated file fails here
+        return True
+    except Exception:  # noqa: BLE001 - any decode failure means "regenerate it"
+        return False
+
+
+def plan(out_dir: Path, cfg: ClassImagesConfig, key: dict[str, Any]) -> Plan:
+    """Compare the folder with what the config asks for.
+
+    Images beyond `num_images` are removed (the folder then holds exactly what params say, and
+    training uses exactly that many); unreadable images and those made with other settings are
+    regenerated; leftovers of a killed run are deleted.
+    """
+    out_dir = Path(out_dir)
+    state_path = out_dir / STATE
+    same_settings = False
+    if state_path.is_file():
+        try:
+            same_settings = json.loads(state_path.read_text()) == key
+        except json.JSONDecodeError:
+            same_settings = False
+    existing: dict[int, Path] = {}
+    remove: list[Path] = []
+    for path in sorted(out_dir.iterdir()) if out_dir.is_dir() else []:
+        match = _IMAGE.match(path.name)
+        if match:
+            existing[int(match.group(1))] = path
+        elif _LEFTOVER.match(path.name):
+            remove.append(path)
+    if existing and not same_settings:
+        log.info("%d images in %s were made with other settings or another base model: regenerating",
+                 len(existing), out_dir)
+    reused: list[int] = []
+    for index, path in existing.items():
+        if index < cfg.num_images and same_settings and _is_valid_png(path, cfg.resolution):
+            reused.append(index)
+        else:
+            remove.append(path)
+    keep = set(reused)
+    missing = [i for i in range(cfg.num_images) if i not in keep]
+    return Plan(missing=missing, reused=reused, remove=remove)
+
+
+def shard(indices: Sequence[int], rank: int, world_size: int) -> list[int]:
+    """The indices rank `rank` of `world_size` generates (round-robin, so shards stay balanced)."""
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} is outside a world of {world_size}")
+    return list(indices[rank::world_size])
+
+
+def load_pipeline(base: Path) -> Any:
+    """The base model as a diffusers pipeline (SD or SDXL), safety checker off, on the best device.
+
+    The safety checker is turned off as in diffusers' DreamBooth example: it would replace some
+    class images by black squares, which the prior loss would then learn.
+    """
+    import torch
+    from diffusers import DiffusionPipeline
+
+    index_path = Path(base) / "model_index.json"
+    if not index_path.is_file():
+        raise UserError(f"{base} is not a diffusers pipeline folder (no model_index.json): run the `base` stage first")
+    extra: dict[str, Any] = {}
+    if "safety_checker" in json.loads(index_path.read_text()):
+        extra = {"safety_checker": None, "requires_safety_checker": False}
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = torch.float16 if device == "cuda" else torch.float32
+    pipe = DiffusionPipeline.from_pretrained(base, torch_dtype=dtype, **extra).to(device)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def _batches(indices: Sequence[int], size: int) -> Iterable[list[int]]:
+    for start in range(0, len(indices), size):
+        yield list(indices[start : start + size])
+
+
+def generate(pipe: Any, cfg: ClassImagesConfig, indices: Sequence[int], out_dir: Path) -> list[Path]:
+    """Generate and write images `indices` (each PNG written atomically); returns their paths."""
+    import torch
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    written: list[Path] = []
+    with tqdm(total=len(indices), desc="class images", unit="img", disable=None) as bar:
+        for batch in _batches(indices, cfg.batch_size):
+            # CPU generators: the initial noise is the same on every device (diffusers moves it).
+            generators = [torch.Generator("cpu").manual_seed(cfg.seed + i) for i in batch]
+            kwargs: dict[str, Any] = {}
+            if cfg.negative_prompt:
+                kwargs["negative_prompt"] = [cfg.negative_prompt] * len(batch)
+            images = pipe(
+                prompt=[cfg.prompt] * len(batch),
+                height=cfg.resolution,
+                width=cfg.resolution,
+                num_inference_steps=cfg.num_inference_steps,
+                guidance_scale=cfg.guidance_scale,
+                generator=generators,
+                **kwargs,
+            ).images
+            for index, image in zip(batch, images):
+                path = out_dir / image_name(index)
+                with atomic_file(path) as tmp:
+                    image.save(tmp, format="PNG")
+                written.append(path)
+            bar.update(len(batch))
+    return written
+
+
+def write_metadata(out_dir: Path, cfg: ClassImagesConfig) -> Path:
+    """metadata.jsonl listing exactly images 0..num_images-1 with the class prompt."""
+    path = Path(out_dir) / METADATA
+    with atomic_file(path) as tmp:
+        with open(tmp, "w", encoding="utf-8") as fh:
+            for i in range(cfg.num_images):
+                fh.write(json.dumps({"file_name": image_name(i), "text": cfg.prompt}, ensure_ascii=False) + "\n")
+    return path
+
+
+@dataclass
+class Summary:
+    num_images: int
+    generated: int
+    reused: int
+    removed: int
+    seconds: float
+    base_fingerprint: str
+
+    def report(self) -> dict[str, Any]:
+        """reports/class_images.json (DVC metrics: numbers only)."""
+        return {
+            "num_images": self.num_images,
+            "generated": self.generated,
+            "reused": self.reused,
+            "removed": self.removed,
+            "seconds": round(self.seconds, 3),
+            "seconds_per_generated_image": round(self.seconds / self.generated, 4) if self.generated else 0.0,
+        }
+
+
+def run(cfg: ClassImagesConfig, base: Path, out_dir: Path, pipe: Any = None) -> Summary:
+    """Bring `out_dir` to exactly `num_images` valid images for `cfg` (single process).
+
+    `pipe` may be passed in (tests, or a caller that already loaded the base model); it is loaded
+    only when something has to be generated.
+    """
+    start = time.perf_counter()
+    base, out_dir = Path(base), Path(out_dir)
+    if not base.is_dir():
+        raise UserError(f"base model folder {base} not found: run the `base` stage first (dvc repro base)")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    fingerprint = folder_fingerprint(base)
+    key = generation_key(cfg, fingerprint)
+    todo = plan(out_dir, cfg, key)
+    for path in todo.remove:
+        path.unlink(missing_ok=True)
+    if todo.remove:
+        log.info("removed %d stale or surplus files from %s", len(todo.remove), out_dir)
+    # Recorded before generating: images a killed run leaves are then known to match the key.
+    with atomic_file(out_dir / STATE) as tmp:
+        tmp.write_text(json.dumps(key, indent=2, sort_keys=True) + "\n")
+    log.info("class images: %d to generate, %d reused in %s", len(todo.missing), len(todo.reused), out_dir)
+    if todo.missing:
+        pipe = pipe if pipe is not None else load_pipeline(base)
+        generate(pipe, cfg, todo.missing, out_dir)
+    write_metadata(out_dir, cfg)
+    return Summary(
+        num_images=cfg.num_images,
+        generated=len(todo.missing),
+        reused=len(todo.reused),
+        removed=len(todo.remove),
+        seconds=time.perf_counter() - start,
+        base_fingerprint=fingerprint,
+    )

@@ -1,0 +1,1 @@
+"""Stage `train`: fine-tune the base model (DreamBooth now; more methods share the same loop)."""

@@ -1,0 +1,158 @@
+"""Stage `class_images`: fixed seeds per image, resumable, stale images replaced, CLI + MLflow."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+from PIL import Image
+
+from tasks.class_images.config import ClassImagesConfig
+from tasks.class_images.core import METADATA, STATE, generate, run, shard
+from tasks.common.config import parse_section
+from tasks.common.errors import UserError
+from tests.conftest import REPO, stage_runs
+
+FAST = dict(prompt="a photo of a toy", resolution=64, num_inference_steps=2, guidance_scale=7.5, seed=3)
+
+
+def cfg(**kw) -> ClassImagesConfig:
+    return ClassImagesConfig(**{**FAST, "num_images": 3, "batch_size": 2, **kw})
+
+
+def pixels(path: Path) -> np.ndarray:
+    with Image.open(path) as im:
+        return np.asarray(im.convert("RGB"), dtype=np.int16)
+
+
+def listing(folder: Path) -> dict[str, int]:
+    return {p.name: p.stat().st_mtime_ns for p in sorted(folder.iterdir()) if p.suffix == ".png"}
+
+
+def test_generates_then_reuses(tmp_path: Path, tiny_sd: Path, tiny_pipe) -> None:
+    out = tmp_path / "cls"
+    first = run(cfg(), tiny_sd, out, pipe=tiny_pipe)
+    assert (first.generated, first.reused, first.removed) == (3, 0, 0)
+    files = listing(out)
+    assert list(files) == ["00000.png", "00001.png", "00002.png"]
+    rows = [json.loads(line) for line in (out / METADATA).read_text().splitlines()]
+    assert rows == [{"file_name": f"0000{i}.png", "text": "a photo of a toy"} for i in range(3)]
+    for name in files:
+        with Image.open(out / name) as im:
+            assert im.size == (64, 64) and im.mode == "RGB"
+    assert len({pixels(out / n).tobytes() for n in files}) == 3, "each index has its own seed"
+
+    second = run(cfg(), tiny_sd, out, pipe=tiny_pipe)
+    assert (second.generated, second.reused, second.removed) == (0, 3, 0)
+    assert listing(out) == files, "reused images must not be rewritten"
+    assert second.report()["generated"] == 0 and second.report()["reused"] == 3
+
+
+def test_image_is_the_same_alone_or_in_a_batch(tmp_path: Path, tiny_pipe) -> None:
+    generate(tiny_pipe, cfg(batch_size=3), [0, 1, 2], tmp_path / "batched")
+    generate(tiny_pipe, cfg(batch_size=1), [2], tmp_path / "alone")
+    batched, alone = pixels(tmp_path / "batched" / "00002.png"), pixels(tmp_path / "alone" / "00002.png")
+    # Same seed, same noise; batched matmuls may round differently in the last bit of a float,
+    # which can move a pixel by one level at most.
+    diff = np.abs(batched - alone)
+    assert diff.max() <= 1 and (diff > 0).mean() < 0.01
+
+
+def test_fewer_images_removes_extras_and_broken_images_are_regenerated(tmp_path: Path, tiny_sd: Path, tiny_pipe) -> None:
+    out = tmp_path / "cls"
+    run(cfg(num_images=3), tiny_sd, out, pipe=tiny_pipe)
+    kept = pixels(out / "00000.png")
+    fewer = run(cfg(num_images=2), tiny_sd, out, pipe=tiny_pipe)
+    assert (fewer.generated, fewer.reused, fewer.removed) == (0, 2, 1)
+    assert sorted(listing(out)) == ["00000.png", "00001.png"]
+    assert len((out / METADATA).read_text().splitlines()) == 2
+
+    data = (out / "00001.png").read_bytes()
+    (out / "00001.png").write_bytes(data[: len(data) // 2])  # a truncated file, as a crash would leave
+    (out / ".00002.png.tmp-abc.png").write_bytes(b"partial")  # a killed run's temporary
+    again = run(cfg(num_images=2), tiny_sd, out, pipe=tiny_pipe)
+    assert (again.generated, again.reused) == (1, 1)
+    assert sorted(p.name for p in out.iterdir()) == sorted(["00000.png", "00001.png", METADATA, STATE])
+    assert np.array_equal(pixels(out / "00000.png"), kept)
+
+
+def test_other_settings_make_old_images_stale(tmp_path: Path, tiny_sd: Path, tiny_pipe) -> None:
+    out = tmp_path / "cls"
+    run(cfg(num_images=2), tiny_sd, out, pipe=tiny_pipe)
+    before = pixels(out / "00000.png")
+    changed = run(cfg(num_images=2, prompt="a photo of a dog"), tiny_sd, out, pipe=tiny_pipe)
+    assert (changed.generated, changed.reused) == (2, 0)
+    assert not np.array_equal(pixels(out / "00000.png"), before)
+    assert json.loads((out / STATE).read_text())["prompt"] == "a photo of a dog"
+    # batch_size and num_images do not change the pixels: nothing is regenerated for them.
+    assert run(cfg(num_images=2, prompt="a photo of a dog", batch_size=1), tiny_sd, out, pipe=tiny_pipe).generated == 0
+
+
+def test_sdxl_base(tmp_path: Path) -> None:
+    from tasks.common.tiny_sd import build_tiny_pipeline
+
+    base = build_tiny_pipeline("builtin:tiny-sdxl", 0, tmp_path / "tiny-sdxl")
+    summary = run(cfg(num_images=2), base, tmp_path / "cls")
+    assert summary.generated == 2
+    with Image.open(tmp_path / "cls" / "00001.png") as im:
+        assert im.size == (64, 64)
+
+
+def test_zero_images_and_missing_base(tmp_path: Path, tiny_sd: Path) -> None:
+    empty = run(cfg(num_images=0), tiny_sd, tmp_path / "cls")
+    assert empty.generated == 0 and (tmp_path / "cls" / METADATA).read_text() == ""
+    with pytest.raises(UserError, match="base"):
+        run(cfg(), tmp_path / "nope", tmp_path / "cls2")
+
+
+def test_shard_splits_indices_round_robin() -> None:
+    shards = [shard(list(range(10)), r, 3) for r in range(3)]
+    assert shards == [[0, 3, 6, 9], [1, 4, 7], [2, 5, 8]]
+    with pytest.raises(ValueError):
+        shard([1], 3, 3)
+
+
+def test_config_errors_name_the_key() -> None:
+    with pytest.raises(UserError, match=r"class_images\.resolution"):
+        parse_section("class_images", {"resolution": 60}, ClassImagesConfig)
+    with pytest.raises(UserError, match=r"class_images\.num_image: unknown key"):
+        parse_section("class_images", {"num_image": 3}, ClassImagesConfig)
+    params = yaml.safe_load((REPO / "params.yaml").read_text())
+    parse_section("class_images", params["class_images"], ClassImagesConfig)  # the shipped section is valid
+
+
+def test_cli_writes_outputs_and_logs(tmp_path: Path, tiny_sd: Path, isolated_mlflow: str) -> None:
+    params = tmp_path / "params.yaml"
+    params.write_text(yaml.safe_dump({"class_images": {**FAST, "num_images": 2, "batch_size": 2}}))
+    cmd = [sys.executable, "-m", "tasks.class_images", "--base", str(tiny_sd), "--out", str(tmp_path / "cls"),
+           "--report", str(tmp_path / "reports" / "class_images.json"), "--params", str(params)]
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    report = json.loads((tmp_path / "reports" / "class_images.json").read_text())
+    assert report["num_images"] == 2 and report["generated"] == 2 and report["reused"] == 0
+    runs = stage_runs(isolated_mlflow)
+    assert [r.data.tags["stage"] for r in runs] == ["class_images"]
+    assert runs[0].data.metrics["generated"] == 2 and runs[0].data.params["prompt"] == "a photo of a toy"
+    from mlflow.tracking import MlflowClient
+
+    artifacts = {a.path for a in MlflowClient(tracking_uri=isolated_mlflow).list_artifacts(runs[0].info.run_id)}
+    assert {"class_images_grid.png", "class_images.json", METADATA} <= artifacts
+    assert sorted(p.name for p in (tmp_path / "cls").glob("*.png")) == ["00000.png", "00001.png"]
+
+
+def test_cli_bad_base_is_a_clean_error(tmp_path: Path) -> None:
+    params = tmp_path / "params.yaml"
+    params.write_text(yaml.safe_dump({"class_images": {**FAST, "num_images": 1}}))
+    done = subprocess.run(
+        [sys.executable, "-m", "tasks.class_images", "--base", str(tmp_path / "missing"), "--out",
+         str(tmp_path / "cls"), "--report", str(tmp_path / "r.json"), "--params", str(params)],
+        capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(REPO)}, cwd=tmp_path,
+    )
+    assert done.returncode == 2 and "run the `base` stage" in done.stderr and "Traceback" not in done.stderr
+    assert not (tmp_path / "r.json").exists()

@@ -1,0 +1,50 @@
+"""Tiny base models (built once per session) and small synthetic imagefolders for training tests."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+
+@pytest.fixture(scope="session")
+def tiny_sd(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from tasks.common.tiny_sd import build_tiny_pipeline
+
+    return build_tiny_pipeline("builtin:tiny-sd", 0, tmp_path_factory.mktemp("base") / "tiny-sd")
+
+
+@pytest.fixture(scope="session")
+def tiny_sdxl(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from tasks.common.tiny_sd import build_tiny_pipeline
+
+    return build_tiny_pipeline("builtin:tiny-sdxl", 0, tmp_path_factory.mktemp("base") / "tiny-sdxl")
+
+
+def write_imagefolder(folder: Path, n: int, text: str, seed: int, size: tuple[int, int] = (64, 64)) -> Path:
+    """`n` smooth random RGB images with metadata.jsonl (file_name, text)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(seed)
+    with open(folder / "metadata.jsonl", "w") as fh:
+        for i in range(n):
+            small = rng.integers(0, 256, (4, 4, 3), dtype=np.uint8)
+            Image.fromarray(small).resize(size, Image.Resampling.BICUBIC).save(folder / f"img{i}.png")
+            fh.write(json.dumps({"file_name": f"img{i}.png", "text": text}) + "\n")
+    return folder
+
+
+@pytest.fixture(scope="session")
+def instance_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    # One non-square image: exercises resize + crop (and SDXL's original-size conditioning).
+    folder = write_imagefolder(tmp_path_factory.mktemp("processed") / "processed", 2, "a photo of sks toy", 0)
+    write_imagefolder(folder / "wide", 1, "", 1, size=(96, 64))
+    with open(folder / "metadata.jsonl", "a") as fh:
+        fh.write(json.dumps({"file_name": "wide/img0.png", "text": "a photo of sks toy"}) + "\n")
+    return folder
+
+
+@pytest.fixture(scope="session")
+def class_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_imagefolder(tmp_path_factory.mktemp("class") / "class_images", 4, "a photo of a toy", 2)
