@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -22,7 +23,7 @@ def migrated_mlflow_db(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(autouse=True)
 def isolated_mlflow(
     tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch, migrated_mlflow_db: Path
-) -> str:
+) -> Iterator[str]:
     store = tmp_path_factory.mktemp("mlflow")
     shutil.copy(migrated_mlflow_db, store / "mlflow.db")
     uri = f"sqlite:///{store / 'mlflow.db'}"
@@ -31,7 +32,28 @@ def isolated_mlflow(
     monkeypatch.setenv("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     # Artifacts of a sqlite-backed store land under the working directory: keep them in tmp.
     monkeypatch.chdir(store)
-    return uri
+    reset_mlflow_globals()
+    yield uri
+    reset_mlflow_globals()
+
+
+def reset_mlflow_globals() -> None:
+    """Forget MLflow's process-wide state (active runs, tracking URI, experiment id).
+
+    `mlflow.set_tracking_uri`/`set_experiment` (called by tasks.common.tracking.configure and by the
+    flow) set module globals and MLFLOW_EXPERIMENT_ID in os.environ that would otherwise outlive a
+    test's own store, so a later test would silently use an earlier test's.
+    """
+    import os
+
+    import mlflow
+    import mlflow.tracking.fluent as fluent
+
+    while mlflow.active_run():
+        mlflow.end_run()
+    mlflow.set_tracking_uri(None)  # back to MLFLOW_TRACKING_URI
+    fluent._active_experiment_id = None
+    os.environ.pop("MLFLOW_EXPERIMENT_ID", None)
 
 
 def stage_runs(uri: str, experiment: str = "finetune") -> list:

@@ -1,0 +1,1 @@
+"""Orchestration: the Prefect flow `finetune`, its server (`make serve`), the demo summary."""

@@ -1,0 +1,126 @@
+"""Run one DVC stage with the real `dvc repro --single-item` and report what DVC did.
+
+Kept free of Prefect so it can be tested on a throw-away DVC project; flows/finetune.py wraps it
+in a Prefect task. DVC decides whether the stage runs: it compares the stage's deps, params and
+outs with dvc.lock, and we only read its verdict from its own log lines.
+"""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import time
+from collections import deque
+from collections.abc import Callable, Mapping
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+#: ran: DVC executed the command. skipped: nothing changed since dvc.lock.
+#: restored: DVC found this exact run in its run-cache and checked the outputs out instead.
+Status = Literal["ran", "skipped", "restored"]
+
+_RAN = re.compile(r"Running stage '(?P<stage>[^']+)'")
+_SKIPPED = re.compile(r"Stage '(?P<stage>[^']+)' didn't change, skipping")
+_RESTORED = re.compile(r"Stage '(?P<stage>[^']+)' is cached - skipping run")
+
+#: Lines of DVC's output quoted in the error when a stage fails.
+ERROR_TAIL_LINES = 40
+
+
+@dataclass(frozen=True)
+class StageResult:
+    stage: str
+    status: Status
+    seconds: float
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class StageFailed(RuntimeError):
+    """A stage's command (or DVC itself) failed; the message names the stage and quotes DVC."""
+
+    def __init__(self, stage: str, returncode: int, tail: list[str]) -> None:
+        self.stage = stage
+        self.returncode = returncode
+        self.tail = tail
+        quoted = "\n".join(f"  | {line}" for line in tail) or "  | (no output)"
+        super().__init__(
+            f"stage '{stage}' failed (dvc repro exit code {returncode}). "
+            f"Last lines of its output:\n{quoted}"
+        )
+
+    @property
+    def killed(self) -> bool:
+        """True when the process was killed by a signal (OOM killer, worker shutdown).
+
+        Issue 7's retries key on this: a killed stage may succeed when run again (resuming from
+        its checkpoint); a config or data error (exit code 2 from a stage's UserError) never will.
+        """
+        return self.returncode < 0 or self.returncode in (128 + 9, 128 + 15)
+
+
+def classify(stage: str, lines: list[str]) -> Status:
+    """What DVC did with `stage`, from its log lines (`dvc repro` prints one verdict per stage)."""
+    for line in lines:
+        for pattern, status in ((_RAN, "ran"), (_RESTORED, "restored"), (_SKIPPED, "skipped")):
+            m = pattern.search(line)
+            if m and m.group("stage") == stage:
+                return status  # type: ignore[return-value]
+    raise RuntimeError(
+        f"dvc repro printed no verdict for stage '{stage}'; output was:\n" + "\n".join(lines)
+    )
+
+
+def stage_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The environment for `dvc repro`: ours, plus `extra`, with this interpreter's bin dir first.
+
+    dvc.yaml commands say `python -m tasks.<stage>`; putting the running venv's bin first on PATH
+    makes that `python` the venv's even when the caller never activated it (Prefect worker, make).
+    """
+    env = dict(os.environ)
+    bindir = str(Path(sys.executable).parent)
+    env["PATH"] = os.pathsep.join([bindir, env.get("PATH", "")]).rstrip(os.pathsep)
+    env["PYTHONUNBUFFERED"] = "1"  # stream stage logs as they happen, not at exit
+    env.update(extra or {})
+    return env
+
+
+def repro(
+    stage: str,
+    root: Path,
+    env: Mapping[str, str] | None = None,
+    log: Callable[[str], None] = print,
+) -> StageResult:
+    """Run `dvc repro --single-item <stage>` in `root`, streaming each output line to `log`."""
+    cmd = [sys.executable, "-m", "dvc", "repro", "--single-item", stage]
+    start = time.monotonic()
+    seen: list[str] = []
+    tail: deque[str] = deque(maxlen=ERROR_TAIL_LINES)
+    with subprocess.Popen(
+        cmd,
+        cwd=root,
+        env=stage_env(env),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        errors="replace",
+        bufsize=1,
+    ) as proc:
+        assert proc.stdout is not None
+        for raw in proc.stdout:
+            # Progress bars redraw with carriage returns: keep only the last state of a line.
+            line = raw.rstrip("\n").split("\r")[-1].rstrip()
+            if not line:
+                continue
+            log(line)
+            tail.append(line)
+            if _RAN.search(line) or _SKIPPED.search(line) or _RESTORED.search(line):
+                seen.append(line)
+        returncode = proc.wait()
+    if returncode != 0:
+        raise StageFailed(stage, returncode, list(tail))
+    seconds = round(time.monotonic() - start, 2)
+    return StageResult(stage=stage, status=classify(stage, seen), seconds=seconds)

@@ -1,0 +1,221 @@
+"""The Prefect flow `finetune`: run the DVC stages in dvc.yaml order, then register the model.
+
+Small on purpose: DVC owns the DAG and decides what reruns (an unchanged stage is skipped and
+shown as `Skipped`), the stages own the work and log their own MLflow child runs, and this flow
+owns order, retries and registration. One MLflow parent run records the whole pipeline run:
+overrides, the full params used, each stage's verdict (ran/skipped), the model and dvc.lock.
+
+Run it: `python -m flows.finetune [--set train.max_train_steps=5 ...] [--no-register]`, or via
+the deployment: `prefect deployment run finetune/main [--param overrides='{"train.seed": 1}']`.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import yaml
+from prefect import flow, get_run_logger, task
+from prefect.cache_policies import NO_CACHE
+from prefect.states import Completed, State
+
+from flows import dvc_stage
+from flows.params import apply_overrides, stage_names
+from tasks.common.errors import UserError, main_guard
+from tasks.common.tracking import PARENT_ENV, experiment_name, flatten, git_commit, tracking_uri
+
+REPO = Path(__file__).resolve().parents[1]
+
+# Paths fixed by the contract (DESIGN.md, "stage outputs"); dvc.yaml passes the same ones.
+FINETUNED = Path("models/finetuned")
+OPENVINO = Path("models/openvino")
+EVALUATION = Path("reports/evaluate.json")
+
+#: No retries yet: a config or data error fails the same way every time. Issue 7 sets this above
+#: zero together with `retry_condition_fn=_retry_when_killed`, so that only a stage killed by a
+#: signal (OOM killer, worker restart) is retried and resumes from its checkpoint.
+STAGE_RETRIES = 0
+
+
+def _retry_when_killed(task: Any, task_run: Any, state: State) -> bool:
+    try:
+        state.result()
+    except dvc_stage.StageFailed as err:
+        return err.killed
+    except Exception:
+        return False
+    return False
+
+
+@task(
+    name="dvc-repro",
+    task_run_name="{stage}",
+    retries=STAGE_RETRIES,
+    retry_condition_fn=_retry_when_killed,
+    cache_policy=NO_CACHE,  # DVC is the cache: it skips the stage when nothing changed
+)
+def repro_stage(stage: str, root: str, parent_run_id: str) -> State:
+    """`dvc repro --single-item <stage>`; Completed when it ran, `Skipped` when DVC skipped it."""
+    logger = get_run_logger()
+    env = {
+        PARENT_ENV: parent_run_id,
+        "MLFLOW_TRACKING_URI": tracking_uri(Path(root)),
+        "MLFLOW_EXPERIMENT_NAME": experiment_name(),
+    }
+    result = dvc_stage.repro(stage, Path(root), env, log=logger.info)
+    data = result.as_dict()
+    if result.status == "ran":
+        return Completed(message=f"stage '{stage}' ran ({result.seconds} s)", data=data)
+    why = "unchanged" if result.status == "skipped" else "restored from DVC's run-cache"
+    logger.info("stage '%s' skipped by DVC: %s", stage, why)
+    return Completed(name="Skipped", message=f"stage '{stage}' skipped by DVC: {why}", data=data)
+
+
+@task(name="register", task_run_name="register", cache_policy=NO_CACHE)
+def register_model(root: str, parent_run_id: str, flow_run_id: str | None) -> dict[str, Any]:
+    """Register the pyfunc (pipeline + OpenVINO export) in the parent run; move the aliases."""
+    from tasks.register.core import register
+
+    base = Path(root)
+    extra = {"mlflow_parent_run_id": parent_run_id}
+    if flow_run_id:
+        extra["prefect_flow_run_id"] = flow_run_id
+    result = register(
+        base / FINETUNED, base / OPENVINO, base / EVALUATION,
+        lock=base / "dvc.lock", params=base / "params.yaml", run_id=parent_run_id, extra_tags=extra,
+    )
+    get_run_logger().info(
+        "registered %s version %s, aliases %s",
+        result.name, result.version, ", ".join(result.aliases),
+    )
+    return {"name": result.name, "version": result.version, "aliases": list(result.aliases)}
+
+
+class ParentRun:
+    """The pipeline run's MLflow record, written through an explicit client (thread-safe: Prefect
+    may run tasks in other threads, where MLflow's fluent "active run" would not be set)."""
+
+    def __init__(self, client: Any, run_id: str) -> None:
+        self.client = client
+        self.run_id = run_id
+
+    def log_params(self, params: dict[str, Any]) -> None:
+        from mlflow.entities import Param
+
+        items = [Param(k, "" if v is None else str(v)[:6000]) for k, v in flatten(params).items()]
+        for i in range(0, len(items), 100):  # MLflow caps a batch at 100 params
+            self.client.log_batch(self.run_id, params=items[i : i + 100])
+
+    def set_tags(self, tags: dict[str, Any]) -> None:
+        for key, value in tags.items():
+            self.client.set_tag(self.run_id, key, str(value))
+
+    def log_artifact(self, path: Path) -> None:
+        if path.is_file():
+            self.client.log_artifact(self.run_id, str(path))
+
+    def log_dict(self, data: dict[str, Any], name: str) -> None:
+        self.client.log_dict(self.run_id, data, name)
+
+
+@contextmanager
+def parent_run(root: Path, flow_run_id: str | None) -> Iterator[ParentRun]:
+    """Open the parent run (FINISHED on success, FAILED if the body raises)."""
+    import mlflow
+
+    uri = tracking_uri(root)
+    mlflow.set_tracking_uri(uri)  # configure(), rooted at the repo rather than the cwd
+    experiment = mlflow.set_experiment(experiment_name())
+    client = mlflow.MlflowClient(uri)
+    tags = {"pipeline": "finetune"}
+    if flow_run_id:
+        tags["prefect.flow_run_id"] = flow_run_id
+    commit = git_commit(root)
+    if commit:
+        tags["mlflow.source.git.commit"] = commit
+    name = f"finetune-{datetime.now().strftime('%Y%m%d-%H%M%S')}"
+    run = client.create_run(experiment.experiment_id, run_name=name, tags=tags)
+    try:
+        yield ParentRun(client, run.info.run_id)
+    except BaseException as err:
+        client.set_tag(run.info.run_id, "error", str(err)[:5000])
+        client.set_terminated(run.info.run_id, "FAILED")
+        raise
+    client.set_terminated(run.info.run_id, "FINISHED")
+
+
+def _flow_run_id() -> str | None:
+    from prefect.runtime import flow_run
+
+    return flow_run.id
+
+
+@flow(name="finetune")
+def finetune(overrides: dict[str, Any] | None = None, register: bool = True) -> dict[str, Any]:
+    """Fine-tune: every DVC stage in dvc.yaml order (DVC skips unchanged ones), then register.
+
+    overrides: dotted params.yaml keys and values, e.g. {"train.max_train_steps": 5}; written into
+    params.yaml (comments kept) before anything runs, like `dvc exp run --set-param`.
+    register: register the model in MLflow (alias `candidate`; `champion` when the gate passed).
+    """
+    logger = get_run_logger()
+    root = REPO
+    applied = apply_overrides(root / "params.yaml", overrides)  # bad keys fail here, first
+    stages = stage_names(root / "dvc.yaml")
+    flow_run_id = _flow_run_id()
+    with parent_run(root, flow_run_id) as parent:
+        logger.info("MLflow parent run %s in %s", parent.run_id, tracking_uri(root))
+        parent.log_dict(applied, "overrides.json")
+        parent.set_tags({"overrides": json.dumps(applied, sort_keys=True)})
+        parent.log_artifact(root / "params.yaml")
+        parent.log_params(yaml.safe_load((root / "params.yaml").read_text()) or {})
+        results = []
+        for stage in stages:
+            state = repro_stage(stage, str(root), parent.run_id)
+            result = state.result()
+            results.append(result)
+            parent.set_tags({f"stage.{stage}": result["status"]})
+        skipped = [r["stage"] for r in results if r["status"] != "ran"]
+        parent.set_tags({"stages.skipped": ",".join(skipped) or "none"})
+        registered = register_model(str(root), parent.run_id, flow_run_id) if register else None
+        parent.log_artifact(root / "dvc.lock")
+    summary = {"mlflow_run_id": parent.run_id, "stages": results, "registered": registered}
+    logger.info("pipeline done: %s", json.dumps(summary))
+    return summary
+
+
+def _parse_set(items: list[str]) -> dict[str, Any]:
+    overrides: dict[str, Any] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise UserError(
+                f"--set {item!r}: expected KEY=VALUE, e.g. --set train.max_train_steps=5"
+            )
+        overrides[key.strip()] = yaml.safe_load(value)  # YAML typing: 5 -> int, true -> bool
+    return overrides
+
+
+@main_guard
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        prog="python -m flows.finetune", description=__doc__.split("\n")[0]
+    )
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="override a params.yaml key (repeatable): train.max_train_steps=5")
+    parser.add_argument("--no-register", action="store_true", help="run the stages only")
+    args = parser.parse_args()
+    try:
+        finetune(overrides=_parse_set(args.set) or None, register=not args.no_register)
+    except dvc_stage.StageFailed as err:
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

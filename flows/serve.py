@@ -1,0 +1,225 @@
+"""`make serve`: a Prefect server, the deployment finetune/main and a worker, in the foreground.
+
+    python -m flows.serve          # 127.0.0.1:4200, or PREFECT_PORT
+
+Runs the real programs: `prefect server start`, `prefect work-pool create`, `prefect deploy`
+(prefect.yaml) and `prefect worker start`. Prefect's state lives in `.prefect/` in the repository
+(PREFECT_HOME), so it never mixes with another project's. Ctrl-C (or SIGTERM) stops the worker,
+then the server. The server's own log goes to `.prefect/server.log`; flow runs log here.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+from tasks.common.errors import UserError, main_guard
+
+log = logging.getLogger("flows.serve")
+
+REPO = Path(__file__).resolve().parents[1]
+HOST = "127.0.0.1"
+DEFAULT_PORT = 4200
+DEPLOYMENT = "main"
+SERVER_START_TIMEOUT_S = 180.0
+STOP_TIMEOUT_S = 30.0
+
+
+@dataclass(frozen=True)
+class Served:
+    api_url: str
+    pool: str
+    server: subprocess.Popen
+    worker: subprocess.Popen
+    seconds_to_ready: float
+
+
+def port_from_env(env: Mapping[str, str] = os.environ) -> int:
+    raw = env.get("PREFECT_PORT", str(DEFAULT_PORT))
+    try:
+        port = int(raw)
+    except ValueError:
+        port = -1
+    if not 1 <= port <= 65535:
+        raise UserError(
+            f"PREFECT_PORT={raw!r} is not a port number (1-65535), e.g. PREFECT_PORT=4300"
+        )
+    return port
+
+
+def check_port_free(host: str, port: int) -> None:
+    """Fail with the fix when something already listens on host:port (e.g. another server)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        # Same option the server sets: a port left in TIME_WAIT is free, a listening one is not.
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError as err:
+            raise UserError(
+                f"port {port} on {host} is already in use ({err.strerror}): another Prefect server "
+                f"or program is listening there. Stop it, or choose another port: "
+                f"PREFECT_PORT={port + 1} make serve "
+                f"(then export PREFECT_API_URL=http://{host}:{port + 1}/api)"
+            ) from None
+
+
+def work_pool_name(root: Path = REPO, deployment: str = DEPLOYMENT) -> str:
+    """The work pool named by the deployment in prefect.yaml (the one source of that name)."""
+    spec = yaml.safe_load((root / "prefect.yaml").read_text()) or {}
+    for dep in spec.get("deployments") or []:
+        if dep.get("name") == deployment:
+            return dep["work_pool"]["name"]
+    raise UserError(f"prefect.yaml has no deployment named {deployment!r}")
+
+
+def prefect_env(root: Path, api_url: str, base: Mapping[str, str] = os.environ) -> dict[str, str]:
+    env = dict(base)
+    env.setdefault("PREFECT_HOME", str(root / ".prefect"))
+    env["PREFECT_API_URL"] = api_url
+    env["PREFECT_SERVER_ANALYTICS_ENABLED"] = "false"  # telemetry would try the internet
+    env.setdefault("DO_NOT_TRACK", "1")
+    env["PREFECT_CLI_PROMPT"] = "false"
+    env.setdefault("PREFECT_WORKER_QUERY_SECONDS", "2")  # pick up a new run within seconds
+    # The flow runs stages as `python -m tasks.<stage>`: this venv's python first on PATH.
+    env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
+    return env
+
+
+def _prefect(*args: str) -> list[str]:
+    return [sys.executable, "-m", "prefect", *args]
+
+
+def _tail(path: Path, lines: int = 30) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return "(no log)"
+
+
+def wait_healthy(api_url: str, server: subprocess.Popen, log_path: Path, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if server.poll() is not None:
+            raise UserError(
+                f"prefect server exited with code {server.returncode} while starting; "
+                f"its log ({log_path}) ends with:\n{_tail(log_path)}"
+            )
+        try:
+            with urllib.request.urlopen(f"{api_url}/health", timeout=2) as resp:
+                if resp.status == 200:
+                    return
+        except (urllib.error.URLError, ConnectionError, TimeoutError):
+            pass
+        time.sleep(0.5)
+    raise UserError(
+        f"prefect server not healthy after {timeout:.0f} s; see {log_path}:\n{_tail(log_path)}"
+    )
+
+
+def _run(cmd: list[str], env: Mapping[str, str], cwd: Path, what: str) -> None:
+    proc = subprocess.run(cmd, env=dict(env), cwd=cwd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        output = (proc.stdout + proc.stderr).strip()[-3000:]
+        raise UserError(f"{what} failed (exit {proc.returncode}):\n{output}")
+    log.info("%s: done", what)
+
+
+def stop(proc: subprocess.Popen, name: str, timeout: float = STOP_TIMEOUT_S) -> None:
+    """SIGTERM, then SIGKILL if it is still there after `timeout` seconds."""
+    if proc.poll() is not None:
+        return
+    log.info("stopping the %s (pid %s)", name, proc.pid)
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        log.warning("the %s did not stop in %.0f s; killing it", name, timeout)
+        proc.kill()
+        proc.wait()
+
+
+@contextmanager
+def serving(root: Path = REPO, port: int = DEFAULT_PORT, env: Mapping[str, str] = os.environ,
+            worker_output: int | None = None) -> Iterator[Served]:
+    """Server up, pool created, `main` deployed, worker polling; all stopped on exit."""
+    check_port_free(HOST, port)
+    api_url = f"http://{HOST}:{port}/api"
+    penv = prefect_env(root, api_url, env)
+    home = Path(penv["PREFECT_HOME"])
+    home.mkdir(parents=True, exist_ok=True)
+    pool = work_pool_name(root)
+    start = time.monotonic()
+    server_log = home / "server.log"
+    with open(server_log, "ab") as sink:
+        server = subprocess.Popen(
+            _prefect("server", "start", "--host", HOST, "--port", str(port)),
+            env=penv, cwd=root, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True,
+        )
+    worker: subprocess.Popen | None = None
+    try:
+        log.info("starting the Prefect server on %s (log: %s)", api_url, server_log)
+        wait_healthy(api_url, server, server_log, SERVER_START_TIMEOUT_S)
+        log.info("server healthy after %.1f s", time.monotonic() - start)
+        _run(_prefect("work-pool", "create", pool, "--type", "process", "--overwrite"), penv, root,
+             f"work pool '{pool}'")
+        _run(_prefect("deploy", "--name", DEPLOYMENT), penv, root, f"prefect deploy ({DEPLOYMENT})")
+        worker = subprocess.Popen(
+            _prefect("worker", "start", "--pool", pool, "--type", "process"),
+            env=penv, cwd=root, stdout=worker_output,
+            stderr=subprocess.STDOUT if worker_output else None, start_new_session=True,
+        )
+        yield Served(api_url, pool, server, worker, round(time.monotonic() - start, 1))
+    finally:
+        if worker is not None:
+            stop(worker, "worker")
+        stop(server, "server")
+
+
+def _raise_keyboard_interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
+@main_guard
+def main() -> None:
+    port = port_from_env()
+    # Ctrl-C and SIGTERM both stop cleanly; set explicitly, since a shell that starts us in the
+    # background (`make serve &`) leaves SIGINT ignored, and Python then never raises on it.
+    signal.signal(signal.SIGINT, _raise_keyboard_interrupt)
+    signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
+    try:
+        with serving(REPO, port) as served:
+            print(
+                f"\nPrefect server {served.api_url} (UI http://{HOST}:{port}), deployment "
+                f"finetune/{DEPLOYMENT}, worker on pool '{served.pool}'; "
+                f"ready in {served.seconds_to_ready} s.\n"
+                f"In another shell, from {REPO}:\n"
+                f"  export PREFECT_API_URL={served.api_url}\n"
+                f"  .venv/bin/prefect deployment run finetune/{DEPLOYMENT}\n"
+                "Ctrl-C here stops the worker and the server.\n",
+                flush=True,
+            )
+            while True:
+                for proc, name in ((served.server, "server"), (served.worker, "worker")):
+                    if proc.poll() is not None:
+                        raise UserError(
+                            f"the Prefect {name} exited (code {proc.returncode}); stopping"
+                        )
+                time.sleep(1)
+    except KeyboardInterrupt:
+        print("stopped the worker and the server", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,53 @@
+"""Print where to look after a pipeline run: MLflow UI, registered model and aliases, outputs.
+
+`make demo` ends with `python -m flows.summary`.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from tasks.common.config import read_params
+from tasks.common.tracking import tracking_uri
+
+
+def _size(path: Path) -> str:
+    total = sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+    return f"{total / 2**20:.1f} MiB"
+
+
+def summary(root: Path = Path(".")) -> str:
+    from mlflow.exceptions import MlflowException
+    from mlflow.tracking import MlflowClient
+
+    name = read_params(root / "params.yaml").get("register", {}).get("model_name", "")
+    uri = tracking_uri(root)
+    lines = ["", "Pipeline finished. Where to look:", ""]
+    lines.append(f"  MLflow UI          make mlflow-ui   (then open http://127.0.0.1:5000; store {uri})")
+    try:
+        model = MlflowClient(tracking_uri=uri).get_registered_model(name)
+        versions = MlflowClient(tracking_uri=uri).search_model_versions(f"name='{name}'")
+        latest = max(int(v.version) for v in versions) if versions else None
+        aliases = ", ".join(f"@{a} -> v{v}" for a, v in sorted(model.aliases.items())) or "none"
+        lines.append(f"  Registered model   {name} (latest v{latest}; aliases {aliases})")
+        lines.append(f"                     mlflow.pyfunc.load_model('models:/{name}@candidate')"
+                     ".predict(['a photo of sks toy'])")
+    except MlflowException:
+        lines.append(f"  Registered model   {name}: not registered yet")
+    for label, rel in [("Fine-tuned model", "models/finetuned"), ("OpenVINO export", "models/openvino")]:
+        path = root / rel
+        lines.append(f"  {label:<18} {rel}/ ({_size(path)})" if path.is_dir() else f"  {label:<18} {rel}/ missing")
+    report = root / "reports/evaluate.json"
+    if report.is_file():
+        data = json.loads(report.read_text())
+        metrics = ", ".join(f"{k}={v:.3f}" for k, v in sorted(data.get("metrics", {}).items())
+                            if isinstance(v, (int, float)))
+        gate = data.get("gate", {}).get("passed")
+        lines.append(f"  Evaluation report  reports/evaluate.json (gate {'passed' if gate else 'failed'}; {metrics})")
+        lines.append("  Evaluation grid    reports/evaluate/grid.png")
+    lines.append("  Pipeline status    .venv/bin/dvc status  |  .venv/bin/dvc metrics show")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    print(summary())

@@ -1,0 +1,38 @@
+"""python -m tasks.register --finetuned models/finetuned --openvino models/openvino
+--evaluation reports/evaluate.json [--lock dvc.lock] [--params params.yaml] [--run-id ID]"""
+from __future__ import annotations
+
+import argparse
+import logging
+from pathlib import Path
+
+from tasks.common.errors import main_guard
+from tasks.common.tracking import configure, tracking_uri
+from tasks.register.core import register
+
+log = logging.getLogger("tasks.register")
+
+
+@main_guard
+def main() -> None:
+    parser = argparse.ArgumentParser(prog="python -m tasks.register", description=__doc__)
+    parser.add_argument("--finetuned", type=Path, required=True, help="diffusers pipeline folder")
+    parser.add_argument("--openvino", type=Path, required=True, help="OpenVINO export folder")
+    parser.add_argument("--evaluation", type=Path, required=True, help="evaluate's report")
+    parser.add_argument("--lock", type=Path, default=Path("dvc.lock"), help="lineage source")
+    parser.add_argument("--params", type=Path, default=Path("params.yaml"))
+    parser.add_argument("--run-id", default=None, help="log into this MLflow run, not a new one")
+    args = parser.parse_args()
+    configure()
+    result = register(
+        args.finetuned, args.openvino, args.evaluation, args.lock, args.params, args.run_id
+    )
+    log.info(
+        "registered %s version %s (aliases: %s) in %s; load it with "
+        "mlflow.pyfunc.load_model('models:/%s@candidate')",
+        result.name, result.version, ", ".join(result.aliases), tracking_uri(), result.name,
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,185 @@
+"""Log the pyfunc model into a run, register it, tag its lineage and move the aliases.
+
+The caller chooses the run: the flow passes its parent run, so the model sits next to the
+pipeline's record; `python -m tasks.register` opens a run of its own.
+"""
+from __future__ import annotations
+
+import importlib.metadata
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tasks.common.config import load_config, read_params
+from tasks.common.errors import UserError
+from tasks.common.tracking import git_commit, stage_run
+from tasks.register.config import RegisterConfig
+from tasks.register.lineage import (
+    Evaluation,
+    Lock,
+    describe,
+    lineage_tags,
+    read_evaluation,
+    read_lock,
+)
+
+log = logging.getLogger(__name__)
+
+CANDIDATE = "candidate"
+CHAMPION = "champion"
+MODEL_CODE = Path(__file__).with_name("pyfunc_model.py")
+
+#: What the model needs to load and predict, pinned to the versions that logged it (MLflow's
+#: own inference would load the model in a subprocess just to guess this list).
+_RUNTIME_PACKAGES = (
+    "mlflow", "torch", "diffusers", "transformers", "accelerate", "safetensors", "pillow",
+    "pandas", "numpy", "optimum", "optimum-intel", "openvino", "openvino-tokenizers",
+)
+
+
+@dataclass(frozen=True)
+class Registered:
+    name: str
+    version: str
+    run_id: str
+    model_uri: str
+    aliases: tuple[str, ...]
+    champion_moved: bool
+
+
+def pip_requirements() -> list[str]:
+    reqs = []
+    for pkg in _RUNTIME_PACKAGES:
+        try:
+            reqs.append(f"{pkg}=={importlib.metadata.version(pkg)}")
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return reqs
+
+
+def signature() -> Any:
+    """Prompts in (a string column), base64 PNGs out, generation settings as optional params."""
+    from mlflow.models import ModelSignature
+    from mlflow.types.schema import ColSpec, ParamSchema, ParamSpec, Schema
+
+    return ModelSignature(
+        inputs=Schema([ColSpec("string")]),  # unnamed: a plain list of prompts validates
+        outputs=Schema(
+            [ColSpec("string", "prompt"), ColSpec("long", "seed"), ColSpec("string", "image")]
+        ),
+        params=ParamSchema([
+            ParamSpec("seed", "long", 0),
+            ParamSpec("num_inference_steps", "long", 20),
+            ParamSpec("guidance_scale", "double", 7.5),
+            ParamSpec("height", "long", None),
+            ParamSpec("width", "long", None),
+        ]),
+    )
+
+
+def champion_decision(evaluation: Evaluation) -> tuple[bool, str]:
+    """Whether this version becomes champion, and why (recorded on the version).
+
+    Issue 7 extends this: the gate must pass AND the candidate must beat the current champion on
+    the primary metric named in params.
+    """
+    if evaluation.passed:
+        return True, "promoted: the evaluation gate passed"
+    return False, "not promoted: the evaluation gate did not pass"
+
+
+def _check_folder(path: Path, what: str, marker: str) -> None:
+    if not (Path(path) / marker).is_file():
+        raise UserError(f"{path} is not {what} (no {marker}): run the pipeline first (`dvc repro`)")
+
+
+def register_model(
+    *,
+    model_name: str,
+    finetuned: Path,
+    openvino: Path,
+    lock: Lock,
+    evaluation: Evaluation,
+    params: dict[str, Any],
+    run_id: str,
+    git_commit: str | None,
+    extra_tags: dict[str, Any] | None = None,
+) -> Registered:
+    """Log the pyfunc in run `run_id`, register a version of `model_name`, tag it, set aliases."""
+    import mlflow
+    from mlflow.models import Model
+
+    _check_folder(finetuned, "a diffusers pipeline folder", "model_index.json")
+    _check_folder(openvino, "an OpenVINO export folder", "model_index.json")
+    client = mlflow.MlflowClient()
+    tags = lineage_tags(lock, evaluation, params, git_commit, extra_tags)
+    log.info("logging the pyfunc model (artifacts %s, %s) into run %s", finetuned, openvino, run_id)
+    info = Model.log(
+        artifact_path=None,
+        name="model",
+        flavor=mlflow.pyfunc,
+        run_id=run_id,
+        python_model=str(MODEL_CODE),
+        artifacts={"finetuned": str(finetuned), "openvino": str(openvino)},
+        signature=signature(),
+        pip_requirements=pip_requirements(),
+        registered_model_name=model_name,
+        metadata={"lineage": {k: v for k, v in tags.items() if not k.startswith("param.")}},
+    )
+    version = str(info.registered_model_version)
+    description = describe(lock, evaluation, git_commit)
+    client.update_model_version(model_name, version, description=description)
+    promote, reason = champion_decision(evaluation)
+    tags["champion.decision"] = reason
+    for key, value in tags.items():
+        client.set_model_version_tag(model_name, version, key, value)
+    client.set_registered_model_alias(model_name, CANDIDATE, version)
+    aliases = [CANDIDATE]
+    if promote:
+        client.set_registered_model_alias(model_name, CHAMPION, version)
+        aliases.append(CHAMPION)
+    log.info("registered %s version %s with aliases %s (%s)", model_name, version, aliases, reason)
+    return Registered(
+        name=model_name,
+        version=version,
+        run_id=run_id,
+        model_uri=f"models:/{model_name}/{version}",
+        aliases=tuple(aliases),
+        champion_moved=promote,
+    )
+
+
+def register(
+    finetuned: Path,
+    openvino: Path,
+    evaluation: Path,
+    lock: Path = Path("dvc.lock"),
+    params: Path = Path("params.yaml"),
+    run_id: str | None = None,
+    extra_tags: dict[str, Any] | None = None,
+) -> Registered:
+    """Read params, dvc.lock and the evaluation, then register: in `run_id`, or in a new run.
+
+    Everything is read and checked before MLflow is touched, so a missing input fails cleanly.
+    The MLflow tracking URI must already be set (`tasks.common.tracking.configure()`).
+    """
+    cfg = load_config("register", RegisterConfig, params)
+    lock_info = read_lock(lock)
+    report = read_evaluation(evaluation)
+    kwargs: dict[str, Any] = dict(
+        model_name=cfg.model_name,
+        finetuned=Path(finetuned).resolve(),
+        openvino=Path(openvino).resolve(),
+        lock=lock_info,
+        evaluation=report,
+        params={"register": read_params(params).get("register", {})},
+        git_commit=git_commit(Path(params).resolve().parent),
+        extra_tags=extra_tags,
+    )
+    if run_id:
+        return register_model(run_id=run_id, **kwargs)
+    with stage_run("register", params=cfg.model_dump()) as run:
+        result = register_model(run_id=run.run_id, **kwargs)
+        run.set_tags({"registered_model": result.name, "registered_version": result.version})
+        return result

@@ -1,0 +1,141 @@
+"""Lineage of a model version, read from what DVC and the evaluate stage wrote (pure, no MLflow).
+
+- dvc.lock is DVC's record of the run: the md5 of every output and the parameter values each
+  stage actually ran with. Tagging from it (not from params.yaml) keeps the version honest even
+  if params.yaml was edited after the last `dvc repro`.
+- reports/evaluate.json is the evaluate stage's verdict:
+  `{"metrics": {...}, "gate": {"passed": bool, "checks": {...}}}`.
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from tasks.common.errors import UserError
+from tasks.common.tracking import flatten
+
+#: Outputs whose hashes identify the data and the model (the issue's lineage minimum).
+KEY_OUTPUTS = ("data/processed", "models/finetuned", "models/openvino")
+
+#: MLflow caps a model version tag value at 5000 characters.
+_TAG_VALUE_MAX = 5000
+
+
+@dataclass(frozen=True)
+class Lock:
+    """What dvc.lock says: output path -> md5, and stage -> the params it ran with."""
+
+    hashes: dict[str, str]
+    params: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Evaluation:
+    metrics: dict[str, float]
+    passed: bool
+    checks: dict[str, Any] = field(default_factory=dict)
+
+
+def read_lock(path: Path, required: tuple[str, ...] = KEY_OUTPUTS) -> Lock:
+    """Parse dvc.lock; fail with the fix when it is missing or lacks a required output."""
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(
+            f"{path} not found: run the pipeline first (`dvc repro` or the finetune flow)"
+        )
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as err:
+        raise UserError(f"{path} is not valid YAML: {err}") from err
+    hashes: dict[str, str] = {}
+    params: dict[str, Any] = {}
+    for stage in (data.get("stages") or {}).values():
+        for out in stage.get("outs") or []:
+            if out.get("md5"):
+                hashes[str(out["path"])] = str(out["md5"])
+        for section_values in (stage.get("params") or {}).values():  # {params.yaml: {base: {...}}}
+            params.update(section_values or {})
+    missing = [p for p in required if p not in hashes]
+    if missing:
+        raise UserError(
+            f"{path} has no hash for {', '.join(missing)}: the stages producing them have not run; "
+            "run `dvc repro` first"
+        )
+    return Lock(hashes=hashes, params=params)
+
+
+def read_evaluation(path: Path) -> Evaluation:
+    """Read the evaluate stage's report; `gate.passed` must be a bool."""
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(f"{path} not found: run the evaluate stage first (`dvc repro evaluate`)")
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise UserError(f"{path} is not valid JSON: {err}") from err
+    gate = data.get("gate") if isinstance(data, dict) else None
+    if not isinstance(gate, dict) or not isinstance(gate.get("passed"), bool):
+        raise UserError(
+            f"{path}: expected a boolean at 'gate.passed' (written by the evaluate stage)"
+        )
+    metrics = {
+        k: float(v)
+        for k, v in flatten(data.get("metrics") or {}).items()
+        if isinstance(v, (int, float)) and not isinstance(v, bool)
+    }
+    return Evaluation(metrics=metrics, passed=gate["passed"], checks=dict(gate.get("checks") or {}))
+
+
+def _tag_value(value: Any) -> str:
+    if isinstance(value, float) and math.isfinite(value):
+        text = repr(value)
+    elif isinstance(value, (dict, list)):
+        text = json.dumps(value, sort_keys=True)
+    else:
+        text = "null" if value is None else str(value)
+    return text[:_TAG_VALUE_MAX]
+
+
+def lineage_tags(
+    lock: Lock,
+    evaluation: Evaluation,
+    params: dict[str, Any],
+    git_commit: str | None,
+    extra: dict[str, Any] | None = None,
+) -> dict[str, str]:
+    """Model version tags: git commit, dvc.lock hashes, params (flattened), metrics, gate.
+
+    `params` are merged over the ones in dvc.lock (the register section is not a stage's).
+    """
+    tags: dict[str, Any] = {"git_commit": git_commit or "unknown (not a git checkout)"}
+    tags.update({f"dvc.md5.{p}": h for p, h in sorted(lock.hashes.items())})
+    tags.update({f"param.{k}": v for k, v in flatten({**lock.params, **params}).items()})
+    tags.update({f"metric.{k}": v for k, v in evaluation.metrics.items()})
+    tags["gate.passed"] = str(evaluation.passed).lower()
+    tags.update({f"gate.checks.{k}": v for k, v in flatten(evaluation.checks).items()})
+    tags.update(extra or {})
+    return {k: _tag_value(v) for k, v in tags.items()}
+
+
+def describe(lock: Lock, evaluation: Evaluation, git_commit: str | None) -> str:
+    """One readable paragraph for the version's description in the registry UI."""
+    p = flatten(lock.params)
+    base = p.get("base.model", "?")
+    method = p.get("train.method", "?")
+    steps = p.get("train.max_train_steps", "?")
+    scores = ", ".join(f"{k}={v:.4g}" for k, v in sorted(evaluation.metrics.items()))
+    verdict = "passed" if evaluation.passed else "did not pass"
+    return (
+        f"{base} fine-tuned with {method} for {steps} steps. "
+        f"Evaluation: {scores or 'no metrics'}; the gate {verdict}. "
+        f"Artifacts: the diffusers pipeline (finetuned/) and its OpenVINO export (openvino/); "
+        f"predict() uses OpenVINO when optimum-intel is installed. "
+        f"Data {lock.hashes.get('data/processed', '?')}, "
+        f"model {lock.hashes.get('models/finetuned', '?')}, "
+        f"git {git_commit or 'unknown'}."
+    )

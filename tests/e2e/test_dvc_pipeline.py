@@ -1,0 +1,100 @@
+"""End to end with the real `dvc`: the whole pipeline in a copy of the repo, then nothing to redo."""
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.conftest import stage_runs
+from tests.e2e_util import copy_repo, e2e_env
+
+pytestmark = pytest.mark.e2e
+
+STAGES = ["base", "ingest", "class_images", "train", "export", "evaluate"]
+
+
+def dvc(root: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    env = e2e_env(root, MLFLOW_TRACKING_URI=f"sqlite:///{root / 'mlflow.db'}")
+    return subprocess.run(["dvc", *args], cwd=root, env=env, capture_output=True, text=True, timeout=1800)
+
+
+def ran_stages(output: str) -> list[str]:
+    return re.findall(r"Running stage '([\w-]+)'", output)
+
+
+def skipped_stages(output: str) -> list[str]:
+    return re.findall(r"Stage '([\w-]+)' didn't change, skipping", output)
+
+
+@pytest.fixture(scope="module")
+def reproduced(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, subprocess.CompletedProcess[str]]:
+    root = copy_repo(tmp_path_factory.mktemp("dvc-e2e"))
+    proc = dvc(root, "repro")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return root, proc
+
+
+def test_first_repro_runs_every_stage_in_order(reproduced) -> None:
+    root, proc = reproduced
+    assert ran_stages(proc.stdout) == STAGES
+    assert list(yaml.safe_load((root / "dvc.yaml").read_text())["stages"]) == STAGES
+    for out in ["models/base/model_index.json", "data/processed/metadata.jsonl",
+                "models/finetuned/model_index.json", "models/openvino/model_index.json",
+                "reports/ingest.json", "reports/train.json", "reports/export.json",
+                "reports/evaluate.json", "reports/evaluate/grid.png"]:
+        assert (root / out).is_file(), f"{out} missing after dvc repro"
+    assert len(list((root / "data/class_images").glob("*.png"))) == yaml.safe_load(
+        (root / "params.yaml").read_text())["class_images"]["num_images"]
+    lock = yaml.safe_load((root / "dvc.lock").read_text())
+    assert set(lock["stages"]) == set(STAGES)
+
+
+def test_every_stage_logged_a_finished_mlflow_run(reproduced) -> None:
+    root, _ = reproduced
+    runs = stage_runs(f"sqlite:///{root / 'mlflow.db'}")
+    assert sorted(r.data.tags["stage"] for r in runs) == sorted(STAGES)
+    assert {r.info.status for r in runs} == {"FINISHED"}
+    train = next(r for r in runs if r.data.tags["stage"] == "train")
+    assert "loss" in train.data.metrics
+
+
+def test_outputs_load_in_diffusers_and_optimum_intel(reproduced) -> None:
+    from diffusers import DiffusionPipeline
+    from optimum.intel import OVStableDiffusionPipeline
+
+    root, _ = reproduced
+    assert type(DiffusionPipeline.from_pretrained(root / "models/finetuned")).__name__ == "StableDiffusionPipeline"
+    ov = OVStableDiffusionPipeline.from_pretrained(root / "models/openvino", compile=False)
+    assert ov.unet is not None
+    report = json.loads((root / "reports/evaluate.json").read_text())
+    assert isinstance(report["gate"]["passed"], bool)
+
+
+def test_second_repro_skips_every_stage(reproduced) -> None:
+    root, _ = reproduced
+    start = time.monotonic()
+    proc = dvc(root, "repro")
+    seconds = time.monotonic() - start
+    assert proc.returncode == 0, proc.stderr
+    assert ran_stages(proc.stdout) == []
+    assert sorted(skipped_stages(proc.stdout)) == sorted(STAGES)
+    assert "Data and pipelines are up to date" in dvc(root, "status").stdout
+    print(f"second dvc repro: {seconds:.1f} s")
+
+
+def test_a_param_change_reruns_only_the_stages_that_read_it(reproduced) -> None:
+    root, _ = reproduced
+    params = root / "params.yaml"
+    text = params.read_text()
+    new = re.sub(r"(\n  images_per_prompt: )(\d+)", lambda m: f"{m.group(1)}{int(m.group(2)) + 1}", text, count=1)
+    assert new != text, "evaluate.images_per_prompt not found in params.yaml"
+    params.write_text(new)
+    proc = dvc(root, "repro")
+    assert proc.returncode == 0, proc.stderr
+    assert ran_stages(proc.stdout) == ["evaluate"]
+    assert sorted(skipped_stages(proc.stdout)) == sorted(STAGES[:-1])

@@ -1,0 +1,128 @@
+"""End to end with the real `prefect`: `python -m flows.serve` (server, work pool, `prefect deploy`,
+worker) on a free loopback port in a copy of the repo, then `prefect deployment run finetune/main
+--watch` twice (everything runs, then everything is skipped), the model versions and aliases in
+MLflow, and a clean stop on Ctrl-C."""
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.e2e_util import copy_repo, e2e_env, free_port
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(3600)]
+
+STAGES = ["base", "ingest", "class_images", "train", "export", "evaluate"]
+
+
+class Serve:
+    """`python -m flows.serve` in the background; its output collected by a reader thread."""
+
+    def __init__(self, root: Path, env: dict[str, str]) -> None:
+        self.lines: list[str] = []
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "flows.serve"], cwd=root, env=env, text=True,
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
+        )
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.append(line.rstrip("\n"))
+
+    @property
+    def output(self) -> str:
+        return "\n".join(self.lines)
+
+    def wait_for(self, text: str, timeout: float) -> float:
+        start = time.monotonic()
+        while time.monotonic() - start < timeout:
+            if text in self.output:
+                return time.monotonic() - start
+            if self.proc.poll() is not None:
+                pytest.fail(f"flows.serve exited with {self.proc.returncode}:\n{self.output[-5000:]}")
+            time.sleep(0.5)
+        pytest.fail(f"no {text!r} from flows.serve after {timeout} s:\n{self.output[-5000:]}")
+
+    def interrupt(self, timeout: float = 90) -> float:
+        start = time.monotonic()
+        self.proc.send_signal(signal.SIGINT)  # what Ctrl-C sends
+        self.proc.wait(timeout=timeout)
+        self._reader.join(timeout=10)
+        return time.monotonic() - start
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            import os
+
+            os.killpg(self.proc.pid, signal.SIGKILL)
+
+
+def _deployment_run(root: Path, env: dict[str, str]) -> tuple[subprocess.CompletedProcess[str], float]:
+    start = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, "-m", "prefect", "deployment", "run", "finetune/main", "--watch"],
+        cwd=root, env=env, capture_output=True, text=True, timeout=3000,
+    )
+    return proc, time.monotonic() - start
+
+
+def test_deployment_run_registers_a_model(tmp_path_factory: pytest.TempPathFactory) -> None:
+    import mlflow
+
+    root = copy_repo(tmp_path_factory.mktemp("prefect-e2e"))
+    port = free_port()
+    uri = f"sqlite:///{root / 'mlflow.db'}"
+    env = e2e_env(root, PREFECT_PORT=str(port), MLFLOW_TRACKING_URI=uri)
+    env.pop("MLFLOW_EXPERIMENT_ID", None)
+    env.pop("PREFECT_API_URL", None)
+    serve = Serve(root, env)
+    try:
+        ready_s = serve.wait_for("export PREFECT_API_URL=", timeout=600)
+        api = f"http://127.0.0.1:{port}/api"
+        assert f"export PREFECT_API_URL={api}" in serve.output
+        assert "prefect deployment run finetune/main" in serve.output
+        run_env = {**env, "PREFECT_API_URL": api}
+
+        first, first_s = _deployment_run(root, run_env)
+        assert first.returncode == 0, first.stdout[-4000:] + first.stderr[-4000:] + serve.output[-6000:]
+        assert "Completed" in first.stdout
+
+        client = mlflow.MlflowClient(tracking_uri=uri)
+        model_name = yaml.safe_load((root / "params.yaml").read_text())["register"]["model_name"]
+        v1 = client.get_model_version_by_alias(model_name, "candidate")
+        assert str(v1.version) == "1"
+        gate = yaml.safe_load((root / "reports/evaluate.json").read_text())["gate"]["passed"]
+        assert {a for a in v1.aliases} == ({"candidate", "champion"} if gate else {"candidate"})
+        assert v1.tags["dvc.md5.models/openvino"].endswith(".dir") and v1.tags["prefect_flow_run_id"]
+        parent = client.get_run(v1.run_id)  # the model is logged in the flow's parent run
+        assert parent.data.tags["pipeline"] == "finetune" and parent.info.status == "FINISHED"
+        assert [parent.data.tags[f"stage.{s}"] for s in STAGES] == ["ran"] * len(STAGES)
+        children = client.search_runs([parent.info.experiment_id],
+                                      filter_string=f"tags.mlflow.parentRunId = '{parent.info.run_id}'")
+        assert sorted(r.data.tags["stage"] for r in children) == sorted(STAGES)
+
+        # Nothing changed: DVC skips every stage, the flow says so, and registers version 2.
+        second, second_s = _deployment_run(root, run_env)
+        assert second.returncode == 0, second.stdout[-4000:] + serve.output[-6000:]
+        v2 = client.get_model_version_by_alias(model_name, "candidate")
+        assert str(v2.version) == "2"
+        parent2 = client.get_run(v2.run_id)
+        assert parent2.data.tags["stages.skipped"] == ",".join(STAGES)
+        assert serve.output.count("Finished in state Skipped(") == len(STAGES)
+
+        stop_s = serve.interrupt()
+        assert serve.proc.returncode == 0, serve.output[-3000:]
+        assert "stopped the worker and the server" in serve.output
+        print(f"\nserve ready {ready_s:.1f} s; first deployment run {first_s:.1f} s; "
+              f"second (all skipped) {second_s:.1f} s; Ctrl-C stop {stop_s:.1f} s")
+    finally:
+        serve.kill()

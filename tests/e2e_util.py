@@ -1,0 +1,53 @@
+"""Helpers for end-to-end tests: a throw-away copy of the repository, free ports, a venv PATH."""
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+VENV_BIN = Path(sys.executable).parent
+
+
+def copy_repo(dst: Path) -> Path:
+    """Copy what a fresh clone has (tracked and untracked-not-ignored files) into a new git repo
+    at `dst`, plus the generated demo images, and commit it, so `dvc` and git lineage work there."""
+    files = subprocess.run(
+        ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+        cwd=REPO, capture_output=True, check=True,
+    ).stdout.decode().split("\0")
+    for rel in filter(None, files):
+        src = REPO / rel
+        if src.is_file():
+            (dst / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(src, dst / rel)
+    env = e2e_env(dst)
+    subprocess.run([sys.executable, "data/demo/generate.py", "--out", "data/demo/subject"],
+                   cwd=dst, env=env, check=True, capture_output=True)
+    git = ["git", "-c", "user.name=e2e", "-c", "user.email=e2e@localhost"]
+    subprocess.run(["git", "init", "-q"], cwd=dst, check=True)
+    subprocess.run(["git", "add", "-A"], cwd=dst, check=True)
+    subprocess.run([*git, "commit", "-q", "-m", "copy"], cwd=dst, check=True)
+    return dst
+
+
+def e2e_env(root: Path, **extra: str) -> dict[str, str]:
+    """Environment for programs run in a repo copy: the venv first on PATH, the copy's code first
+    on sys.path, Prefect state inside the copy, no telemetry."""
+    env = dict(os.environ)
+    env["PATH"] = f"{VENV_BIN}{os.pathsep}{env.get('PATH', '')}"
+    env["PYTHONPATH"] = str(root)
+    env["PREFECT_HOME"] = str(root / ".prefect")
+    env["PREFECT_SERVER_ANALYTICS_ENABLED"] = "false"
+    env["DO_NOT_TRACK"] = "1"
+    env.update(extra)
+    return env
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]

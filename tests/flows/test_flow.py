@@ -1,0 +1,117 @@
+"""The flow on a toy DVC project (two stages that log MLflow runs through tasks.common.tracking),
+against a real temporary Prefect server: order, skip reporting, parent/child runs, overrides,
+failures. The real pipeline under the real deployment is in tests/e2e/test_prefect_deployment.py."""
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import mlflow
+import pytest
+import yaml
+
+import flows.finetune as finetune_module
+from flows.dvc_stage import StageFailed
+from tasks.common.errors import UserError
+from tests.conftest import REPO
+
+STAGE_CODE = """\
+import sys, yaml, pathlib
+from tasks.common.tracking import stage_run
+name = sys.argv[1]
+params = yaml.safe_load(open("params.yaml"))[name]
+if params.get("fail"):
+    sys.exit(f"error: params.yaml: {name}.fail is set")
+with stage_run(name, params=params) as run:
+    run.log_metrics({"value": params["value"]})
+pathlib.Path(f"{name}.out").write_text(str(params["value"]))
+"""
+
+
+@pytest.fixture(scope="module")
+def prefect_server():
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness(server_startup_timeout=180):
+        yield
+
+
+@pytest.fixture
+def toy(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    root = tmp_path / "toy"
+    root.mkdir()
+    subprocess.run([sys.executable, "-m", "dvc", "init", "--no-scm", "-q"], cwd=root, check=True)
+    (root / "stage.py").write_text(STAGE_CODE)
+    stages = {
+        name: {"cmd": f"python stage.py {name}", "deps": ["stage.py"], "params": [name],
+               "outs": [f"{name}.out"]}
+        for name in ("second", "first")  # dvc.yaml order, not alphabetical, is the run order
+    }
+    stages["first"]["deps"].append("second.out")
+    (root / "dvc.yaml").write_text(yaml.safe_dump({"stages": stages}, sort_keys=False))
+    (root / "params.yaml").write_text("second:\n  value: 1  # kept\n  fail: false\nfirst:\n  value: 2\n")
+    monkeypatch.setattr(finetune_module, "REPO", root)  # the flow runs in this repo instead
+    monkeypatch.setenv("PYTHONPATH", str(REPO))  # the toy stages import tasks.common
+    return root
+
+
+def _runs(parent_id: str) -> list:
+    return mlflow.search_runs(search_all_experiments=True, output_format="list",
+                              filter_string=f"tags.mlflow.parentRunId = '{parent_id}'")
+
+
+def test_runs_stages_in_order_then_skips_them(prefect_server, toy: Path) -> None:
+    first = finetune_module.finetune(overrides={"first.value": 5}, register=False)
+    assert [(s["stage"], s["status"]) for s in first["stages"]] == [("second", "ran"), ("first", "ran")]
+    assert "value: 1  # kept" in (toy / "params.yaml").read_text()
+    assert yaml.safe_load((toy / "params.yaml").read_text())["first"]["value"] == 5
+
+    client = mlflow.MlflowClient()
+    parent = client.get_run(first["mlflow_run_id"])
+    assert parent.info.status == "FINISHED" and parent.info.run_name.startswith("finetune-")
+    assert parent.data.tags["stage.second"] == "ran" and parent.data.tags["stages.skipped"] == "none"
+    assert parent.data.params["first.value"] == "5"  # the params used, after overrides
+    assert {a.path for a in client.list_artifacts(parent.info.run_id)} >= {
+        "params.yaml", "dvc.lock", "overrides.json"}
+    children = _runs(parent.info.run_id)
+    assert sorted(r.data.tags["stage"] for r in children) == ["first", "second"]
+    assert {r.data.metrics["value"] for r in children} == {1.0, 5.0}
+
+    state = finetune_module.finetune(register=False, return_state=True)
+    again = state.result()
+    assert [s["status"] for s in again["stages"]] == ["skipped", "skipped"]
+    parent2 = client.get_run(again["mlflow_run_id"])
+    assert parent2.data.tags["stage.first"] == "skipped"
+    assert parent2.data.tags["stages.skipped"] == "second,first"
+    assert _runs(parent2.info.run_id) == []  # nothing ran, so no child runs
+
+    from prefect import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+    with get_client(sync_client=True) as prefect:
+        only_this_run = FlowRunFilter(id=FlowRunFilterId(any_=[state.state_details.flow_run_id]))
+        tasks = prefect.read_task_runs(flow_run_filter=only_this_run)
+    by_name = {t.name: t.state for t in tasks}
+    assert by_name["second"].name == "Skipped" and by_name["second"].is_completed()
+    assert "skipped by DVC: unchanged" in by_name["second"].message
+
+
+def test_unknown_override_fails_before_anything_runs(prefect_server, toy: Path) -> None:
+    before = (toy / "params.yaml").read_text()
+    with pytest.raises(UserError, match="override 'first.valu'"):
+        finetune_module.finetune(overrides={"first.valu": 3}, register=False)
+    assert (toy / "params.yaml").read_text() == before
+    assert not (toy / "second.out").exists()
+    assert mlflow.search_runs(search_all_experiments=True, output_format="list") == []
+
+
+def test_failing_stage_fails_the_flow_and_the_parent_run(prefect_server, toy: Path) -> None:
+    with pytest.raises(StageFailed, match="stage 'second' failed") as err:
+        finetune_module.finetune(overrides={"second.fail": True}, register=False)
+    assert "error: params.yaml: second.fail is set" in str(err.value)
+    (parent,) = mlflow.search_runs(search_all_experiments=True, output_format="list",
+                                   filter_string="tags.pipeline = 'finetune'")
+    assert parent.info.status == "FAILED"
+    assert "stage 'second' failed" in parent.data.tags["error"]
+    assert not (toy / "first.out").exists()  # later stages did not run

@@ -1,0 +1,117 @@
+"""Registration on tiny real model folders: the CLI, lineage tags, aliases, and predict in a
+fresh process (the way a user or `mlflow models serve` loads the model)."""
+from __future__ import annotations
+
+import base64
+import io
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import mlflow
+import pytest
+from PIL import Image
+
+from tasks.common.errors import UserError
+from tasks.register.core import register
+from tests.conftest import REPO
+from tests.register.conftest import EVAL_FAIL
+
+
+def _cli(project: Path, *extra: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    return subprocess.run(
+        [sys.executable, "-m", "tasks.register", "--finetuned", "models/finetuned",
+         "--openvino", "models/openvino", "--evaluation", "reports/evaluate.json", *extra],
+        cwd=project, env=env, capture_output=True, text=True, timeout=600,
+    )
+
+
+@pytest.fixture
+def registered(project: Path) -> Path:
+    """Version 1 of sd-test, registered by the CLI with a passing gate."""
+    proc = _cli(project)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "registered sd-test version 1 (aliases: candidate, champion)" in proc.stderr
+    return project
+
+
+def test_cli_registers_version_with_lineage_and_both_aliases(registered: Path) -> None:
+    client = mlflow.MlflowClient()
+    mv = client.get_model_version_by_alias("sd-test", "champion")
+    assert str(mv.version) == "1"
+    assert str(client.get_model_version_by_alias("sd-test", "candidate").version) == "1"
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=registered, capture_output=True,
+                            text=True, check=True).stdout.strip()
+    assert mv.tags["git_commit"] == commit
+    assert mv.tags["dvc.md5.data/processed"] == "11111111111111111111111111111111.dir"
+    assert mv.tags["dvc.md5.models/finetuned"] == "22222222222222222222222222222222.dir"
+    assert mv.tags["dvc.md5.models/openvino"] == "33333333333333333333333333333333.dir"
+    assert mv.tags["param.train.max_train_steps"] == "3"
+    assert mv.tags["param.register.model_name"] == "sd-test"
+    assert mv.tags["metric.clip_t"] == "0.21" and mv.tags["gate.passed"] == "true"
+    assert mv.tags["champion.decision"].startswith("promoted")
+    assert "dreambooth for 3 steps" in mv.description
+    # The CLI logs into a run of its own, named after it.
+    run = client.get_run(mv.run_id)
+    assert run.info.run_name == "register" and run.info.status == "FINISHED"
+    (output,) = run.outputs.model_outputs  # the pyfunc, logged from that run
+    assert mv.source == f"models:/{output.model_id}"
+    files = {Path(f.path).name for f in mlflow.artifacts.list_artifacts(mv.source)}
+    assert {"MLmodel", "artifacts", "pyfunc_model.py"} <= files
+
+
+def test_failed_gate_moves_only_candidate(registered: Path) -> None:
+    (registered / "reports/evaluate.json").write_text(json.dumps(EVAL_FAIL))
+    with mlflow.start_run() as run:  # as the flow does: into an existing (parent) run
+        result = register(registered / "models/finetuned", registered / "models/openvino",
+                          registered / "reports/evaluate.json", registered / "dvc.lock",
+                          registered / "params.yaml", run_id=run.info.run_id)
+    assert (result.version, result.aliases, result.champion_moved) == ("2", ("candidate",), False)
+    client = mlflow.MlflowClient()
+    assert str(client.get_model_version_by_alias("sd-test", "candidate").version) == "2"
+    assert str(client.get_model_version_by_alias("sd-test", "champion").version) == "1"
+    v2 = client.get_model_version("sd-test", "2")
+    assert v2.run_id == run.info.run_id
+    assert v2.tags["gate.passed"] == "false" and v2.tags["champion.decision"].startswith("not promoted")
+
+
+def test_predict_in_a_fresh_process(registered: Path) -> None:
+    code = (
+        "import json, mlflow; "
+        "m = mlflow.pyfunc.load_model('models:/sd-test@candidate'); "
+        "out = m.predict(['a photo of sks toy', 'a red sks toy'], params={'num_inference_steps': 2}); "
+        "print('RESULT' + json.dumps({'cols': list(out.columns), 'seeds': out['seed'].tolist(), "
+        "'image': out['image'][0], 'backend': m.unwrap_python_model().backend}))"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], cwd=registered.parent, capture_output=True,
+                          text=True, timeout=600, env={**os.environ, "PYTHONPATH": ""})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.split("RESULT", 1)[1])
+    assert result["cols"] == ["prompt", "seed", "image"] and result["seeds"] == [0, 1]
+    assert result["backend"] == "openvino"  # optimum-intel is installed here
+    image = Image.open(io.BytesIO(base64.b64decode(result["image"])))
+    assert image.format == "PNG" and image.size == (64, 64)
+
+
+def test_diffusers_fallback_takes_a_dataframe(registered: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import pandas as pd
+
+    monkeypatch.setenv("FINETUNE_PYFUNC_BACKEND", "diffusers")  # as if optimum-intel were absent
+    model = mlflow.pyfunc.load_model("models:/sd-test@champion")
+    assert model.unwrap_python_model().backend == "diffusers"
+    out = model.predict(pd.DataFrame({"prompt": ["a photo of sks toy"]}),
+                        params={"num_inference_steps": 2, "seed": 7})
+    assert out["seed"].tolist() == [7]
+    assert Image.open(io.BytesIO(base64.b64decode(out["image"][0]))).size == (64, 64)
+
+
+def test_missing_inputs_fail_before_mlflow(project: Path) -> None:
+    (project / "dvc.lock").unlink()
+    proc = _cli(project)
+    assert proc.returncode == 2
+    assert "dvc.lock not found: run the pipeline first" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert mlflow.MlflowClient().search_registered_models() == []
