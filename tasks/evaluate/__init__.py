@@ -1,0 +1,1 @@
+"""Stage `evaluate`: images from the exported model (and the base), scored as in DreamBooth."""

@@ -1,0 +1,196 @@
+"""Evaluate: generate with the exported model (and the base), score CLIP-T / CLIP-I / DINO, gate.
+
+Pure work: returns the report, the per-prompt rows and the grids; the CLI writes and logs them.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import re
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from PIL import Image
+
+from tasks.common.errors import UserError
+from tasks.common.images import to_rgb
+from tasks.common.openvino_model import StaticShape, load_ov_pipeline, static_shape
+from tasks.common.tiny_encoders import LoadedEncoder, load_clip, load_dino
+from tasks.evaluate import metrics as M
+from tasks.evaluate.config import EvaluateConfig
+from tasks.evaluate.generate import generate
+
+log = logging.getLogger(__name__)
+
+IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".webp", ".bmp"}
+
+
+@dataclass
+class Result:
+    report: dict[str, Any]
+    rows: list[dict[str, Any]]
+    images: list[list[Image.Image]]
+    base_images: list[list[Image.Image]] | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def render_prompts(cfg: EvaluateConfig) -> tuple[list[str], list[str]]:
+    """(generation prompts, CLIP-T texts). CLIP-T reads the prompt without the identifier: the
+    rare token means nothing to CLIP, and the score is about following the context."""
+    prompts = [p.format(identifier=cfg.identifier, class_name=cfg.class_name) for p in cfg.prompts]
+    texts = [
+        re.sub(r"\s+", " ", p.format(identifier="", class_name=cfg.class_name)).strip()
+        for p in cfg.prompts
+    ]
+    return prompts, texts
+
+
+def load_instance_images(folder: Path) -> list[Image.Image]:
+    """The processed instance images: those listed in metadata.jsonl, else every image file."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise UserError(f"{folder} does not exist: run the ingest stage first (dvc repro ingest)")
+    meta = folder / "metadata.jsonl"
+    if meta.is_file():
+        lines = [line for line in meta.read_text().splitlines() if line.strip()]
+        paths = [folder / json.loads(line)["file_name"] for line in lines]
+    else:
+        paths = sorted(p for p in folder.iterdir() if p.suffix.lower() in IMAGE_SUFFIXES)
+    if not paths:
+        raise UserError(f"{folder} holds no instance images; check the ingest stage's report")
+    images = []
+    for path in paths:
+        with Image.open(path) as im:
+            images.append(to_rgb(im).copy())
+    return images
+
+
+def _default_shape(pipe: Any) -> StaticShape:
+    """For a dynamic pipeline: one prompt, one image per call, at the UNet's native size."""
+    size = int(pipe.unet.config["sample_size"]) * int(pipe.vae_scale_factor)
+    return StaticShape(1, size, size, 1)
+
+
+def _load_base(path: Path) -> Any:
+    import torch
+    from diffusers import DiffusionPipeline
+
+    if not (Path(path) / "model_index.json").is_file():
+        raise UserError(f"{path} is not a diffusers pipeline: run the base stage (dvc repro base)")
+    return DiffusionPipeline.from_pretrained(path, torch_dtype=torch.float32)
+
+
+def _scores(
+    images: list[list[Image.Image]],
+    texts: np.ndarray,
+    clip: LoadedEncoder,
+    dino: LoadedEncoder,
+    real_clip: np.ndarray,
+    real_dino: np.ndarray,
+) -> tuple[dict[str, float], list[dict[str, float]]]:
+    """Overall and per-prompt CLIP-T, CLIP-I, DINO of one model's images."""
+    flat = [im for row in images for im in row]
+    prompt_of = [p for p, row in enumerate(images) for _ in row]
+    clip_emb, dino_emb = clip.embed_images(flat), dino.embed_images(flat)
+    clip_t = M.clip_t_scores(texts, clip_emb, prompt_of)
+    clip_i = M.cosine_matrix(clip_emb, real_clip).mean(axis=1)  # per image, over the real images
+    dino = M.cosine_matrix(dino_emb, real_dino).mean(axis=1)
+    idx = np.asarray(prompt_of)
+    per_prompt = [
+        {"clip_t": float(clip_t[idx == p].mean()), "clip_i": float(clip_i[idx == p].mean()),
+         "dino": float(dino[idx == p].mean())}
+        for p in range(len(images))
+    ]
+    overall = {
+        "clip_t": float(clip_t.mean()), "clip_i": float(clip_i.mean()), "dino": float(dino.mean())
+    }
+    return overall, per_prompt
+
+
+def evaluate(model: Path, base: Path | None, instance_data: Path, cfg: EvaluateConfig) -> Result:
+    """Generate, score and gate; `base=None` (or compare_base false) skips the base model."""
+    prompts, clip_texts = render_prompts(cfg)
+    real_images = load_instance_images(instance_data)
+    clip = load_clip(cfg.clip_model, cfg.encoder_seed, cfg.clip_revision, "evaluate.clip_model")
+    dino = load_dino(cfg.dino_model, cfg.encoder_seed, cfg.dino_revision, "evaluate.dino_model")
+
+    pipe = load_ov_pipeline(model, static=True)
+    shape = static_shape(pipe)
+    backend = "openvino-static" if shape else "openvino-dynamic"
+    shape = shape or _default_shape(pipe)
+    n = cfg.images_per_prompt
+    log.info("generating %d x %d images with %s at %s", len(prompts), n, backend, shape)
+    gen_args = dict(
+        prompts=prompts, shape=shape, images_per_prompt=cfg.images_per_prompt, seed=cfg.seed,
+        num_inference_steps=cfg.num_inference_steps, guidance_scale=cfg.guidance_scale,
+    )
+    images, ov_s = generate(pipe, desc="fine-tuned (OpenVINO)", **gen_args)
+    del pipe
+    seconds = {"generate_finetuned": round(ov_s, 3)}
+
+    base_images = None
+    if cfg.compare_base and base is not None:
+        base_pipe = _load_base(base)
+        base_images, base_s = generate(base_pipe, desc="base (PyTorch)", **gen_args)
+        del base_pipe
+        seconds["generate_base"] = round(base_s, 3)
+
+    start = time.perf_counter()
+    text_emb = clip.embed_texts(clip_texts)
+    real_clip, real_dino = clip.embed_images(real_images), dino.embed_images(real_images)
+    overall, per_prompt = _scores(images, text_emb, clip, dino, real_clip, real_dino)
+    metrics: dict[str, float] = dict(overall)
+    base_per_prompt = None
+    if base_images is not None:
+        base_overall, base_per_prompt = _scores(
+            base_images, text_emb, clip, dino, real_clip, real_dino
+        )
+        for name, value in base_overall.items():
+            metrics[f"base_{name}"] = value
+            metrics[f"gain_{name}"] = overall[name] - value
+    rows = []
+    for p in range(len(prompts)):  # prompt, clip_t_text, then each metric beside its base value
+        row: dict[str, Any] = {"prompt": prompts[p], "clip_t_text": clip_texts[p]}
+        for name in ("clip_t", "clip_i", "dino"):
+            row[name] = round(per_prompt[p][name], 6)
+            if base_per_prompt is not None:
+                row[f"{name}_base"] = round(base_per_prompt[p][name], 6)
+        rows.append(row)
+    metrics["real_clip_i"] = M.mean_self_cosine(real_clip)
+    metrics["real_dino"] = M.mean_self_cosine(real_dino)
+    seconds["score"] = round(time.perf_counter() - start, 3)
+
+    verdict = M.gate(metrics, cfg.gate.model_dump())
+    report = {
+        "metrics": {k: M._json_number(v) for k, v in metrics.items()},
+        "gate": verdict,
+        "prompts": prompts,
+        "clip_t_texts": clip_texts,
+        "images": {
+            "per_prompt": cfg.images_per_prompt,
+            "generated": sum(map(len, images)),
+            "instance": len(real_images),
+            "height": shape.height,
+            "width": shape.width,
+        },
+        "generation": {
+            "backend": backend,
+            "call_shape": shape.as_dict(),
+            "base_compared": base_images is not None,
+        },
+        "encoders": {"clip": cfg.clip_model, "dino": cfg.dino_model, "clip_dim": clip.embedding_dim,
+                     "dino_dim": dino.embedding_dim},
+        "seconds": seconds,
+        "reference_dreambooth_paper_table1": M.PAPER_TABLE1,
+    }
+    log.info(
+        "CLIP-T %.3f, CLIP-I %.3f, DINO %.3f; gate %s",
+        metrics["clip_t"],
+        metrics["clip_i"],
+        metrics["dino"],
+        "passed" if verdict["passed"] else "FAILED",
+    )
+    return Result(report, rows, images, base_images)

@@ -1,0 +1,58 @@
+"""python -m tasks.export --model models/finetuned --out models/openvino
+--report reports/export.json
+
+Converts the fine-tuned diffusers pipeline to OpenVINO at the static shape in params.yaml
+(`export`), checks parity against PyTorch, and writes the folder only when parity holds.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+from pathlib import Path
+
+from tasks.common.config import load_config
+from tasks.common.errors import UserError, main_guard
+from tasks.common.outputs import atomic_dir, write_json
+from tasks.common.tracking import stage_run
+from tasks.export.config import ExportConfig
+from tasks.export.core import export, numeric_metrics
+
+log = logging.getLogger("tasks.export")
+
+
+@main_guard
+def main() -> None:
+    parser = argparse.ArgumentParser(prog="python -m tasks.export", description=__doc__)
+    parser.add_argument("--model", type=Path, required=True, help="diffusers pipeline to export")
+    parser.add_argument("--out", type=Path, required=True, help="OpenVINO pipeline folder to write")
+    parser.add_argument("--report", type=Path, required=True, help="JSON report (DVC metrics)")
+    parser.add_argument("--params", type=Path, default=Path("params.yaml"))
+    args = parser.parse_args()
+    cfg = load_config("export", ExportConfig, args.params)
+    with stage_run("export", params=cfg.model_dump()) as run:
+        with atomic_dir(args.out) as tmp:
+            report = export(args.model, tmp, cfg)
+            report["output"] = str(args.out)
+            write_json(args.report, report)
+            run.log_metrics(numeric_metrics(report))
+            run.log_dict(report, "export.json")
+            parity = report["parity"]
+            run.set_tags(
+                {"export.family": report["family"], "export.parity_passed": parity["passed"]}
+            )
+            if not parity["passed"]:
+                raise UserError(
+                    f"parity check failed: OpenVINO and PyTorch images differ (PSNR "
+                    f"{parity.get('image_psnr_db')} dB < export.parity.min_psnr_db "
+                    f"{parity.get('min_psnr_db')}; finite outputs: {parity.get('finite')}). The "
+                    f"export is not written; see {args.report}. A broken export must not reach the "
+                    "registry"
+                )
+    log.info(
+        "OpenVINO pipeline written to %s (static shape %s); report %s",
+        args.out, report["static_shape"], args.report,
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,168 @@
+"""Evaluate end to end: a tiny exported model + the tiny base + a few drawn subject images."""
+from __future__ import annotations
+
+import csv
+import json
+import sys
+
+import numpy as np
+import pytest
+import yaml
+from PIL import Image
+
+from tasks.common.config import load_config
+from tasks.evaluate import metrics as M
+from tasks.evaluate.config import EvaluateConfig
+from tests.conftest import REPO
+from tests.export.tiny_ov import exported, tiny_pipeline, write_subject_images
+
+PROMPTS = [
+    "a {identifier} {class_name} in the jungle",
+    "a red {identifier} {class_name}",
+    "a {class_name}",
+]
+SHAPE = {"batch_size": 2, "height": 64, "width": 64, "num_images_per_prompt": 1}
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    """One CLI run: 3 prompts x 1 image through an export fixed at 2 images per call (so the last
+    call is padded), and the base; the gate has one threshold that holds and one that cannot."""
+    from tasks.evaluate.__main__ import main
+
+    _, model, _ = exported(tmp_path_factory, "builtin:tiny-sd", **SHAPE)
+    base = tiny_pipeline(tmp_path_factory, "builtin:tiny-sd")  # the export's own source: no gain
+    work = tmp_path_factory.mktemp("evaluate")
+    data = write_subject_images(work / "data" / "processed")
+    params = work / "params.yaml"
+    section = {
+        "prompts": PROMPTS,
+        "images_per_prompt": 1,
+        "num_inference_steps": 2,
+        "gate": {"min_clip_i": -1.0, "min_dino": 0.999999},
+    }
+    params.write_text(yaml.safe_dump({"evaluate": section}))
+    out, report = work / "reports" / "evaluate", work / "reports" / "evaluate.json"
+    argv = [
+        "python -m tasks.evaluate", "--model", str(model), "--base", str(base),
+        "--instance-data", str(data), "--out", str(out), "--report", str(report),
+        "--params", str(params),
+    ]
+    mp = pytest.MonkeyPatch()
+    mp.setattr(sys, "argv", argv)
+    try:
+        main()
+    finally:
+        mp.undo()
+    return {"out": out, "report": json.loads(report.read_text()), "data": data, "model": model}
+
+
+def test_report_has_metrics_gate_and_details(run):
+    report = run["report"]
+    metrics = report["metrics"]
+    for name in ("clip_t", "clip_i", "dino", "base_clip_t", "base_clip_i", "base_dino",
+                 "gain_clip_t", "gain_clip_i", "gain_dino", "real_clip_i", "real_dino"):
+        assert isinstance(metrics[name], float), name
+        assert -1.0 <= metrics[name] <= 1.0 or name.startswith("gain_")
+    assert report["prompts"] == ["a sks toy in the jungle", "a red sks toy", "a toy"]
+    expected = {"per_prompt": 1, "generated": 3, "instance": 4, "height": 64, "width": 64}
+    assert report["images"] == expected
+    assert report["generation"]["backend"] == "openvino-static"
+    assert report["generation"]["call_shape"]["batch_size"] == 2
+
+
+def test_gate_records_each_check_and_fails_when_one_fails(run):
+    gate = run["report"]["gate"]
+    assert gate["passed"] is False  # the registration step reads this key
+    assert gate["checks"]["clip_i"]["passed"] is True
+    dino = gate["checks"]["dino"]
+    assert dino["min"] == 0.999999 and dino["passed"] is False and dino["value"] < 0.999999
+
+
+def test_same_seeds_same_latents_for_finetuned_and_base(run):
+    """The export's source is the base here, so the two grids must match (same latents per image,
+    also through the padded static batch) up to OpenVINO-vs-PyTorch numerics."""
+    grid = np.asarray(Image.open(run["out"] / "grid.png"), dtype=np.float64)
+    base = np.asarray(Image.open(run["out"] / "grid_base.png"), dtype=np.float64)
+    assert grid.shape == base.shape == (3 * 64, 64, 3)  # one row per prompt, one image each
+    assert np.abs(grid - base).max() <= 2  # 8-bit rounding
+    assert abs(run["report"]["metrics"]["gain_dino"]) < 1e-3
+
+
+def test_per_prompt_table(run):
+    with open(run["out"] / "per_prompt.csv", newline="") as fh:
+        rows = list(csv.DictReader(fh))
+    assert [r["prompt"] for r in rows] == run["report"]["prompts"]
+    assert rows[0]["clip_t_text"] == "a toy in the jungle"
+    metric_columns = ["clip_t", "clip_t_base", "clip_i", "clip_i_base", "dino", "dino_base"]
+    assert list(rows[0]) == ["prompt", "clip_t_text", *metric_columns]
+    mean = np.mean([float(r["clip_t"]) for r in rows])
+    assert mean == pytest.approx(run["report"]["metrics"]["clip_t"], abs=1e-5)
+
+
+def test_mlflow_run_has_metrics_and_artifacts(run):
+    import mlflow
+
+    runs = mlflow.search_runs(
+        experiment_names=["finetune"], filter_string="tags.stage = 'evaluate'", output_format="list"
+    )
+    assert runs, "the evaluate stage logged no MLflow run"
+    logged = runs[0]
+    clip_i = run["report"]["metrics"]["clip_i"]
+    assert logged.data.metrics["clip_i"] == pytest.approx(clip_i, abs=1e-6)
+    assert logged.data.tags["gate.passed"] == "false"
+    names = {a.path for a in mlflow.MlflowClient().list_artifacts(logged.info.run_id, "evaluate")}
+    assert {"evaluate/grid.png", "evaluate/grid_base.png", "evaluate/per_prompt.csv",
+            "evaluate/per_prompt_table.json"} <= names
+
+
+def test_demo_gate_accepts_the_tiny_model_and_rejects_collapsed_images(run):
+    """params.yaml's demo thresholds: the tiny model's images pass; all-black images (what a
+    diverged fine-tune that outputs NaNs decodes to) fail."""
+    from tasks.common.tiny_encoders import load_clip, load_dino
+    from tasks.evaluate.core import load_instance_images
+
+    cfg = load_config("evaluate", EvaluateConfig, REPO / "params.yaml")
+    thresholds = cfg.gate.model_dump()
+    assert any(v is not None for v in thresholds.values()), "the demo gate must check something"
+    metrics = run["report"]["metrics"]
+    assert M.gate(metrics, thresholds)["passed"]
+
+    clip = load_clip(cfg.clip_model, cfg.encoder_seed)
+    dino = load_dino(cfg.dino_model, cfg.encoder_seed)
+    real = load_instance_images(run["data"])
+    black = [Image.new("RGB", (64, 64))] * 2
+    collapsed = dict(metrics)
+    collapsed["clip_i"] = M.mean_pairwise_cosine(clip.embed_images(black), clip.embed_images(real))
+    collapsed["dino"] = M.mean_pairwise_cosine(dino.embed_images(black), dino.embed_images(real))
+    for name in ("clip_i", "dino"):
+        collapsed[f"gain_{name}"] = collapsed[name] - metrics[f"base_{name}"]
+    verdict = M.gate(collapsed, thresholds)
+    assert not verdict["passed"]
+    assert not verdict["checks"]["dino"]["passed"] and not verdict["checks"]["gain_dino"]["passed"]
+
+
+def test_without_base_there_are_no_base_scores(run, tmp_path):
+    from tasks.evaluate.core import evaluate
+
+    cfg = EvaluateConfig(prompts=["a {identifier} {class_name}"], images_per_prompt=2,
+                         num_inference_steps=1, compare_base=False, gate={"min_clip_i": 0.0})
+    result = evaluate(run["model"], None, run["data"], cfg)
+    assert result.base_images is None and len(result.images[0]) == 2
+    assert not any(k.startswith(("base_", "gain_")) for k in result.report["metrics"])
+    assert list(result.rows[0]) == ["prompt", "clip_t_text", "clip_t", "clip_i", "dino"]
+    assert result.report["gate"]["passed"] is True
+
+
+def test_missing_inputs_are_user_errors(tmp_path):
+    from tasks.common.errors import UserError
+    from tasks.evaluate.core import evaluate, load_instance_images
+
+    with pytest.raises(UserError, match="ingest"):
+        load_instance_images(tmp_path / "none")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(UserError, match="no instance images"):
+        load_instance_images(tmp_path / "empty")
+    data = write_subject_images(tmp_path / "data", n=1)
+    with pytest.raises(UserError, match="export stage"):
+        evaluate(tmp_path / "no-model", None, data, EvaluateConfig(prompts=["x"]))
