@@ -1,11 +1,13 @@
-"""Image validation: every way a file can fail becomes a `Reject` with a stable reason name.
+"""Image validation: every way an input can fail becomes a `Reject` with a stable reason name.
 
 Reasons are identifiers (they key `rejected_by_reason` in reports/ingest.json and DVC metrics
-diffs), so they are listed once here in `REASONS` and never invented ad hoc.
+diffs), so they are listed once here in `REASONS` and never invented ad hoc. The metadata rules
+reject under the rule's own name (`abs_min_score`, `min_score`, `blacklist_tags`, ...).
 """
 from __future__ import annotations
 
 import io
+import math
 import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -14,35 +16,54 @@ from typing import Iterator
 
 from PIL import Image, UnidentifiedImageError
 
-from tasks.common.images import apply_exif_orientation, resize_and_crop, to_rgb
-
-#: Every rejection reason, in the order reports list them.
+#: Every rejection reason, in the order in which an input is checked.
 REASONS: tuple[str, ...] = (
-    "symlink_outside_root",  # resolves outside the source folder: never read
+    # the file itself (decided from its name or while reading it)
+    "outside_root",  # a symlink or metadata path leading outside the source root: never read
     "broken_symlink",  # points at nothing
     "unreadable",  # permission denied or another OS error while reading
     "empty_file",  # zero bytes
-    "unsupported_extension",  # not an image extension (and not a caption beside an image)
+    "unsupported_extension",  # not an image extension (and not a caption or metadata file)
     "orphan_caption",  # a caption file with no image beside it
+    "missing_image",  # metadata names an image that does not exist
+    "bad_metadata",  # metadata that cannot be parsed or lacks a required key
+    # the metadata rules of the training notes (seed 003), by their names there
+    "consider_every_nth",  # not one of every nth metadata file
+    "abs_min_score",  # score below abs_min_score
+    "min_score",  # score plus tag_bonus_scores below min_score
+    "blacklist_tags",  # carries a blacklisted tag
+    # the pixels
     "not_an_image",  # image extension, but PIL recognises no image format
     "corrupt",  # recognised, but decoding fails (truncated, bad data)
     "too_large",  # more pixels than ingest.max_pixels (decompression bombs included)
     "too_small",  # short side below ingest.min_side
     "aspect_ratio",  # long side / short side above ingest.max_aspect_ratio
-    "duplicate",  # same bytes as an image already kept
+    # the caption policy (ingest.captions)
+    "empty_caption",  # no caption, and captions.empty is drop
+    "long_caption",  # over captions.max_words, and captions.too_long is drop
+    # duplicates (the first one kept is named in `duplicate_of`)
+    "duplicate",  # the same bytes as a kept image
+    "near_duplicate",  # perceptual hash within ingest.near_duplicate_distance of a kept image
 )
 
 
 class Reject(Exception):
-    """A file is not kept; `reason` is one of REASONS, `detail` says what exactly was wrong."""
+    """An input is not kept; `reason` is one of REASONS, `detail` says what exactly was wrong."""
 
-    def __init__(self, reason: str, detail: str = "", **extra: str) -> None:
+    def __init__(self, reason: str, detail: str = "", **extra: object) -> None:
         if reason not in REASONS:
             raise ValueError(f"unknown rejection reason {reason!r}")
         super().__init__(f"{reason}: {detail}" if detail else reason)
         self.reason = reason
         self.detail = detail
         self.extra = extra
+
+    def __reduce__(self):  # picklable across worker processes, extras included
+        return (_rebuild_reject, (self.reason, self.detail, self.extra))
+
+
+def _rebuild_reject(reason: str, detail: str, extra: dict) -> Reject:
+    return Reject(reason, detail, **extra)
 
 
 @dataclass(frozen=True)
@@ -59,11 +80,17 @@ def inside_root(root: Path, path: Path) -> Path:
 
     Raises Reject before anything is read, so a link to /etc/passwd or ../secrets is never opened.
     """
-    target = path.resolve()
+    try:
+        target = path.resolve()
+    except (OSError, RuntimeError) as err:  # a symlink loop (RuntimeError before Python 3.13)
+        raise Reject("unreadable", f"cannot resolve: {err}") from None
     if target != root and root not in target.parents:
-        raise Reject("symlink_outside_root", f"resolves to {target}, outside {root}")
+        how = "links" if path.is_symlink() else "resolves"
+        raise Reject("outside_root", f"{how} to {target}, outside {root}")
     if not target.exists():
-        raise Reject("broken_symlink", f"points to missing {target}")
+        if path.is_symlink():
+            raise Reject("broken_symlink", f"points to missing {target}")
+        raise Reject("missing_image", f"{target} does not exist")
     return target
 
 
@@ -95,8 +122,21 @@ def _pixel_limit(max_pixels: int) -> Iterator[None]:
         Image.MAX_IMAGE_PIXELS = saved
 
 
-def decode(data: bytes, limits: Limits) -> Image.Image:
-    """Open and fully decode `data`, checking size limits from the header before decoding pixels."""
+def draft_size(size: tuple[int, int], short_side: int | None) -> tuple[int, int] | None:
+    """The smallest size that still has `short_side` pixels on the short side (None: full size)."""
+    if short_side is None or min(size) <= short_side:
+        return None
+    scale = short_side / min(size)
+    return (math.ceil(size[0] * scale), math.ceil(size[1] * scale))
+
+
+def decode(data: bytes, limits: Limits, short_side: int | None = None) -> tuple[Image.Image, tuple[int, int]]:
+    """Open and fully decode `data`, checking size limits from the header before decoding pixels.
+
+    When the output needs only `short_side` pixels, JPEGs are decoded at a reduced scale
+    (libjpeg's DCT scaling, 1/2 to 1/8, never below what is needed): several times faster.
+    Returns the image and its size as stored in the file (before any reduction).
+    """
     with _pixel_limit(limits.max_pixels):
         try:
             image = Image.open(io.BytesIO(data))
@@ -106,7 +146,7 @@ def decode(data: bytes, limits: Limits) -> Image.Image:
             raise Reject("not_an_image", "no image format recognised") from None
         except Exception as err:  # PIL raises many types on malformed headers
             raise Reject("corrupt", f"{type(err).__name__}: {err}") from None
-        w, h = image.size
+        w, h = size = image.size
         if w * h > limits.max_pixels:
             raise Reject("too_large", f"{w}x{h} = {w * h} pixels > max_pixels {limits.max_pixels}")
         if min(w, h) < limits.min_side:
@@ -115,15 +155,11 @@ def decode(data: bytes, limits: Limits) -> Image.Image:
             ratio = max(w, h) / min(w, h)
             limit = limits.max_aspect_ratio
             raise Reject("aspect_ratio", f"{w}x{h}: ratio {ratio:.2f} > max_aspect_ratio {limit}")
+        target = draft_size(size, short_side)
+        if target is not None and image.format == "JPEG":
+            image.draft(None, target)
         try:
             image.load()  # truncated or damaged data fails here, not at open
         except Exception as err:
             raise Reject("corrupt", f"{type(err).__name__}: {err}") from None
-    return image
-
-
-def normalise(image: Image.Image, resolution: int, center_crop: bool) -> Image.Image:
-    """Upright (EXIF), 8-bit RGB (transparency on white), short side `resolution`, square crop."""
-    upright = apply_exif_orientation(image)
-    return resize_and_crop(to_rgb(upright), resolution, center=center_crop)
-
+    return image, size

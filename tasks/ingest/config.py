@@ -1,31 +1,217 @@
-"""The `ingest` section of params.yaml."""
+"""The `ingest` section of params.yaml: typed sources, image rules, caption policy, speed knobs.
+
+`sources` is a list of mappings told apart by `type` (a pydantic discriminated union). Each source
+type is strict on its own keys, and errors are reported at `ingest.sources.<i>.<key>` (pydantic
+would otherwise put the union tag into the path, and list no known keys for a misspelt one).
+"""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Annotated, Any, Literal, Union
 
-from pydantic import Field
+from pydantic import Field, ValidationError, field_validator, model_validator
+from pydantic_core import InitErrorDetails, PydanticCustomError
 
 from tasks.common.config import StageConfig
 
+#: Options the seed's dataloader applies per batch; here they would bake one random draw into the
+#: data, so the stage stores `tags` as a list and the train stage applies them.
+TRAINING_TIME_KEYS = {
+    "shuffle_tag_p": "tag shuffling",
+    "keep_tokens": "keeping the first N tags",
+    "keep_first_n_tags": "keeping the first N tags",
+    "caption_dropout": "caption dropout",
+    "caption_dropout_p": "caption dropout",
+}
+
+
+class FolderSource(StageConfig):
+    """Images at any depth with sidecar captions (`name.txt`), or one prompt for all (DreamBooth)."""
+
+    type: Literal["folder"]
+    path: Path = Field(description="dataset root; nothing outside it is read")
+    caption_extensions: tuple[str, ...] = Field(
+        (".txt", ".caption"), min_length=1, description="sidecar caption names, first found wins"
+    )
+    instance_prompt: str | None = Field(
+        None, min_length=1, description="caption for every image (sidecars are then ignored)"
+    )
+
+    @field_validator("caption_extensions")
+    @classmethod
+    def _dotted(cls, exts: tuple[str, ...]) -> tuple[str, ...]:
+        bad = [e for e in exts if not e.startswith(".") or len(e) < 2]
+        if bad:
+            raise ValueError(f"extensions start with a dot, e.g. '.txt' (got {bad})")
+        return tuple(e.lower() for e in exts)
+
+
+class MetadataJsonSource(StageConfig):
+    """One JSON per image under `<path>/<metadata_dir>/` (any depth): `tags`, `score`, `path`.
+
+    The filter rules carry the names of the training notes (seed 003) and apply in their order:
+    consider_every_nth, abs_min_score, score_tags, tag_bonus_scores -> min_score,
+    blacklist_tags, non_caption_tags, replacements, tag_separator.
+    """
+
+    type: Literal["metadata_json"]
+    path: Path = Field(description="dataset root: JSON `path` values are relative to it")
+    metadata_dir: str = Field("metadata", min_length=1, description="JSON files, under the root")
+    consider_every_nth: int | None = Field(None, ge=1, description="only every nth JSON (sorted)")
+    abs_min_score: float | None = Field(None, description="score below this: dropped at once")
+    min_score: float | None = Field(None, description="score + tag bonuses below this: dropped")
+    score_tags: list[int] = Field([], description="add tag scr<t> for the highest t <= score")
+    tag_bonus_scores: dict[str, float] = Field({}, description="tag -> score added for min_score")
+    blacklist_tags: list[str] = Field([], description="an image with any of these is dropped")
+    non_caption_tags: list[str] = Field([], description="tags removed from the caption")
+    replacements: dict[str, str] = Field({}, description="substring replacements, in order")
+    tag_separator: str = Field(", ", description="joins the tags into the caption text")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _not_training_time(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            for key in TRAINING_TIME_KEYS.keys() & data.keys():
+                raise ValueError(
+                    f"'{key}' ({TRAINING_TIME_KEYS[key]}) is applied at training time, not at "
+                    "ingest: the stage stores each image's tags as a list in metadata.jsonl; "
+                    "remove the key here"
+                )
+        return data
+
+
+class ImageFolderSource(StageConfig):
+    """A Hugging Face imagefolder: images plus metadata.jsonl / metadata.csv with `file_name`."""
+
+    type: Literal["imagefolder"]
+    path: Path = Field(description="dataset root; metadata files may sit at any depth")
+    caption_column: str = Field("text", min_length=1, description="metadata column with captions")
+
+
+class HubSource(StageConfig):
+    """A dataset on the Hugging Face Hub, loaded with `datasets.load_dataset` (needs network).
+
+    DVC cannot hash a hub dataset, so `revision` is required: pin a commit hash and the params
+    change whenever the data may have changed ("main" works but is not reproducible).
+    """
+
+    type: Literal["hub"]
+    name: str = Field(min_length=1, description="e.g. lambdalabs/pokemon-blip-captions")
+    revision: str = Field(min_length=1, description="commit hash (or branch/tag) to load")
+    subset: str | None = Field(None, description="dataset configuration name, if it has several")
+    split: str = Field("train", min_length=1)
+    image_column: str = Field("image", min_length=1)
+    caption_column: str = Field("text", min_length=1)
+    limit: int | None = Field(None, ge=1, description="read only the first N rows")
+
+
+Source = Annotated[
+    Union[FolderSource, MetadataJsonSource, ImageFolderSource, HubSource],
+    Field(discriminator="type"),
+]
+SOURCE_TYPES: dict[str, type[StageConfig]] = {
+    "folder": FolderSource,
+    "metadata_json": MetadataJsonSource,
+    "imagefolder": ImageFolderSource,
+    "hub": HubSource,
+}
+
+
+class Captions(StageConfig):
+    """What happens to missing, empty and over-long captions."""
+
+    fallback: str = Field("a photo of sks toy", min_length=1, description="the fallback prompt")
+    empty: Literal["fallback", "drop"] = Field("fallback", description="missing or blank caption")
+    max_words: int | None = Field(
+        60, ge=1, description="longer captions follow `too_long` (CLIP reads ~75 tokens)"
+    )
+    too_long: Literal["truncate", "drop", "fallback"] = Field("truncate")
+
 
 class IngestConfig(StageConfig):
-    """`ingest` section of params.yaml: where the instance images are and what is kept."""
+    """`ingest` section of params.yaml: where images come from and what is kept, and how."""
 
-    source: Path = Field(
-        Path("data/demo/subject"),
-        description="folder of images with same-named .txt captions (any depth)",
+    sources: list[Source] = Field(
+        default_factory=lambda: [FolderSource(type="folder", path=Path("data/demo/subject"))],
+        min_length=1,
     )
-    resolution: int = Field(
-        64, gt=0, le=8192, description="short side is resized to this, then cropped square"
+    output_size: Literal["square", "short_side", "source"] = Field(
+        "square",
+        description="square: short side to `resolution`, then crop; short_side: resize, keep the "
+        "aspect ratio; source: no resize (for aspect-ratio bucketing at training time)",
     )
-    center_crop: bool = Field(True, description="crop the square from the centre; false: top-left")
+    resolution: int = Field(64, gt=0, le=8192, description="short side after resizing")
+    center_crop: bool = Field(True, description="square crop from the centre; false: top-left")
+    background: tuple[int, int, int] = Field(
+        (255, 255, 255), description="RGB that transparent pixels are composited onto"
+    )
     min_side: int = Field(32, ge=1, description="images whose short side is smaller are rejected")
     max_pixels: int = Field(
         89_478_485, gt=0, description="images with more pixels are rejected (decompression bombs)"
     )
-    max_aspect_ratio: float = Field(
-        4.0, ge=1.0, description="long side / short side above this is rejected"
+    max_aspect_ratio: float = Field(4.0, ge=1.0, description="long side / short side limit")
+    near_duplicate_distance: int | None = Field(
+        4, ge=0, le=64, description="perceptual-hash Hamming distance for near-duplicates; null: off"
     )
-    caption_fallback: str = Field(
-        "a photo of sks toy", min_length=1, description="caption for images without a caption file"
+    captions: Captions = Captions()
+    output_format: Literal["png", "jpeg"] = Field(
+        "png", description="png: lossless; jpeg: quality `jpeg_quality`, 4:4:4, much faster"
     )
+    jpeg_quality: int = Field(95, ge=1, le=100)
+    workers: int | None = Field(None, ge=1, description="decoding processes; null: all CPUs")
+    cache_dir: Path | None = Field(
+        Path(".cache/ingest"), description="content-hash cache outside the outs; null: off"
+    )
+
+    @field_validator("background")
+    @classmethod
+    def _rgb(cls, rgb: tuple[int, int, int]) -> tuple[int, int, int]:
+        if not all(0 <= c <= 255 for c in rgb):
+            raise ValueError(f"each channel is 0..255 (got {list(rgb)})")
+        return rgb
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _source_errors_at_their_index(cls, data: Any, handler: Any) -> "IngestConfig":
+        """Drop the union tag from error paths and list a source type's keys for unknown ones."""
+        try:
+            return handler(data)
+        except ValidationError as err:
+            raise ValidationError.from_exception_data(
+                cls.__name__, [_rewrite(e) for e in err.errors()]
+            ) from None
+
+
+def _rewrite(error: Any) -> InitErrorDetails:
+    loc = tuple(error["loc"])
+    source_type = None
+    if len(loc) >= 3 and loc[0] == "sources" and loc[2] in SOURCE_TYPES:
+        source_type = str(loc[2])
+        loc = (loc[0], loc[1], *loc[3:])
+    if error["type"] == "extra_forbidden" and source_type and len(loc) == 3:
+        known = ", ".join(sorted(SOURCE_TYPES[source_type].model_fields))
+        kind = PydanticCustomError(
+            "unknown_key", "unknown key (misspelt?). A '{kind}' source takes: {known}",
+            {"kind": source_type, "known": known},
+        )
+        return InitErrorDetails(type=kind, loc=loc, input=error["input"])
+    if error["type"] in ("union_tag_invalid", "union_tag_not_found"):
+        kind = PydanticCustomError(
+            "source_type", "each source needs `type`: one of {types}",
+            {"types": ", ".join(SOURCE_TYPES)},
+        )
+        return InitErrorDetails(type=kind, loc=loc, input=error["input"])
+    details = InitErrorDetails(type=error["type"], loc=loc, input=error["input"])
+    if "ctx" in error:
+        details["ctx"] = error["ctx"]
+    return details
+
+
+def local_root(source: Any) -> Path | None:
+    """The folder a source reads (None for hub datasets, which are not on disk)."""
+    return None if isinstance(source, HubSource) else Path(source.path)
+
+
+def label(source: Any) -> str:
+    """How reports name a source: its path as written in params, or the hub dataset name."""
+    return source.name if isinstance(source, HubSource) else Path(source.path).as_posix()

@@ -1,151 +1,281 @@
-"""Ingest: list the source's files, keep good images (normalised), reject the rest with a reason.
+"""Ingest: stream every source's inputs through the checks; keep good images, say why for the rest.
 
 Pure work on folders: no MLflow here (the CLI in __main__ logs), so tests call `ingest` directly.
-Images are processed one at a time and written as they are kept, so memory does not grow with the
-dataset; only a few samples are held for the preview grid.
+
+How it runs: the sources yield items in a fixed order; pixel work (read, hash, decode, resize,
+encode) goes to worker processes in small batches with a bounded number in flight; results come
+back in input order, and the main process makes every decision that depends on other images
+(duplicates), so the output is the same whatever the number of workers or the cache state.
+Rows are written as they are decided: memory does not grow with the dataset, apart from the
+duplicate indexes (a content hash and a 64-bit perceptual hash per kept image).
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
+import multiprocessing
+import os
 import re
+from collections import Counter, deque
 from dataclasses import dataclass, field
+from itertools import chain, islice
 from pathlib import Path
-from typing import Any
+from typing import IO, Any, Iterable, Iterator
 
 from PIL import Image
 from tqdm import tqdm
 
 from tasks.common.errors import UserError
-from tasks.ingest.checks import REASONS, Limits, Reject, decode, normalise, read_bytes
-from tasks.ingest.config import IngestConfig
-from tasks.ingest.sources import Entry, read_caption, scan_folder
+from tasks.ingest import captions
+from tasks.ingest.cache import close_store, fingerprint, open_store
+from tasks.ingest.checks import REASONS, Limits, Reject
+from tasks.ingest.config import FolderSource, HubSource, ImageFolderSource, IngestConfig, label
+from tasks.ingest.dedup import ExactIndex, NearIndex
+from tasks.ingest.hub import iter_hub
+from tasks.ingest.metadata import iter_metadata_json
+from tasks.ingest.sources import Item, iter_folder, iter_imagefolder, source_root
+from tasks.ingest.work import Outcome, Settings, init_worker, run_batch, run_task
 
 log = logging.getLogger(__name__)
 
 METADATA = "metadata.jsonl"  # the Hugging Face imagefolder metadata file
-MAX_SAMPLES = 16  # kept images held for the preview grid
+MAX_SAMPLES = 16  # kept images shown in the preview grid
+BATCH = 8  # inputs per worker call
+IN_FLIGHT = 4  # batches queued per worker: enough to keep workers busy, little memory
+POOL_MIN_ITEMS = 32  # fewer inputs run in this process: starting workers costs about a second
 
 
 @dataclass
 class Summary:
-    """What one ingest run did: metadata rows of kept images, rejected files, preview samples."""
+    """What one ingest run did: counts (by reason, by source) and a few preview samples."""
 
     total: int = 0
-    kept: list[dict[str, Any]] = field(default_factory=list)
-    rejected: list[dict[str, Any]] = field(default_factory=list)
+    kept: int = 0
+    by_reason: Counter = field(default_factory=Counter)
+    by_source: dict[str, Counter] = field(default_factory=dict)
+    captions_from_fallback: int = 0
+    captions_truncated: int = 0
+    cache_hits: int = 0
     samples: list[Image.Image] = field(default_factory=list)
+
+    @property
+    def rejected(self) -> int:
+        return sum(self.by_reason.values())
 
     def report(self) -> dict[str, Any]:
         """reports/ingest.json: counts (DVC metrics); every reason is listed, zeros included."""
-        by_reason = {reason: 0 for reason in REASONS}
-        for row in self.rejected:
-            by_reason[row["reason"]] += 1
         return {
             "total": self.total,
-            "kept": len(self.kept),
-            "rejected": len(self.rejected),
-            "rejected_by_reason": by_reason,
-            "captions_from_fallback": sum(row["caption_source"] == "fallback" for row in self.kept),
+            "kept": self.kept,
+            "rejected": self.rejected,
+            "rejected_by_reason": {reason: self.by_reason[reason] for reason in REASONS},
+            "captions_from_fallback": self.captions_from_fallback,
+            "captions_truncated": self.captions_truncated,
+            "by_source": {k: dict(v) for k, v in self.by_source.items()},
         }
 
 
-def source_root(source: Path) -> Path:
-    """The resolved source folder, or a UserError that says how to get one."""
-    if not source.exists():
-        hint = (
-            "generate the demo images with `make data` (or `python data/demo/generate.py`)"
-            if source.as_posix().rstrip("/").endswith("data/demo/subject")
-            else "check the path"
-        )
-        raise UserError(
-            f"ingest.source: {source} does not exist. {hint.capitalize()}, or set ingest.source in "
-            "params.yaml to a folder of images with same-named .txt captions."
-        )
-    if not source.is_dir():
-        raise UserError(
-            f"ingest.source: {source} is not a folder; set ingest.source to a folder of images."
-        )
-    return source.resolve()
+def settings_of(cfg: IngestConfig) -> Settings:
+    return Settings(
+        limits=Limits(cfg.min_side, cfg.max_pixels, cfg.max_aspect_ratio),
+        output_size=cfg.output_size,
+        resolution=cfg.resolution,
+        center_crop=cfg.center_crop,
+        background=tuple(cfg.background),
+        output_format=cfg.output_format,
+        jpeg_quality=cfg.jpeg_quality,
+    )
 
 
-def output_name(rel: str, sha256: str) -> str:
-    """`<stem>-<hash prefix>.png`: readable, and unique even when stems repeat across folders."""
-    stem = re.sub(r"[^A-Za-z0-9_-]+", "_", Path(rel).stem).strip("_")[:48] or "image"
-    return f"{stem}-{sha256[:12]}.png"
+def check_sources(cfg: IngestConfig) -> None:
+    """Fail fast (before an MLflow run is opened) when a local source folder is missing."""
+    for i, src in enumerate(cfg.sources):
+        if not isinstance(src, HubSource):
+            source_root(src.path, f"ingest.sources.{i}.path")
 
 
-def ingest(cfg: IngestConfig, out_dir: Path) -> Summary:
-    """Process every file of `cfg.source` into `out_dir` (images + metadata.jsonl)."""
-    root = source_root(cfg.source)
-    limits = Limits(cfg.min_side, cfg.max_pixels, cfg.max_aspect_ratio)
-    entries = scan_folder(root)
-    summary = Summary(total=len(entries))
-    kept_by_hash: dict[str, str] = {}
-    log.info("ingesting %d files from %s", len(entries), root)
-    # Real files before links, so that of two identical files the link is the one called duplicate.
-    order = sorted(entries, key=lambda e: (e.path.is_symlink(), e.rel))
-    for entry in tqdm(order, desc="ingest", unit="file", disable=None):
-        try:
-            row, image = _process(entry, root, cfg, limits, kept_by_hash)
-        except Reject as err:
-            row = {"path": entry.rel, "reason": err.reason, "detail": err.detail, **err.extra}
-            summary.rejected.append(row)
-            log.debug("rejected %s: %s", entry.rel, err)
-            continue
-        image.save(out_dir / row["file_name"], format="PNG")
-        kept_by_hash[row["sha256"]] = entry.rel
-        summary.kept.append(row)
-        if len(summary.samples) < MAX_SAMPLES:
-            summary.samples.append(image)
-    if len(summary.kept) + len(summary.rejected) != summary.total:
-        raise RuntimeError("ingest bug: an input file was neither kept nor rejected")
-    summary.kept.sort(key=lambda row: row["source"])
-    summary.rejected.sort(key=lambda row: row["path"])
-    with open(out_dir / METADATA, "w", encoding="utf-8") as fh:
-        for row in summary.kept:
-            fh.write(json.dumps(row, ensure_ascii=False, sort_keys=True) + "\n")
+def iter_items(cfg: IngestConfig) -> Iterator[Item]:
+    """Every input of every source, sources in params order."""
+    for i, src in enumerate(cfg.sources):
+        key, name = f"ingest.sources.{i}", label(src)
+        if isinstance(src, FolderSource):
+            yield from iter_folder(src, name, key)
+        elif isinstance(src, ImageFolderSource):
+            yield from iter_imagefolder(src, name, key)
+        elif isinstance(src, HubSource):
+            yield from iter_hub(src, name, key)
+        else:
+            yield from iter_metadata_json(src, name, key)
+
+
+def worker_count(cfg: IngestConfig) -> int:
+    return cfg.workers or len(os.sched_getaffinity(0))
+
+
+def ingest(cfg: IngestConfig, out_dir: Path, rejected_path: Path) -> Summary:
+    """Process every input into `out_dir` (images + metadata.jsonl) and `rejected_path` (JSONL)."""
+    settings = settings_of(cfg)
+    store = open_store(cfg.cache_dir, fingerprint(settings.pixel_params()), out_dir)
+    summary = Summary()
+    workers = worker_count(cfg)
+    log.info("ingesting %d source(s), up to %d worker process(es)", len(cfg.sources), workers)
+    try:
+        with open(out_dir / METADATA, "w", encoding="utf-8") as meta, open(
+            rejected_path, "w", encoding="utf-8"
+        ) as rejected:
+            judge = _Judge(cfg, out_dir, store, summary, meta, rejected)
+            results = run_ordered(iter_items(cfg), settings, store, workers)
+            for item, outcome in tqdm(results, desc="ingest", unit="file", disable=None):
+                judge(item, outcome)
+    finally:
+        close_store(store)
+    if summary.kept + summary.rejected != summary.total:
+        raise RuntimeError("ingest bug: an input was neither kept nor rejected")
     return summary
 
 
-def _process(
-    entry: Entry, root: Path, cfg: IngestConfig, limits: Limits, kept_by_hash: dict[str, str]
-) -> tuple[dict[str, Any], Image.Image]:
-    """Validate and normalise one entry; raises Reject with the first problem found."""
-    if entry.reject is not None:
-        raise entry.reject
-    data = read_bytes(root, entry.path)
-    sha256 = hashlib.sha256(data).hexdigest()
-    if sha256 in kept_by_hash:
-        first = kept_by_hash[sha256]
-        raise Reject("duplicate", f"same bytes as {first}", duplicate_of=first)
-    source_image = decode(data, limits)
-    caption = read_caption(root, entry)
-    image = normalise(source_image, cfg.resolution, cfg.center_crop)
-    row = {
-        "file_name": output_name(entry.rel, sha256),
-        "text": caption if caption is not None else cfg.caption_fallback,
-        "caption_source": "file" if caption is not None else "fallback",
-        "source": entry.rel,
-        "sha256": sha256,
-        "width": image.width,
-        "height": image.height,
-        "source_width": source_image.width,
-        "source_height": source_image.height,
-    }
-    return row, image
+def run_ordered(
+    items: Iterable[Item], settings: Settings, store: Any, workers: int
+) -> Iterator[tuple[Item, Outcome | None]]:
+    """(item, outcome) in input order; outcome is None for items rejected before reading.
+
+    One worker (or a handful of inputs) runs in this process. More use a process pool fed
+    through a bounded window of batches, so a 100k-image source is never queued at once.
+    Workers come from a fork server (not a fork of this process, which may hold threads
+    and locks from MLflow or tqdm) that has the pixel code imported once.
+    """
+    it = iter(items)
+    head = list(islice(it, POOL_MIN_ITEMS))
+    if workers <= 1 or len(head) < POOL_MIN_ITEMS:
+        for item in chain(head, it):
+            yield item, None if item.task is None else run_task(item.task, settings, store)
+        return
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(["tasks.ingest.core", "imagehash", "scipy.fftpack"])
+    with ctx.Pool(workers, initializer=init_worker, initargs=(settings, store)) as pool:
+        pending: deque = deque()
+        it = chain(head, it)
+        while chunk := list(islice(it, BATCH)):
+            tasks = [item.task for item in chunk if item.task is not None]
+            pending.append((chunk, pool.apply_async(run_batch, (tasks,)) if tasks else None))
+            while len(pending) > workers * IN_FLIGHT:
+                yield from _drain(*pending.popleft())
+        while pending:
+            yield from _drain(*pending.popleft())
 
 
-def require_kept(summary: Summary, source: Path, rejected_path: Path | None = None) -> None:
+def _drain(chunk: list[Item], result: Any) -> Iterator[tuple[Item, Outcome | None]]:
+    outcomes = iter(result.get() if result is not None else ())
+    for item in chunk:
+        yield item, None if item.task is None else next(outcomes)
+
+
+def output_name(rel: str, sha256: str, ext: str) -> str:
+    """`<stem>-<hash prefix><ext>`: readable, and unique even when stems repeat across folders."""
+    stem = re.sub(r"[^A-Za-z0-9_-]+", "_", Path(rel).stem).strip("_")[:48] or "image"
+    return f"{stem}-{sha256[:12]}{ext}"
+
+
+def _write(fh: IO[str], row: dict[str, Any]) -> None:
+    fh.write(json.dumps(row, ensure_ascii=False, sort_keys=True) + "\n")
+
+
+class _Judge:
+    """The main process's decisions, input by input: caption policy, duplicates, keep or reject."""
+
+    def __init__(self, cfg: IngestConfig, out_dir: Path, store: Any, summary: Summary,
+                 meta: IO[str], rejected: IO[str]) -> None:
+        self.cfg, self.out_dir, self.store, self.summary = cfg, out_dir, store, summary
+        self.meta, self.rejected = meta, rejected
+        self.exact = ExactIndex()
+        distance = cfg.near_duplicate_distance
+        self.near = NearIndex(distance) if distance is not None else None
+
+    def __call__(self, item: Item, outcome: Outcome | None) -> None:
+        s = self.summary
+        s.total += 1
+        counts = s.by_source.setdefault(item.source, Counter(total=0, kept=0))
+        counts["total"] += 1
+        if outcome is not None and outcome.cached:
+            s.cache_hits += 1
+        name = f"{item.source}/{item.rel}"
+        try:
+            caption = self._check(item, outcome)
+        except Reject as err:
+            row = {"source": item.source, "path": item.rel, "reason": err.reason,
+                   "detail": err.detail, **item.extra, **err.extra}
+            _write(self.rejected, row)
+            s.by_reason[err.reason] += 1
+            log.debug("rejected %s: %s", name, err)
+            return
+        assert outcome is not None and outcome.sha is not None
+        self._keep(item, outcome, caption, name)
+        counts["kept"] += 1
+
+    def _check(self, item: Item, outcome: Outcome | None) -> captions.Caption:
+        if item.reject is not None:
+            raise item.reject
+        assert outcome is not None
+        if outcome.reject is not None:
+            raise outcome.reject
+        if item.text is not None:
+            text, how = item.text, item.caption_source
+        else:
+            text, how = outcome.caption, "file"
+        caption = captions.decide(text, how, item.tags, item.tag_separator, self.cfg.captions)
+        first = self.exact.find(outcome.sha)
+        if first is not None:
+            raise Reject("duplicate", f"same bytes as {first}", duplicate_of=first)
+        if self.near is not None:
+            hit = self.near.find(int(outcome.entry["phash"], 16))
+            if hit is not None:
+                other, distance = hit
+                detail = f"perceptual hash {distance} bit(s) from {other}"
+                raise Reject("near_duplicate", detail, duplicate_of=other, distance=distance)
+        return caption
+
+    def _keep(self, item: Item, outcome: Outcome, caption: captions.Caption, name: str) -> None:
+        entry, sha = outcome.entry, outcome.sha
+        file_name = output_name(item.extra.get("image", item.rel), sha, entry["ext"])
+        self.store.materialize(sha, entry["ext"], self.out_dir / file_name)
+        image_in_metadata = "image" in item.extra
+        row = {
+            "file_name": file_name,
+            "text": caption.text,
+            "tags": caption.tags,
+            "tag_separator": item.tag_separator,
+            "score": None if item.score is None else float(item.score),
+            "caption_source": caption.source,
+            "caption_truncated": caption.truncated,
+            "source": item.source,
+            "path": item.extra["image"] if image_in_metadata else item.rel,
+            "metadata_file": item.rel if image_in_metadata else None,
+            "sha256": sha,
+            "phash": entry["phash"],
+            **{k: entry[k] for k in ("width", "height", "source_width", "source_height")},
+        }
+        _write(self.meta, row)
+        self.exact.add(sha, name)
+        if self.near is not None:
+            self.near.add(int(entry["phash"], 16), name)
+        s = self.summary
+        s.kept += 1
+        s.captions_from_fallback += caption.source == "fallback"
+        s.captions_truncated += caption.truncated
+        if len(s.samples) < MAX_SAMPLES:
+            with Image.open(self.out_dir / file_name) as im:
+                factor = max(1, max(im.size) // 256)  # a cheap box reduction for the preview
+                s.samples.append(im.convert("RGB").reduce(factor))
+
+
+def require_kept(summary: Summary, rejected_path: Path | None = None) -> None:
     """Zero usable images is an error the user must fix, not an empty dataset to train on."""
     if summary.kept:
         return
     where = f"; reasons per file in {rejected_path}" if rejected_path else ""
-    counts = {k: v for k, v in summary.report()["rejected_by_reason"].items() if v}
+    counts = {k: v for k, v in summary.by_reason.items() if v}
     raise UserError(
-        f"ingest.source: no usable images in {source} "
-        f"({summary.total} files, rejected: {counts or 'none'}{where}). "
-        "Add PNG/JPEG/WebP images (short side at least ingest.min_side px) or point "
-        "ingest.source elsewhere; for the demo run `make data`."
+        f"ingest.sources: no usable images ({summary.total} inputs, rejected: "
+        f"{counts or 'none'}{where}). Add PNG/JPEG/WebP images (short side at least "
+        "ingest.min_side px) or point ingest.sources elsewhere; for the demo run `make data`."
     )

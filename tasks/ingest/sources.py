@@ -1,97 +1,239 @@
-"""Where records come from: today a folder of images with sidecar caption files.
+"""Where inputs come from: each source type turns its params into a stream of `Item`s.
 
-A source turns a dataset root into a sorted list of `Entry`s: one per input file, so that every
-file is accounted for (kept or rejected) downstream. Entries that can be judged from their name
-alone (wrong extension, orphan caption, directory link leaving the root) carry their rejection;
-image entries carry the path of their caption file, read later through the same root-confined
-reader as the image. Other source types (JSON metadata, imagefolder, hub; issue 3) are further
-functions returning the same `Entry` list.
+An item is one input: a file (or a hub row) plus what is already known about it (caption, tags,
+score), or a rejection decided without reading pixels (wrong extension, orphan caption, a
+directory link leaving the root, a metadata rule). Every input file of a local source becomes
+exactly one item, so downstream every file is accounted for: kept or rejected.
+
+Sources stream: folders are walked one directory at a time in sorted order, so a source of any
+size costs memory for one directory listing, not for the whole tree. The imagefolder source
+holds its metadata rows (captions) in memory, as the Hugging Face loader does.
 """
 from __future__ import annotations
 
+import csv
+import io
+import json
 import logging
 import os
+import posixpath
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, Iterator
 
+from tasks.common.errors import UserError
 from tasks.ingest.checks import Reject, read_bytes
+from tasks.ingest.config import FolderSource, ImageFolderSource
+from tasks.ingest.work import Task
 
 log = logging.getLogger(__name__)
 
 #: Extensions treated as images (case-insensitive). Anything else is rejected by name.
 IMAGE_EXTENSIONS = frozenset({".png", ".jpg", ".jpeg", ".webp", ".bmp", ".gif", ".tif", ".tiff"})
-CAPTION_EXTENSION = ".txt"
+IMAGEFOLDER_METADATA = ("metadata.jsonl", "metadata.csv")
 
 
-@dataclass(frozen=True)
-class Entry:
-    """One input file of a source."""
+@dataclass
+class Item:
+    """One input of a source, on its way to being kept or rejected."""
 
-    rel: str  # path relative to the source root, POSIX style: what reports name
-    path: Path  # the path as listed under the root (not resolved: checks resolve it safely)
-    caption_path: Path | None = None  # sidecar caption, when one exists
-    reject: Reject | None = field(default=None, compare=False)  # decided from the name alone
+    source: str  # the source's label (its path in params, or the hub dataset name)
+    rel: str  # the input's path inside the source (POSIX), what reports name
+    task: Task | None = None  # what a worker reads; None when already rejected
+    text: str | None = None  # caption known before reading (metadata, instance prompt)
+    caption_source: str = "none"  # file | instance_prompt | metadata | tags | hub | none
+    tags: list[str] | None = None  # metadata_json: the tags, caption-ready (rules applied)
+    tag_separator: str | None = None
+    score: float | None = None
+    extra: dict[str, Any] = field(default_factory=dict)  # more columns for the rows
+    reject: Reject | None = None
+
+    @classmethod
+    def rejected(cls, source: str, rel: str, reject: Reject, **extra: Any) -> "Item":
+        return cls(source, rel, reject=reject, extra=extra)
 
 
-def scan_folder(root: Path, caption_ext: str = CAPTION_EXTENSION) -> list[Entry]:
-    """List every file under `root` (any depth), sorted by relative path.
+def source_root(path: Path, key: str) -> Path:
+    """The resolved source folder, or a UserError naming the params key and the fix."""
+    if not path.exists():
+        hint = (
+            "Generate the demo images with `make data` (or `python data/demo/generate.py`), or"
+            if path.as_posix().rstrip("/").endswith("data/demo/subject")
+            else "Check the path, or"
+        )
+        raise UserError(
+            f"{key}: {path} does not exist. {hint} set {key} in params.yaml to a folder of images."
+        )
+    if not path.is_dir():
+        raise UserError(f"{key}: {path} is not a folder; set {key} to a folder of images.")
+    return path.resolve()
 
-    Caption files next to an image are consumed by that image and not listed on their own.
-    Directory symlinks are not followed: one pointing outside the root is listed as rejected,
-    one pointing inside is skipped (its files are listed at their real location).
+
+def walk(root: Path, label: str) -> Iterator[tuple[Path, list[str], list[Item]]]:
+    """(directory, its file names in order, rejected directory links) for each directory under root.
+
+    Directory symlinks are not followed: one leading outside the root is rejected, one inside is
+    skipped (its files are listed at their real location).
     """
-    root = root.resolve()
-    entries: list[Entry] = []
     for dirpath, dirnames, filenames in os.walk(root, followlinks=False):
         here = Path(dirpath)
         dirnames.sort()
-        for d in list(dirnames):
+        rejected = []
+        for d in dirnames:
             link = here / d
             if link.is_symlink():
-                target = link.resolve()
+                try:
+                    target = link.resolve()
+                except (OSError, RuntimeError) as err:  # a symlink loop
+                    reject = Reject("unreadable", f"cannot resolve: {err}")
+                    rejected.append(Item.rejected(label, _rel(root, link), reject))
+                    continue
                 if target != root and root not in target.parents:
-                    rel = link.relative_to(root).as_posix()
-                    reject = Reject("symlink_outside_root", f"directory link to {target}")
-                    entries.append(Entry(rel, link, reject=reject))
+                    reject = Reject("outside_root", f"directory link to {target}")
+                    rejected.append(Item.rejected(label, _rel(root, link), reject))
                 else:
                     log.debug("not following directory link %s (inside the root)", link)
-        names = set(filenames)
-        consumed: set[str] = set()
+        # Real files before links, so that of two identical files the link is the duplicate.
+        yield here, sorted(filenames, key=lambda n: ((here / n).is_symlink(), n)), rejected
+
+
+def _rel(root: Path, path: Path) -> str:
+    return path.relative_to(root).as_posix()
+
+
+def _is_image(name: str) -> bool:
+    return Path(name).suffix.lower() in IMAGE_EXTENSIONS
+
+
+def iter_folder(src: FolderSource, label: str, key: str) -> Iterator[Item]:
+    """Images at any depth; caption from a sidecar (first of caption_extensions) or the prompt."""
+    root = source_root(src.path, f"{key}.path")
+    for here, names, rejected in walk(root, label):
+        yield from rejected
+        present = set(names)
+        by_stem: dict[str, str] = {}  # sidecar name -> the image name that consumes it
         for name in names:
-            if Path(name).suffix.lower() in IMAGE_EXTENSIONS:
-                caption = Path(name).stem + caption_ext
-                if caption in names:
-                    consumed.add(caption)
-                path = here / name
-                caption_path = here / caption if caption in names else None
-                entries.append(Entry(path.relative_to(root).as_posix(), path, caption_path))
-        for name in names - consumed:
+            if _is_image(name):
+                stem = Path(name).stem
+                for ext in src.caption_extensions:
+                    candidates = [n for n in (stem + ext, stem + ext.upper()) if n in present]
+                    if candidates and candidates[0] not in by_stem:
+                        by_stem[candidates[0]] = name
+                        break
+        caption_of = {image: sidecar for sidecar, image in by_stem.items()}
+        for name in names:
             path = here / name
-            suffix = Path(name).suffix.lower()
-            if suffix in IMAGE_EXTENSIONS:
-                continue
-            if suffix == caption_ext.lower():
-                reject = Reject("orphan_caption", "no image with this stem beside it")
+            rel = _rel(root, path)
+            if _is_image(name):
+                sidecar = caption_of.get(name)
+                if src.instance_prompt is not None:
+                    task = Task(root=str(root), path=str(path))
+                    yield Item(label, rel, task, src.instance_prompt, "instance_prompt")
+                else:
+                    cap = str(here / sidecar) if sidecar else None
+                    task = Task(root=str(root), path=str(path), caption_path=cap)
+                    yield Item(label, rel, task, caption_source="file" if cap else "none")
+            elif name in by_stem:
+                continue  # a caption, consumed by its image
+            elif Path(name).suffix.lower() in src.caption_extensions:
+                yield Item.rejected(label, rel, Reject("orphan_caption", "no image with this stem"))
             else:
-                what = suffix or "no extension"
-                reject = Reject("unsupported_extension", f"{what} is not an image type")
-            entries.append(Entry(path.relative_to(root).as_posix(), path, reject=reject))
-    entries.sort(key=lambda e: e.rel)
-    return entries
+                what = Path(name).suffix.lower() or "no extension"
+                reason = Reject("unsupported_extension", f"{what} is not an image type")
+                yield Item.rejected(label, rel, reason)
 
 
-def read_caption(root: Path, entry: Entry) -> str | None:
-    """The entry's caption text (whitespace collapsed), or None when absent or empty.
+def iter_imagefolder(src: ImageFolderSource, label: str, key: str) -> Iterator[Item]:
+    """A Hugging Face imagefolder: `file_name` in metadata.jsonl/.csv (any depth) gives captions.
 
-    Read through the root-confined reader: a caption linking outside the root rejects the image.
+    `file_name` is relative to the metadata file's folder, as in `datasets`. Images without a
+    row get no caption (the caption policy decides); rows naming no existing file are rejected.
     """
-    if entry.caption_path is None:
-        return None
-    try:
-        data = read_bytes(root.resolve(), entry.caption_path)
-    except Reject as err:
-        if err.reason == "empty_file":
-            return None
-        raise Reject(err.reason, f"caption {entry.caption_path.name}: {err.detail}") from None
-    text = " ".join(data.decode("utf-8-sig", errors="replace").split())
-    return text or None
+    root = source_root(src.path, f"{key}.path")
+    captions, problems = _read_imagefolder_metadata(root, src.caption_column, label, key)
+    yield from problems
+    for here, names, rejected in walk(root, label):
+        yield from rejected
+        for name in names:
+            path = here / name
+            rel = _rel(root, path)
+            if name in IMAGEFOLDER_METADATA:
+                continue
+            text = captions.pop(rel, None)
+            if not _is_image(name):
+                what = Path(name).suffix.lower() or "no extension"
+                reason = Reject("unsupported_extension", f"{what} is not an image type")
+                yield Item.rejected(label, rel, reason)
+                continue
+            how = "metadata" if text is not None else "none"
+            yield Item(label, rel, Task(root=str(root), path=str(path)), text, how)
+    for rel in sorted(captions):  # rows whose file was not found on disk
+        target = root / rel
+        reject = (
+            Reject("broken_symlink", f"points to missing {os.readlink(target)}")
+            if target.is_symlink()
+            else Reject("missing_image", "listed in the metadata, not found")
+        )
+        yield Item.rejected(label, rel, reject)
+
+
+def _read_imagefolder_metadata(
+    root: Path, column: str, label: str, key: str
+) -> tuple[dict[str, str | None], list[Item]]:
+    """{image path relative to root: caption} from every metadata file, and rejected rows."""
+    captions: dict[str, str | None] = {}
+    problems: list[Item] = []
+    seen_column = False
+    files = 0
+    for here, names, _ in walk(root, label):
+        for meta in (n for n in names if n in IMAGEFOLDER_METADATA):
+            files += 1
+            meta_rel = _rel(root, here / meta)
+            base = posixpath.dirname(meta_rel)
+            try:
+                rows, has_column = _rows(read_bytes(root, here / meta), meta, column)
+            except Reject as err:
+                raise UserError(f"{key}: metadata file {meta_rel}: {err}") from None
+            seen_column |= has_column
+            for line, row in rows:
+                where = f"{meta_rel}:{line}"
+                name = row.get("file_name") if isinstance(row, dict) else None
+                if not isinstance(name, str) or not name or "://" in name or name.startswith("/"):
+                    detail = "no relative `file_name`" if isinstance(row, dict) else "not an object"
+                    problems.append(Item.rejected(label, where, Reject("bad_metadata", detail)))
+                    continue
+                rel = posixpath.normpath(posixpath.join(base, name))
+                if rel.startswith("../") or rel == "..":
+                    reason = Reject("outside_root", f"file_name {name!r} leaves the dataset root")
+                    problems.append(Item.rejected(label, where, reason))
+                elif rel in captions:
+                    reason = Reject("bad_metadata", f"{rel} is listed again")
+                    problems.append(Item.rejected(label, where, reason))
+                else:
+                    value = row.get(column)
+                    captions[rel] = None if value is None else " ".join(str(value).split())
+    if files and not seen_column:
+        raise UserError(
+            f"{key}.caption_column: no metadata file under {root} has a column {column!r}; set "
+            "caption_column to the column holding the captions."
+        )
+    if not files:
+        log.warning("%s: no metadata.jsonl or metadata.csv under %s: no captions", key, root)
+    return captions, problems
+
+
+def _rows(data: bytes, name: str, column: str) -> tuple[list[tuple[int, Any]], bool]:
+    """(line number, row) pairs of a metadata file, and whether `column` appears in it."""
+    text = data.decode("utf-8-sig", errors="replace")
+    if name.endswith(".csv"):
+        reader = csv.DictReader(io.StringIO(text))
+        rows = [(i + 2, dict(r)) for i, r in enumerate(reader)]
+        return rows, column in (reader.fieldnames or [])
+    rows = []
+    for i, line in enumerate(text.splitlines(), 1):
+        if line.strip():
+            try:
+                rows.append((i, json.loads(line)))
+            except ValueError:
+                rows.append((i, None))
+    return rows, any(isinstance(r, dict) and column in r for _, r in rows)

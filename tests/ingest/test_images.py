@@ -4,7 +4,13 @@ from __future__ import annotations
 import pytest
 from PIL import Image
 
-from tasks.common.images import make_grid, resize_and_crop, to_rgb
+from tasks.common.images import (
+    apply_exif_orientation,
+    make_grid,
+    resize_and_crop,
+    resize_short_side,
+    to_rgb,
+)
 
 
 def test_grid_layout_and_mixed_sizes() -> None:
@@ -33,3 +39,17 @@ def test_to_rgb_float_and_32bit() -> None:
     rgb = to_rgb(f)
     assert rgb.getpixel((0, 0)) == (255, 255, 255) and rgb.getpixel((1, 1)) == (0, 0, 0)
     assert to_rgb(Image.new("I", (4, 4), 200)).getpixel((0, 0)) == (200, 200, 200)
+
+
+def test_resize_short_side_keeps_the_aspect_ratio() -> None:
+    assert resize_short_side(Image.new("RGB", (300, 100)), 50).size == (150, 50)
+    same = Image.new("RGB", (80, 50))
+    assert resize_short_side(same, 50) is same
+
+
+def test_exif_orientation_upright_is_not_copied_and_rotated_is_turned() -> None:
+    upright = Image.new("RGB", (40, 20))
+    assert apply_exif_orientation(upright) is upright
+    turned = Image.new("RGB", (40, 20))
+    turned.getexif()[0x0112] = 6  # stored sideways: 90 degrees clockwise to view
+    assert apply_exif_orientation(turned).size == (20, 40)

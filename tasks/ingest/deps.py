@@ -1,0 +1,91 @@
+"""Keep dvc.yaml honest: under `dvc repro`, every local source folder must be a dependency.
+
+DVC 3 cannot template a list from params into `deps` (`deps: ${ingest.paths}` fails with
+"Cannot interpolate data of type 'list'", treeverse/dvc#8171), so the source folders are listed
+in dvc.yaml by hand. If one were missing, adding images to it would not rerun the stage and
+the pipeline would silently train on stale data. DVC sets DVC_ROOT and DVC_STAGE for the
+commands it runs; with them set, this check reads the stage's deps and fails with the exact
+line to add. Run by hand (no DVC_STAGE) the stage does not check.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import re
+from pathlib import Path
+from typing import Any, Mapping
+
+import yaml
+
+from tasks.common.errors import UserError
+from tasks.ingest.config import HubSource, IngestConfig
+
+log = logging.getLogger(__name__)
+
+_TEMPLATE = re.compile(r"\$\{\s*([^}]+?)\s*\}")
+
+
+def _interpolate(text: str, params: Mapping[str, Any]) -> str | None:
+    """`${a.b}` from params.yaml (DVC's syntax for a dotted key), or None if it cannot."""
+    def value(match: re.Match) -> str:
+        node: Any = params
+        for part in match.group(1).split("."):
+            node = node[int(part)] if isinstance(node, list) else node[part]
+        if isinstance(node, (dict, list)):
+            raise TypeError("not a scalar")
+        return str(node)
+
+    try:
+        return _TEMPLATE.sub(value, text)
+    except (KeyError, IndexError, ValueError, TypeError):
+        return None
+
+
+def stage_deps(environ: Mapping[str, str], params: Mapping[str, Any]) -> tuple[str, list[Path]] | None:
+    """(stage name, resolved dependency paths) of the DVC stage being run, or None outside DVC."""
+    stage, root = environ.get("DVC_STAGE"), environ.get("DVC_ROOT")
+    if not stage or not root:
+        return None
+    dvcfile, _, name = stage.rpartition(":")
+    dvc_yaml = Path(root) / (dvcfile or "dvc.yaml")
+    try:
+        definition = yaml.safe_load(dvc_yaml.read_text())["stages"][name]
+    except (OSError, KeyError, TypeError, yaml.YAMLError) as err:
+        log.warning("cannot read stage %s from %s (%s): dependencies not checked", name, dvc_yaml, err)
+        return None
+    wdir = dvc_yaml.parent / str(definition.get("wdir", "."))
+    paths = []
+    for dep in definition.get("deps") or []:
+        text = dep if isinstance(dep, str) else next(iter(dep), "")
+        resolved = _interpolate(str(text), params)
+        if resolved is not None:
+            paths.append((wdir / resolved).resolve())
+    return name, paths
+
+
+def check_dvc_deps(
+    cfg: IngestConfig, params: Mapping[str, Any], environ: Mapping[str, str] | None = None
+) -> None:
+    """UserError when a local source folder is not (inside) a dependency of the running stage."""
+    found = stage_deps(os.environ if environ is None else environ, params)
+    if found is None:
+        return
+    name, deps = found
+    missing = []
+    for i, src in enumerate(cfg.sources):
+        if isinstance(src, HubSource):
+            log.info(
+                "ingest.sources.%d: hub dataset %s@%s is not a DVC dependency; its pinned "
+                "revision in params.yaml is what reruns the stage", i, src.name, src.revision,
+            )
+            continue
+        path = Path(src.path).resolve()
+        if not any(path == dep or dep in path.parents for dep in deps):
+            missing.append(src.path.as_posix())
+    if missing:
+        lines = "\n".join(f"      - {m}" for m in missing)
+        raise UserError(
+            f"ingest.sources: {', '.join(missing)} is not a dependency of the DVC stage "
+            f"'{name}', so DVC would not rerun it when images there change. Add to "
+            f"stages.{name}.deps in dvc.yaml:\n{lines}"
+        )

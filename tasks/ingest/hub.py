@@ -1,0 +1,80 @@
+"""A dataset from the Hugging Face Hub (or anything `datasets.load_dataset` takes by name).
+
+Rows are streamed (`streaming=True`): nothing is downloaded up front and memory stays flat. The
+image column is read undecoded (`datasets.Image(decode=False)`), so each row's original bytes go
+through the same checks, hashing and cache as files on disk.
+
+Reproducibility: DVC cannot hash a hub dataset, so the stage cannot depend on it the way it
+depends on a folder. The source's `revision` (required) is in params.yaml, so pinning a commit
+hash makes the params change whenever the data may have; a branch name like "main" does not.
+"""
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any, Iterator
+
+from tasks.common.errors import UserError
+from tasks.ingest.checks import Reject
+from tasks.ingest.config import HubSource
+from tasks.ingest.sources import Item
+from tasks.ingest.work import Task
+
+log = logging.getLogger(__name__)
+
+
+def _offline_help(src: HubSource, key: str, err: BaseException) -> UserError:
+    return UserError(
+        f"{key}: could not load dataset {src.name!r} (revision {src.revision}, split "
+        f"{src.split}) with datasets.load_dataset: {type(err).__name__}: {err}. Hub datasets "
+        "need network access to huggingface.co (HF_HUB_OFFLINE / HF_DATASETS_OFFLINE must be "
+        "unset). Offline, download it elsewhere, save its images with a metadata.jsonl, and use "
+        "an `imagefolder` source instead."
+    )
+
+
+def open_dataset(src: HubSource, key: str) -> Any:
+    """The streaming dataset with its image column undecoded; UserError when it cannot load."""
+    try:
+        import datasets
+
+        ds = datasets.load_dataset(
+            src.name, src.subset, split=src.split, revision=src.revision, streaming=True
+        )
+    except Exception as err:  # network, auth, missing repo or split: all "cannot load"
+        raise _offline_help(src, key, err) from None
+    columns = list(ds.features or {}) if getattr(ds, "features", None) else []
+    for col_key, column in (("image_column", src.image_column), ("caption_column", src.caption_column)):
+        if columns and column not in columns:
+            raise UserError(
+                f"{key}.{col_key}: {src.name} has no column {column!r}; its columns: "
+                f"{', '.join(columns)}"
+            )
+    return ds.cast_column(src.image_column, datasets.Image(decode=False))
+
+
+def iter_hub(src: HubSource, label: str, key: str) -> Iterator[Item]:
+    """One item per row (up to `limit`), named `<split>/<row index>`."""
+    ds = open_dataset(src, key)
+    rows = iter(ds)
+    index = 0
+    while src.limit is None or index < src.limit:
+        try:
+            row = next(rows)
+        except StopIteration:
+            return
+        except Exception as err:  # the stream can fail midway (network)
+            raise _offline_help(src, key, err) from None
+        rel = f"{src.split}/{index}"
+        index += 1
+        image = row.get(src.image_column) or {}
+        data = image.get("bytes")
+        if data is None and image.get("path"):
+            try:  # local datasets give a path, not bytes
+                data = Path(image["path"]).read_bytes()
+            except OSError as err:
+                yield Item.rejected(label, rel, Reject("unreadable", f"{image['path']}: {err}"))
+                continue
+        caption = row.get(src.caption_column)
+        text = None if caption is None else " ".join(str(caption).split())
+        yield Item(label, rel, Task(data=data or b""), text, "hub")

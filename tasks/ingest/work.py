@@ -1,0 +1,207 @@
+"""The per-image work, run in worker processes: read, hash, decode, normalise, encode, store.
+
+A worker gets small `Task`s (a path, or bytes for hub rows) and returns small `Outcome`s; pixels
+never travel between processes: the processed image goes straight into the `Store` (the cache),
+and the main process later copies (or moves) the kept ones into the output folder. Everything
+here is a pure function of the source bytes and `Settings`, which is what makes caching by
+content hash sound.
+"""
+from __future__ import annotations
+
+import hashlib
+import io
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from PIL import Image
+
+from tasks.common.images import apply_exif_orientation, resize_and_crop, resize_short_side, to_rgb
+from tasks.ingest.cache import Store
+from tasks.ingest.checks import Limits, Reject, decode, read_bytes
+
+log = logging.getLogger(__name__)
+
+PNG_COMPRESS_LEVEL = 1  # zlib level 1: files ~10 % larger than level 6, encoding ~3x faster
+
+
+@dataclass(frozen=True)
+class Settings:
+    """What decides the processed pixels (all of it goes into the cache fingerprint)."""
+
+    limits: Limits
+    output_size: str  # square | short_side | source
+    resolution: int
+    center_crop: bool
+    background: tuple[int, int, int]
+    output_format: str  # png | jpeg
+    jpeg_quality: int
+
+    def pixel_params(self) -> dict[str, Any]:
+        params = {k: v for k, v in self.__dict__.items() if k != "limits"}
+        params.update(self.limits.__dict__)
+        if self.output_size == "source":
+            params.pop("resolution")
+        if self.output_size != "square":
+            params.pop("center_crop")
+        if self.output_format != "jpeg":
+            params.pop("jpeg_quality")
+        return params
+
+    @property
+    def ext(self) -> str:
+        return ".jpg" if self.output_format == "jpeg" else ".png"
+
+
+@dataclass(frozen=True)
+class Task:
+    """One input to read: a file confined to `root`, or bytes already in hand (hub rows)."""
+
+    root: str | None = None
+    path: str | None = None
+    data: bytes | None = None
+    caption_path: str | None = None  # sidecar caption, read through the same confinement
+
+
+@dataclass
+class Outcome:
+    """What a worker found: the content hash, the stored facts or the rejection, the caption."""
+
+    sha: str | None = None
+    reject: Reject | None = None
+    entry: dict[str, Any] = field(default_factory=dict)
+    caption: str | None = None
+    cached: bool = False
+
+
+_worker: tuple[Settings, Store] | None = None
+
+
+def init_worker(settings: Settings, store: Store) -> None:
+    """Pool initializer: each worker process keeps the settings and the store it writes to."""
+    global _worker
+    _worker = (settings, store)
+
+
+def run_batch(tasks: list[Task]) -> list[Outcome]:
+    """Pool entry point: a batch per call keeps inter-process messages few."""
+    assert _worker is not None, "init_worker was not called in this process"
+    settings, store = _worker
+    return [run_task(task, settings, store) for task in tasks]
+
+
+def run_task(task: Task, settings: Settings, store: Store) -> Outcome:
+    """Read one input, then reuse its stored outcome by content hash or compute and store it."""
+    try:
+        data = task.data if task.data is not None else read_bytes(Path(task.root), Path(task.path))
+        caption = read_caption(Path(task.root), Path(task.caption_path)) if task.caption_path else None
+    except Reject as err:
+        return Outcome(reject=err)
+    if not data:
+        return Outcome(reject=Reject("empty_file", "0 bytes"))
+    sha = hashlib.sha256(data).hexdigest()
+    entry = store.get(sha)
+    cached = entry is not None
+    if entry is None:
+        entry, encoded = process(data, settings)
+        store.put(sha, entry, encoded)
+    reject = Reject(entry["reject"], entry["detail"]) if "reject" in entry else None
+    return Outcome(sha=sha, reject=reject, entry=entry, caption=caption, cached=cached)
+
+
+def read_caption(root: Path, path: Path) -> str | None:
+    """A sidecar caption's text (whitespace collapsed), or None when empty.
+
+    Read through the root-confined reader: a caption linking outside the root rejects the image.
+    """
+    try:
+        data = read_bytes(root, path)
+    except Reject as err:
+        if err.reason == "empty_file":
+            return None
+        raise Reject(err.reason, f"caption {path.name}: {err.detail}") from None
+    text = " ".join(data.decode("utf-8-sig", errors="replace").split())
+    return text or None
+
+
+def process(data: bytes, s: Settings) -> tuple[dict[str, Any], bytes | None]:
+    """Decode and check, make upright 8-bit RGB, hash perceptually, resize/crop, encode."""
+    short_side = None if s.output_size == "source" else s.resolution
+    try:
+        image, stored_size = decode(data, s.limits, short_side)
+    except Reject as err:
+        return {"reject": err.reason, "detail": err.detail}, None
+    try:  # decoded, yet odd files (a broken EXIF block, exotic modes) can still fail here
+        upright = apply_exif_orientation(image)
+        source_w, source_h = stored_size[::-1] if _swaps_axes(image) else stored_size
+        rgb = to_rgb(upright, s.background)
+        phash = perceptual_hash(rgb)
+        if s.output_size == "square":
+            out = resize_and_crop(rgb, s.resolution, center=s.center_crop)
+        elif s.output_size == "short_side":
+            out = resize_short_side(rgb, s.resolution)
+        else:
+            out = rgb
+        if passes_through(image, stored_size, out, s):
+            encoded = data
+        else:
+            buf = io.BytesIO()
+            if s.output_format == "jpeg":
+                out.save(buf, format="JPEG", quality=s.jpeg_quality, subsampling=0)
+            else:
+                out.save(buf, format="PNG", compress_level=PNG_COMPRESS_LEVEL)
+            encoded = buf.getvalue()
+    except Exception as err:
+        log.warning("processing failed after decoding: %s: %s", type(err).__name__, err)
+        return {"reject": "corrupt", "detail": f"processing failed: {type(err).__name__}: {err}"}, None
+    entry = {
+        "ext": s.ext,
+        "width": out.width,
+        "height": out.height,
+        "source_width": source_w,
+        "source_height": source_h,
+        "phash": f"{phash:016x}",
+    }
+    return entry, encoded
+
+
+#: File metadata that says nothing about the pixels: a file with only these may pass through.
+_NEUTRAL_INFO = {"jfif", "jfif_version", "jfif_unit", "jfif_density", "dpi", "aspect",
+                 "progressive", "progression"}
+
+
+def passes_through(image: Image.Image, stored_size: tuple[int, int], out: Image.Image,
+                   s: Settings) -> bool:
+    """True when the source file already is the output: kept byte for byte, not re-encoded.
+
+    That is: 8-bit RGB in the output format, at the output size, and carrying nothing the
+    normal path would drop or apply (EXIF, with its orientation and camera/GPS data, ICC
+    profiles, transparency, gamma, text chunks). Re-encoding it would only cost time and,
+    for JPEG, a generation of compression loss.
+    """
+    wanted = "JPEG" if s.output_format == "jpeg" else "PNG"
+    return (
+        image.format == wanted
+        and image.mode == "RGB"
+        and out.size == image.size == stored_size
+        and set(image.info) <= _NEUTRAL_INFO
+    )
+
+
+def _swaps_axes(image: Image.Image) -> bool:
+    """EXIF orientations 5-8 turn the picture by 90 degrees (width and height swap)."""
+    return image.getexif().get(0x0112, 1) in (5, 6, 7, 8)
+
+
+def perceptual_hash(image: Image.Image) -> int:
+    """64-bit DCT perceptual hash (imagehash.phash) as an int, computed on a reduced copy.
+
+    phash itself shrinks to 32x32; reducing by an integer factor first (box filter) to 64 px
+    or more makes it ~10x cheaper on large images and changes few, if any, bits.
+    """
+    import imagehash
+
+    factor = max(1, min(image.size) // 64)
+    small = image.reduce(factor) if factor > 1 else image
+    return int(str(imagehash.phash(small)), 16)

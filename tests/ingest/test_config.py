@@ -1,0 +1,77 @@
+"""The `ingest` params: typed sources, strict keys, errors at `ingest.sources.<i>.<key>`."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tasks.common.config import parse_section
+from tasks.common.errors import UserError
+from tasks.ingest.config import FolderSource, HubSource, IngestConfig, MetadataJsonSource
+from tests.conftest import REPO
+
+
+def parse(data: dict) -> IngestConfig:
+    return parse_section("ingest", data, IngestConfig)
+
+
+def error(data: dict) -> str:
+    with pytest.raises(UserError) as err:
+        parse(data)
+    return str(err.value)
+
+
+def test_repo_params_are_the_demo_defaults() -> None:
+    section = yaml.safe_load((REPO / "params.yaml").read_text())["ingest"]
+    cfg = parse(section)
+    assert cfg.sources == [FolderSource(type="folder", path=Path("data/demo/subject"))]
+    assert cfg == IngestConfig(), "params.yaml and the model's defaults describe the same demo"
+
+
+def test_every_source_type_parses() -> None:
+    cfg = parse({"sources": [
+        {"type": "folder", "path": "a", "caption_extensions": [".TXT"], "instance_prompt": "p"},
+        {"type": "metadata_json", "path": "b", "min_score": 200, "tag_bonus_scores": {"solo": 100}},
+        {"type": "imagefolder", "path": "c", "caption_column": "caption"},
+        {"type": "hub", "name": "lambdalabs/pokemon-blip-captions", "revision": "abc123"},
+    ]})
+    folder, meta, _, hub = cfg.sources
+    assert folder.caption_extensions == (".txt",)
+    assert isinstance(meta, MetadataJsonSource) and meta.tag_bonus_scores == {"solo": 100}
+    assert isinstance(hub, HubSource) and hub.split == "train" and hub.image_column == "image"
+
+
+def test_unknown_key_in_a_source_names_its_index_and_the_keys_it_takes() -> None:
+    message = error({"sources": [{"type": "folder", "path": "a"},
+                                 {"type": "folder", "path": "b", "caption_ext": ".txt"}]})
+    assert "ingest.sources.1.caption_ext: unknown key (misspelt?)" in message
+    assert "A 'folder' source takes: caption_extensions, instance_prompt, path, type" in message
+
+
+def test_missing_and_wrong_values_in_sources() -> None:
+    assert "ingest.sources.0.revision: Field required" in error(
+        {"sources": [{"type": "hub", "name": "x"}]})
+    assert "ingest.sources.0.consider_every_nth: Input should be greater than or equal to 1" in error(
+        {"sources": [{"type": "metadata_json", "path": "p", "consider_every_nth": 0}]})
+    assert "ingest.sources.0: each source needs `type`: one of folder, metadata_json" in error(
+        {"sources": [{"type": "s3", "path": "p"}]})
+    assert "ingest.sources.0: each source needs `type`" in error({"sources": [{"path": "p"}]})
+    assert "ingest.sources: List should have at least 1 item" in error({"sources": []})
+    assert "ingest.sources.0.caption_extensions" in error(
+        {"sources": [{"type": "folder", "path": "p", "caption_extensions": ["txt"]}]})
+
+
+def test_training_time_options_are_refused_with_the_reason() -> None:
+    message = error({"sources": [{"type": "metadata_json", "path": "p", "shuffle_tag_p": 0.5}]})
+    assert "ingest.sources.0: Value error, 'shuffle_tag_p' (tag shuffling) is applied at training" in message
+
+
+def test_top_level_values_are_checked() -> None:
+    assert "ingest.background: Value error, each channel is 0..255" in error({"background": [0, 0, 300]})
+    assert "ingest.output_size: Input should be 'square', 'short_side' or 'source'" in error(
+        {"output_size": "bucket"})
+    assert "ingest.captions.too_long: Input should be" in error({"captions": {"too_long": "cut"}})
+    assert "ingest.source: unknown key" in error({"source": "data/demo/subject"})
+    assert "ingest.resolution" in error({"resolution": 0})
+    assert "ingest.max_aspect_ratio" in error({"max_aspect_ratio": 0.5})

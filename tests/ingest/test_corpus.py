@@ -1,0 +1,38 @@
+"""The generated corpus of bad and awkward inputs: no crash, the expected reason for each input."""
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+
+from PIL import Image
+
+from tasks.ingest.checks import REASONS
+from tests.ingest.corpus import PARAMS, build
+from tests.ingest.util import config, run
+
+
+def test_every_input_is_kept_or_rejected_with_the_expected_reason(tmp_path: Path) -> None:
+    sources, expected = build(tmp_path / "corpus")
+    r = run(config(sources, workers=2, cache_dir=str(tmp_path / "cache"), **PARAMS), tmp_path / "out")
+    got = {(row["source"], row["path"]): row["reason"] for row in r.rejected}
+    for row in r.kept:
+        got[(row["source"], row.get("metadata_file") or row["path"])] = "kept"
+    assert got == expected
+    assert set(REASONS) <= set(expected.values()), "the corpus exercises every reason"
+
+    report = r.summary.report()
+    assert report["total"] == len(expected) == report["kept"] + report["rejected"]
+    assert report["rejected_by_reason"] == {
+        reason: Counter(expected.values())[reason] for reason in REASONS}
+    assert sum(s["total"] for s in report["by_source"].values()) == report["total"]
+    # every rejected row says why, and every kept row's image is there, upright RGB
+    assert all(row["detail"] for row in r.rejected)
+    files = {p.name for p in r.out.iterdir()} - {"metadata.jsonl"}
+    assert files == {row["file_name"] for row in r.kept}
+    for row in r.kept:
+        with Image.open(r.out / row["file_name"]) as im:
+            assert im.mode == "RGB" and im.size == (row["width"], row["height"]) == (64, 64)
+    rotated = next(row for row in r.kept if row["path"] == "rotated.jpg")
+    assert (rotated["source_width"], rotated["source_height"]) == (90, 120)
+    unicode = next(row for row in r.kept if row["path"].startswith("ünïcödé"))
+    assert unicode["file_name"].isascii() and unicode["text"] == "a photo"

@@ -1,0 +1,135 @@
+"""Source types other than plain folders: Hugging Face imagefolder and hub datasets, combined."""
+from __future__ import annotations
+
+import io
+import json
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from tasks.common.errors import UserError
+from tests.ingest.util import config, picture, run, save
+
+
+def test_imagefolder_with_metadata_jsonl_at_two_depths(tmp_path: Path) -> None:
+    root = tmp_path / "ds"
+    save(root / "a.png", picture(1))
+    save(root / "b.png", picture(2))  # no row: caption policy (fallback)
+    save(root / "sub" / "c.png", picture(3))
+    save(root / "sub" / "deeper" / "d.png", picture(4))
+    (root / "readme.md").write_text("hello")
+    rows = [
+        {"file_name": "a.png", "text": "first image"},
+        {"file_name": "gone.png", "text": "missing"},
+        {"file_name": "../escape.png", "text": "outside"},
+        {"file_name": "a.png", "text": "listed twice"},
+        {"text": "no file name"},
+    ]
+    lines = [json.dumps(r) for r in rows[:3]] + ["{broken json", *map(json.dumps, rows[3:])]
+    (root / "metadata.jsonl").write_text("\n".join(lines) + "\n")
+    sub = [{"file_name": "c.png", "text": "third"}, {"file_name": "deeper/d.png", "text": "fourth"}]
+    (root / "sub" / "metadata.jsonl").write_text("\n".join(json.dumps(r) for r in sub))
+    r = run(config([{"type": "imagefolder", "path": str(root)}]), tmp_path / "out")
+    texts = {row["path"]: (row["text"], row["caption_source"]) for row in r.kept}
+    assert texts == {
+        "a.png": ("first image", "metadata"),
+        "b.png": ("a photo of sks toy", "fallback"),
+        "sub/c.png": ("third", "metadata"),
+        "sub/deeper/d.png": ("fourth", "metadata"),
+    }
+    assert r.reasons() == {
+        "gone.png": "missing_image",
+        "metadata.jsonl:3": "outside_root",
+        "metadata.jsonl:4": "bad_metadata",
+        "metadata.jsonl:5": "bad_metadata",
+        "metadata.jsonl:6": "bad_metadata",
+        "readme.md": "unsupported_extension",
+    }
+    assert r.summary.total == r.summary.kept + r.summary.rejected == 10
+
+
+def test_imagefolder_with_metadata_csv_and_a_caption_column(tmp_path: Path) -> None:
+    root = tmp_path / "ds"
+    save(root / "x y.png", picture(1))
+    save(root / "ünï.png", picture(2))
+    (root / "metadata.csv").write_text(
+        'file_name,caption\n"x y.png","a caption, with a comma"\nünï.png,unicode name\n',
+        encoding="utf-8",
+    )
+    source = {"type": "imagefolder", "path": str(root), "caption_column": "caption"}
+    r = run(config([source]), tmp_path / "out")
+    assert {row["path"]: row["text"] for row in r.kept} == {
+        "x y.png": "a caption, with a comma", "ünï.png": "unicode name"}
+    with pytest.raises(UserError, match=r"sources\.0\.caption_column: .*'text'"):
+        run(config([{"type": "imagefolder", "path": str(root)}]), tmp_path / "out2")
+
+
+def test_processed_output_loads_as_a_hugging_face_imagefolder(tmp_path: Path, monkeypatch) -> None:
+    import datasets
+
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    src = tmp_path / "src"
+    save(src / "a.png", picture(1), caption="first")
+    save(src / "b.png", picture(2), caption="second")
+    run(config(src), tmp_path / "out")
+    ds = datasets.load_dataset("imagefolder", data_dir=str(tmp_path / "out"), split="train")
+    assert sorted(ds["text"]) == ["first", "second"]
+    assert ds[0]["image"].size == (64, 64) and ds[0]["tags"] == []
+
+
+def test_hub_source_offline_is_a_clear_user_error(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    source = {"type": "hub", "name": "lambdalabs/pokemon-blip-captions", "revision": "main"}
+    with pytest.raises(UserError) as err:
+        run(config([source]), tmp_path / "out")
+    message = str(err.value)
+    assert "ingest.sources.0: could not load dataset 'lambdalabs/pokemon-blip-captions'" in message
+    assert "network access" in message and "imagefolder" in message
+
+
+def png_bytes(seed: int) -> bytes:
+    buf = io.BytesIO()
+    picture(seed).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def test_hub_source_reads_rows_through_datasets(tmp_path: Path, monkeypatch) -> None:
+    """`datasets.load_dataset` takes a local folder by name too: the real loading code runs."""
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    parquet = tmp_path / "pokemon" / "data"
+    parquet.mkdir(parents=True)
+    struct = pa.struct([("bytes", pa.binary()), ("path", pa.string())])
+    images = [{"bytes": png_bytes(i), "path": None} for i in range(3)] + [{"bytes": b"", "path": None}]
+    table = pa.table({"image": pa.array(images, type=struct),
+                      "text": ["a drawing of a green pokemon", None, "third", "empty"]})
+    pq.write_table(table, parquet / "train-00000-of-00001.parquet")
+    source = {"type": "hub", "name": str(tmp_path / "pokemon"), "revision": "main", "limit": 10}
+    r = run(config([source]), tmp_path / "out")
+    assert {row["path"]: row["text"] for row in r.kept} == {
+        "train/0": "a drawing of a green pokemon", "train/1": "a photo of sks toy",
+        "train/2": "third"}
+    assert r.reasons() == {"train/3": "empty_file"}
+    assert {row["caption_source"] for row in r.kept} == {"hub", "fallback"}
+    limited = run(config([{**source, "limit": 1}]), tmp_path / "out2")
+    assert len(limited.kept) == 1 and not limited.rejected
+    with pytest.raises(UserError, match=r"sources\.0\.caption_column: .* no column 'caption'"):
+        run(config([{**source, "caption_column": "caption"}]), tmp_path / "out3")
+
+
+def test_several_sources_combine_and_deduplicate_across_sources(tmp_path: Path) -> None:
+    one, two = tmp_path / "one", tmp_path / "two"
+    save(one / "a.png", picture(1), caption="from one")
+    save(two / "a.png", picture(1), caption="same bytes in two")
+    save(two / "b.png", picture(2), caption="only in two")
+    sources = [{"type": "folder", "path": str(one)}, {"type": "folder", "path": str(two)}]
+    r = run(config(sources), tmp_path / "out")
+    assert [(row["source"], row["path"]) for row in r.kept] == [(str(one), "a.png"), (str(two), "b.png")]
+    (dup,) = r.rejected
+    assert (dup["source"], dup["reason"], dup["duplicate_of"]) == (str(two), "duplicate", f"{one}/a.png")
+    assert r.summary.report()["by_source"] == {str(one): {"total": 1, "kept": 1},
+                                               str(two): {"total": 2, "kept": 1}}
