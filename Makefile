@@ -10,6 +10,8 @@ STAMP := $(VENV)/.installed
 export PREFECT_HOME ?= $(CURDIR)/.prefect
 export PREFECT_SERVER_ANALYTICS_ENABLED ?= false
 export DO_NOT_TRACK ?= 1
+# A local flow run starts a temporary Prefect server; on a busy 2-core machine it needs more than 20 s.
+export PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS ?= 120
 
 .PHONY: help install data demo test test-fast serve lock mlflow-ui clean
 
@@ -43,6 +45,10 @@ demo: data
 	$(BIN)/python -m flows.finetune && \
 	echo "pipeline took $$(( $$(date +%s) - start )) s" && \
 	$(BIN)/python -m flows.summary
+
+# One torch thread per test process: the tiny models are overhead-bound, tests run beside
+# servers and stage subprocesses on 2 cores, and seeded weights then match across machines.
+test test-fast: export OMP_NUM_THREADS ?= 1
 
 test: data
 	$(BIN)/python -m pytest $(PYTEST_ARGS)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -24,6 +25,14 @@ Status = Literal["ran", "skipped", "restored"]
 _RAN = re.compile(r"Running stage '(?P<stage>[^']+)'")
 _SKIPPED = re.compile(r"Stage '(?P<stage>[^']+)' didn't change, skipping")
 _RESTORED = re.compile(r"Stage '(?P<stage>[^']+)' is cached - skipping run")
+#: DVC's error when the stage's command died: "failed to run: <cmd>, exited with -9". The command
+#: is DVC's child, so DVC itself exits 255; the signal is only in this line. 137/143 are what a
+#: shell reports for a child killed by SIGKILL/SIGTERM.
+_EXITED = re.compile(r"exited with (?P<code>-?\d+)\s*$")
+
+#: Signals after which a rerun can succeed: SIGKILL (the OOM killer, `kill -9`, a container
+#: limit) and SIGTERM (a worker or node shutting down). SIGINT is a person's Ctrl-C: not retried.
+RETRYABLE_SIGNALS = (signal.SIGKILL, signal.SIGTERM)
 
 #: Lines of DVC's output quoted in the error when a stage fails.
 ERROR_TAIL_LINES = 40
@@ -47,19 +56,41 @@ class StageFailed(RuntimeError):
         self.returncode = returncode
         self.tail = tail
         quoted = "\n".join(f"  | {line}" for line in tail) or "  | (no output)"
+        why = (" because another `dvc repro` in this workspace holds DVC's lock on its files "
+               "(wait for it to finish, or use a separate clone)" if self.busy else "")
         super().__init__(
-            f"stage '{stage}' failed (dvc repro exit code {returncode}). "
+            f"stage '{stage}' failed{why} (dvc repro exit code {returncode}). "
             f"Last lines of its output:\n{quoted}"
         )
 
     @property
-    def killed(self) -> bool:
-        """True when the process was killed by a signal (OOM killer, worker shutdown).
+    def busy(self) -> bool:
+        """DVC refused to start: another DVC process holds the lock on a dep or output."""
+        return any("it is being blocked by" in line for line in self.tail)
 
-        Issue 7's retries key on this: a killed stage may succeed when run again (resuming from
+    @property
+    def signal(self) -> int | None:
+        """The signal that killed the stage's command (or DVC itself), if one did."""
+        codes = [self.returncode]
+        for line in self.tail:
+            m = _EXITED.search(line)
+            if m:
+                codes.append(int(m.group("code")))
+        for code in codes:
+            if code < 0:
+                return -code
+            if code in (128 + s for s in RETRYABLE_SIGNALS):
+                return code - 128
+        return None
+
+    @property
+    def killed(self) -> bool:
+        """True when the stage was killed by SIGKILL or SIGTERM (OOM killer, worker shutdown).
+
+        The flow's retries key on this: a killed stage may succeed when run again (resuming from
         its checkpoint); a config or data error (exit code 2 from a stage's UserError) never will.
         """
-        return self.returncode < 0 or self.returncode in (128 + 9, 128 + 15)
+        return self.signal in RETRYABLE_SIGNALS
 
 
 def classify(stage: str, lines: list[str]) -> Status:

@@ -24,10 +24,21 @@ from prefect import flow, get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 from prefect.states import Completed, State
 
-from flows import dvc_stage
+from flows import dvc_stage, report
+from flows.changes import detect_changes
 from flows.params import apply_overrides, stage_names
+from flows.workspace import workspace_lock
+from tasks.common.config import load_config
 from tasks.common.errors import UserError, main_guard
-from tasks.common.tracking import PARENT_ENV, experiment_name, flatten, git_commit, tracking_uri
+from tasks.common.tracking import (
+    PARENT_ENV,
+    experiment_name,
+    flatten,
+    git_commit,
+    tracking_uri,
+    wait_for_server,
+)
+from tasks.register.config import RegisterConfig
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -36,16 +47,22 @@ FINETUNED = Path("models/finetuned")
 OPENVINO = Path("models/openvino")
 EVALUATION = Path("reports/evaluate.json")
 
-#: No retries yet: a config or data error fails the same way every time. Issue 7 sets this above
-#: zero together with `retry_condition_fn=_retry_when_killed`, so that only a stage killed by a
-#: signal (OOM killer, worker restart) is retried and resumes from its checkpoint.
-STAGE_RETRIES = 0
+#: A stage killed by SIGKILL/SIGTERM (OOM killer, container limit, node drain) is retried: the rerun
+#: resumes from its checkpoint (train) or redoes a cheap stage. A config or data error (a stage's
+#: UserError, exit 2) fails the same way every time, so `_retry_when_killed` refuses to retry it.
+#: A briefly unreachable MLflow server is waited for inside the stage (tasks/common/tracking.py).
+STAGE_RETRIES = 2
+STAGE_RETRY_DELAY_S = 10
 
 
 def _retry_when_killed(task: Any, task_run: Any, state: State) -> bool:
+    """Prefect's retry_condition_fn: retry only a stage that a signal killed."""
     try:
         state.result()
     except dvc_stage.StageFailed as err:
+        if err.killed:
+            get_run_logger().warning(
+                "stage '%s' was killed by signal %s: retrying", err.stage, err.signal)
         return err.killed
     except Exception:
         return False
@@ -56,6 +73,7 @@ def _retry_when_killed(task: Any, task_run: Any, state: State) -> bool:
     name="dvc-repro",
     task_run_name="{stage}",
     retries=STAGE_RETRIES,
+    retry_delay_seconds=STAGE_RETRY_DELAY_S,
     retry_condition_fn=_retry_when_killed,
     cache_policy=NO_CACHE,  # DVC is the cache: it skips the stage when nothing changed
 )
@@ -93,7 +111,8 @@ def register_model(root: str, parent_run_id: str, flow_run_id: str | None) -> di
         "registered %s version %s, aliases %s",
         result.name, result.version, ", ".join(result.aliases),
     )
-    return {"name": result.name, "version": result.version, "aliases": list(result.aliases)}
+    return {"name": result.name, "version": result.version, "aliases": list(result.aliases),
+            "decision": result.decision}
 
 
 class ParentRun:
@@ -156,18 +175,49 @@ def _flow_run_id() -> str | None:
 
 
 @flow(name="finetune")
-def finetune(overrides: dict[str, Any] | None = None, register: bool = True) -> dict[str, Any]:
+def finetune(
+    overrides: dict[str, Any] | None = None,
+    register: bool = True,
+    only_if_changed: bool = False,
+) -> dict[str, Any]:
     """Fine-tune: every DVC stage in dvc.yaml order (DVC skips unchanged ones), then register.
 
     overrides: dotted params.yaml keys and values, e.g. {"train.max_train_steps": 5}; written into
     params.yaml (comments kept) before anything runs, like `dvc exp run --set-param`.
-    register: register the model in MLflow (alias `candidate`; `champion` when the gate passed).
+    register: register the model in MLflow (alias `candidate`; `champion` when the gate passed
+    and it beats the current champion on register.primary_metric).
+    only_if_changed: first compare data, code and params with the last registered version
+    (flows/changes.py); when nothing changed, end at once as "up to date" and register nothing.
     """
     logger = get_run_logger()
     root = REPO
-    applied = apply_overrides(root / "params.yaml", overrides)  # bad keys fail here, first
-    stages = stage_names(root / "dvc.yaml")
     flow_run_id = _flow_run_id()
+    with workspace_lock(root, owner=f"flow run {flow_run_id}" if flow_run_id else ""):
+        applied = apply_overrides(root / "params.yaml", overrides)  # bad keys fail here, first
+        wait_for_server(tracking_uri(root))  # bounded; a clear error before anything runs
+        stages = stage_names(root / "dvc.yaml")
+        changes = None
+        if only_if_changed:
+            model_name = load_config("register", RegisterConfig, root / "params.yaml").model_name
+            changes = detect_changes(root, model_name, tracking_uri(root))
+            logger.info("only_if_changed: %s", changes.summary())
+            if not changes.changed:
+                summary = {"up_to_date": True, "changes": changes.summary(), "stages": [],
+                           "registered": None, "mlflow_run_id": None}
+                _publish(summary, root)
+                return summary
+        summary = _run_pipeline(root, stages, applied, register, flow_run_id)
+    if changes is not None:
+        summary["changes"] = changes.summary()
+    _publish(summary, root)
+    logger.info("pipeline done: %s", json.dumps(summary))
+    return summary
+
+
+def _run_pipeline(root: Path, stages: list[str], applied: dict[str, Any], register: bool,
+                  flow_run_id: str | None) -> dict[str, Any]:
+    """The stages in order under one MLflow parent run, then the registration."""
+    logger = get_run_logger()
     with parent_run(root, flow_run_id) as parent:
         logger.info("MLflow parent run %s in %s", parent.run_id, tracking_uri(root))
         parent.log_dict(applied, "overrides.json")
@@ -184,9 +234,24 @@ def finetune(overrides: dict[str, Any] | None = None, register: bool = True) -> 
         parent.set_tags({"stages.skipped": ",".join(skipped) or "none"})
         registered = register_model(str(root), parent.run_id, flow_run_id) if register else None
         parent.log_artifact(root / "dvc.lock")
-    summary = {"mlflow_run_id": parent.run_id, "stages": results, "registered": registered}
-    logger.info("pipeline done: %s", json.dumps(summary))
-    return summary
+        experiment_id = parent.client.get_run(parent.run_id).info.experiment_id
+    return {"mlflow_run_id": parent.run_id, "mlflow_experiment_id": experiment_id,
+            "stages": results, "registered": registered}
+
+
+def _publish(summary: dict[str, Any], root: Path) -> None:
+    """The flow run's markdown artifact (metrics, gate, model version, MLflow link)."""
+    from prefect.artifacts import create_markdown_artifact
+
+    evaluation = root / EVALUATION
+    page = dict(summary)
+    if not summary.get("up_to_date") and evaluation.is_file():
+        page["evaluation"] = json.loads(evaluation.read_text())
+    create_markdown_artifact(
+        markdown=report.markdown(page, tracking_uri(root)),
+        key=report.ARTIFACT_KEY,
+        description="finetune: stages, metrics, gate, registered model",
+    )
 
 
 def _parse_set(items: list[str]) -> dict[str, Any]:
@@ -209,9 +274,12 @@ def main() -> None:
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="override a params.yaml key (repeatable): train.max_train_steps=5")
     parser.add_argument("--no-register", action="store_true", help="run the stages only")
+    parser.add_argument("--only-if-changed", action="store_true",
+                        help="do nothing when data, code and params match the last registered model")
     args = parser.parse_args()
     try:
-        finetune(overrides=_parse_set(args.set) or None, register=not args.no_register)
+        finetune(overrides=_parse_set(args.set) or None, register=not args.no_register,
+                 only_if_changed=args.only_if_changed)
     except dvc_stage.StageFailed as err:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(1)

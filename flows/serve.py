@@ -1,9 +1,10 @@
-"""`make serve`: a Prefect server, the deployment finetune/main and a worker, in the foreground.
+"""`make serve`: a Prefect server, the deployments (finetune/main, finetune/nightly) and a worker,
+in the foreground.
 
     python -m flows.serve          # 127.0.0.1:4200, or PREFECT_PORT
 
-Runs the real programs: `prefect server start`, `prefect work-pool create`, `prefect deploy`
-(prefect.yaml) and `prefect worker start`. Prefect's state lives in `.prefect/` in the repository
+Runs the real programs: `prefect server start`, `prefect work-pool create`, `prefect deploy --all`
+(every deployment in prefect.yaml) and `prefect worker start`. Prefect's state lives in `.prefect/` in the repository
 (PREFECT_HOME), so it never mixes with another project's. Ctrl-C (or SIGTERM) stops the worker,
 then the server. The server's own log goes to `.prefect/server.log`; flow runs log here.
 """
@@ -33,6 +34,7 @@ REPO = Path(__file__).resolve().parents[1]
 HOST = "127.0.0.1"
 DEFAULT_PORT = 4200
 DEPLOYMENT = "main"
+POOL_CONCURRENCY = 1  # one checkout, one pipeline run at a time
 SERVER_START_TIMEOUT_S = 180.0
 STOP_TIMEOUT_S = 30.0
 
@@ -153,7 +155,8 @@ def stop(proc: subprocess.Popen, name: str, timeout: float = STOP_TIMEOUT_S) -> 
 @contextmanager
 def serving(root: Path = REPO, port: int = DEFAULT_PORT, env: Mapping[str, str] = os.environ,
             worker_output: int | None = None) -> Iterator[Served]:
-    """Server up, pool created, `main` deployed, worker polling; all stopped on exit."""
+    """Server up, pool created, every deployment of prefect.yaml deployed, worker polling; all
+    stopped on exit."""
     check_port_free(HOST, port)
     api_url = f"http://{HOST}:{port}/api"
     penv = prefect_env(root, api_url, env)
@@ -174,7 +177,11 @@ def serving(root: Path = REPO, port: int = DEFAULT_PORT, env: Mapping[str, str] 
         log.info("server healthy after %.1f s", time.monotonic() - start)
         _run(_prefect("work-pool", "create", pool, "--type", "process", "--overwrite"), penv, root,
              f"work pool '{pool}'")
-        _run(_prefect("deploy", "--name", DEPLOYMENT), penv, root, f"prefect deploy ({DEPLOYMENT})")
+        # One flow run at a time from this pool: a nightly run and a manual one queue up instead
+        # of the second being refused by the workspace lock (flows/workspace.py).
+        _run(_prefect("work-pool", "set-concurrency-limit", pool, str(POOL_CONCURRENCY)), penv,
+             root, f"work pool '{pool}' concurrency limit {POOL_CONCURRENCY}")
+        _run(_prefect("deploy", "--all"), penv, root, "prefect deploy --all")
         worker = subprocess.Popen(
             _prefect("worker", "start", "--pool", pool, "--type", "process"),
             env=penv, cwd=root, stdout=worker_output,
@@ -207,6 +214,7 @@ def main() -> None:
                 f"In another shell, from {REPO}:\n"
                 f"  export PREFECT_API_URL={served.api_url}\n"
                 f"  .venv/bin/prefect deployment run finetune/{DEPLOYMENT}\n"
+                f"  .venv/bin/prefect deployment run finetune/nightly   # only if changed\n"
                 "Ctrl-C here stops the worker and the server.\n",
                 flush=True,
             )

@@ -4,12 +4,20 @@
 - Experiment: `MLFLOW_EXPERIMENT_NAME` if set, else `finetune`.
 - A stage started by the flow finds the flow's parent run id in `FINETUNE_PARENT_RUN_ID` and logs
   as its child; a stage run by plain `dvc repro` logs as a top-level run of its own.
+- A tracking server (http/https URI) that does not answer when a stage starts is waited for, up to
+  `FINETUNE_MLFLOW_WAIT_S` seconds (default 60: a server restarting or briefly unreachable); then
+  the stage fails with a clear message before doing any work, so nothing is ever trained without
+  a record. Once a run is open, MLflow's own HTTP retries (MLFLOW_HTTP_REQUEST_MAX_RETRIES, with
+  backoff) cover a short outage.
 """
 from __future__ import annotations
 
 import logging
 import os
 import subprocess
+import time
+import urllib.error
+import urllib.request
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator, Mapping
@@ -18,6 +26,8 @@ log = logging.getLogger(__name__)
 
 PARENT_ENV = "FINETUNE_PARENT_RUN_ID"
 DEFAULT_EXPERIMENT = "finetune"
+SERVER_WAIT_ENV = "FINETUNE_MLFLOW_WAIT_S"
+DEFAULT_SERVER_WAIT_S = 60.0
 
 
 def tracking_uri(root: Path | None = None) -> str:
@@ -52,6 +62,59 @@ def flatten(data: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
         else:
             flat[name] = value
     return flat
+
+
+def server_wait_seconds() -> float:
+    from tasks.common.errors import UserError
+
+    raw = os.environ.get(SERVER_WAIT_ENV, str(DEFAULT_SERVER_WAIT_S))
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if value < 0:
+        raise UserError(f"{SERVER_WAIT_ENV}={raw!r}: expected seconds >= 0, e.g. {SERVER_WAIT_ENV}=60")
+    return value
+
+
+def wait_for_server(uri: str | None = None, timeout: float | None = None) -> float:
+    """Bounded wait for an http(s) tracking server's /health; returns the seconds waited.
+
+    A local store (sqlite, file) needs no server and returns at once. Past the bound, raises a
+    UserError naming the server, the last error and the fixes.
+    """
+    from tasks.common.errors import UserError
+
+    uri = uri or tracking_uri()
+    if not uri.startswith(("http://", "https://")):
+        return 0.0
+    timeout = server_wait_seconds() if timeout is None else timeout
+    start = time.monotonic()
+    last = "no answer"
+    announced = False
+    while True:
+        try:
+            with urllib.request.urlopen(f"{uri.rstrip('/')}/health", timeout=5) as resp:
+                if resp.status == 200:
+                    return time.monotonic() - start
+                last = f"HTTP {resp.status}"
+        except urllib.error.HTTPError as err:
+            last = f"HTTP {err.code}"
+        except (urllib.error.URLError, OSError) as err:
+            last = str(getattr(err, "reason", err))
+        waited = time.monotonic() - start
+        if waited >= timeout:
+            raise UserError(
+                f"the MLflow tracking server {uri} did not answer within {timeout:.0f} s "
+                f"(last error: {last}). The stage did not start, so nothing ran without a record. "
+                f"Start the server (infra/README.md), check MLFLOW_TRACKING_URI, or wait longer "
+                f"with {SERVER_WAIT_ENV}=<seconds>"
+            )
+        if not announced:
+            log.warning("MLflow server %s not answering (%s); waiting up to %.0f s", uri, last,
+                        timeout)
+            announced = True
+        time.sleep(min(2.0, max(0.0, timeout - waited)))
 
 
 def configure() -> None:
@@ -127,6 +190,7 @@ def stage_run(stage: str, params: Mapping[str, Any] | None = None) -> Iterator[S
     """
     import mlflow
 
+    wait_for_server()  # before any work: never train without a record
     configure()
     tags = {"stage": stage}
     parent = os.environ.get(PARENT_ENV)

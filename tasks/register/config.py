@@ -1,16 +1,19 @@
 """The `register` section of params.yaml."""
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import Field
 
 from tasks.common.config import StageConfig
 
 
 class RegisterConfig(StageConfig):
-    """Where the model goes in the MLflow registry.
+    """Where the model goes in the MLflow registry, and when it becomes `champion`.
 
-    Issue 7 adds champion/challenger keys here (primary metric, direction); the alias logic in
-    core.py takes its decision from one function so that change stays local.
+    Every registered version gets `candidate`. `champion` moves to it only when the evaluation
+    gate passed AND it beats the current champion on `primary_metric` (strictly: a tie keeps the
+    champion, so re-registering the same model never churns the alias).
     """
 
     model_name: str = Field(
@@ -19,3 +22,9 @@ class RegisterConfig(StageConfig):
         pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$",
         description="registered model name; letters, digits, '.', '_' and '-'",
     )
+    primary_metric: str = Field(
+        "dino",
+        min_length=1,
+        description="a key of reports/evaluate.json's metrics (clip_t, clip_i, dino, gain_dino, ...)",
+    )
+    primary_metric_goal: Literal["maximize", "minimize"] = "maximize"

@@ -15,6 +15,7 @@ from tasks.common.config import load_config, read_params
 from tasks.common.errors import UserError
 from tasks.common.tracking import git_commit, stage_run
 from tasks.register.config import RegisterConfig
+from tasks.register.promotion import Champion, Goal, candidate_score, decide, score_from_tags
 from tasks.register.lineage import (
     Evaluation,
     Lock,
@@ -46,6 +47,7 @@ class Registered:
     model_uri: str
     aliases: tuple[str, ...]
     champion_moved: bool
+    decision: str = ""  # why champion moved or not, as recorded on the version
 
 
 def pip_requirements() -> list[str]:
@@ -78,15 +80,17 @@ def signature() -> Any:
     )
 
 
-def champion_decision(evaluation: Evaluation) -> tuple[bool, str]:
-    """Whether this version becomes champion, and why (recorded on the version).
+def current_champion(client: Any, model_name: str, metric: str) -> Champion | None:
+    """The version holding `champion` now (None when the model or the alias does not exist)."""
+    from mlflow.exceptions import MlflowException
 
-    Issue 7 extends this: the gate must pass AND the candidate must beat the current champion on
-    the primary metric named in params.
-    """
-    if evaluation.passed:
-        return True, "promoted: the evaluation gate passed"
-    return False, "not promoted: the evaluation gate did not pass"
+    try:
+        mv = client.get_model_version_by_alias(model_name, CHAMPION)
+    except MlflowException as err:
+        if err.error_code in ("RESOURCE_DOES_NOT_EXIST", "INVALID_PARAMETER_VALUE"):
+            return None
+        raise
+    return Champion(version=str(mv.version), score=score_from_tags(dict(mv.tags), metric))
 
 
 def _check_folder(path: Path, what: str, marker: str) -> None:
@@ -105,6 +109,8 @@ def register_model(
     run_id: str,
     git_commit: str | None,
     extra_tags: dict[str, Any] | None = None,
+    primary_metric: str = "dino",
+    primary_metric_goal: Goal = "maximize",
 ) -> Registered:
     """Log the pyfunc in run `run_id`, register a version of `model_name`, tag it, set aliases."""
     import mlflow
@@ -112,6 +118,7 @@ def register_model(
 
     _check_folder(finetuned, "a diffusers pipeline folder", "model_index.json")
     _check_folder(openvino, "an OpenVINO export folder", "model_index.json")
+    candidate_score(evaluation, primary_metric)  # a misnamed metric fails before anything is logged
     client = mlflow.MlflowClient()
     tags = lineage_tags(lock, evaluation, params, git_commit, extra_tags)
     log.info("logging the pyfunc model (artifacts %s, %s) into run %s", finetuned, openvino, run_id)
@@ -128,10 +135,13 @@ def register_model(
         metadata={"lineage": {k: v for k, v in tags.items() if not k.startswith("param.")}},
     )
     version = str(info.registered_model_version)
-    description = describe(lock, evaluation, git_commit)
+    # Decided after this version exists, against the champion of that moment.
+    decision = decide(evaluation, primary_metric, primary_metric_goal,
+                      current_champion(client, model_name, primary_metric))
+    promote, reason = decision.promote, decision.reason
+    description = f"{describe(lock, evaluation, git_commit)} Champion: {reason}."
     client.update_model_version(model_name, version, description=description)
-    promote, reason = champion_decision(evaluation)
-    tags["champion.decision"] = reason
+    tags.update(decision.tags())
     for key, value in tags.items():
         client.set_model_version_tag(model_name, version, key, value)
     client.set_registered_model_alias(model_name, CANDIDATE, version)
@@ -147,6 +157,7 @@ def register_model(
         model_uri=f"models:/{model_name}/{version}",
         aliases=tuple(aliases),
         champion_moved=promote,
+        decision=reason,
     )
 
 
@@ -176,6 +187,8 @@ def register(
         params={"register": read_params(params).get("register", {})},
         git_commit=git_commit(Path(params).resolve().parent),
         extra_tags=extra_tags,
+        primary_metric=cfg.primary_metric,
+        primary_metric_goal=cfg.primary_metric_goal,
     )
     if run_id:
         return register_model(run_id=run_id, **kwargs)

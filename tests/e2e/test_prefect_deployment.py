@@ -1,7 +1,8 @@
 """End to end with the real `prefect`: `python -m flows.serve` (server, work pool, `prefect deploy`,
 worker) on a free loopback port in a copy of the repo, then `prefect deployment run finetune/main
---watch` twice (everything runs, then everything is skipped), the model versions and aliases in
-MLflow, and a clean stop on Ctrl-C."""
+--watch` twice (everything runs, then everything is skipped and the same model does not take
+`champion`), then `finetune/nightly` (up to date: nothing registered), the model versions, aliases
+and run-summary artifacts, and a clean stop on Ctrl-C."""
 from __future__ import annotations
 
 import signal
@@ -66,13 +67,26 @@ class Serve:
             os.killpg(self.proc.pid, signal.SIGKILL)
 
 
-def _deployment_run(root: Path, env: dict[str, str]) -> tuple[subprocess.CompletedProcess[str], float]:
+def _deployment_run(root: Path, env: dict[str, str], name: str = "finetune/main"
+                    ) -> tuple[subprocess.CompletedProcess[str], float]:
     start = time.monotonic()
     proc = subprocess.run(
-        [sys.executable, "-m", "prefect", "deployment", "run", "finetune/main", "--watch"],
+        [sys.executable, "-m", "prefect", "deployment", "run", name, "--watch"],
         cwd=root, env=env, capture_output=True, text=True, timeout=3000,
     )
     return proc, time.monotonic() - start
+
+
+def _artifacts(api: str) -> list[str]:
+    """The markdown of every `finetune-summary` artifact on the server at `api`."""
+    from prefect import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    with temporary_settings({PREFECT_API_URL: api}), get_client(sync_client=True) as prefect:
+        found = prefect.read_artifacts(
+            artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["finetune-summary"])))
+    return [a.data for a in found]
 
 
 def test_deployment_run_registers_a_model(tmp_path_factory: pytest.TempPathFactory) -> None:
@@ -118,11 +132,25 @@ def test_deployment_run_registers_a_model(tmp_path_factory: pytest.TempPathFacto
         parent2 = client.get_run(v2.run_id)
         assert parent2.data.tags["stages.skipped"] == ",".join(STAGES)
         assert serve.output.count("Finished in state Skipped(") == len(STAGES)
+        # Same model, same scores: it does not beat the champion, so champion stays where it was.
+        assert "champion" not in v2.aliases
+        assert v2.tags["champion.decision"].startswith("not promoted")
+        assert v2.tags["champion.candidate_score"] == v1.tags["metric.dino"]
+
+        # The nightly deployment with nothing changed: up to date in seconds, no version 3.
+        nightly, nightly_s = _deployment_run(root, run_env, "finetune/nightly")
+        assert nightly.returncode == 0, nightly.stdout[-4000:] + serve.output[-6000:]
+        assert f"only_if_changed: up to date: nothing changed since {model_name} v2" in serve.output
+        assert len(client.search_model_versions(f"name='{model_name}'")) == 2
+        pages = _artifacts(api)
+        assert len(pages) == 3 and any("**Up to date**" in p for p in pages)
+        assert any(f"[{model_name} version 1](" in p and "## Gate:" in p for p in pages)
 
         stop_s = serve.interrupt()
         assert serve.proc.returncode == 0, serve.output[-3000:]
         assert "stopped the worker and the server" in serve.output
         print(f"\nserve ready {ready_s:.1f} s; first deployment run {first_s:.1f} s; "
-              f"second (all skipped) {second_s:.1f} s; Ctrl-C stop {stop_s:.1f} s")
+              f"second (all skipped) {second_s:.1f} s; nightly (up to date) {nightly_s:.1f} s; "
+              f"Ctrl-C stop {stop_s:.1f} s")
     finally:
         serve.kill()

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -12,10 +13,18 @@ from flows.dvc_stage import StageFailed, classify, repro
 
 MAKE = "import sys, pathlib; pathlib.Path('out.txt').write_text(sys.prefix + open('in.txt').read())"
 BROKEN = "import sys; print('reading params'); sys.exit('error: params.yaml: train.seed: bad value')"
+KILLED = "import os, signal; print('step 3'); os.kill(os.getpid(), signal.SIG{}); print('unreachable')"
+# Waits for a file named `go` (iter(f, True) calls f until it returns True), then writes its output.
+SLOW = ("import os, time; [time.sleep(0.2) for _ in iter(lambda: os.path.exists('go'), True)]; "
+        "open('slow.txt', 'w').write('done')")
 DVC_YAML = {
     "stages": {
         "make": {"cmd": f'python -c "{MAKE}"', "deps": ["in.txt"], "outs": ["out.txt"]},
         "broken": {"cmd": f'python -c "{BROKEN}"'},
+        "slow": {"cmd": f'python -c "{SLOW}"', "outs": ["slow.txt"]},
+        "oom": {"cmd": f'python -c "{KILLED.format("KILL")}"'},
+        "drained": {"cmd": f'python -c "{KILLED.format("TERM")}"'},
+        "interrupted": {"cmd": f'python -c "{KILLED.format("INT")}"'},
     }
 }
 
@@ -55,10 +64,50 @@ def test_failure_names_the_stage_and_quotes_dvc(project: Path) -> None:
     assert err.value.returncode != 0 and not err.value.killed
 
 
+@pytest.mark.parametrize(("stage", "signal", "killed"),
+                         [("oom", 9, True), ("drained", 15, True), ("interrupted", 2, False)])
+def test_a_stage_killed_by_a_signal_is_recognised(project: Path, stage: str, signal: int,
+                                                  killed: bool) -> None:
+    """The real case: the stage's process dies, DVC survives and exits 255; the signal is only in
+    DVC's error line. SIGKILL/SIGTERM may succeed on a rerun; Ctrl-C (SIGINT) is a person's."""
+    with pytest.raises(StageFailed) as err:
+        repro(stage, project)
+    assert err.value.returncode == 255  # DVC's own exit code says nothing about the signal
+    assert err.value.signal == signal and err.value.killed is killed
+
+
+def test_a_second_repro_of_a_running_stage_is_refused_by_dvcs_lock(project: Path) -> None:
+    import threading
+
+    first_lines: list[str] = []
+    results: list[object] = []
+    first = threading.Thread(target=lambda: results.append(repro("slow", project,
+                                                                 log=first_lines.append)))
+    first.start()
+    try:
+        for _ in range(600):
+            if "Running stage 'slow':" in first_lines:
+                break
+            time.sleep(0.2)
+        with pytest.raises(StageFailed) as err:
+            repro("slow", project)
+        assert err.value.busy and not err.value.killed  # refused, and not retried
+        assert "another `dvc repro` in this workspace holds DVC's lock" in str(err.value)
+        assert "slow.txt' is busy, it is being blocked by" in str(err.value)
+    finally:
+        (project / "go").touch()
+        first.join(timeout=300)
+    assert results and results[0].status == "ran"  # the first run was not disturbed
+    assert (project / "slow.txt").read_text() == "done"
+
+
 def test_killed_stage_counts_as_killed() -> None:
-    assert StageFailed("train", -9, []).killed
-    assert StageFailed("train", 137, []).killed
+    assert StageFailed("train", -9, []).killed  # DVC itself killed
+    assert StageFailed("train", 137, []).killed  # a shell's 128 + 9
+    assert StageFailed("train", 255, ["ERROR: failed to reproduce 'train': failed to run: "
+                                      "python -m tasks.train, exited with -15"]).killed
     assert not StageFailed("train", 2, []).killed
+    assert not StageFailed("train", 255, ["ERROR: ..., exited with 2"]).killed
 
 
 def test_classify_reads_only_the_named_stage() -> None:

@@ -17,10 +17,15 @@ from tasks.common.errors import UserError
 from tests.conftest import REPO
 
 STAGE_CODE = """\
-import sys, yaml, pathlib
+import os, signal, sys, yaml, pathlib
 from tasks.common.tracking import stage_run
 name = sys.argv[1]
 params = yaml.safe_load(open("params.yaml"))[name]
+with open(f"{name}.attempts", "a") as f:
+    f.write("x")
+if params.get("kill_once") and not pathlib.Path(f"{name}.killed").exists():
+    pathlib.Path(f"{name}.killed").touch()
+    os.kill(os.getpid(), signal.SIGKILL)  # as the OOM killer would
 if params.get("fail"):
     sys.exit(f"error: params.yaml: {name}.fail is set")
 with stage_run(name, params=params) as run:
@@ -50,7 +55,8 @@ def toy(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     }
     stages["first"]["deps"].append("second.out")
     (root / "dvc.yaml").write_text(yaml.safe_dump({"stages": stages}, sort_keys=False))
-    (root / "params.yaml").write_text("second:\n  value: 1  # kept\n  fail: false\nfirst:\n  value: 2\n")
+    (root / "params.yaml").write_text("second:\n  value: 1  # kept\n  fail: false\n  kill_once: false\n"
+                                      "first:\n  value: 2\nregister:\n  model_name: toy\n")
     monkeypatch.setattr(finetune_module, "REPO", root)  # the flow runs in this repo instead
     monkeypatch.setenv("PYTHONPATH", str(REPO))  # the toy stages import tasks.common
     return root
@@ -110,8 +116,86 @@ def test_failing_stage_fails_the_flow_and_the_parent_run(prefect_server, toy: Pa
     with pytest.raises(StageFailed, match="stage 'second' failed") as err:
         finetune_module.finetune(overrides={"second.fail": True}, register=False)
     assert "error: params.yaml: second.fail is set" in str(err.value)
+    assert (toy / "second.attempts").read_text() == "x"  # a config error is not retried
     (parent,) = mlflow.search_runs(search_all_experiments=True, output_format="list",
                                    filter_string="tags.pipeline = 'finetune'")
     assert parent.info.status == "FAILED"
     assert "stage 'second' failed" in parent.data.tags["error"]
     assert not (toy / "first.out").exists()  # later stages did not run
+
+
+def _artifact(flow_run_id) -> str:
+    """The markdown of the flow run's `finetune-summary` artifact, read back from the server."""
+    from prefect import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
+
+    with get_client(sync_client=True) as prefect:
+        (art,) = prefect.read_artifacts(
+            artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run_id])))
+    assert art.key == "finetune-summary" and art.type == "markdown"
+    return art.data
+
+
+def test_only_if_changed_and_the_run_summary_artifact(prefect_server, toy: Path) -> None:
+    from flows.changes import lineage_of_workspace
+
+    state = finetune_module.finetune(register=False, return_state=True)
+    first = state.result()
+    page = _artifact(state.state_details.flow_run_id)
+    assert f"MLflow run: [{first['mlflow_run_id']}](http://127.0.0.1:5000/#/experiments/" in page
+    assert "| second | ran |" in page and "Not registered" in page
+
+    # What tasks/register would leave: a version whose lineage is this workspace's dvc.lock.
+    client = mlflow.MlflowClient()
+    client.create_registered_model("toy")
+    client.create_model_version("toy", source=str(toy), tags=lineage_of_workspace(toy))
+    runs_before = len(mlflow.search_runs(search_all_experiments=True, output_format="list"))
+
+    state = finetune_module.finetune(only_if_changed=True, return_state=True)
+    up_to_date = state.result()
+    assert up_to_date["up_to_date"] is True and up_to_date["registered"] is None
+    assert up_to_date["changes"] == "up to date: nothing changed since toy v1"
+    assert len(mlflow.search_runs(search_all_experiments=True, output_format="list")) == runs_before
+    assert (toy / "second.attempts").read_text() == "x"  # no stage command ran
+    assert "**Up to date**: up to date: nothing changed since toy v1" in _artifact(
+        state.state_details.flow_run_id)
+
+    changed = finetune_module.finetune(overrides={"first.value": 7}, register=False,
+                                       only_if_changed=True)
+    assert [s["status"] for s in changed["stages"]] == ["skipped", "ran"]
+    assert changed["changes"].startswith("changed: stage 'first': changed deps: params.yaml")
+
+
+def test_a_killed_stage_is_retried_and_completes(prefect_server, toy: Path,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    fast = finetune_module.repro_stage.with_options(retry_delay_seconds=0)
+    monkeypatch.setattr(finetune_module, "repro_stage", fast)
+    result = finetune_module.finetune(overrides={"second.kill_once": True}, register=False)
+    assert [s["status"] for s in result["stages"]] == ["ran", "ran"]
+    assert (toy / "second.attempts").read_text() == "xx"  # killed once (SIGKILL), then completed
+    assert (toy / "second.out").read_text() == "1"
+
+
+def test_a_second_run_in_the_same_workspace_is_refused(prefect_server, toy: Path) -> None:
+    """A real second process holds the workspace; the flow refuses before touching anything."""
+    from flows.workspace import WorkspaceBusy, workspace_lock
+
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time; from pathlib import Path; "
+         "from flows.workspace import workspace_lock\n"
+         f"with workspace_lock(Path({str(toy)!r}), owner='flow run other'):\n"
+         "    print('locked', flush=True); time.sleep(600)"],
+        stdout=subprocess.PIPE, text=True, cwd=REPO)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        before = (toy / "params.yaml").read_text()
+        with pytest.raises(WorkspaceBusy) as err:
+            finetune_module.finetune(overrides={"first.value": 9}, register=False)
+        assert f"another pipeline run is already running in {toy} (pid {holder.pid}" in str(err.value)
+        assert "flow run other" in str(err.value) and "separate clone" in str(err.value)
+        assert (toy / "params.yaml").read_text() == before and not (toy / "second.out").exists()
+    finally:
+        holder.kill()  # killed, not released: the OS drops the lock with the process
+        holder.wait()
+    with workspace_lock(toy):
+        pass

@@ -58,3 +58,26 @@ def test_prefect_state_is_project_local(tmp_path: Path) -> None:
     assert env["PATH"].split(os.pathsep)[0] == str(Path(sys.executable).parent)
     # A PREFECT_HOME the user chose (the Makefile exports the repo's .prefect) is kept.
     assert prefect_env(tmp_path, "x", {"PREFECT_HOME": "/elsewhere"})["PREFECT_HOME"] == "/elsewhere"
+
+
+def test_deployments_main_and_nightly_match_the_flow() -> None:
+    """prefect.yaml at schema level: entrypoints, parameters the flow accepts, a valid cron."""
+    import yaml
+    from prefect.client.schemas.schedules import CronSchedule
+    from prefect.utilities.callables import parameter_schema
+
+    from flows.finetune import finetune
+
+    spec = yaml.safe_load((REPO / "prefect.yaml").read_text())
+    deployments = {d["name"]: d for d in spec["deployments"]}
+    assert set(deployments) == {"main", "nightly"}
+    accepted = set(parameter_schema(finetune.fn).properties)
+    for dep in deployments.values():
+        assert dep["entrypoint"] == "flows/finetune.py:finetune"
+        assert set(dep.get("parameters") or {}) <= accepted
+        assert dep["work_pool"]["name"] == "finetune"
+    nightly = deployments["nightly"]
+    assert nightly["parameters"] == {"only_if_changed": True}
+    (schedule,) = nightly["schedules"]
+    CronSchedule(cron=schedule["cron"], timezone=schedule["timezone"])  # raises on a bad cron
+    assert "schedules" not in deployments["main"]  # on demand only

@@ -17,7 +17,7 @@ from PIL import Image
 from tasks.common.errors import UserError
 from tasks.register.core import register
 from tests.conftest import REPO
-from tests.register.conftest import EVAL_FAIL
+from tests.register.conftest import EVAL_FAIL, EVAL_PASS
 
 
 def _cli(project: Path, *extra: str) -> subprocess.CompletedProcess[str]:
@@ -76,6 +76,34 @@ def test_failed_gate_moves_only_candidate(registered: Path) -> None:
     v2 = client.get_model_version("sd-test", "2")
     assert v2.run_id == run.info.run_id
     assert v2.tags["gate.passed"] == "false" and v2.tags["champion.decision"].startswith("not promoted")
+
+
+def test_champion_moves_only_to_a_better_candidate(registered: Path) -> None:
+    """v1 (dino 0.4) is champion; v2 passes the gate but scores lower; v3 beats v1."""
+    client = mlflow.MlflowClient()
+
+    def register_with(dino: float) -> str:
+        report = {**EVAL_PASS, "metrics": {**EVAL_PASS["metrics"], "dino": dino}}
+        (registered / "reports/evaluate.json").write_text(json.dumps(report))
+        return register(registered / "models/finetuned", registered / "models/openvino",
+                        registered / "reports/evaluate.json", registered / "dvc.lock",
+                        registered / "params.yaml").version
+
+    assert register_with(0.3) == "2"
+    v2 = client.get_model_version("sd-test", "2")
+    assert v2.aliases == ["candidate"]
+    assert str(client.get_model_version_by_alias("sd-test", "champion").version) == "1"
+    assert v2.tags["champion.decision"] == (
+        "not promoted: the gate passed but it does not beat the champion "
+        "(dino=0.3 vs champion v1 dino=0.4, maximize)")
+    assert (v2.tags["champion.candidate_score"], v2.tags["champion.previous_score"]) == ("0.3", "0.4")
+    assert "Champion: not promoted" in v2.description
+
+    assert register_with(0.45) == "3"
+    v3 = client.get_model_version("sd-test", "3")
+    assert sorted(v3.aliases) == ["candidate", "champion"]
+    assert v3.tags["champion.previous_version"] == "1" and v3.tags["champion.promoted"] == "true"
+    assert v3.tags["champion.decision"].startswith("promoted: the gate passed and it beats")
 
 
 def test_predict_in_a_fresh_process(registered: Path) -> None:

@@ -1,0 +1,146 @@
+"""`only_if_changed`: has anything that makes a model changed since the last registered version?
+
+The nightly deployment runs the flow with `only_if_changed=True`; with nothing new it must end in
+seconds and register nothing. "Changed" is decided from what DVC and the registry already record,
+never from timestamps:
+
+1. `dvc status`: any stage whose code, data (new, edited or deleted files in a dependency folder,
+   e.g. an ingest source folder), parameters or outputs differ from dvc.lock.
+2. Every local folder source in `ingest.sources` must be a dependency of a stage in dvc.yaml;
+   otherwise DVC cannot see its new files, so it counts as changed (and says why).
+3. dvc.lock against the last registered version's lineage tags (`dvc.md5.*` and `param.*`, written
+   by tasks/register from the same dvc.lock): a workspace that is up to date with dvc.lock but
+   whose outputs or parameters were never registered (a plain `dvc repro`, a failed registration)
+   counts as changed.
+4. No registered version of `register.model_name` yet: changed.
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from tasks.common.errors import UserError
+
+#: Lineage tags that identify what a version was built from (tasks/register/lineage.py writes them).
+_LINEAGE_PREFIXES = ("dvc.md5.", "param.")
+#: ... except the register section, which names the model and its promotion rule, not its content.
+_IGNORED_PREFIXES = ("param.register.",)
+
+
+@dataclass(frozen=True)
+class Changes:
+    changed: bool
+    reasons: list[str] = field(default_factory=list)
+    compared_with: str | None = None  # "sd-finetuned v3", when a registered version was found
+
+    def summary(self) -> str:
+        if not self.changed:
+            return f"up to date: nothing changed since {self.compared_with}"
+        return "changed: " + "; ".join(self.reasons)
+
+
+def dvc_status(root: Path) -> dict[str, Any]:
+    """`dvc status --json` in `root`: {} when every stage matches dvc.lock."""
+    from flows.dvc_stage import stage_env
+
+    proc = subprocess.run(
+        [sys.executable, "-m", "dvc", "status", "--json"], cwd=root, env=stage_env(),
+        capture_output=True, text=True,
+    )
+    if proc.returncode != 0:
+        raise UserError(f"`dvc status` failed in {root} (exit {proc.returncode}):\n"
+                        f"{(proc.stdout + proc.stderr).strip()[-2000:]}")
+    text = proc.stdout.strip()
+    return json.loads(text[text.index("{"):]) if "{" in text else {}
+
+
+def _status_reasons(status: dict[str, Any]) -> list[str]:
+    reasons = []
+    for stage, entries in status.items():
+        parts = []
+        for entry in entries:
+            if isinstance(entry, dict):
+                for kind, what in entry.items():  # {"changed deps": {"data/x": "modified"}}
+                    items = ", ".join(f"{k} {v}" for k, v in what.items()) if isinstance(what, dict) else what
+                    parts.append(f"{kind}: {items}")
+            else:
+                parts.append(str(entry))
+        reasons.append(f"stage '{stage}': " + "; ".join(parts))
+    return reasons
+
+
+def unwatched_sources(root: Path) -> list[str]:
+    """Local folder sources in params.yaml's ingest.sources that no dvc.yaml stage depends on."""
+    params = yaml.safe_load((root / "params.yaml").read_text()) or {}
+    stages = (yaml.safe_load((root / "dvc.yaml").read_text()) or {}).get("stages") or {}
+    deps = set()
+    for stage in stages.values():
+        for dep in stage.get("deps") or []:
+            deps.add(Path(str(dep)).as_posix().rstrip("/"))
+    missing = []
+    for source in ((params.get("ingest") or {}).get("sources") or []):
+        path = source.get("path") if isinstance(source, dict) else None
+        if not path or source.get("type") == "hub" or "://" in str(path):
+            continue
+        norm = Path(str(path)).as_posix().rstrip("/")
+        if not any(norm == d or norm.startswith(d + "/") for d in deps):
+            missing.append(norm)
+    return missing
+
+
+def lineage_of_workspace(root: Path) -> dict[str, str] | None:
+    """The lineage tags a registration of the workspace would carry now (None: no dvc.lock)."""
+    from tasks.register.lineage import Evaluation, lineage_tags, read_lock
+
+    if not (root / "dvc.lock").is_file():
+        return None
+    tags = lineage_tags(read_lock(root / "dvc.lock", required=()), Evaluation({}, True), {}, None)
+    return _comparable(tags)
+
+
+def _comparable(tags: dict[str, str]) -> dict[str, str]:
+    return {k: v for k, v in tags.items()
+            if k.startswith(_LINEAGE_PREFIXES) and not k.startswith(_IGNORED_PREFIXES)}
+
+
+def last_registered(model_name: str, tracking_uri: str) -> Any | None:
+    """The newest version of `model_name` (highest number), or None when there is none."""
+    from mlflow import MlflowClient
+
+    versions = MlflowClient(tracking_uri=tracking_uri).search_model_versions(f"name='{model_name}'")
+    return max(versions, key=lambda v: int(v.version)) if versions else None
+
+
+def _diff(now: dict[str, str], then: dict[str, str]) -> list[str]:
+    keys = sorted(set(now) | set(then))
+    diffs = [k for k in keys if now.get(k) != then.get(k)]
+    shown = ", ".join(f"{k}: {then.get(k, '(none)')} -> {now.get(k, '(none)')}" for k in diffs[:5])
+    more = f" and {len(diffs) - 5} more" if len(diffs) > 5 else ""
+    return [f"{shown}{more}"] if diffs else []
+
+
+def detect_changes(root: Path, model_name: str, tracking_uri: str) -> Changes:
+    """Compare the workspace (dvc status, dvc.lock, sources) with the last registered version."""
+    reasons = _status_reasons(dvc_status(root))
+    reasons += [f"source folder {p} is not a dependency of any stage in dvc.yaml, so DVC cannot "
+                "tell whether it has new files (add it to the ingest stage's deps)"
+                for p in unwatched_sources(root)]
+    version = last_registered(model_name, tracking_uri)
+    if version is None:
+        reasons.append(f"no version of model '{model_name}' is registered yet")
+        return Changes(True, reasons)
+    label = f"{model_name} v{version.version}"
+    now = lineage_of_workspace(root)
+    if now is None:
+        reasons.append("dvc.lock is missing: the pipeline has not run in this workspace")
+    else:
+        diff = _diff(now, _comparable(dict(version.tags)))
+        if diff:
+            reasons.append(f"dvc.lock differs from the lineage of {label}: {diff[0]}")
+    return Changes(bool(reasons), reasons, label)

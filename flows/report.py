@@ -1,0 +1,76 @@
+"""The flow run's Prefect artifact: one markdown page saying what the run did and where to look.
+
+Built here from plain data (pure, testable); flows/finetune.py publishes it with Prefect's
+`create_markdown_artifact` under the key `finetune-summary`, so the UI's Artifacts page keeps the
+history of every run under one key.
+"""
+from __future__ import annotations
+
+import os
+from typing import Any
+
+ARTIFACT_KEY = "finetune-summary"
+
+
+def mlflow_ui_base(tracking_uri: str) -> str:
+    """Where the MLflow UI is: the tracking server itself, or `make mlflow-ui` for a local store.
+
+    `MLFLOW_UI_URL` overrides both (e.g. a team server behind a proxy).
+    """
+    if os.environ.get("MLFLOW_UI_URL"):
+        return os.environ["MLFLOW_UI_URL"].rstrip("/")
+    if tracking_uri.startswith(("http://", "https://")):
+        return tracking_uri.rstrip("/")
+    return f"http://127.0.0.1:{os.environ.get('MLFLOW_PORT', '5000')}"
+
+
+def run_link(tracking_uri: str, experiment_id: str, run_id: str) -> str:
+    return f"{mlflow_ui_base(tracking_uri)}/#/experiments/{experiment_id}/runs/{run_id}"
+
+
+def model_link(tracking_uri: str, name: str, version: str) -> str:
+    return f"{mlflow_ui_base(tracking_uri)}/#/models/{name}/versions/{version}"
+
+
+def _fmt(value: Any) -> str:
+    return f"{value:.4f}" if isinstance(value, float) else str(value)
+
+
+def markdown(summary: dict[str, Any], tracking_uri: str) -> str:
+    """The page for one flow run. `summary` is what the flow returns, plus `evaluation`."""
+    lines = ["# finetune"]
+    if summary.get("up_to_date"):
+        lines += ["", f"**Up to date**: {summary.get('changes', '')}. Nothing ran, nothing was "
+                  "registered (`only_if_changed`)."]
+        return "\n".join(lines) + "\n"
+    run_id = summary.get("mlflow_run_id")
+    if run_id:
+        link = run_link(tracking_uri, summary.get("mlflow_experiment_id", "0"), run_id)
+        lines += ["", f"MLflow run: [{run_id}]({link})"]
+    if summary.get("changes"):
+        lines += ["", f"Why it ran: {summary['changes']}"]
+    stages = summary.get("stages") or []
+    if stages:
+        lines += ["", "## Stages", "", "| stage | status | seconds |", "|---|---|---|"]
+        lines += [f"| {s['stage']} | {s['status']} | {s['seconds']} |" for s in stages]
+    evaluation = summary.get("evaluation") or {}
+    metrics = evaluation.get("metrics") or {}
+    if metrics:
+        lines += ["", "## Metrics", "", "| metric | value |", "|---|---|"]
+        lines += [f"| {k} | {_fmt(v)} |" for k, v in sorted(metrics.items())]
+    gate = evaluation.get("gate")
+    if gate is not None:
+        checks = ", ".join(f"{k}: {'ok' if v else 'FAILED'}" for k, v in (gate.get("checks") or {}).items())
+        verdict = "passed" if gate.get("passed") else "**did not pass**"
+        lines += ["", f"## Gate: {verdict}" + (f" ({checks})" if checks else "")]
+    reg = summary.get("registered")
+    lines += ["", "## Model"]
+    if reg:
+        link = model_link(tracking_uri, reg["name"], reg["version"])
+        lines += ["", f"[{reg['name']} version {reg['version']}]({link}), aliases: "
+                  + ", ".join(f"`{a}`" for a in reg["aliases"]),
+                  "", f"Champion: {reg.get('decision', '')}",
+                  "", f"Load it: `mlflow.pyfunc.load_model('models:/{reg['name']}/{reg['version']}')`"]
+    else:
+        lines += ["", "Not registered (`register=False`)."]
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,99 @@
+"""Champion/challenger: does the new version take the `champion` alias? (pure, no MLflow)
+
+Rule: the evaluation gate must pass, AND the candidate must beat the current champion on
+`register.primary_metric` in the direction `register.primary_metric_goal`. Strictly better: a tie
+keeps the champion (re-registering the same model does not move the alias). With no champion yet,
+passing the gate is enough. A champion without a score for the metric (registered before the
+metric existed, or under another primary metric) cannot be compared: the candidate that passed
+the gate replaces it, and the reason says so.
+
+The decision, both scores and the champion compared against are written on the new version as
+tags (`champion.*`) and at the end of its description, so the registry shows why.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+from tasks.common.errors import UserError
+from tasks.register.lineage import Evaluation
+
+Goal = Literal["maximize", "minimize"]
+
+#: Version tag holding a metric's value (tasks/register/lineage.py writes `metric.<name>`).
+METRIC_TAG = "metric.{}"
+
+
+@dataclass(frozen=True)
+class Champion:
+    """The version holding `champion` now, with its score on the primary metric (None: unknown)."""
+
+    version: str
+    score: float | None
+
+
+@dataclass(frozen=True)
+class Decision:
+    promote: bool
+    reason: str
+    metric: str
+    candidate_score: float
+    champion: Champion | None
+
+    def tags(self) -> dict[str, str]:
+        """What is recorded on the new version."""
+        return {
+            "champion.decision": self.reason,
+            "champion.promoted": str(self.promote).lower(),
+            "champion.primary_metric": self.metric,
+            "champion.candidate_score": repr(self.candidate_score),
+            "champion.previous_version": self.champion.version if self.champion else "none",
+            "champion.previous_score": (
+                repr(self.champion.score)
+                if self.champion and self.champion.score is not None else "none"
+            ),
+        }
+
+
+def candidate_score(evaluation: Evaluation, metric: str) -> float:
+    """The candidate's score; a missing or non-finite metric is a config/report error."""
+    if metric not in evaluation.metrics:
+        known = ", ".join(sorted(evaluation.metrics)) or "(none)"
+        raise UserError(
+            f"register.primary_metric is '{metric}', but the evaluation report has no such "
+            f"metric. Set register.primary_metric in params.yaml to one of: {known}"
+        )
+    score = evaluation.metrics[metric]
+    if not math.isfinite(score):
+        raise UserError(f"the evaluation's {metric} is {score}: cannot rank the model on it")
+    return score
+
+
+def score_from_tags(tags: dict[str, str], metric: str) -> float | None:
+    raw = tags.get(METRIC_TAG.format(metric))
+    try:
+        value = float(raw) if raw is not None else None
+    except ValueError:
+        return None
+    return value if value is not None and math.isfinite(value) else None
+
+
+def decide(evaluation: Evaluation, metric: str, goal: Goal, champion: Champion | None) -> Decision:
+    score = candidate_score(evaluation, metric)
+    fmt = f"{metric}={score:.6g}"
+    if not evaluation.passed:
+        promote, reason = False, f"not promoted: the evaluation gate did not pass ({fmt})"
+    elif champion is None:
+        promote, reason = True, f"promoted: the gate passed and there was no champion ({fmt})"
+    elif champion.score is None:
+        promote, reason = True, (
+            f"promoted: the gate passed; champion v{champion.version} has no {metric} score to "
+            f"compare ({fmt})")
+    else:
+        better = score > champion.score if goal == "maximize" else score < champion.score
+        versus = f"{fmt} vs champion v{champion.version} {metric}={champion.score:.6g}, {goal}"
+        promote = better
+        reason = (f"promoted: the gate passed and it beats the champion ({versus})" if better
+                  else f"not promoted: the gate passed but it does not beat the champion ({versus})")
+    return Decision(promote, reason, metric, score, champion)

@@ -1,0 +1,88 @@
+"""`only_if_changed`'s decision on a throw-away DVC project with the real `dvc` and a real MLflow
+registry (versions carry the lineage tags tasks/register writes)."""
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import mlflow
+import pytest
+import yaml
+
+from flows.changes import detect_changes, lineage_of_workspace, unwatched_sources
+
+INGEST = "import pathlib, shutil; shutil.copytree('src', 'processed', dirs_exist_ok=True)"
+PARAMS = ("ingest:\n  sources:\n    - type: folder\n      path: src\n  resolution: 64\n"
+          "register:\n  model_name: toy\n")
+
+
+@pytest.fixture
+def ws(tmp_path: Path) -> Path:
+    root = tmp_path / "ws"
+    (root / "src").mkdir(parents=True)
+    (root / "src/a.png").write_bytes(b"a")
+    subprocess.run([sys.executable, "-m", "dvc", "init", "--no-scm", "-q"], cwd=root, check=True)
+    stages = {"ingest": {"cmd": f'python -c "{INGEST}"', "deps": ["src"],
+                         "params": ["ingest"], "outs": ["processed"]}}
+    (root / "dvc.yaml").write_text(yaml.safe_dump({"stages": stages}, width=1000))
+    (root / "params.yaml").write_text(PARAMS)
+    subprocess.run([sys.executable, "-m", "dvc", "repro", "-q"], cwd=root, check=True)
+    return root
+
+
+def _register(root: Path, uri: str) -> str:
+    """A version of `toy` with the workspace's lineage tags, as tasks/register would tag it."""
+    client = mlflow.MlflowClient(tracking_uri=uri)
+    if not client.search_registered_models("name='toy'"):
+        client.create_registered_model("toy")
+    tags = {**lineage_of_workspace(root), "param.register.model_name": "toy", "git_commit": "x"}
+    return client.create_model_version("toy", source=str(root / "processed"), tags=tags).version
+
+
+def _repro(root: Path) -> None:
+    subprocess.run([sys.executable, "-m", "dvc", "repro", "-q"], cwd=root, check=True)
+
+
+def test_changes_against_the_last_registered_version(ws: Path, isolated_mlflow: str) -> None:
+    """One workspace through the nightly's situations (each `dvc` call costs seconds)."""
+    changes = detect_changes(ws, "toy", isolated_mlflow)
+    assert changes.changed and changes.compared_with is None
+    assert changes.reasons == ["no version of model 'toy' is registered yet"]
+
+    version = _register(ws, isolated_mlflow)
+    changes = detect_changes(ws, "toy", isolated_mlflow)
+    assert not changes.changed, changes.reasons
+    assert changes.summary() == f"up to date: nothing changed since toy v{version}"
+
+    (ws / "src/b.png").write_bytes(b"b")  # a new image in the source folder
+    changes = detect_changes(ws, "toy", isolated_mlflow)
+    assert changes.changed and changes.compared_with == "toy v1"
+    assert changes.reasons == ["stage 'ingest': changed deps: src modified"]
+
+    # `dvc status` is clean after a plain `dvc repro`, but the registry still has older lineage.
+    _repro(ws)
+    (reason,) = detect_changes(ws, "toy", isolated_mlflow).reasons
+    assert reason.startswith("dvc.lock differs from the lineage of toy v1: dvc.md5.processed: ")
+
+    assert str(_register(ws, isolated_mlflow)) == "2"  # the newest version is the one compared with
+    assert not detect_changes(ws, "toy", isolated_mlflow).changed
+
+
+def test_a_changed_param_is_a_change(ws: Path, isolated_mlflow: str) -> None:
+    _register(ws, isolated_mlflow)
+    (ws / "params.yaml").write_text(PARAMS.replace("resolution: 64", "resolution: 128"))
+    changes = detect_changes(ws, "toy", isolated_mlflow)
+    assert changes.changed and "stage 'ingest': changed deps: params.yaml" in changes.reasons[0]
+
+
+def test_a_source_folder_dvc_does_not_watch_is_reported(ws: Path, isolated_mlflow: str) -> None:
+    (ws / "params.yaml").write_text(PARAMS.replace(
+        "      path: src\n", "      path: src\n    - type: folder\n      path: more/\n"
+        "    - type: hub\n      path: org/dataset\n"))
+    _repro(ws)
+    _register(ws, isolated_mlflow)
+    assert unwatched_sources(ws) == ["more"]
+    changes = detect_changes(ws, "toy", isolated_mlflow)
+    assert changes.changed
+    assert changes.reasons[0].startswith("source folder more is not a dependency of any stage")

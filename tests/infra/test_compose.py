@@ -1,0 +1,125 @@
+"""infra/compose.yaml without Docker: it parses, every command's flags exist in the installed
+`mlflow`/`prefect` CLIs (their real --help), every environment variable is one the program
+reads, image/package pins match requirements.lock, and no secret is committed."""
+from __future__ import annotations
+
+import re
+import shlex
+import subprocess
+import sys
+from functools import cache
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.conftest import REPO
+
+INFRA = REPO / "infra"
+COMPOSE = yaml.safe_load((INFRA / "compose.yaml").read_text())
+SERVICES = COMPOSE["services"]
+# Variables the third-party images and boto3 read (their documented names).
+IMAGE_ENV = {
+    "postgres": {"POSTGRES_USER", "POSTGRES_PASSWORD", "POSTGRES_DB"},
+    "minio": {"MINIO_ROOT_USER", "MINIO_ROOT_PASSWORD"},
+    "minio-init": {"MINIO_ROOT_USER", "MINIO_ROOT_PASSWORD"},
+}
+BOTO_ENV = {"AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"}
+
+
+def _lock_version(package: str) -> str:
+    for line in (REPO / "requirements.lock").read_text().splitlines():
+        if line.lower().startswith(f"{package}=="):
+            return line.split("==", 1)[1].split("+")[0]
+    raise AssertionError(f"{package} not in requirements.lock")
+
+
+def invocations(command: str) -> list[list[str]]:
+    """`mlflow ...` / `prefect ...` command lines in a service's command (also inside sh -c)."""
+    words = shlex.split(command)
+    if words[:2] == ["/bin/sh", "-c"]:
+        return [cmd for part in words[2].split("&&") for cmd in invocations(part.strip())]
+    return [words] if words and words[0] in ("mlflow", "prefect") else []
+
+
+@cache
+def cli_help(program: str, *subcommand: str) -> str:
+    env_bin = Path(sys.executable).parent
+    proc = subprocess.run([str(env_bin / program), *subcommand, "--help"], capture_output=True,
+                          text=True, timeout=120, env={"PATH": f"{env_bin}:/usr/bin:/bin",
+                                                       "COLUMNS": "200", "HOME": "/tmp"})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return proc.stdout
+
+
+def test_the_team_services_are_all_there() -> None:
+    assert set(SERVICES) >= {"postgres", "minio", "mlflow", "prefect-server", "worker"}
+    init = (INFRA / "postgres/init.sql").read_text()
+    mlflow_db = SERVICES["mlflow"]["environment"]["MLFLOW_BACKEND_STORE_URI"]
+    prefect_db = SERVICES["prefect-server"]["environment"]["PREFECT_API_DATABASE_CONNECTION_URL"]
+    assert mlflow_db.startswith("postgresql+psycopg2://") and mlflow_db.endswith("@postgres:5432/mlflow")
+    assert prefect_db.startswith("postgresql+asyncpg://") and prefect_db.endswith("@postgres:5432/prefect")
+    assert "CREATE DATABASE mlflow;" in init and "CREATE DATABASE prefect;" in init
+    assert "--artifacts-destination s3://" in SERVICES["mlflow"]["command"]
+    assert SERVICES["worker"]["environment"]["MLFLOW_TRACKING_URI"] == "http://mlflow:5000"
+
+
+@pytest.mark.parametrize("service", ["mlflow", "prefect-server", "worker"])
+def test_command_flags_exist_in_the_installed_clis(service: str) -> None:
+    found = invocations(SERVICES[service]["command"])
+    assert found, f"{service}: no mlflow/prefect command found"
+    for words in found:
+        # Subcommand words come before the first flag; later bare words are flag values.
+        first_flag = next((i for i, w in enumerate(words) if w.startswith("-")), len(words))
+        # ... minus positional arguments (the pool name, a limit)
+        sub = [w for w in words[1:first_flag] if w != "finetune" and not w.isdigit()]
+        text = cli_help(words[0], *sub)
+        for flag in (w.split("=")[0] for w in words[first_flag:] if w.startswith("--")):
+            assert re.search(rf"(?<![\w-]){re.escape(flag)}(?![\w-])", text), \
+                f"{service}: `{' '.join(words[:first_flag])}` has no {flag}"
+
+
+def test_environment_variables_are_read_by_their_programs() -> None:
+    import mlflow.environment_variables as mlflow_env
+    from mlflow.cli import server
+    from prefect.settings import Settings
+    from prefect.settings.legacy import _get_valid_setting_names
+
+    from tasks.common.tracking import SERVER_WAIT_ENV
+
+    mlflow_names = {n for n in dir(mlflow_env) if n.startswith("MLFLOW_")}
+    mlflow_names |= {p.envvar for p in server.params if isinstance(getattr(p, "envvar", None), str)}
+    prefect_names = set(_get_valid_setting_names(Settings))
+    ours = {SERVER_WAIT_ENV}
+    for name, service in SERVICES.items():
+        for var in service.get("environment") or {}:
+            known = (IMAGE_ENV.get(name, set()) | BOTO_ENV | mlflow_names | prefect_names | ours)
+            assert var in known, f"{name}: {var} is read by nothing installed"
+            if var.startswith("PREFECT_"):
+                assert var in prefect_names
+            if var.startswith("MLFLOW_"):
+                assert var in mlflow_names
+
+
+def test_no_secret_is_committed_and_every_variable_is_documented() -> None:
+    example = dict(line.split("=", 1) for line in (INFRA / "env.example").read_text().splitlines()
+                   if line and not line.startswith("#"))
+    used = set(re.findall(r"\$\{(\w+)", (INFRA / "compose.yaml").read_text()))
+    assert used <= set(example), f"undocumented in env.example: {used - set(example)}"
+    for key, value in example.items():
+        if "PASSWORD" in key or "SECRET" in key:
+            assert value.startswith("change-me"), f"{key} in env.example must be a placeholder"
+    # Passwords have no default in compose: it refuses to start without infra/.env.
+    assert "${POSTGRES_PASSWORD:?" in (INFRA / "compose.yaml").read_text()
+    assert {".env", "worker.env"} <= set((INFRA / ".gitignore").read_text().split())
+    tracked = subprocess.run(["git", "ls-files", "infra"], cwd=REPO, capture_output=True,
+                             text=True).stdout.split()
+    assert "infra/.env" not in tracked and "infra/worker.env" not in tracked
+
+
+def test_pins_match_requirements_lock() -> None:
+    mlflow_pin = re.search(r"mlflow==([\d.]+)", (INFRA / "Dockerfile.mlflow").read_text())
+    assert mlflow_pin and mlflow_pin.group(1) == _lock_version("mlflow")
+    prefect_image = SERVICES["prefect-server"]["image"]
+    assert prefect_image.startswith(f"prefecthq/prefect:{_lock_version('prefect')}-python3.11")
+    assert "requirements.lock" in (INFRA / "Dockerfile.worker").read_text()

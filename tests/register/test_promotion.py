@@ -1,0 +1,55 @@
+"""Champion/challenger decision (pure): gate AND strictly better on the primary metric."""
+from __future__ import annotations
+
+import pytest
+
+from tasks.common.errors import UserError
+from tasks.register.lineage import Evaluation
+from tasks.register.promotion import Champion, decide, score_from_tags
+
+
+def _ev(dino: float, passed: bool = True) -> Evaluation:
+    return Evaluation(metrics={"dino": dino, "clip_i": 0.9}, passed=passed)
+
+
+def test_first_model_that_passes_the_gate_becomes_champion() -> None:
+    d = decide(_ev(0.5), "dino", "maximize", None)
+    assert d.promote and d.reason == "promoted: the gate passed and there was no champion (dino=0.5)"
+    assert d.tags()["champion.previous_version"] == "none"
+
+
+def test_failed_gate_never_promotes_even_when_better() -> None:
+    d = decide(_ev(0.9, passed=False), "dino", "maximize", Champion("1", 0.1))
+    assert not d.promote and d.reason.startswith("not promoted: the evaluation gate did not pass")
+
+
+@pytest.mark.parametrize(("score", "goal", "promote"), [
+    (0.51, "maximize", True), (0.5, "maximize", False), (0.49, "maximize", False),
+    (0.49, "minimize", True), (0.5, "minimize", False), (0.51, "minimize", False),
+])
+def test_candidate_must_strictly_beat_the_champion(score: float, goal: str, promote: bool) -> None:
+    d = decide(_ev(score), "dino", goal, Champion("3", 0.5))  # type: ignore[arg-type]
+    assert d.promote is promote
+    assert f"dino={score:.6g} vs champion v3 dino=0.5, {goal}" in d.reason
+    tags = d.tags()
+    assert tags["champion.candidate_score"] == repr(score)
+    assert tags["champion.previous_score"] == "0.5" and tags["champion.previous_version"] == "3"
+    assert tags["champion.promoted"] == str(promote).lower()
+    assert tags["champion.primary_metric"] == "dino"
+
+
+def test_champion_without_a_score_is_replaced_and_the_reason_says_so() -> None:
+    d = decide(_ev(0.2), "dino", "maximize", Champion("2", None))
+    assert d.promote and "champion v2 has no dino score to compare" in d.reason
+    assert d.tags()["champion.previous_score"] == "none"
+
+
+def test_unknown_primary_metric_names_the_key_and_the_choices() -> None:
+    with pytest.raises(UserError, match=r"register.primary_metric is 'fid'.*one of: clip_i, dino"):
+        decide(_ev(0.2), "fid", "maximize", None)
+
+
+def test_score_from_tags() -> None:
+    assert score_from_tags({"metric.dino": "0.25"}, "dino") == 0.25
+    assert score_from_tags({"metric.dino": "nan"}, "dino") is None
+    assert score_from_tags({}, "dino") is None
