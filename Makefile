@@ -18,7 +18,7 @@ export PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS ?= 120
 help:
 	@echo "make demo       set up, then run the whole pipeline offline on the built-in tiny model"
 	@echo "make test       set up, then run the test suite (what .ci/run calls)"
-	@echo "make serve      Prefect server + worker on 127.0.0.1:\$${PREFECT_PORT:-4200}, deployment finetune/main"
+	@echo "make serve      Prefect server + worker on 127.0.0.1:\$${PREFECT_PORT:-4200}, deployments finetune/main and finetune/nightly"
 	@echo "make mlflow-ui  MLflow UI on 127.0.0.1:5000 over ./mlflow.db"
 	@echo "make lock       re-resolve requirements.in into requirements.lock"
 
