@@ -4,7 +4,6 @@ for the server, then fail with a clear message before doing any work; never trai
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -13,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import REPO
-from tests.e2e_util import free_port
+from tests.e2e_util import free_port, stop_process_group
 
 STAGE = """\
 import pathlib
@@ -79,9 +78,4 @@ def test_server_that_comes_up_within_the_bound_is_waited_for(tmp_path: Path) -> 
         assert run.data.tags["stage"] == "toy" and run.data.metrics["loss"] == 0.5
         assert (tmp_path / "trained").read_text() == "yes"
     finally:
-        os.killpg(server.pid, signal.SIGTERM)
-        try:
-            server.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(server.pid, signal.SIGKILL)
-            server.wait()
+        stop_process_group(server)

@@ -7,7 +7,6 @@ import base64
 import io
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -19,7 +18,7 @@ import pytest
 from PIL import Image
 
 from tasks.register.core import register
-from tests.e2e_util import free_port
+from tests.e2e_util import free_port, stop_process_group
 
 
 def _wait_ready(url: str, proc: subprocess.Popen, log: Path, timeout: float = 400) -> float:
@@ -70,9 +69,4 @@ def test_models_serve_answers_with_png_images(project: Path, tmp_path: Path) -> 
             image = Image.open(io.BytesIO(base64.b64decode(row["image"])))
             assert image.format == "PNG" and image.size == (64, 64)
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        stop_process_group(proc)

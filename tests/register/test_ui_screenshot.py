@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -16,7 +15,7 @@ from pathlib import Path
 import mlflow
 import pytest
 
-from tests.e2e_util import free_port
+from tests.e2e_util import free_port, stop_process_group
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 
@@ -73,9 +72,4 @@ def test_model_page_shows_the_model_and_its_aliases(tmp_path: Path, isolated_mlf
         assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
         print(f"\nscreenshot of {page}: {shot}")
     finally:
-        os.killpg(server.pid, signal.SIGTERM)
-        try:
-            server.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(server.pid, signal.SIGKILL)
-            server.wait()
+        stop_process_group(server)
