@@ -1,9 +1,13 @@
 """python -m tasks.evaluate --model models/openvino --base models/base
 --instance-data data/processed --out reports/evaluate --report reports/evaluate.json
+[--metrics reports/evaluate_metrics.json] [--heldout-data data/heldout]
 
-Generates the prompt list with the exported OpenVINO model (and, on the same seeds, the base
-model), scores CLIP-T, CLIP-I and DINO, applies the gate in params.yaml (`evaluate.gate`), and
-writes the report (DVC metrics) and a plots folder: grid.png, grid_base.png, per_prompt.csv.
+Generates the prompt list (the DreamBooth paper's object / live set, or custom) with the exported
+OpenVINO model (or, with `evaluate.backend: pytorch`, a diffusers --model) and, on the same
+seeds, the base model; scores CLIP-T, CLIP-I and DINO, language drift on class prompts and,
+for full fine-tunes, held-out CLIP-T and a Fréchet distance; applies the gate in params.yaml
+(`evaluate.gate`), and writes the report (DVC metrics), an optional flat metrics file, and a
+plots folder: grid.png, grid_base.png, per_prompt.csv.
 """
 from __future__ import annotations
 
@@ -40,6 +44,19 @@ def write_plots(result: Result, out: Path, images_per_prompt: int) -> dict[str, 
     return paths
 
 
+def flat_metrics(report: dict) -> dict[str, float]:
+    """{metric: value} plus gate.passed (1/0) and gate.<check>.passed; nulls left out.
+
+    Flat and numeric only, so `dvc metrics diff` on it reads as one line per figure (the full
+    report keeps prompts, encoders and the paper's table beside them).
+    """
+    flat = {k: v for k, v in report["metrics"].items() if v is not None}
+    flat["gate.passed"] = int(report["gate"]["passed"])
+    for name, check in report["gate"]["checks"].items():
+        flat[f"gate.{name}.passed"] = int(check["passed"])
+    return flat
+
+
 @main_guard
 def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m tasks.evaluate", description=__doc__)
@@ -48,15 +65,25 @@ def main() -> None:
     parser.add_argument("--instance-data", type=Path, required=True, help="instance images folder")
     parser.add_argument("--out", type=Path, required=True, help="plots folder to write")
     parser.add_argument("--report", type=Path, required=True, help="JSON report (DVC metrics)")
+    parser.add_argument(
+        "--heldout-data", type=Path, default=None,
+        help="held-out captioned images (imagefolder) for evaluate.heldout (full fine-tunes)",
+    )
+    parser.add_argument(
+        "--metrics", type=Path, default=None,
+        help="also write the flat numeric metrics here (DVC metrics for `dvc metrics diff`)",
+    )
     parser.add_argument("--params", type=Path, default=Path("params.yaml"))
     args = parser.parse_args()
     cfg = load_config("evaluate", EvaluateConfig, args.params)
     with stage_run("evaluate", params=cfg.model_dump()) as run:
-        result = evaluate(args.model, args.base, args.instance_data, cfg)
+        result = evaluate(args.model, args.base, args.instance_data, cfg, heldout=args.heldout_data)
         with atomic_dir(args.out) as tmp:
             written = write_plots(result, tmp, cfg.images_per_prompt)
             run.log_artifact(tmp, "evaluate")
         write_json(args.report, result.report)
+        if args.metrics is not None:
+            write_json(args.metrics, flat_metrics(result.report))
         run.log_metrics({k: v for k, v in result.report["metrics"].items() if v is not None})
         run.log_metrics({f"seconds.{k}": v for k, v in result.report["seconds"].items()})
         run.log_table(result.rows, "evaluate/per_prompt_table.json")

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import string
+from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
@@ -23,14 +24,58 @@ class GateConfig(StageConfig):
     min_gain_clip_t: float | None = Field(None, ge=-2.0, le=2.0)
     min_gain_clip_i: float | None = Field(None, ge=-2.0, le=2.0)
     min_gain_dino: float | None = Field(None, ge=-2.0, le=2.0)
+    min_drift_clip_i: float | None = Field(
+        None, ge=-1.0, le=1.0, description="class images of fine-tuned vs base (1: no drift)"
+    )
+    min_drift_dino: float | None = Field(None, ge=-1.0, le=1.0)
 
+
+class DriftConfig(StageConfig):
+    """Language drift: does the fine-tuned model still draw the class like the base does?
+
+    The class prompts go through both models from the same seeds; the paired cosine similarity
+    of the two images (CLIP-I and DINO features) is 1.0 when fine-tuning left the class intact.
+    """
+
+    enabled: bool = True
+    prompts: list[str] = Field(
+        default_factory=lambda: ["a photo of a {class_name}"],
+        description="templates with {class_name} (and {identifier}, unusual here)",
+    )
+    images_per_prompt: int = Field(2, ge=1, le=64)
+
+    @field_validator("prompts")
+    @classmethod
+    def _templates(cls, prompts: list[str]) -> list[str]:
+        return check_templates(prompts)
+
+
+class HeldoutConfig(StageConfig):
+    """For `full` fine-tunes on a captioned dataset: generalisation to held-out captions.
+
+    One image per held-out caption (CLI --heldout-data: an imagefolder with metadata.jsonl),
+    scored by CLIP-T against its caption, and a Fréchet distance between the generated and the
+    held-out real images in the CLIP image encoder's feature space (lower is closer).
+    """
+
+    enabled: bool = False
+    max_images: int = Field(64, ge=2, le=10000, description="first N held-out captions/images")
 
 class EvaluateConfig(StageConfig):
     """`evaluate` section: prompts, sampling, encoders and the gate."""
 
     identifier: str = Field("sks", min_length=1, description="the rare token naming the subject")
     class_name: str = Field("toy", min_length=1)
-    prompts: list[str] = Field(min_length=1, description="templates: {identifier}, {class_name}")
+    prompt_set: Literal["object", "live", "custom"] = Field(
+        "custom", description="the DreamBooth paper's 25 object / live-subject prompts, or `prompts`"
+    )
+    prompts: list[str] = Field(
+        default_factory=list, description="custom templates: {identifier}, {class_name}"
+    )
+    max_prompts: int | None = Field(None, ge=1, description="first N of the set (demo: short)")
+    backend: Literal["openvino", "pytorch"] = Field(
+        "openvino", description="openvino: --model is the export; pytorch: a diffusers folder"
+    )
     images_per_prompt: int = Field(2, ge=1, le=64)
     num_inference_steps: int = Field(10, ge=1, le=500)
     guidance_scale: float = Field(
@@ -44,28 +89,45 @@ class EvaluateConfig(StageConfig):
     dino_revision: str | None = Field(None, description="pinned commit for a hub dino_model")
     encoder_seed: int = Field(0, ge=0, description="weights of the built-in encoders")
     gate: GateConfig = Field(default_factory=GateConfig)
+    drift: DriftConfig = Field(default_factory=DriftConfig)
+    heldout: HeldoutConfig = Field(default_factory=HeldoutConfig)
 
     @field_validator("prompts")
     @classmethod
     def _templates(cls, prompts: list[str]) -> list[str]:
-        for prompt in prompts:
-            if not prompt.strip():
-                raise ValueError("prompts must not be empty")
-            names = {f for _, f, _, _ in string.Formatter().parse(prompt) if f is not None}
-            unknown = names - _FIELDS
-            if unknown:
-                raise ValueError(
-                    f"{prompt!r} uses {sorted(unknown)}; only {{identifier}} and {{class_name}} "
-                    "are filled in"
-                )
-        return prompts
+        return check_templates(prompts)
+
+    @model_validator(mode="after")
+    def _custom_needs_prompts(self) -> "EvaluateConfig":
+        if self.prompt_set == "custom" and not self.prompts:
+            raise ValueError("prompt_set custom needs prompts (or use object / live)")
+        return self
 
     @model_validator(mode="after")
     def _gains_need_base(self) -> "EvaluateConfig":
-        keys = ("min_gain_clip_t", "min_gain_clip_i", "min_gain_dino")
+        keys = ("min_gain_clip_t", "min_gain_clip_i", "min_gain_dino", "min_drift_clip_i",
+                "min_drift_dino")
         gains = [k for k in keys if getattr(self.gate, k) is not None]
         if gains and not self.compare_base:
             raise ValueError(
-                f"gate.{gains[0]} needs compare_base: true (the gain is measured against the base)"
+                f"gate.{gains[0]} needs compare_base: true (it is measured against the base)"
             )
+        drift = [k for k in keys[3:] if getattr(self.gate, k) is not None]
+        if drift and not self.drift.enabled:
+            raise ValueError(f"gate.{drift[0]} needs drift.enabled: true")
         return self
+
+
+def check_templates(prompts: list[str]) -> list[str]:
+    """Every template is non-empty and uses only {identifier} and {class_name}."""
+    for prompt in prompts:
+        if not prompt.strip():
+            raise ValueError("prompts must not be empty")
+        names = {f for _, f, _, _ in string.Formatter().parse(prompt) if f is not None}
+        unknown = names - _FIELDS
+        if unknown:
+            raise ValueError(
+                f"{prompt!r} uses {sorted(unknown)}; only {{identifier}} and {{class_name}} "
+                "are filled in"
+            )
+    return prompts

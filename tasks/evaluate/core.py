@@ -19,9 +19,11 @@ from tasks.common.errors import UserError
 from tasks.common.images import to_rgb
 from tasks.common.openvino_model import StaticShape, load_ov_pipeline, static_shape
 from tasks.common.tiny_encoders import LoadedEncoder, load_clip, load_dino
+from tasks.evaluate import extra_metrics as X
 from tasks.evaluate import metrics as M
 from tasks.evaluate.config import EvaluateConfig
 from tasks.evaluate.generate import generate
+from tasks.evaluate.prompts import prompt_templates
 
 log = logging.getLogger(__name__)
 
@@ -40,10 +42,11 @@ class Result:
 def render_prompts(cfg: EvaluateConfig) -> tuple[list[str], list[str]]:
     """(generation prompts, CLIP-T texts). CLIP-T reads the prompt without the identifier: the
     rare token means nothing to CLIP, and the score is about following the context."""
-    prompts = [p.format(identifier=cfg.identifier, class_name=cfg.class_name) for p in cfg.prompts]
+    templates = prompt_templates(cfg.prompt_set, cfg.prompts, cfg.max_prompts)
+    prompts = [p.format(identifier=cfg.identifier, class_name=cfg.class_name) for p in templates]
     texts = [
         re.sub(r"\s+", " ", p.format(identifier="", class_name=cfg.class_name)).strip()
-        for p in cfg.prompts
+        for p in templates
     ]
     return prompts, texts
 
@@ -79,7 +82,10 @@ def _load_base(path: Path) -> Any:
     from diffusers import DiffusionPipeline
 
     if not (Path(path) / "model_index.json").is_file():
-        raise UserError(f"{path} is not a diffusers pipeline: run the base stage (dvc repro base)")
+        raise UserError(
+            f"{path} is not a diffusers pipeline: run the base stage (dvc repro base); with "
+            "evaluate.backend pytorch, --model must be a diffusers folder too (models/finetuned)"
+        )
     return DiffusionPipeline.from_pretrained(path, torch_dtype=torch.float32)
 
 
@@ -110,33 +116,66 @@ def _scores(
     return overall, per_prompt
 
 
-def evaluate(model: Path, base: Path | None, instance_data: Path, cfg: EvaluateConfig) -> Result:
-    """Generate, score and gate; `base=None` (or compare_base false) skips the base model."""
+def _load_model(model: Path, backend: str) -> tuple[Any, str, StaticShape]:
+    """(pipeline, backend label, call shape) for `evaluate.backend`."""
+    if backend == "pytorch":
+        pipe = _load_base(model)
+        return pipe, "pytorch", _default_shape(pipe)
+    pipe = load_ov_pipeline(model, static=True)
+    shape = static_shape(pipe)
+    return pipe, "openvino-static" if shape else "openvino-dynamic", shape or _default_shape(pipe)
+
+
+def evaluate(model: Path, base: Path | None, instance_data: Path, cfg: EvaluateConfig,
+             heldout: Path | None = None) -> Result:
+    """Generate, score and gate; `base=None` (or compare_base false) skips the base model.
+
+    `heldout`: captioned held-out images for `evaluate.heldout` (full fine-tunes)."""
     prompts, clip_texts = render_prompts(cfg)
     real_images = load_instance_images(instance_data)
     clip = load_clip(cfg.clip_model, cfg.encoder_seed, cfg.clip_revision, "evaluate.clip_model")
     dino = load_dino(cfg.dino_model, cfg.encoder_seed, cfg.dino_revision, "evaluate.dino_model")
 
-    pipe = load_ov_pipeline(model, static=True)
-    shape = static_shape(pipe)
-    backend = "openvino-static" if shape else "openvino-dynamic"
-    shape = shape or _default_shape(pipe)
+    pipe, backend, shape = _load_model(model, cfg.backend)
     n = cfg.images_per_prompt
     log.info("generating %d x %d images with %s at %s", len(prompts), n, backend, shape)
-    gen_args = dict(
-        prompts=prompts, shape=shape, images_per_prompt=cfg.images_per_prompt, seed=cfg.seed,
-        num_inference_steps=cfg.num_inference_steps, guidance_scale=cfg.guidance_scale,
-    )
-    images, ov_s = generate(pipe, desc="fine-tuned (OpenVINO)", **gen_args)
-    del pipe
-    seconds = {"generate_finetuned": round(ov_s, 3)}
+    common = dict(shape=shape, seed=cfg.seed, num_inference_steps=cfg.num_inference_steps,
+                  guidance_scale=cfg.guidance_scale)
+    gen_args = dict(prompts=prompts, images_per_prompt=cfg.images_per_prompt, **common)
+    with_base = cfg.compare_base and base is not None
+    drift_args = dict(
+        prompts=X.drift_prompts(cfg.drift.prompts, cfg.identifier, cfg.class_name),
+        images_per_prompt=cfg.drift.images_per_prompt, **common,
+    ) if cfg.drift.enabled and with_base else None
+    heldout_data = None
+    if cfg.heldout.enabled:
+        if heldout is None:
+            raise UserError(
+                "evaluate.heldout.enabled needs --heldout-data (held-out captioned images)"
+            )
+        heldout_data = X.load_heldout(heldout, cfg.heldout.max_images)
+        heldout_args = dict(prompts=heldout_data[0], images_per_prompt=1, **common)
 
-    base_images = None
-    if cfg.compare_base and base is not None:
+    def run_all(p: Any, who: str) -> dict[str, Any]:
+        out = {"main": generate(p, desc=f"{who}", **gen_args)}
+        if drift_args:
+            out["drift"] = generate(p, desc=f"{who}: class prompts", **drift_args)
+        if heldout_data is not None:
+            out["heldout"] = generate(p, desc=f"{who}: held-out captions", **heldout_args)
+        return out
+
+    tuned = run_all(pipe, f"fine-tuned ({backend})")
+    del pipe
+    images = tuned["main"][0]
+    seconds = {"generate_finetuned": round(sum(v[1] for v in tuned.values()), 3)}
+
+    base_images, based = None, {}
+    if with_base:
         base_pipe = _load_base(base)
-        base_images, base_s = generate(base_pipe, desc="base (PyTorch)", **gen_args)
+        based = run_all(base_pipe, "base (PyTorch)")
         del base_pipe
-        seconds["generate_base"] = round(base_s, 3)
+        base_images = based["main"][0]
+        seconds["generate_base"] = round(sum(v[1] for v in based.values()), 3)
 
     start = time.perf_counter()
     text_emb = clip.embed_texts(clip_texts)
@@ -159,6 +198,15 @@ def evaluate(model: Path, base: Path | None, instance_data: Path, cfg: EvaluateC
             if base_per_prompt is not None:
                 row[f"{name}_base"] = round(base_per_prompt[p][name], 6)
         rows.append(row)
+    if drift_args:
+        metrics.update(X.drift_scores(tuned["drift"][0], based["drift"][0], clip, dino))
+    if heldout_data is not None:
+        captions, real_heldout = heldout_data
+        metrics.update(X.heldout_scores(tuned["heldout"][0], captions, real_heldout, clip))
+        metrics["real_heldout_clip_t"] = X.heldout_reference(captions, real_heldout, clip)
+        if with_base:
+            metrics.update(X.heldout_scores(based["heldout"][0], captions, real_heldout, clip,
+                                            prefix="base_"))
     metrics["real_clip_i"] = M.mean_self_cosine(real_clip)
     metrics["real_dino"] = M.mean_self_cosine(real_dino)
     seconds["score"] = round(time.perf_counter() - start, 3)
@@ -180,6 +228,9 @@ def evaluate(model: Path, base: Path | None, instance_data: Path, cfg: EvaluateC
             "backend": backend,
             "call_shape": shape.as_dict(),
             "base_compared": base_images is not None,
+            "prompt_set": cfg.prompt_set,
+            "drift_prompts": drift_args["prompts"] if drift_args else [],
+            "heldout_images": len(heldout_data[0]) if heldout_data else 0,
         },
         "encoders": {"clip": cfg.clip_model, "dino": cfg.dino_model, "clip_dim": clip.embedding_dim,
                      "dino_dim": dino.embedding_dim},

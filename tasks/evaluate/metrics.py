@@ -92,3 +92,31 @@ def _json_number(value: float | None) -> float | None:
     if value is None or not math.isfinite(value):
         return None
     return round(float(value), 6)
+
+
+def paired_cosine(a: np.ndarray, b: np.ndarray) -> float:
+    """Mean cosine of row i of `a` with row i of `b` (same seed through two models)."""
+    if a.shape != b.shape:
+        raise ValueError(f"paired features need equal shapes, got {a.shape} and {b.shape}")
+    return float(np.sum(_unit(a) * _unit(b), axis=1).mean())
+
+
+def frechet_distance(a: np.ndarray, b: np.ndarray) -> float:
+    """Fréchet distance of Gaussians fitted to two feature sets (FID's formula, any encoder).
+
+    |mu_a - mu_b|^2 + Tr(S_a + S_b - 2 (S_a S_b)^1/2). With fewer samples than dimensions the
+    covariances are singular; sqrtm still returns the principal root (tiny imaginary parts from
+    round-off are dropped), so small evaluation sets give a usable, if noisy, figure.
+    """
+    from scipy import linalg
+
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    if a.ndim != 2 or b.ndim != 2 or a.shape[1] != b.shape[1] or min(len(a), len(b)) < 2:
+        raise ValueError("frechet_distance needs two (n >= 2, d) feature arrays of equal d")
+    mu_a, mu_b = a.mean(axis=0), b.mean(axis=0)
+    cov_a, cov_b = np.cov(a, rowvar=False), np.cov(b, rowvar=False)
+    covmean = linalg.sqrtm(cov_a @ cov_b)
+    if np.iscomplexobj(covmean):
+        covmean = covmean.real
+    value = float(np.sum((mu_a - mu_b) ** 2) + np.trace(cov_a + cov_b - 2.0 * covmean))
+    return max(value, 0.0)

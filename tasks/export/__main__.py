@@ -1,8 +1,10 @@
-"""python -m tasks.export --model models/finetuned --out models/openvino
+"""python -m tasks.export --model models/finetuned --base models/base --out models/openvino
 --report reports/export.json
 
-Converts the fine-tuned diffusers pipeline to OpenVINO at the static shape in params.yaml
-(`export`), checks parity against PyTorch, and writes the folder only when parity holds.
+Converts the train stage's output to OpenVINO at the static shape in params.yaml (`export`):
+a full pipeline directly, LoRA weights / textual-inversion embeddings applied to `--base` first.
+Checks parity against PyTorch, optionally compresses the weights with NNCF, times PyTorch eager
+and OpenVINO dynamic / static / compressed, and writes the folder only when the gates hold.
 """
 from __future__ import annotations
 
@@ -24,6 +26,10 @@ log = logging.getLogger("tasks.export")
 def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m tasks.export", description=__doc__)
     parser.add_argument("--model", type=Path, required=True, help="diffusers pipeline to export")
+    parser.add_argument(
+        "--base", type=Path, default=None,
+        help="base pipeline the adapters apply to (needed when --model holds only LoRA/TI files)",
+    )
     parser.add_argument("--out", type=Path, required=True, help="OpenVINO pipeline folder to write")
     parser.add_argument("--report", type=Path, required=True, help="JSON report (DVC metrics)")
     parser.add_argument("--params", type=Path, default=Path("params.yaml"))
@@ -31,14 +37,16 @@ def main() -> None:
     cfg = load_config("export", ExportConfig, args.params)
     with stage_run("export", params=cfg.model_dump()) as run:
         with atomic_dir(args.out) as tmp:
-            report = export(args.model, tmp, cfg)
+            report = export(args.model, tmp, cfg, base=args.base)
             report["output"] = str(args.out)
             write_json(args.report, report)
             run.log_metrics(numeric_metrics(report))
             run.log_dict(report, "export.json")
             parity = report["parity"]
             run.set_tags(
-                {"export.family": report["family"], "export.parity_passed": parity["passed"]}
+                {"export.family": report["family"], "export.parity_passed": parity["passed"],
+                 "export.source_kind": report["source_kind"]["method"],
+                 "export.compression": cfg.compression.mode}
             )
             if not parity["passed"]:
                 raise UserError(
@@ -47,6 +55,14 @@ def main() -> None:
                     f"{parity.get('min_psnr_db')}; finite outputs: {parity.get('finite')}). The "
                     f"export is not written; see {args.report}. A broken export must not reach the "
                     "registry"
+                )
+            comp = report.get("compression", {})
+            if comp.get("passed") is False:
+                raise UserError(
+                    f"compressed ({comp['mode']}) images differ too much from fp32: PSNR "
+                    f"{comp.get('psnr_vs_openvino_fp32_db')} dB < export.compression.min_psnr_db "
+                    f"{comp.get('min_psnr_db')} (finite: {comp.get('finite')}). Use a milder mode "
+                    "(int8, or int4 with a lower ratio) or lower the threshold"
                 )
     log.info(
         "OpenVINO pipeline written to %s (static shape %s); report %s",

@@ -1,6 +1,8 @@
 """The `export` section of params.yaml."""
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import Field, model_validator
 
 from tasks.common.config import StageConfig
@@ -19,6 +21,33 @@ class ParityConfig(StageConfig):
     )
 
 
+class CompressionConfig(StageConfig):
+    """NNCF weight compression / hybrid quantization of the written model (see compress.py)."""
+
+    mode: Literal["none", "int8", "int4", "hybrid"] = Field(
+        "none", description="none: the fp32 export is written; otherwise the compressed one"
+    )
+    sym: bool = Field(False, description="symmetric quantization (asymmetric is more accurate)")
+    group_size: int = Field(64, ge=-1, description="int4: weights per scale group (-1: per row)")
+    ratio: float = Field(1.0, gt=0.0, le=1.0, description="int4: share of layers in 4 bit")
+    calibration_prompts: list[str] = Field(
+        default_factory=lambda: ["a photo of a toy", "a photo of sks toy on the beach"],
+        description="hybrid: prompts the pipeline runs to calibrate the UNet's activations",
+    )
+    num_samples: int | None = Field(
+        None, ge=1, description="hybrid: UNet calls collected for calibration (null: 200)"
+    )
+    min_psnr_db: float | None = Field(
+        None, description="fail when compressed vs fp32 image PSNR is below; null: record only"
+    )
+
+    @model_validator(mode="after")
+    def _prompts(self) -> "CompressionConfig":
+        if self.mode == "hybrid" and not self.calibration_prompts:
+            raise ValueError("hybrid quantization needs calibration_prompts")
+        return self
+
+
 class ExportConfig(StageConfig):
     """`export` section: the static shape of the OpenVINO pipeline, and the parity check."""
 
@@ -27,6 +56,13 @@ class ExportConfig(StageConfig):
     width: int = Field(64, ge=8, le=4096, multiple_of=8)
     num_images_per_prompt: int = Field(1, ge=1, le=64)
     parity: ParityConfig = Field(default_factory=ParityConfig)
+    compression: CompressionConfig = Field(default_factory=CompressionConfig)
+    latency_dynamic: bool = Field(
+        True, description="also time the fp32 export with dynamic shapes (one more compile)"
+    )
+    placeholder_token: str | None = Field(
+        None, description="token of an SDXL learned_embeds.safetensors (SD files carry theirs)"
+    )
 
     @model_validator(mode="after")
     def _batch_not_huge(self) -> "ExportConfig":

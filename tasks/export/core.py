@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -26,7 +27,10 @@ from tasks.common.openvino_model import (
     static_shape,
 )
 from tasks.export.config import ExportConfig
+from tasks.export.compress import compress
 from tasks.export.parity import run_parity
+from tasks.export.source import materialize
+from tasks.export.variants import add_ratios, compressed_comparison, dynamic_latency
 
 log = logging.getLogger(__name__)
 
@@ -77,6 +81,18 @@ def free_text_encoder_batch(pipe: Any) -> None:
         part.model.reshape(shapes)
 
 
+def fix_static_shape(pipe: Any, shape: StaticShape) -> None:
+    """Reshape an OpenVINO pipeline to `shape` (UNet, VAE static; text encoders' batch free)."""
+    pipe.reshape(
+        batch_size=shape.batch_size,
+        height=shape.height,
+        width=shape.width,
+        num_images_per_prompt=shape.num_images_per_prompt,
+    )
+    fix_vae_decoder_batch(pipe, shape.images_per_call)
+    free_text_encoder_batch(pipe)
+
+
 def convert(src: Path, dst: Path, shape: StaticShape) -> dict[str, Any]:
     """Convert `src` into `dst` (an empty folder) at `shape`; returns timings and the class used."""
     family = check_source(src)
@@ -93,14 +109,7 @@ def convert(src: Path, dst: Path, shape: StaticShape) -> dict[str, Any]:
         gc.unfreeze()
     export_s = time.perf_counter() - start
     start = time.perf_counter()
-    pipe.reshape(
-        batch_size=shape.batch_size,
-        height=shape.height,
-        width=shape.width,
-        num_images_per_prompt=shape.num_images_per_prompt,
-    )
-    fix_vae_decoder_batch(pipe, shape.images_per_call)
-    free_text_encoder_batch(pipe)
+    fix_static_shape(pipe, shape)
     pipe.save_pretrained(dst)
     save_s = time.perf_counter() - start
     log.info("exported in %.1f s, reshaped and saved in %.1f s to %s", export_s, save_s, dst)
@@ -117,41 +126,75 @@ def component_sizes(path: Path) -> dict[str, float]:
     }
 
 
-def export(src: Path, dst: Path, cfg: ExportConfig) -> dict[str, Any]:
-    """Convert, reload from disk at the static shape, check parity; returns the report."""
-    src, dst = Path(src), Path(dst)
-    wanted = StaticShape(cfg.batch_size, cfg.height, cfg.width, cfg.num_images_per_prompt)
-    info = convert(src, dst, wanted)
-
+def _load_static(path: Path, wanted: StaticShape) -> tuple[Any, float]:
+    """Load an export back from disk at its static shape (and check it is `wanted`)."""
     start = time.perf_counter()
-    ov_pipe = load_ov_pipeline(dst, static=True)
+    pipe = load_ov_pipeline(path, static=True)
     load_s = time.perf_counter() - start
-    got = static_shape(ov_pipe)
+    got = static_shape(pipe)
     if got is None or got.images_per_call != wanted.images_per_call or (got.height, got.width) != (
         wanted.height, wanted.width
     ):
         raise RuntimeError(f"exported pipeline reloads with call shape {got}, expected {wanted}")
+    return pipe, load_s
 
-    report: dict[str, Any] = {
-        "source": str(src),
-        "family": info["family"],
-        "pipeline_class": info["pipeline_class"],
-        "static_shape": wanted.as_dict(),
-        "seconds": {
-            "export": round(info["export_s"], 3),
-            "reshape_save": round(info["save_s"], 3),
-            "load_compile": round(load_s, 3),
-        },
-        "size_mb": {
-            "source": folder_size_mb(src),
-            "openvino": folder_size_mb(dst),
-            "components": component_sizes(dst),
-        },
-    }
-    if cfg.parity.enabled:
-        report["parity"], report["latency_s"] = run_parity(src, ov_pipe, wanted, cfg.parity)
-    else:
-        report["parity"] = {"enabled": False, "passed": True}
+
+def export(src: Path, dst: Path, cfg: ExportConfig, base: Path | None = None) -> dict[str, Any]:
+    """Materialize, convert, reload at the static shape, check parity, compress; the report.
+
+    `src` is any train output (see source.py; adapters need `base`). `dst` receives the fp32
+    export, or the compressed one when `export.compression.mode` is not 'none' (the fp32 export
+    is then built in a temporary folder as the reference for parity and fidelity).
+    """
+    src, dst = Path(src), Path(dst)
+    wanted = StaticShape(cfg.batch_size, cfg.height, cfg.width, cfg.num_images_per_prompt)
+    compressing = cfg.compression.mode != "none"
+    with tempfile.TemporaryDirectory(prefix="export-") as work:
+        source, source_info = materialize(src, base, Path(work), cfg.placeholder_token)
+        fp32_dir = Path(work) / "openvino-fp32" if compressing else dst
+        info = convert(source, fp32_dir, wanted)
+        ov_pipe, load_s = _load_static(fp32_dir, wanted)
+        report: dict[str, Any] = {
+            "source": str(src),
+            "source_kind": source_info,
+            "family": info["family"],
+            "pipeline_class": info["pipeline_class"],
+            "static_shape": wanted.as_dict(),
+            "seconds": {
+                "export": round(info["export_s"], 3),
+                "reshape_save": round(info["save_s"], 3),
+                "load_compile": round(load_s, 3),
+            },
+            "size_mb": {"source": folder_size_mb(source), "openvino_fp32": folder_size_mb(fp32_dir)},
+        }
+        ref = None
+        if cfg.parity.enabled:
+            report["parity"], report["latency_s"], ref = run_parity(
+                source, ov_pipe, wanted, cfg.parity
+            )
+            if cfg.latency_dynamic:
+                report["latency_s"]["openvino_dynamic"] = round(dynamic_latency(fp32_dir, ref), 4)
+        else:
+            report["parity"] = {"enabled": False, "passed": True}
+        del ov_pipe
+        if compressing:
+            report["compression"] = compress(fp32_dir, dst, wanted, cfg.compression,
+                                             fix_static_shape)
+            report["size_mb"]["openvino_compressed"] = folder_size_mb(dst)
+            if ref is not None:
+                comp_pipe, _ = _load_static(dst, wanted)
+                seconds, fidelity = compressed_comparison(comp_pipe, ref)
+                report["latency_s"]["openvino_compressed"] = round(seconds, 4)
+                limit = cfg.compression.min_psnr_db
+                fidelity["min_psnr_db"] = limit
+                fidelity["passed"] = fidelity["finite"] and (
+                    limit is None or fidelity["psnr_vs_openvino_fp32_db"] >= limit
+                )
+                report["compression"].update(fidelity)
+    report["size_mb"]["openvino"] = folder_size_mb(dst)
+    report["size_mb"]["components"] = component_sizes(dst)
+    if "latency_s" in report:
+        add_ratios(report["latency_s"])
     return report
 
 
@@ -166,6 +209,6 @@ def numeric_metrics(report: dict[str, Any]) -> dict[str, float]:
         elif isinstance(node, (int, float)) and not isinstance(node, bool):
             out[prefix[:-1]] = float(node)
 
-    for key in ("seconds", "size_mb", "parity", "latency_s"):
+    for key in ("seconds", "size_mb", "parity", "latency_s", "compression"):
         walk(report.get(key, {}), f"{key}.")
     return out

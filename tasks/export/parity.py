@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +41,16 @@ def _max_abs(a: np.ndarray, b: np.ndarray) -> float | None:
     return float(diff) if np.isfinite(diff) else None
 
 
+@dataclass
+class Reference:
+    """What the parity run used and produced, so other variants can be run and compared alike."""
+
+    latents: Any  # torch.Tensor: the shared initial latents
+    kwargs: dict[str, Any]  # the pipeline call's arguments (prompt, size, steps, guidance)
+    pytorch_images: np.ndarray
+    openvino_images: np.ndarray  # fp32, static shapes
+
+
 def _step_capture(store: list[np.ndarray]) -> Any:
     """callback_on_step_end that keeps the latents after the first denoising step."""
 
@@ -53,10 +64,11 @@ def _step_capture(store: list[np.ndarray]) -> Any:
 
 def run_parity(
     src: Path, ov_pipe: Any, shape: StaticShape, cfg: ParityConfig
-) -> tuple[dict[str, Any], dict[str, Any]]:
+) -> tuple[dict[str, Any], dict[str, Any], Reference]:
     """Generate once with PyTorch (diffusers, fp32) and OpenVINO from the same latents.
 
-    Returns (parity, latency) sections of the export report. `parity.passed` is False when the
+    Returns (parity, latency) sections of the export report and the Reference (latents, call
+    arguments, both images) for comparing other variants. `parity.passed` is False when the
     image PSNR is below `cfg.min_psnr_db` (or any output is not finite).
     """
     import torch
@@ -94,6 +106,7 @@ def run_parity(
     start = time.perf_counter()
     ov_pipe(latents=latents.clone(), **kwargs)
     ov_s = time.perf_counter() - start
+    ov_pipe.set_progress_bar_config(disable=False)
     del pt_pipe
 
     psnr = psnr_db(pt_images, ov_images)
@@ -117,10 +130,9 @@ def run_parity(
         "pytorch_eager": round(pt_s, 4),
         "openvino_static_first_call": round(ov_first_s, 4),
         "openvino_static": round(ov_s, 4),
-        "speedup_vs_pytorch": round(pt_s / ov_s, 3) if ov_s > 0 else None,
     }
     log.info(
         "parity: PSNR %.1f dB (%s); latency of one call: PyTorch %.2f s, OpenVINO %.2f s",
         psnr, "ok" if passed else "FAILED", pt_s, ov_s,
     )
-    return parity, latency
+    return parity, latency, Reference(latents, kwargs, pt_images, ov_images)

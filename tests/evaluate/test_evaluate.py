@@ -25,7 +25,7 @@ SHAPE = {"batch_size": 2, "height": 64, "width": 64, "num_images_per_prompt": 1}
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory):
+def run(tmp_path_factory, migrated_mlflow_db):
     """One CLI run: 3 prompts x 1 image through an export fixed at 2 images per call (so the last
     call is padded), and the base; the gate has one threshold that holds and one that cannot."""
     from tasks.evaluate.__main__ import main
@@ -46,15 +46,28 @@ def run(tmp_path_factory):
     argv = [
         "python -m tasks.evaluate", "--model", str(model), "--base", str(base),
         "--instance-data", str(data), "--out", str(out), "--report", str(report),
-        "--params", str(params),
+        "--params", str(params), "--metrics", str(work / "reports" / "evaluate_metrics.json"),
     ]
+    # The run gets an MLflow store of its own (the autouse per-test store would belong to whichever
+    # test first asked for this module fixture); test_mlflow_run_has_metrics_and_artifacts reads it.
+    import shutil
+
+    from tests.conftest import reset_mlflow_globals
+
+    shutil.copy(migrated_mlflow_db, work / "mlflow.db")
+    uri = f"sqlite:///{work / 'mlflow.db'}"
     mp = pytest.MonkeyPatch()
     mp.setattr(sys, "argv", argv)
+    mp.setenv("MLFLOW_TRACKING_URI", uri)
+    reset_mlflow_globals()
     try:
         main()
     finally:
+        reset_mlflow_globals()
         mp.undo()
-    return {"out": out, "report": json.loads(report.read_text()), "data": data, "model": model}
+        reset_mlflow_globals()
+    return {"out": out, "report": json.loads(report.read_text()), "data": data, "model": model,
+            "flat": work / "reports" / "evaluate_metrics.json", "mlflow_uri": uri}
 
 
 def test_report_has_metrics_gate_and_details(run):
@@ -103,6 +116,7 @@ def test_per_prompt_table(run):
 def test_mlflow_run_has_metrics_and_artifacts(run):
     import mlflow
 
+    mlflow.set_tracking_uri(run["mlflow_uri"])
     runs = mlflow.search_runs(
         experiment_names=["finetune"], filter_string="tags.stage = 'evaluate'", output_format="list"
     )
@@ -111,7 +125,8 @@ def test_mlflow_run_has_metrics_and_artifacts(run):
     clip_i = run["report"]["metrics"]["clip_i"]
     assert logged.data.metrics["clip_i"] == pytest.approx(clip_i, abs=1e-6)
     assert logged.data.tags["gate.passed"] == "false"
-    names = {a.path for a in mlflow.MlflowClient().list_artifacts(logged.info.run_id, "evaluate")}
+    client = mlflow.MlflowClient(tracking_uri=run["mlflow_uri"])
+    names = {a.path for a in client.list_artifacts(logged.info.run_id, "evaluate")}
     assert {"evaluate/grid.png", "evaluate/grid_base.png", "evaluate/per_prompt.csv",
             "evaluate/per_prompt_table.json"} <= names
 
@@ -166,3 +181,18 @@ def test_missing_inputs_are_user_errors(tmp_path):
     data = write_subject_images(tmp_path / "data", n=1)
     with pytest.raises(UserError, match="export stage"):
         evaluate(tmp_path / "no-model", None, data, EvaluateConfig(prompts=["x"]))
+
+
+def test_language_drift_of_the_same_model_is_none(run):
+    """The base here is the export's own source: class images agree (OpenVINO vs PyTorch fp32)."""
+    metrics = run["report"]["metrics"]
+    assert metrics["drift_clip_i"] > 0.999 and metrics["drift_dino"] > 0.999
+    assert run["report"]["generation"]["drift_prompts"] == ["a photo of a toy"]
+
+
+def test_flat_metrics_file_for_dvc(run):
+    flat = json.loads(run["flat"].read_text())
+    assert all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in flat.values())
+    assert flat["gate.passed"] == 0 and flat["gate.dino.passed"] == 0
+    assert flat["gate.clip_i.passed"] == 1
+    assert flat["dino"] == run["report"]["metrics"]["dino"]

@@ -61,7 +61,7 @@ def test_parity_catches_wrong_weights(sd_export, tmp_path_factory):
     _, out, _ = sd_export
     other = tiny_pipeline(tmp_path_factory, "builtin:tiny-sd", seed=1)
     pipe = load_ov_pipeline(out, static=True)
-    parity, _ = run_parity(other, pipe, StaticShape(**SD_SHAPE), ParityConfig(**PARITY_FAST))
+    parity, _, _ = run_parity(other, pipe, StaticShape(**SD_SHAPE), ParityConfig(**PARITY_FAST))
     assert not parity["passed"]
     assert parity["image_psnr_db"] < 30.0
 

@@ -1,0 +1,79 @@
+"""The paper's prompt sets, held-out metrics with the PyTorch backend, drift/FD functions."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from tasks.common.config import parse_section
+from tasks.common.errors import UserError
+from tasks.evaluate import metrics as M
+from tasks.evaluate.config import EvaluateConfig
+from tasks.evaluate.core import evaluate, render_prompts
+from tasks.evaluate.prompts import LIVE_PROMPTS, OBJECT_PROMPTS
+from tests.export.tiny_ov import tiny_pipeline, write_subject_images
+
+
+def test_paper_prompt_sets():
+    assert len(OBJECT_PROMPTS) == len(set(OBJECT_PROMPTS)) == 25
+    assert len(LIVE_PROMPTS) == len(set(LIVE_PROMPTS)) == 25
+    assert OBJECT_PROMPTS[:10] == LIVE_PROMPTS[:10] and OBJECT_PROMPTS[-5:] == LIVE_PROMPTS[-5:]
+    cfg = EvaluateConfig(prompt_set="live", identifier="sks", class_name="dog")
+    prompts, texts = render_prompts(cfg)
+    assert prompts[0] == "a sks dog in the jungle" and texts[0] == "a dog in the jungle"
+    assert "a sks dog wearing a santa hat" in prompts and len(prompts) == 25
+    short = EvaluateConfig(prompt_set="object", max_prompts=3)
+    assert render_prompts(short)[0] == ["a sks toy in the jungle", "a sks toy in the snow",
+                                        "a sks toy on the beach"]
+
+
+def test_config_rules():
+    with pytest.raises(UserError, match="prompt_set custom needs prompts"):
+        parse_section("evaluate", {}, EvaluateConfig)
+    with pytest.raises(UserError, match="evaluate.prompt_set"):
+        parse_section("evaluate", {"prompt_set": "animals"}, EvaluateConfig)
+    with pytest.raises(UserError, match="needs drift.enabled"):
+        parse_section("evaluate", {"prompt_set": "object", "drift": {"enabled": False},
+                                   "gate": {"min_drift_dino": 0.5}}, EvaluateConfig)
+    with pytest.raises(UserError, match="evaluate.drift.prompts"):
+        parse_section("evaluate", {"prompt_set": "object", "drift": {"prompts": ["{kind}"]}},
+                      EvaluateConfig)
+
+
+def test_frechet_distance_and_paired_cosine_known_values():
+    rng = np.random.default_rng(0)
+    a = rng.normal(size=(200, 4))
+    a -= a.mean(axis=0)  # centred: scaling keeps the mean
+    assert M.frechet_distance(a, a) == pytest.approx(0.0, abs=1e-8)
+    shift = np.array([3.0, 0.0, 0.0, 4.0])
+    assert M.frechet_distance(a, a + shift) == pytest.approx(25.0, abs=1e-6)  # |shift|^2
+    # Scaling by 2: same means, Tr(S + 4S - 2*2S) = Tr(S).
+    assert M.frechet_distance(a, 2 * a) == pytest.approx(np.trace(np.cov(a, rowvar=False)), rel=1e-6)
+    assert M.paired_cosine(a, 3 * a) == pytest.approx(1.0)
+    assert M.paired_cosine(np.eye(3), np.roll(np.eye(3), 1, axis=0)) == pytest.approx(0.0)
+    with pytest.raises(ValueError):
+        M.paired_cosine(a, a[:5])
+
+
+def test_heldout_with_pytorch_backend(tmp_path_factory, tmp_path):
+    model = tiny_pipeline(tmp_path_factory, "builtin:tiny-sd")
+    data = write_subject_images(tmp_path / "instance", n=2)
+    heldout = write_subject_images(tmp_path / "heldout", n=3)
+    rows = [json.loads(x) for x in (heldout / "metadata.jsonl").read_text().splitlines()]
+    for i, row in enumerate(rows):
+        row["text"] = ["a red disc", "a blue toy", "a toy on a table"][i]
+    (heldout / "metadata.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = EvaluateConfig(prompts=["a {identifier} {class_name}"], images_per_prompt=1,
+                         num_inference_steps=2, backend="pytorch", heldout={"enabled": True})
+    with pytest.raises(UserError, match="--heldout-data"):
+        evaluate(model, None, data, cfg)
+    result = evaluate(model, model, data, cfg, heldout=heldout)
+    metrics = result.report["metrics"]
+    assert result.report["generation"]["backend"] == "pytorch"
+    assert result.report["generation"]["heldout_images"] == 3
+    assert -1.0 <= metrics["heldout_clip_t"] <= 1.0 and metrics["heldout_fd"] >= 0.0
+    assert -1.0 <= metrics["real_heldout_clip_t"] <= 1.0
+    # Base = the same PyTorch model, same seeds: identical images, identical scores.
+    assert metrics["base_heldout_fd"] == pytest.approx(metrics["heldout_fd"], abs=1e-6)
+    assert metrics["drift_dino"] == pytest.approx(1.0, abs=1e-6)

@@ -1,0 +1,44 @@
+"""Hand-made train outputs of the adapter methods on the tiny model (no dependence on `train`).
+
+LoRA: peft adapters on the UNet's attention projections with non-zero B matrices (peft's
+gaussian init leaves B = 0, a no-op), saved in diffusers' `pytorch_lora_weights.safetensors`
+format. Textual inversion: one random embedding row under a new token, in diffusers'
+`learned_embeds.safetensors` layout ({token: [1, dim]}).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+TOKEN = "<sks-toy>"
+
+
+def write_adapters(base: Path, out: Path, lora: bool = True, embeds: bool = True,
+                   seed: int = 0) -> Path:
+    """Adapter files for `base` written into `out` (only the files, no pipeline)."""
+    import torch
+    from diffusers import StableDiffusionPipeline
+    from diffusers.utils import convert_state_dict_to_diffusers
+    from peft import LoraConfig
+    from peft.utils import get_peft_model_state_dict
+    from safetensors.torch import save_file
+
+    out.mkdir(parents=True, exist_ok=True)
+    pipe = StableDiffusionPipeline.from_pretrained(base)
+    generator = torch.Generator().manual_seed(seed)
+    if lora:
+        targets = ["to_q", "to_k", "to_v", "to_out.0"]
+        pipe.unet.add_adapter(LoraConfig(r=4, lora_alpha=4, target_modules=targets))
+        with torch.no_grad():
+            for name, param in pipe.unet.named_parameters():
+                if "lora_B" in name:
+                    param.copy_(torch.randn(param.shape, generator=generator) * 0.1)
+        layers = convert_state_dict_to_diffusers(get_peft_model_state_dict(pipe.unet))
+        StableDiffusionPipeline.save_lora_weights(
+            out, unet_lora_layers=layers, weight_name="pytorch_lora_weights.safetensors",
+            safe_serialization=True,
+        )
+    if embeds:
+        dim = pipe.text_encoder.get_input_embeddings().weight.shape[1]
+        row = torch.randn(1, dim, generator=generator)
+        save_file({TOKEN: row}, out / "learned_embeds.safetensors")
+    return out

@@ -1,0 +1,63 @@
+"""Adapters-only train output -> fused, exported, int8-compressed; the four latencies recorded.
+
+One real export (the expensive part: ~20-60 s on 2 cores) covers LoRA fusion, a new token,
+NNCF weight compression, and the dynamic / static / compressed timings.
+"""
+from __future__ import annotations
+
+import pytest
+
+from tasks.export.compress import quantization_config
+from tasks.export.config import CompressionConfig, ExportConfig
+from tests.export.adapters import TOKEN, write_adapters
+from tests.export.tiny_ov import PARITY_FAST, tiny_pipeline
+
+
+@pytest.fixture(scope="module")
+def compressed_export(tmp_path_factory):
+    from tasks.export.core import export
+
+    base = tiny_pipeline(tmp_path_factory, "builtin:tiny-sd")
+    work = tmp_path_factory.mktemp("compressed")
+    adapters = write_adapters(base, work / "adapters")
+    cfg = ExportConfig(parity=PARITY_FAST, compression={"mode": "int8"})
+    out = work / "openvino"
+    return out, export(adapters, out, cfg, base=base)
+
+
+def test_adapter_export_knows_the_concept(compressed_export):
+    from tasks.common.openvino_model import load_ov_pipeline
+
+    out, report = compressed_export
+    assert report["source_kind"]["method"] == "lora+textual_inversion"
+    assert report["source_kind"]["tokens"] == [TOKEN]
+    assert report["parity"]["passed"] and report["parity"]["image_psnr_db"] >= 30.0
+    pipe = load_ov_pipeline(out, static=True)
+    token_id = pipe.tokenizer.convert_tokens_to_ids(TOKEN)
+    assert token_id == len(pipe.tokenizer) - 1
+    images = pipe(f"a photo of {TOKEN} toy", num_inference_steps=2, output_type="np").images
+    assert images.shape == (1, 64, 64, 3)
+
+
+def test_int8_is_smaller_close_to_fp32_and_timed(compressed_export):
+    _, report = compressed_export
+    sizes, comp, lat = report["size_mb"], report["compression"], report["latency_s"]
+    assert comp["mode"] == "int8" and comp["passed"] and comp["finite"]
+    assert comp["psnr_vs_openvino_fp32_db"] > 25.0
+    # int8 weights: the UNet's linear/conv weights shrink ~4x; the whole folder at least 2x.
+    assert sizes["openvino"] == sizes["openvino_compressed"] < sizes["openvino_fp32"] / 2
+    for key in ("pytorch_eager", "openvino_dynamic", "openvino_static", "openvino_compressed"):
+        assert lat[key] > 0
+        if key != "pytorch_eager":
+            assert lat[f"speedup_{key.removeprefix('openvino_')}_vs_eager"] > 0
+
+
+def test_quantization_configs():
+    assert quantization_config(CompressionConfig()) is None
+    q4 = quantization_config(CompressionConfig(mode="int4", group_size=32, ratio=0.8))
+    assert (q4.bits, q4.group_size, q4.ratio) == (4, 32, 0.8)
+    hybrid = quantization_config(CompressionConfig(mode="hybrid", num_samples=8))
+    assert hybrid.bits == 8 and hybrid.dataset and hybrid.num_samples == 8
+    assert str(hybrid.quant_method).lower().endswith("hybrid")
+    with pytest.raises(ValueError, match="calibration_prompts"):
+        CompressionConfig(mode="hybrid", calibration_prompts=[])
