@@ -20,13 +20,14 @@ import io
 import math
 import os
 import random
-import shutil
 import sys
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 from PIL import Image, ImageDraw
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run as a script from anywhere
+from tasks.common.outputs import atomic_dir  # noqa: E402
 
 SIZE = 128  # output side in pixels
 SS = 4  # supersampling factor: draw at 512 px, downsample once for smooth edges
@@ -235,26 +236,10 @@ def write(out: Path, files: dict[str, bytes]) -> bool:
     """Make `files` the whole content of `out`, atomically; False when it already was."""
     if _up_to_date(out, files):
         return False
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    try:
+    with atomic_dir(out) as tmp:
         for name, data in files.items():
             (tmp / name).write_bytes(data)
             os.chmod(tmp / name, 0o644)
-        os.chmod(tmp, 0o755)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    if out.exists() or out.is_symlink():
-        old = out.with_name(f".{out.name}.old-{os.getpid()}")
-        os.replace(out, old)
-        os.replace(tmp, out)
-        if old.is_dir() and not old.is_symlink():
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            old.unlink()
-    else:
-        os.replace(tmp, out)
     return True
 
 

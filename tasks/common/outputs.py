@@ -19,6 +19,7 @@ def atomic_dir(path: Path | str) -> Iterator[Path]:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
+    os.chmod(tmp, 0o755)  # mkdtemp makes it private; the output is an ordinary folder
     try:
         yield tmp
     except BaseException:
@@ -28,7 +29,10 @@ def atomic_dir(path: Path | str) -> Iterator[Path]:
         old = path.with_name(f".{path.name}.old-{os.getpid()}")
         os.replace(path, old)
         os.replace(tmp, path)
-        shutil.rmtree(old, ignore_errors=True)
+        if old.is_dir() and not old.is_symlink():
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            old.unlink()
     else:
         os.replace(tmp, path)
 
