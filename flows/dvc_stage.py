@@ -26,13 +26,16 @@ _RAN = re.compile(r"Running stage '(?P<stage>[^']+)'")
 _SKIPPED = re.compile(r"Stage '(?P<stage>[^']+)' didn't change, skipping")
 _RESTORED = re.compile(r"Stage '(?P<stage>[^']+)' is cached - skipping run")
 #: DVC's error when the stage's command died: "failed to run: <cmd>, exited with -9". The command
-#: is DVC's child, so DVC itself exits 255; the signal is only in this line. 137/143 are what a
-#: shell reports for a child killed by SIGKILL/SIGTERM.
+#: is DVC's child, so DVC itself exits 255; the signal is only in this line. When the command runs
+#: under a shell that does not exec it, the shell reports 128+N instead (137 SIGKILL, 143 SIGTERM,
+#: 130 SIGINT), so both spellings are read.
 _EXITED = re.compile(r"exited with (?P<code>-?\d+)\s*$")
 
 #: Signals after which a rerun can succeed: SIGKILL (the OOM killer, `kill -9`, a container
 #: limit) and SIGTERM (a worker or node shutting down). SIGINT is a person's Ctrl-C: not retried.
 RETRYABLE_SIGNALS = (signal.SIGKILL, signal.SIGTERM)
+
+_SIGNAL_NUMBERS = frozenset(int(s) for s in signal.valid_signals())
 
 #: Lines of DVC's output quoted in the error when a stage fails.
 ERROR_TAIL_LINES = 40
@@ -79,7 +82,7 @@ class StageFailed(RuntimeError):
         for code in codes:
             if code < 0:
                 return -code
-            if code in (128 + s for s in RETRYABLE_SIGNALS):
+            if code - 128 in _SIGNAL_NUMBERS:
                 return code - 128
         return None
 

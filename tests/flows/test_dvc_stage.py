@@ -76,6 +76,17 @@ def test_a_stage_killed_by_a_signal_is_recognised(project: Path, stage: str, sig
     assert err.value.signal == signal and err.value.killed is killed
 
 
+@pytest.mark.parametrize(("line", "signal", "killed"),
+                         [("exited with -9", 9, True), ("exited with 137", 9, True),
+                          ("exited with 143", 15, True), ("exited with 130", 2, False),
+                          ("exited with 1", None, False), ("exited with 2", None, False)])
+def test_signal_read_from_either_spelling(line: str, signal: int | None, killed: bool) -> None:
+    """A command DVC runs directly dies with -N; one run under a shell that does not exec it
+    comes back as the shell's 128+N. Plain exit codes are not signals."""
+    err = StageFailed("s", 255, [f"ERROR: failed to reproduce 's': failed to run: x, {line}"])
+    assert err.signal == signal and err.killed is killed
+
+
 def test_a_second_repro_of_a_running_stage_is_refused_by_dvcs_lock(project: Path) -> None:
     import threading
 
