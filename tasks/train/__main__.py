@@ -1,14 +1,19 @@
 """python -m tasks.train --base models/base --data data/processed --class-data data/class_images
     --out models/finetuned --report reports/train.json --plot reports/train_loss.csv [--params params.yaml]
 
-Fine-tunes the base model with `train.method` and writes a full diffusers pipeline folder to
---out, the summary (final loss, speed, weight hashes) to --report and the loss curve to --plot.
+Fine-tunes the base model with `train.method` and writes its output to --out (a full diffusers
+pipeline folder; plus LoRA weights or the learned embedding for those methods), the summary
+(losses, speed, memory, weight hashes) to --report and the loss curve to --plot. Checkpoints go
+to `train.checkpoints_dir` (outside the DVC outputs); SIGTERM/SIGINT save one and exit 128+signal.
 """
 from __future__ import annotations
 
 import argparse
 import logging
+import sys
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
 from tasks.common.config import load_config
 from tasks.common.errors import main_guard
@@ -17,9 +22,36 @@ from tasks.common.outputs import write_json
 from tasks.common.tracking import stage_run
 from tasks.train.config import TrainConfig
 from tasks.train.core import train, write_loss_csv
-from tasks.train.loop import StepLog
+from tasks.train.interrupts import TrainingInterrupted
+from tasks.train.steplog import StepLog
 
 log = logging.getLogger("tasks.train")
+
+
+def _slug(prompt: str) -> str:
+    return "".join(ch if ch.isalnum() else "_" for ch in prompt)[:60].strip("_") or "prompt"
+
+
+def _enable_system_metrics(interval: float) -> None:
+    """MLflow's CPU/memory/disk/network (and GPU with pynvml) sampling for the stage's run."""
+    if interval <= 0:
+        return
+    import mlflow
+
+    mlflow.enable_system_metrics_logging()
+    mlflow.set_system_metrics_sampling_interval(interval)
+
+
+class _NoRun:
+    """What ranks other than 0 log to: nothing."""
+
+    def __getattr__(self, name: str):  # log_metrics, log_image, set_tags, ...
+        return lambda *args, **kwargs: None
+
+
+@contextmanager
+def _no_run() -> Iterator[_NoRun]:
+    yield _NoRun()
 
 
 @main_guard
@@ -28,35 +60,61 @@ def main() -> None:
     parser.add_argument("--base", type=Path, required=True, help="base pipeline folder (stage `base`)")
     parser.add_argument("--data", type=Path, required=True, help="instance imagefolder (stage `ingest`)")
     parser.add_argument("--class-data", type=Path, required=True, help="class imagefolder (stage `class_images`)")
-    parser.add_argument("--out", type=Path, required=True, help="pipeline folder to write")
+    parser.add_argument("--out", type=Path, required=True, help="output folder to write")
     parser.add_argument("--report", type=Path, required=True, help="JSON summary (DVC metrics)")
     parser.add_argument("--plot", type=Path, required=True, help="CSV step,loss,lr (DVC plot)")
     parser.add_argument("--params", type=Path, default=Path("params.yaml"))
     args = parser.parse_args()
     cfg = load_config("train", TrainConfig, args.params)
-    with stage_run("train", params=cfg.model_dump(mode="json")) as run:
+    logging.getLogger("accelerate").setLevel(logging.WARNING)  # it logs every file of every checkpoint
+    from accelerate import PartialState
 
-        def log_step(entry: StepLog) -> None:
-            if entry.step % cfg.log_every_steps == 0 or entry.step == cfg.max_train_steps:
-                run.log_metrics(entry.metrics(), step=entry.step)
+    main_process = PartialState().is_main_process  # under a launcher only rank 0 writes and logs
+    if main_process:
+        _enable_system_metrics(cfg.system_metrics_interval)
+    try:
+        with stage_run("train", params=cfg.model_dump(mode="json")) if main_process else _no_run() as run:
 
-        outcome = train(cfg, args.base, args.data, args.class_data, args.out, callbacks=[log_step])
-        write_loss_csv(args.plot, outcome.history)
-        report = outcome.report()
-        write_json(args.report, report)
-        run.set_tags({"train.method": outcome.method, "train.family": outcome.family})
-        run.log_metrics({
-            "final_loss": report["final_loss"],
-            "train_seconds": report["seconds"],
-            "total_seconds": report["total_seconds"],
-            "median_step_seconds": report["median_step_seconds"],
-            "train_images_per_second": report["images_per_second"],
-        })
-        run.log_artifact(args.report)
-        run.log_artifact(args.plot)
-        if outcome.validation:
-            run.log_image(make_grid(outcome.validation), "validation_grid.png")
-    log.info("%s: %d steps in %.1f s (final loss %.4f); pipeline written to %s",
+            def log_step(entry: StepLog) -> None:
+                if entry.step % cfg.log_every_steps == 0 or entry.step == cfg.max_train_steps:
+                    run.log_metrics(entry.metrics(), step=entry.step)
+                for prompt, images in (entry.validation or {}).items():
+                    run.log_image(make_grid(images), f"validation/step_{entry.step:06d}_{_slug(prompt)}.png")
+                if entry.checkpoint is not None:
+                    run.set_tags({"train.last_checkpoint": str(entry.checkpoint)})
+
+            try:
+                outcome = train(cfg, args.base, args.data, args.class_data, args.out, callbacks=[log_step])
+            except TrainingInterrupted as err:
+                run.set_tags({"train.interrupted": str(err)})
+                raise
+            if not main_process:
+                return
+            write_loss_csv(args.plot, outcome.losses)
+            report = outcome.report()
+            write_json(args.report, report)
+            run.set_tags({"train.method": outcome.method, "train.family": outcome.family,
+                          "train.checkpoint_dir": str(outcome.checkpoint_dir)})
+            run.log_metrics({
+                "final_loss": report["final_loss"],
+                "train_seconds": report["seconds"],
+                "total_seconds": report["total_seconds"],
+                "median_step_seconds": report["median_step_seconds"],
+                "train_images_per_second": report["images_per_second"],
+                "peak_memory_mb": report["peak_memory_mb"],
+            })
+            run.log_dict(report["weights_sha256"], "weights_sha256.json")
+            run.log_artifact(args.report)
+            run.log_artifact(args.plot)
+            for prompt, images in outcome.validation.items():
+                run.log_image(make_grid(images), f"validation/final_{_slug(prompt)}.png")
+            if outcome.validation:
+                run.log_image(make_grid([im for ims in outcome.validation.values() for im in ims]),
+                              "validation_grid.png")
+    except TrainingInterrupted as err:
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(128 + err.signum)
+    log.info("%s: %d steps in %.1f s (final loss %.4f); output written to %s",
              outcome.method, report["steps"], report["seconds"], report["final_loss"], args.out)
 
 

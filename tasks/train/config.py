@@ -1,6 +1,15 @@
-"""The `train` section of params.yaml. Option names follow diffusers' example scripts."""
+"""The `train` section of params.yaml: what to train (where and on how many machines is not here).
+
+Option names are those of diffusers' example scripts (train_dreambooth.py, textual_inversion.py,
+train_text_to_image.py and their LoRA variants) where they exist, kohya sd-scripts' otherwise
+(`cache_latents`, `keep_tokens`), and the training notes' for tag shuffling (`shuffle_tag_p`).
+Every check that can be made without loading a model is made here, at config load, so a bad
+setting fails before minutes of loading.
+"""
 from __future__ import annotations
 
+import importlib.util
+from pathlib import Path
 from typing import Literal
 
 from pydantic import Field, model_validator
@@ -8,31 +17,68 @@ from pydantic import Field, model_validator
 from tasks.common.config import StageConfig
 
 LR_SCHEDULERS = ("constant", "constant_with_warmup", "linear", "cosine", "cosine_with_restarts", "polynomial")
+METHOD_NAMES = ("dreambooth", "textual_inversion", "lora", "full")
+
+#: Keys that do not change what a step computes: a run resumed with other values of these is the
+#: same run (e.g. more steps, other checkpoint or validation settings). Every other key is part of
+#: the run key that names the checkpoint folder, so `resume: latest` never mixes two runs.
+NOT_IN_RUN_KEY = frozenset({
+    "max_train_steps", "checkpointing_steps", "checkpoints_total_limit", "keep_checkpoints_every_steps",
+    "checkpoints_dir", "resume",
+    "validation_prompts", "num_validation_images", "validation_steps", "validation_inference_steps",
+    "log_every_steps", "system_metrics_interval", "dataloader_num_workers", "cache_latents",
+    "cache_text_encoder_outputs", "fuse_lora",
+})
 
 
 class TrainConfig(StageConfig):
-    """`train` section: what to train and how (where and on how many machines is not here)."""
+    """`train` section. Grouped as in diffusers' scripts; `method` picks what is trained and saved."""
 
-    method: Literal["dreambooth"] = Field("dreambooth", description="training method")
-    # DreamBooth
+    method: Literal[METHOD_NAMES] = Field(  # type: ignore[valid-type]
+        "dreambooth", description="dreambooth | textual_inversion | lora | full"
+    )
+    # --- prompts and captions ---------------------------------------------------------------
     instance_prompt: str = Field("a photo of sks toy", min_length=1, description="prompt with the unique identifier")
+    caption_column: str | None = Field(
+        None, min_length=1,
+        description="metadata.jsonl column with per-image captions; null: instance_prompt for every image "
+                    "(method full: 'text')",
+    )
+    shuffle_tag_p: float = Field(0.0, ge=0.0, le=1.0, description="chance to shuffle an image's tags")
+    keep_tokens: int = Field(0, ge=0, description="the first N tags stay in place when shuffling")
+    proportion_empty_prompts: float = Field(0.0, ge=0.0, lt=1.0, description="caption dropout: chance of ''")
+    # --- prior preservation (DreamBooth; also usable as regularisation by lora and full) -----
     class_prompt: str = Field("a photo of a toy", min_length=1, description="prompt of the class images")
     with_prior_preservation: bool = Field(True, description="add the prior-preservation loss over class images")
     prior_loss_weight: float = Field(1.0, ge=0.0, description="weight of the prior-preservation loss")
-    train_text_encoder: bool = Field(False, description="also train the text encoder(s)")
-    # data
+    train_text_encoder: bool = Field(False, description="also train the text encoder(s) (LoRA: add adapters)")
+    # --- textual inversion -------------------------------------------------------------------
+    placeholder_token: str | None = Field(None, min_length=1, description="new token, e.g. <sks-toy>")
+    initializer_token: str | None = Field(None, min_length=1, description="one existing token to start from")
+    num_vectors: int = Field(1, ge=1, le=64, description="embedding vectors learned for the placeholder")
+    learnable_property: Literal["object", "style"] = Field("object", description="prompt templates to train with")
+    # --- LoRA ----------------------------------------------------------------------------------
+    rank: int = Field(4, ge=1, le=1024, description="LoRA rank")
+    lora_alpha: float | None = Field(None, gt=0.0, description="LoRA alpha; null: equal to rank")
+    lora_dropout: float = Field(0.0, ge=0.0, lt=1.0)
+    fuse_lora: bool = Field(True, description="also write the base pipeline with the LoRA fused in (for export)")
+    # --- data ------------------------------------------------------------------------------------
     resolution: int = Field(64, ge=8, le=4096, multiple_of=8, description="training images are resized/cropped to this")
     center_crop: bool = Field(True, description="centre crop (false: random crop)")
     random_flip: bool = Field(False, description="flip images horizontally at random")
     train_batch_size: int = Field(2, ge=1, le=4096, description="instance images per device per step")
     dataloader_num_workers: int = Field(0, ge=0, le=64)
-    # optimisation
+    # --- optimisation ----------------------------------------------------------------------------
     max_train_steps: int = Field(20, ge=1, description="optimizer steps")
     gradient_accumulation_steps: int = Field(1, ge=1, le=1024)
     gradient_checkpointing: bool = Field(False, description="trade compute for memory in the UNet")
     learning_rate: float = Field(1e-4, gt=0.0, le=1.0)
+    scale_lr: bool = Field(False, description="multiply the LR by batch size x accumulation x processes")
     lr_scheduler: Literal[LR_SCHEDULERS] = Field("constant")  # type: ignore[valid-type]
     lr_warmup_steps: int = Field(0, ge=0)
+    lr_num_cycles: int = Field(1, ge=1, description="restarts of cosine_with_restarts")
+    lr_power: float = Field(1.0, gt=0.0, description="power of the polynomial schedule")
+    use_8bit_adam: bool = Field(False, description="bitsandbytes AdamW8bit (needs bitsandbytes)")
     adam_beta1: float = Field(0.9, ge=0.0, lt=1.0)
     adam_beta2: float = Field(0.999, ge=0.0, lt=1.0)
     adam_weight_decay: float = Field(1e-2, ge=0.0)
@@ -41,26 +87,86 @@ class TrainConfig(StageConfig):
     mixed_precision: Literal["no", "bf16", "fp16"] = Field(
         "no", description="no | bf16 (autocast, also on CPU) | fp16 (CUDA only)"
     )
+    allow_tf32: bool = Field(False, description="TF32 matmuls on Ampere+ GPUs")
     prediction_type: Literal["epsilon", "v_prediction"] | None = Field(
         None, description="training target; null: the base model's scheduler setting"
     )
-    # reporting
-    validation_prompt: str | None = Field(None, description="prompt of the final validation grid; null: instance_prompt")
-    num_validation_images: int = Field(4, ge=0, le=64, description="images in the final validation grid (0: none)")
+    snr_gamma: float | None = Field(None, gt=0.0, description="Min-SNR loss weighting (5.0 recommended); null: off")
+    noise_offset: float = Field(0.0, ge=0.0, le=1.0, description="offset noise scale (0.05-0.1 typical)")
+    # --- EMA (seed 001; on the CPU as in seed 003) ----------------------------------------------
+    use_ema: bool = Field(False, description="keep an exponential moving average of the trained weights; save it")
+    ema_decay: float = Field(0.9999, gt=0.0, lt=1.0)
+    offload_ema: bool = Field(False, description="keep the EMA weights in CPU memory (GPU runs)")
+    ema_update_every: int = Field(1, ge=1, description="update the EMA every N optimizer steps")
+    # --- speed ----------------------------------------------------------------------------------
+    cache_latents: bool = Field(True, description="encode each image once (off by itself with random crops)")
+    cache_text_encoder_outputs: bool = Field(
+        True, description="encode each prompt once (off by itself when the text encoder trains or tags shuffle)"
+    )
+    channels_last: bool = Field(False, description="channels-last memory format for the UNet and VAE")
+    # --- never lose progress ----------------------------------------------------------------------
+    checkpoints_dir: Path = Field(
+        Path(".cache/train"), description="checkpoints go to <this>/<run key>/checkpoint-<step> (outside DVC outs)"
+    )
+    checkpointing_steps: int = Field(500, ge=1, description="save the full training state every N steps")
+    checkpoints_total_limit: int | None = Field(2, ge=1, description="keep the newest N checkpoints; null: all")
+    keep_checkpoints_every_steps: int | None = Field(
+        None, ge=1, description="checkpoints at multiples of N steps are never pruned (the notes' periodic ones)"
+    )
+    resume: str = Field("latest", min_length=1, description="latest | none | <checkpoint folder>")
+    # --- reporting ----------------------------------------------------------------------------------
+    validation_prompts: list[str] | None = Field(None, description="null: the method's training prompt")
+    num_validation_images: int = Field(4, ge=0, le=64, description="images per validation prompt (0: none)")
+    validation_steps: int = Field(0, ge=0, description="validation images every N steps (0: only at the end)")
     validation_inference_steps: int = Field(10, ge=1, le=1000)
     log_every_steps: int = Field(1, ge=1, description="MLflow metrics every N steps (the CSV has every step)")
+    system_metrics_interval: float = Field(5, ge=0, description="MLflow system metrics every N seconds (0: off)")
     seed: int = Field(0, ge=0, description="same seed and params give the same weights")
 
     @model_validator(mode="after")
     def _check(self) -> "TrainConfig":
+        problems = [p for p in (self._precision_problem(), self._method_problem(), self._option_problem()) if p]
+        if problems:
+            raise ValueError("; ".join(problems))
+        return self
+
+    def _precision_problem(self) -> str | None:
         if self.mixed_precision == "fp16":
             import torch
 
             if not torch.cuda.is_available():
-                raise ValueError(
-                    "mixed_precision fp16 needs a CUDA GPU (CPUs have no fp16 autocast for training); "
-                    "use bf16 or no"
-                )
+                return ("mixed_precision fp16 needs a CUDA GPU (CPUs have no fp16 autocast for training); "
+                        "use bf16 or no")
+        if self.use_8bit_adam and importlib.util.find_spec("bitsandbytes") is None:
+            return "use_8bit_adam needs the bitsandbytes package (pip install bitsandbytes), or set it false"
+        return None
+
+    def _method_problem(self) -> str | None:
+        if self.method == "textual_inversion":
+            if not self.placeholder_token or not self.initializer_token:
+                return ("textual_inversion needs placeholder_token (a new token such as '<sks-toy>') and "
+                        "initializer_token (one existing word such as 'toy')")
+            if self.with_prior_preservation:
+                return ("textual_inversion does not use class images (their prompts lack the placeholder): "
+                        "set with_prior_preservation: false")
+            if self.train_text_encoder:
+                return "textual_inversion trains only the new token's embedding: set train_text_encoder: false"
+        return None
+
+    def _option_problem(self) -> str | None:
         if self.lr_warmup_steps > self.max_train_steps:
-            raise ValueError("lr_warmup_steps is larger than max_train_steps")
-        return self
+            return "lr_warmup_steps is larger than max_train_steps"
+        if self.keep_checkpoints_every_steps and self.keep_checkpoints_every_steps % self.checkpointing_steps:
+            return "keep_checkpoints_every_steps must be a multiple of checkpointing_steps"
+        if self.keep_tokens and not self.shuffle_tag_p:
+            return "keep_tokens only matters with shuffle_tag_p > 0"
+        if self.resume not in ("latest", "none") and not Path(self.resume).is_dir():
+            return (f"resume: {self.resume!r} is not a checkpoint folder; use latest (the newest checkpoint "
+                    "of this run, if any), none, or a checkpoint-<step> folder")
+        return None
+
+    def effective_learning_rate(self, num_processes: int) -> float:
+        """diffusers' --scale_lr: the LR grows with the images per optimizer step."""
+        if not self.scale_lr:
+            return self.learning_rate
+        return self.learning_rate * self.train_batch_size * self.gradient_accumulation_steps * num_processes

@@ -7,22 +7,25 @@ from __future__ import annotations
 import csv
 import logging
 import statistics
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 from PIL import Image
-from torch.utils.data import DataLoader
 
 from tasks.common.errors import UserError
 from tasks.common.fingerprint import weight_hashes
 from tasks.common.outputs import atomic_dir, atomic_file
+from tasks.train.checkpoints import CheckpointManager, run_key
 from tasks.train.config import TrainConfig
-from tasks.train.loop import Callback, StepLog, make_accelerator, run_loop
+from tasks.train.data import METADATA
+from tasks.train.loop import make_accelerator, run_loop
 from tasks.train.methods import METHODS
 from tasks.train.models import load_components
-from tasks.train.validation import validation_images
+from tasks.train.steplog import Callback, StepLog
+from tasks.train.validation import live_validator, output_validation
 
 log = logging.getLogger(__name__)
 
@@ -31,41 +34,41 @@ log = logging.getLogger(__name__)
 class TrainOutcome:
     method: str
     family: str
-    history: list[StepLog]
+    history: list[StepLog]  # steps run by this process
+    losses: list[list[float]]  # [step, loss, lr] of the whole run, resumed steps included
     seconds: float  # the loop only
     total_seconds: float  # loading + loop + saving + validation
     images: int
     weights: dict[str, str]
-    validation: list[Image.Image]
+    validation: dict[str, list[Image.Image]]
+    resumed_from: int | None
+    checkpoint_dir: Path | None
+    peak_memory_mb: float
 
     def report(self) -> dict[str, Any]:
         """reports/train.json (DVC metrics)."""
-        last = self.history[-1]
-        tail = [h.loss for h in self.history[-10:]]
+        tail = [h[1] for h in self.losses[-10:]]
+        step_seconds = [h.seconds for h in self.history]
         return {
             "method": self.method,
             "family": self.family,
-            "steps": last.step,
-            "final_loss": last.loss,
-            "mean_loss_last_10": sum(tail) / len(tail),
+            "steps": int(self.losses[-1][0]) if self.losses else 0,
+            "final_loss": self.losses[-1][1] if self.losses else float("nan"),
+            "mean_loss_last_10": sum(tail) / len(tail) if tail else float("nan"),
+            "resumed_from_step": self.resumed_from,
             "seconds": round(self.seconds, 3),
             "total_seconds": round(self.total_seconds, 3),
-            "median_step_seconds": round(statistics.median(h.seconds for h in self.history), 4),
-            "images_per_second": round(self.images / self.seconds, 3) if self.seconds > 0 else 0.0,
+            "median_step_seconds": round(statistics.median(step_seconds), 4) if step_seconds else 0.0,
+            "images_per_second": round(self.images / self.seconds, 3) if self.seconds > 0 and self.images else 0.0,
+            "peak_memory_mb": round(self.peak_memory_mb, 1),
             "weights_sha256": self.weights,
         }
 
 
-def build_dataloader(dataset: Any, collate: Any, cfg: TrainConfig) -> DataLoader:
-    """Shuffled by a generator seeded from `cfg.seed`: the same order on every run."""
-    return DataLoader(
-        dataset,
-        batch_size=cfg.train_batch_size,
-        shuffle=True,
-        collate_fn=collate,
-        num_workers=cfg.dataloader_num_workers,
-        generator=torch.Generator().manual_seed(cfg.seed),
-    )
+def _settings(cfg: TrainConfig) -> None:
+    if cfg.allow_tf32 and torch.cuda.is_available():
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
 
 
 def train(
@@ -76,49 +79,62 @@ def train(
     out_dir: Path,
     callbacks: list[Callback] = (),  # type: ignore[assignment]
 ) -> TrainOutcome:
-    """Fine-tune `base` on `data_dir` (+ `class_dir`) and write a pipeline folder to `out_dir`.
+    """Fine-tune `base` on `data_dir` (+ `class_dir`) and write the method's output to `out_dir`.
 
-    `out_dir` appears only complete: it is written to a temporary sibling, loaded back for the
-    validation images, and moved into place last.
+    `out_dir` appears only complete: it is written to a temporary sibling, loaded back through
+    diffusers' own loaders for the validation images, and moved into place last. Checkpoints go
+    to `cfg.checkpoints_dir/<run key>/`, and `cfg.resume` continues from one.
     """
-    import time
-
     from accelerate.utils import set_seed
 
     start = time.perf_counter()
     base = Path(base)
     if not (base / "model_index.json").is_file():
         raise UserError(f"{base} is not a diffusers pipeline folder: run the `base` stage first (dvc repro base)")
+    _settings(cfg)
     accelerator = make_accelerator(cfg)
     set_seed(cfg.seed)
     method = METHODS[cfg.method](cfg)
     dataset = method.dataset(Path(data_dir), Path(class_dir) if class_dir else None)  # fails fast on bad data
+    data_files = [Path(data_dir) / METADATA]
+    if cfg.with_prior_preservation and class_dir is not None:
+        data_files.append(Path(class_dir) / METADATA)
+    key, info = run_key(cfg, base, data_files)
+    checkpoints = CheckpointManager(Path(cfg.checkpoints_dir) / key, cfg.checkpoints_total_limit, accelerator, info,
+                                    cfg.keep_checkpoints_every_steps)
+    resume_from = checkpoints.resolve(cfg.resume)
     components = load_components(base, cfg.prediction_type)
     method.bind(components)
-    dataloader = build_dataloader(dataset, method.collate, cfg)
-    result = run_loop(method, dataloader, cfg, accelerator, callbacks)
-    images: list[Image.Image] = []
+    prompts = cfg.validation_prompts or method.validation_prompts()
+    validate = live_validator(method, base, cfg, accelerator, prompts)
+    result = run_loop(method, dataset, cfg, accelerator, checkpoints, resume_from, callbacks, validate)
+
+    images: dict[str, list[Image.Image]] = {}
     weights: dict[str, str] = {}
+    if result.ema is not None:
+        result.ema.copy_to_params()  # the output is the EMA weights, as in train_text_to_image.py
+    for module in result.trained.values():
+        module.to(memory_format=torch.contiguous_format)  # safetensors stores contiguous tensors
     if accelerator.is_main_process:
         with atomic_dir(out_dir) as tmp:
             method.save(base, tmp, result.trained)
-            images = validation_images(
-                tmp, cfg.validation_prompt or cfg.instance_prompt, cfg.num_validation_images,
-                cfg.resolution, cfg.validation_inference_steps, cfg.seed,
-            )
+            images = output_validation(method, tmp, base, cfg, prompts)
         weights = weight_hashes(Path(out_dir))
     accelerator.wait_for_everyone()
+    peak = max((h.peak_memory_mb for h in result.history), default=0.0)
     return TrainOutcome(
-        method=cfg.method, family=components.family, history=result.history, seconds=result.seconds,
-        total_seconds=time.perf_counter() - start, images=result.images, weights=weights, validation=images,
+        method=cfg.method, family=components.family, history=result.history, losses=result.state.history,
+        seconds=result.seconds, total_seconds=time.perf_counter() - start, images=result.images, weights=weights,
+        validation=images, resumed_from=result.resumed_from, checkpoint_dir=checkpoints.run_dir,
+        peak_memory_mb=peak,
     )
 
 
-def write_loss_csv(path: Path, history: list[StepLog]) -> None:
-    """step,loss,lr per optimizer step: the DVC plot of the loss curve."""
+def write_loss_csv(path: Path, losses: list[list[float]]) -> None:
+    """step,loss,lr per optimizer step of the whole run: the DVC plot of the loss curve."""
     with atomic_file(path) as tmp:
         with open(tmp, "w", newline="", encoding="utf-8") as fh:
             writer = csv.writer(fh)
             writer.writerow(["step", "loss", "lr"])
-            for h in history:
-                writer.writerow([h.step, f"{h.loss:.6g}", f"{h.lr:.6g}"])
+            for step, loss, lr in losses:
+                writer.writerow([int(step), f"{loss:.6g}", f"{lr:.6g}"])

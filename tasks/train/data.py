@@ -1,22 +1,27 @@
-"""Training data: imagefolders (metadata.jsonl with file_name/text) into paired DreamBooth examples.
+"""Training data: imagefolders (metadata.jsonl) into examples, deterministic wherever they are made.
 
-An example holds one instance image and, with prior preservation, one class image; a batch puts
-all instance images first and all class images after, so the loss can split the prediction in
-two halves (as diffusers' DreamBooth example does). The length is max(instances, class images):
-every class image is seen once per epoch while the few instance images repeat.
+An example holds one instance image with its prompt and, with prior preservation, one class
+image; a batch puts all instance images first and all class images after, so the loss can split
+the prediction in two halves (as diffusers' DreamBooth example does). The length is
+max(instances, class images): every class image is seen once per epoch while few instances repeat.
+
+Every random choice about an example (random crop, flip, tag shuffle, caption dropout, prompt
+template) is drawn from a generator seeded by (seed, epoch, index), never from a global RNG. So an
+example is the same whether it is loaded in the main process or a worker, on rank 0 or rank 3, in
+a straight run or after a resume that skipped the batches before it: resume is exact.
 """
 from __future__ import annotations
 
 import json
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Iterator
 
 import numpy as np
 import torch
 from PIL import Image
-from torch.utils.data import Dataset
+from torch.utils.data import Dataset, Sampler
 
 from tasks.common.errors import UserError
 from tasks.common.images import apply_exif_orientation, to_rgb
@@ -28,14 +33,20 @@ METADATA = "metadata.jsonl"
 
 @dataclass(frozen=True)
 class Record:
+    """One image of an imagefolder: its caption and, when the ingest stored them, its tags."""
+
     path: Path
     text: str
+    tags: tuple[str, ...] = ()
+    tag_separator: str = ", "
+    score: float | None = None
 
 
-def read_imagefolder(folder: Path, what: str, fix: str) -> list[Record]:
+def read_imagefolder(folder: Path, what: str, fix: str, caption_column: str = "text") -> list[Record]:
     """The rows of `folder/metadata.jsonl` whose image exists; a UserError (with `fix`) if none.
 
-    `what` names the folder in messages ("instance images", "class images").
+    `what` names the folder in messages ("instance images", "class images"). `tags` (a list),
+    `tag_separator` and `score` are optional columns (the ingest stage writes them).
     """
     folder = Path(folder)
     meta = folder / METADATA
@@ -50,22 +61,52 @@ def read_imagefolder(folder: Path, what: str, fix: str) -> list[Record]:
                 row = json.loads(line)
                 path = folder / row["file_name"]
             except (json.JSONDecodeError, KeyError, TypeError) as err:
-                raise UserError(f"{what}: {meta}:{line_no} is not a JSON object with a file_name ({err}). {fix}") from None
+                raise UserError(
+                    f"{what}: {meta}:{line_no} is not a JSON object with a file_name ({err}). {fix}") from None
             if not path.is_file():
                 raise UserError(f"{what}: {meta}:{line_no} lists {row['file_name']}, which is missing. {fix}")
-            records.append(Record(path, str(row.get("text") or "")))
+            if caption_column != "text" and caption_column not in row:
+                raise UserError(f"{what}: {meta}:{line_no} has no column {caption_column!r} "
+                                f"(train.caption_column); columns: {', '.join(sorted(row))}")
+            tags = row.get("tags") or ()
+            records.append(Record(
+                path, str(row.get(caption_column) or ""), tuple(str(t) for t in tags),
+                row.get("tag_separator") or ", ", row.get("score"),
+            ))
     if not records:
         raise UserError(f"{what}: {folder} holds no images. {fix}")
     return records
 
 
+@dataclass(frozen=True)
+class CaptionPolicy:
+    """Training-time caption rules: tag shuffling keeping the first N tags, and caption dropout."""
+
+    shuffle_tag_p: float = 0.0
+    keep_tokens: int = 0
+    proportion_empty_prompts: float = 0.0
+
+    def __call__(self, record: Record, rng: np.random.Generator) -> str:
+        # Both draws always happen, so the stream of choices does not depend on the data.
+        shuffle, drop = rng.random() < self.shuffle_tag_p, rng.random() < self.proportion_empty_prompts
+        text = record.text
+        if shuffle and len(record.tags) > self.keep_tokens + 1:
+            keep, rest = list(record.tags[: self.keep_tokens]), list(record.tags[self.keep_tokens:])
+            text = record.tag_separator.join(keep + [rest[i] for i in rng.permutation(len(rest))])
+        return "" if drop else text
+
+    @property
+    def varies(self) -> bool:
+        """True when one image's prompt changes between epochs (no prompt caching then)."""
+        return self.shuffle_tag_p > 0
+
+
 def prepare_image(
-    image: Image.Image, resolution: int, center_crop: bool, flip: bool
+    image: Image.Image, resolution: int, center_crop: bool, flip: bool, rng: np.random.Generator | None = None
 ) -> tuple[torch.Tensor, tuple[int, int], tuple[int, int]]:
     """Resize (short side), crop square, optionally flip; -> (CHW tensor in [-1, 1], original (h, w), crop (top, left)).
 
-    The original size and crop corner are what SDXL's micro-conditioning takes. A random crop
-    draws from torch's RNG, which the run seeds (and which accelerate checkpoints with the state).
+    The original size and crop corner are what SDXL's micro-conditioning takes.
     """
     image = to_rgb(apply_exif_orientation(image))
     original = (image.height, image.width)
@@ -73,11 +114,11 @@ def prepare_image(
     size = (max(resolution, round(image.width * scale)), max(resolution, round(image.height * scale)))
     if size != image.size:
         image = image.resize(size, Image.Resampling.BILINEAR)
-    if center_crop:
+    if center_crop or rng is None:
         top, left = (image.height - resolution) // 2, (image.width - resolution) // 2
     else:
-        top = int(torch.randint(0, image.height - resolution + 1, ()))
-        left = int(torch.randint(0, image.width - resolution + 1, ()))
+        top = int(rng.integers(0, image.height - resolution + 1))
+        left = int(rng.integers(0, image.width - resolution + 1))
     image = image.crop((left, top, left + resolution, top + resolution))
     if flip:
         image = image.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
@@ -85,39 +126,72 @@ def prepare_image(
     return torch.from_numpy(array).permute(2, 0, 1).contiguous(), original, (top, left)
 
 
-class DreamBoothDataset(Dataset):
-    """Instance images with the instance prompt, paired with class images and the class prompt."""
+PromptFn = Callable[[Record, np.random.Generator], str]
 
-    def __init__(
-        self,
-        instances: list[Record],
-        classes: list[Record] | None,
-        instance_prompt: str,
-        class_prompt: str,
-        resolution: int,
-        center_crop: bool = True,
-        random_flip: bool = False,
-    ) -> None:
-        self.instances, self.classes = instances, classes or []
-        self.instance_prompt, self.class_prompt = instance_prompt, class_prompt
-        self.resolution, self.center_crop, self.random_flip = resolution, center_crop, random_flip
+
+@dataclass
+class TrainDataset(Dataset):
+    """Instance images with per-method prompts, paired with class images and the class prompt.
+
+    Indexed by (epoch, index) pairs from `EpochSampler`. `cache_keys` adds a `latent_key` per
+    image: the same key means the same pixels (same file, same crop, same flip).
+    """
+
+    instances: list[Record]
+    classes: list[Record] | None
+    prompt: PromptFn
+    class_prompt: str
+    resolution: int
+    center_crop: bool = True
+    random_flip: bool = False
+    seed: int = 0
+    classes_: list[Record] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.classes_ = self.classes or []
 
     def __len__(self) -> int:
-        return max(len(self.instances), len(self.classes))
+        return max(len(self.instances), len(self.classes_))
 
-    def _load(self, record: Record) -> dict[str, Any]:
+    def _load(self, kind: str, position: int, record: Record, rng: np.random.Generator) -> dict[str, Any]:
+        flip = bool(rng.random() < 0.5) if self.random_flip else False
         with Image.open(record.path) as im:
-            flip = self.random_flip and bool(torch.rand(()) < 0.5)
-            pixels, original, crop = prepare_image(im, self.resolution, self.center_crop, flip)
-        return {"pixels": pixels, "original_size": original, "crop_top_left": crop}
+            pixels, original, crop = prepare_image(im, self.resolution, self.center_crop, flip, rng)
+        key = f"{kind}:{position}:{int(flip)}" if self.center_crop else None
+        return {"pixels": pixels, "original_size": original, "crop_top_left": crop, "latent_key": key}
 
-    def __getitem__(self, index: int) -> dict[str, Any]:
-        example = {"instance": self._load(self.instances[index % len(self.instances)]),
-                   "instance_prompt": self.instance_prompt}
-        if self.classes:
-            example["class"] = self._load(self.classes[index % len(self.classes)])
+    def __getitem__(self, item: tuple[int, int]) -> dict[str, Any]:
+        epoch, index = item
+        rng = np.random.default_rng([self.seed, epoch, index])
+        i = index % len(self.instances)
+        example = {"instance": self._load("i", i, self.instances[i], rng),
+                   "instance_prompt": self.prompt(self.instances[i], rng)}
+        if self.classes_:
+            c = index % len(self.classes_)
+            example["class"] = self._load("c", c, self.classes_[c], rng)
             example["class_prompt"] = self.class_prompt
         return example
+
+
+class EpochSampler(Sampler):
+    """A permutation per epoch from (seed, epoch), yielding (epoch, index) for the dataset.
+
+    The loop calls `set_epoch` before each pass; with accelerate's batch skipping this gives the
+    exact data position on resume, and every rank derives the same order without communication.
+    """
+
+    def __init__(self, length: int, seed: int) -> None:
+        self.length, self.seed, self.epoch = length, seed, 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __iter__(self) -> Iterator[tuple[int, int]]:
+        order = torch.randperm(self.length, generator=torch.Generator().manual_seed(self.seed + self.epoch))
+        return iter([(self.epoch, int(i)) for i in order])
+
+    def __len__(self) -> int:
+        return self.length
 
 
 def collate(examples: list[dict[str, Any]]) -> dict[str, Any]:
@@ -130,6 +204,7 @@ def collate(examples: list[dict[str, Any]]) -> dict[str, Any]:
     return {
         "pixels": torch.stack([p["pixels"] for p in parts]),
         "prompts": prompts,
+        "latent_keys": [p["latent_key"] for p in parts],
         "original_sizes": torch.tensor([p["original_size"] for p in parts], dtype=torch.long),
         "crops_top_left": torch.tensor([p["crop_top_left"] for p in parts], dtype=torch.long),
         "num_instances": len(examples),

@@ -1,21 +1,81 @@
-"""The denoising objective every method shares: latents, noise, timesteps, target.
+"""The denoising objective every method shares: latents, noise, timesteps, target, weighted loss.
 
 Randomness (VAE posterior sample, noise, timesteps) comes from torch's global RNG, which the run
 seeds once: the same seed gives the same steps, and accelerate's checkpoints restore it.
+
+Caches: a frozen VAE gives the same posterior for the same pixels, and a frozen text encoder the
+same embedding for the same prompt, so both are computed once and kept (on the CPU). The latent
+cache keeps the posterior's parameters, not a sample: every step still draws a fresh sample from
+the same RNG stream as without the cache, so caching changes speed, not the training.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
+import torch.nn.functional as F
+
+
+def _scale(vae: torch.nn.Module, latents: torch.Tensor) -> torch.Tensor:
+    shift = getattr(vae.config, "shift_factor", None) or 0.0
+    return (latents - shift) * vae.config.scaling_factor
 
 
 def encode_latents(vae: torch.nn.Module, pixels: torch.Tensor) -> torch.Tensor:
-    """VAE posterior sample, shifted and scaled into the UNet's latent space."""
+    """VAE posterior sample, shifted and scaled into the UNet's latent space (float32)."""
     param = next(vae.parameters())
     latents = vae.encode(pixels.to(param.device, param.dtype)).latent_dist.sample()
-    shift = getattr(vae.config, "shift_factor", None) or 0.0
-    return (latents - shift) * vae.config.scaling_factor
+    return _scale(vae, latents.float())
+
+
+class LatentCache:
+    """Posterior parameters per `latent_key` (file + crop + flip), encoded one image at a time.
+
+    One image at a time, so a cached value never depends on which batch first needed it.
+    """
+
+    def __init__(self) -> None:
+        self.store: dict[str, torch.Tensor] = {}
+        self.hits = self.misses = 0
+
+    def latents(self, vae: torch.nn.Module, pixels: torch.Tensor, keys: list[str | None]) -> torch.Tensor:
+        from diffusers.models.autoencoders.vae import DiagonalGaussianDistribution
+
+        if any(k is None for k in keys):
+            return encode_latents(vae, pixels)
+        param = next(vae.parameters())
+        for i, key in enumerate(keys):
+            if key in self.store:
+                self.hits += 1
+                continue
+            self.misses += 1
+            dist = vae.encode(pixels[i : i + 1].to(param.device, param.dtype)).latent_dist
+            self.store[key] = dist.parameters.detach().float().cpu()
+        stacked = torch.cat([self.store[k] for k in keys]).to(param.device)
+        return _scale(vae, DiagonalGaussianDistribution(stacked).sample())
+
+
+class PromptCache:
+    """(hidden states, pooled embeds) per prompt string, encoded one prompt at a time."""
+
+    def __init__(self) -> None:
+        self.store: dict[str, tuple[torch.Tensor, torch.Tensor | None]] = {}
+        self.hits = self.misses = 0
+
+    def lookup(self, prompts: list[str], input_ids: list[torch.Tensor], encode: Any, device: torch.device):
+        """`encode(ids_per_tokenizer) -> (hidden, pooled)`; returns the batch's (hidden, pooled)."""
+        for i, prompt in enumerate(prompts):
+            if prompt in self.store:
+                self.hits += 1
+                continue
+            self.misses += 1
+            hidden, pooled = encode([ids[i : i + 1] for ids in input_ids])
+            self.store[prompt] = (hidden.detach().cpu(), None if pooled is None else pooled.detach().cpu())
+        hidden = torch.cat([self.store[p][0] for p in prompts]).to(device)
+        pooled_parts = [self.store[p][1] for p in prompts]
+        pooled = None if pooled_parts[0] is None else torch.cat(pooled_parts).to(device)  # type: ignore[arg-type]
+        return hidden, pooled
 
 
 @dataclass
@@ -25,9 +85,15 @@ class NoisedBatch:
     target: torch.Tensor
 
 
-def noise_latents(noise_scheduler, latents: torch.Tensor) -> NoisedBatch:
-    """Forward diffusion at uniformly drawn timesteps, and the target the UNet must predict."""
+def noise_latents(noise_scheduler: Any, latents: torch.Tensor, noise_offset: float = 0.0) -> NoisedBatch:
+    """Forward diffusion at uniformly drawn timesteps, and the target the UNet must predict.
+
+    `noise_offset` adds per-channel constant noise (diffusers' --noise_offset), which lets the model
+    learn overall brightness shifts.
+    """
     noise = torch.randn_like(latents)
+    if noise_offset:
+        noise = noise + noise_offset * torch.randn((latents.shape[0], latents.shape[1], 1, 1), device=latents.device)
     timesteps = torch.randint(
         0, noise_scheduler.config.num_train_timesteps, (latents.shape[0],), device=latents.device
     ).long()
@@ -40,3 +106,25 @@ def noise_latents(noise_scheduler, latents: torch.Tensor) -> NoisedBatch:
     else:
         raise ValueError(f"unsupported prediction type {kind!r} (use epsilon or v_prediction)")
     return NoisedBatch(noisy, timesteps, target)
+
+
+def per_example_loss(
+    pred: torch.Tensor, target: torch.Tensor, timesteps: torch.Tensor, noise_scheduler: Any, snr_gamma: float | None
+) -> torch.Tensor:
+    """MSE per example (float32), Min-SNR weighted when `snr_gamma` is set (Hang et al. 2023).
+
+    The weight is min(SNR, gamma) / SNR for epsilon and min(SNR, gamma) / (SNR + 1) for
+    v-prediction, with SNR from diffusers' compute_snr, as in train_text_to_image.py.
+    """
+    loss = F.mse_loss(pred.float(), target.float(), reduction="none").mean(dim=list(range(1, pred.ndim)))
+    if snr_gamma is None:
+        return loss
+    from diffusers.training_utils import compute_snr
+
+    snr = compute_snr(noise_scheduler, timesteps)
+    weights = torch.clamp(snr, max=snr_gamma)
+    if noise_scheduler.config.prediction_type == "v_prediction":
+        weights = weights / (snr + 1)
+    else:
+        weights = weights / snr
+    return loss * weights

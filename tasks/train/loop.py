@@ -1,64 +1,58 @@
 """The one training loop every method shares.
 
-Reads top to bottom: build optimizer and LR schedule over the method's parameters, let accelerate
-prepare what trains (device, mixed precision, gradient accumulation, and the distributed wrappers
-when launched that way), then step until `max_train_steps` optimizer steps, clipping gradients and
-reporting each step to callbacks. A non-finite loss stops the run before it poisons the weights.
+Reads top to bottom: the method configures what trains; build optimizer and LR schedule over its
+parameters; let accelerate prepare what trains (device, mixed precision, gradient accumulation,
+and the distributed wrappers when launched that way); restore a checkpoint if resuming; then step
+until `max_train_steps`, clipping gradients, updating the EMA, checkpointing, validating and
+reporting each step to callbacks.
+
+Never lose progress: SIGTERM/SIGINT finish the current step, save a checkpoint and stop; any other
+exception saves the state of the last completed step before it propagates; a non-finite loss or
+gradient stops the run before it poisons the weights and keeps the last good checkpoint.
 """
 from __future__ import annotations
 
 import logging
 import math
 import time
-from dataclasses import dataclass, field
+from contextlib import nullcontext
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable
 
 import torch
-from torch.utils.data import DataLoader
+from PIL import Image
+from torch.utils.data import DataLoader, Dataset
 from tqdm import tqdm
 
 from tasks.common.errors import UserError
+from tasks.train.checkpoints import CheckpointManager, TrainState, register_weight_hooks
 from tasks.train.config import TrainConfig
+from tasks.train.data import EpochSampler
+from tasks.train.ema import Ema
+from tasks.train.interrupts import TrainingInterrupted, stop_on_signals
 from tasks.train.methods.base import TrainingMethod
+from tasks.train.optim import make_lr_scheduler, make_optimizer, weight_dtype
+from tasks.train.steplog import Callback, RngSnapshot, StepLog, peak_memory_mb
 
 log = logging.getLogger(__name__)
 
+Validate = Callable[[int, dict[str, torch.nn.Module]], dict[str, list[Image.Image]]]
+
 
 class TrainingDiverged(UserError):
-    """The loss became NaN or infinite; the message says at which step and what to change."""
-
-
-@dataclass
-class StepLog:
-    """What one optimizer step reports."""
-
-    step: int
-    loss: float
-    lr: float
-    grad_norm: float
-    seconds: float
-    images: int
-    extra: dict[str, float] = field(default_factory=dict)
-
-    def metrics(self) -> dict[str, float]:
-        return {"loss": self.loss, "lr": self.lr, "grad_norm": self.grad_norm, "step_seconds": self.seconds,
-                "images_per_second": self.images / self.seconds if self.seconds > 0 else 0.0, **self.extra}
-
-
-Callback = Callable[[StepLog], None]
+    """The loss or gradient became NaN or infinite; the message says at which step and what to change."""
 
 
 @dataclass
 class LoopResult:
-    history: list[StepLog]
+    history: list[StepLog]  # steps run by this process (not those restored from a checkpoint)
+    state: TrainState  # position and the whole run's [step, loss, lr] history
     seconds: float
     images: int
     trained: dict[str, torch.nn.Module]  # unwrapped trained modules, for the method's save()
-
-
-def weight_dtype(mixed_precision: str) -> torch.dtype:
-    """dtype for frozen modules: they only run forward, so they can be stored in the low precision."""
-    return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(mixed_precision, torch.float32)
+    resumed_from: int | None
+    ema: Ema | None
 
 
 def make_accelerator(cfg: TrainConfig) -> Any:
@@ -77,104 +71,182 @@ def make_accelerator(cfg: TrainConfig) -> Any:
     )
 
 
-def _place_frozen(method: TrainingMethod, trainable: list[str], device: torch.device, mixed_precision: str) -> None:
-    dtype = weight_dtype(mixed_precision)
-    for name, module in method.components.modules.items():
-        if name in trainable:
-            continue
-        # fp16 VAEs overflow (SDXL's notably); bf16 has fp32's range.
-        target = torch.float32 if name == "vae" and dtype == torch.float16 else dtype
-        if target == torch.float32:
-            module.to(device)  # already fp32 (passing a dtype makes diffusers warn for nothing)
-        else:
-            module.to(device, dtype=target)
+def build_dataloader(dataset: Dataset, method: TrainingMethod, cfg: TrainConfig) -> tuple[DataLoader, EpochSampler]:
+    """Order from (seed, epoch); the loader's own generator keeps it off the global RNG."""
+    sampler = EpochSampler(len(dataset), cfg.seed)  # type: ignore[arg-type]
+    loader = DataLoader(dataset, batch_size=cfg.train_batch_size, sampler=sampler, collate_fn=method.collate,
+                        num_workers=cfg.dataloader_num_workers, generator=torch.Generator().manual_seed(cfg.seed))
+    return loader, sampler
 
 
-def run_loop(
+def _check_finite(value: float, what: str, step: int, lr: float, checkpoints: CheckpointManager | None) -> None:
+    if math.isfinite(value):
+        return
+    last = (f" The last good checkpoint is {checkpoints.run_dir / f'checkpoint-{checkpoints.last_saved}'}"
+            " (set train.resume to that folder)." if checkpoints and checkpoints.last_saved else "")
+    raise TrainingDiverged(
+        f"the {what} became {value} at step {step} (learning rate {lr:.3g}). Lower train.learning_rate, raise "
+        f"train.lr_warmup_steps, or train with mixed_precision bf16/no instead of fp16.{last}"
+    )
+
+
+def _check_weights(params: list[torch.Tensor], step: int, lr: float, checkpoints: CheckpointManager | None) -> None:
+    """Before a checkpoint is written: never save weights that already hold NaN or inf."""
+    with torch.no_grad():
+        finite = bool(torch.stack([p.isfinite().all() for p in params]).all()) if params else True
+    if not finite:
+        _check_finite(float("nan"), "weights", step, lr, checkpoints)
+
+
+def run_loop(  # noqa: C901 - one loop, read top to bottom, on purpose
     method: TrainingMethod,
-    dataloader: DataLoader,
+    dataset: Dataset,
     cfg: TrainConfig,
     accelerator: Any,
+    checkpoints: CheckpointManager | None = None,
+    resume_from: Path | None = None,
     callbacks: list[Callback] = (),  # type: ignore[assignment]
+    validate: Validate | None = None,
 ) -> LoopResult:
-    """Train for `cfg.max_train_steps` optimizer steps; returns the per-step history."""
-    from diffusers.optimization import get_scheduler
+    """Train until `cfg.max_train_steps` optimizer steps; returns the history and the trained modules."""
+    from accelerate import skip_first_batches
 
     method.configure()
     trainable = method.trainable()
     modules = method.components.modules
+    method.place(accelerator.device, weight_dtype(accelerator.mixed_precision))
+    method.setup_caches()
     groups = method.param_groups()
     params = [p for g in groups for p in g["params"]]
-    optimizer = torch.optim.AdamW(
-        groups, lr=cfg.learning_rate, betas=(cfg.adam_beta1, cfg.adam_beta2),
-        weight_decay=cfg.adam_weight_decay, eps=cfg.adam_epsilon,
-    )
-    # accelerate steps a prepared scheduler once per process: scale as diffusers' examples do.
     n_proc = accelerator.num_processes
-    lr_scheduler = get_scheduler(
-        cfg.lr_scheduler, optimizer, num_warmup_steps=cfg.lr_warmup_steps * n_proc,
-        num_training_steps=cfg.max_train_steps * n_proc,
-    )
+    optimizer = make_optimizer(cfg, groups, cfg.effective_learning_rate(n_proc))
+    lr_scheduler = make_lr_scheduler(cfg, optimizer, n_proc)
+    dataloader, sampler = build_dataloader(dataset, method, cfg)
     prepared = accelerator.prepare(*[modules[n] for n in trainable], optimizer, dataloader, lr_scheduler)
     wrapped = dict(zip(trainable, prepared[: len(trainable)]))
     optimizer, dataloader, lr_scheduler = prepared[len(trainable):]
-    _place_frozen(method, trainable, accelerator.device, accelerator.mixed_precision)
     live = {**modules, **wrapped}
-
-    n_params = sum(p.numel() for p in params)
-    log.info("training %s (%s, %.2fM parameters) for %d steps, batch %d x %d accumulation x %d processes, "
-             "precision %s on %s", method.name, ", ".join(trainable), n_params / 1e6, cfg.max_train_steps,
-             cfg.train_batch_size, cfg.gradient_accumulation_steps, n_proc, cfg.mixed_precision, accelerator.device)
+    ema = Ema(params, cfg) if cfg.use_ema else None
+    state = TrainState()
+    accelerator.register_for_checkpointing(state)
+    if ema is not None:
+        accelerator.register_for_checkpointing(ema)
+    register_weight_hooks(accelerator, {n: modules[n] for n in trainable})
+    resumed_from = None
+    if resume_from is not None and checkpoints is not None:
+        checkpoints.load(resume_from)
+        resumed_from = state.step
+        if state.step > cfg.max_train_steps:
+            log.warning("the checkpoint is at step %d, past train.max_train_steps %d: its weights are the output",
+                        state.step, cfg.max_train_steps)
 
     history: list[StepLog] = []
-    step, total_images, start = 0, 0, time.perf_counter()
+    start, run_images = time.perf_counter(), 0
     micro_losses: list[torch.Tensor] = []
     extras: dict[str, list[float]] = {}
-    step_images, step_start = 0, time.perf_counter()
-    bar = tqdm(total=cfg.max_train_steps, desc=f"train {method.name}", unit="step",
+    step_images, step_start, data_seconds = 0, time.perf_counter(), 0.0
+    snapshot = RngSnapshot.take(accelerator)
+    bar = tqdm(total=cfg.max_train_steps, initial=state.step, desc=f"train {method.name}", unit="step",
                disable=None if accelerator.is_local_main_process else True)
-    while step < cfg.max_train_steps:
-        for batch in dataloader:
-            with accelerator.accumulate(*wrapped.values()):
-                with accelerator.autocast():
-                    loss, parts = method.compute_loss(batch, live)
-                loss_value = float(loss.detach())
-                if not math.isfinite(loss_value):
-                    raise TrainingDiverged(
-                        f"the loss became {loss_value} at step {step + 1} (learning rate "
-                        f"{lr_scheduler.get_last_lr()[0]:.3g}). Lower train.learning_rate, raise "
-                        "train.lr_warmup_steps, or train with mixed_precision bf16/no instead of fp16."
-                    )
-                accelerator.backward(loss)
-                grad_norm = float("nan")
-                if accelerator.sync_gradients:
-                    grad_norm = float(accelerator.clip_grad_norm_(params, cfg.max_grad_norm))
-                lr = lr_scheduler.get_last_lr()[0]
-                optimizer.step()
-                lr_scheduler.step()
+    with stop_on_signals() as stop:
+        log.info("training %s (%s, %.2fM trainable parameters) for %d steps%s, batch %d x %d accumulation x %d "
+                 "processes, precision %s on %s; SIGTERM/SIGINT save a checkpoint", method.name, ", ".join(trainable),
+                 sum(p.numel() for p in params) / 1e6, cfg.max_train_steps,
+                 f" from step {resumed_from}" if resumed_from is not None else "", cfg.train_batch_size,
+                 cfg.gradient_accumulation_steps, n_proc, cfg.mixed_precision, accelerator.device)
+        try:
+            while state.step < cfg.max_train_steps:
+                skip = state.batches_in_epoch
+                loader = skip_first_batches(dataloader, skip) if skip else dataloader
+                loader.set_epoch(state.epoch)
+                sampler.set_epoch(state.epoch)
+                consumed = skip
+                fetch = time.perf_counter()
+                for batch in loader:
+                    data_seconds += time.perf_counter() - fetch
+                    consumed += 1
+                    with accelerator.accumulate(*wrapped.values()):
+                        with accelerator.autocast():
+                            loss, parts = method.compute_loss(batch, live)
+                        lr = lr_scheduler.get_last_lr()[0]
+                        _check_finite(float(loss.detach()), "loss", state.step + 1, lr, checkpoints)
+                        accelerator.backward(loss)
+                        grad_norm = float("nan")
+                        if accelerator.sync_gradients:
+                            grad_norm = float(accelerator.clip_grad_norm_(params, cfg.max_grad_norm))
+                            if accelerator.mixed_precision != "fp16":  # fp16: the grad scaler skips such steps
+                                _check_finite(grad_norm, "gradient norm", state.step + 1, lr, checkpoints)
+                        optimizer.step()
+                        lr_scheduler.step()
+                        optimizer.zero_grad(set_to_none=True)
+                    micro_losses.append(loss.detach())
+                    for key, value in parts.items():
+                        extras.setdefault(key, []).append(value)
+                    step_images += method.images_in(batch) * n_proc
+                    if not accelerator.sync_gradients:
+                        fetch = time.perf_counter()
+                        continue
+                    method.after_step()
+                    state.step, state.batches_in_epoch = state.step + 1, consumed
+                    state.images += step_images
+                    run_images += step_images
+                    if ema is not None:
+                        ema.step(state.step)
+                    snapshot = RngSnapshot.take(accelerator)  # the state after this step, whatever follows
+                    mean_loss = float(accelerator.reduce(torch.stack(micro_losses).mean(), reduction="mean"))
+                    entry = StepLog(state.step, mean_loss, float(lr), grad_norm, time.perf_counter() - step_start,
+                                    step_images, data_seconds, peak_memory_mb(accelerator.device),
+                                    {k: sum(v) / len(v) for k, v in extras.items()})
+                    state.history.append([state.step, mean_loss, float(lr)])
+                    if checkpoints is not None and state.step % cfg.checkpointing_steps == 0:
+                        _check_weights(params, state.step, float(lr), checkpoints)  # only good ones are saved
+                        entry.checkpoint = checkpoints.save(state.step)
+                    if validate is not None and cfg.validation_steps and state.step % cfg.validation_steps == 0:
+                        with ema.swapped_in() if ema is not None else nullcontext():
+                            entry.validation = validate(state.step, live)
+                    history.append(entry)
+                    for callback in callbacks:
+                        callback(entry)
+                    bar.update(1)
+                    bar.set_postfix(loss=f"{entry.loss:.4f}")
+                    if stop.requested:
+                        _check_weights(params, state.step, float(lr), checkpoints)
+                        saved = _save_unless_saved(checkpoints, state.step)
+                        raise TrainingInterrupted(
+                            f"interrupted by {stop.name} after step {state.step}; "
+                            + (f"checkpoint saved to {saved}. Run the stage again (train.resume: latest) to continue."
+                               if saved else "no checkpoint saved (no checkpoint folder)."),
+                            int(stop.signum or 0),
+                        )
+                    micro_losses, extras, step_images, data_seconds = [], {}, 0, 0.0
+                    step_start = fetch = time.perf_counter()
+                    if state.step >= cfg.max_train_steps:
+                        break
+                else:
+                    state.epoch, state.batches_in_epoch = state.epoch + 1, 0
+        except (TrainingDiverged, TrainingInterrupted):
+            raise
+        except Exception:
+            if checkpoints is not None and state.step and checkpoints.last_saved != state.step:
+                log.error("training failed after step %d: saving a checkpoint of that step first", state.step)
+                snapshot.restore(accelerator)
                 optimizer.zero_grad(set_to_none=True)
-            micro_losses.append(loss.detach())
-            for key, value in parts.items():
-                extras.setdefault(key, []).append(value)
-            images = method.images_in(batch) * n_proc
-            step_images += images
-            total_images += images
-            if not accelerator.sync_gradients:
-                continue
-            step += 1
-            mean_loss = accelerator.reduce(torch.stack(micro_losses).mean(), reduction="mean")
-            now = time.perf_counter()
-            entry = StepLog(step, float(mean_loss), float(lr), grad_norm, now - step_start, step_images,
-                            {k: sum(v) / len(v) for k, v in extras.items()})
-            history.append(entry)
-            for callback in callbacks:
-                callback(entry)
-            bar.update(1)
-            bar.set_postfix(loss=f"{entry.loss:.4f}")
-            micro_losses, extras, step_images, step_start = [], {}, 0, time.perf_counter()
-            if step >= cfg.max_train_steps:
-                break
-    bar.close()
+                try:
+                    _check_weights(params, state.step, 0.0, checkpoints)
+                    _save_unless_saved(checkpoints, state.step)
+                except Exception:  # the original error matters more; say why there is no checkpoint
+                    log.exception("could not save the checkpoint of step %d", state.step)
+            raise
+        finally:
+            bar.close()
     accelerator.wait_for_everyone()
     trained = {n: accelerator.unwrap_model(m) for n, m in wrapped.items()}
-    return LoopResult(history, time.perf_counter() - start, total_images, trained)
+    return LoopResult(history, state, time.perf_counter() - start, run_images, trained, resumed_from, ema)
+
+
+def _save_unless_saved(checkpoints: CheckpointManager | None, step: int) -> Path | None:
+    if checkpoints is None:
+        return None
+    if checkpoints.last_saved == step:
+        return checkpoints.run_dir / f"checkpoint-{step}"
+    return checkpoints.save(step)

@@ -122,3 +122,31 @@ def unet_conditioning(
         time_ids = add_time_ids(original_sizes, crops_top_left, resolution).to(hidden.device, hidden.dtype)
         kwargs["added_cond_kwargs"] = {"text_embeds": pooled, "time_ids": time_ids}
     return kwargs
+
+
+def pipeline_from_modules(
+    base: Path, components: Components, modules: dict[str, torch.nn.Module], keep_safety_checker: bool = False
+) -> Any:
+    """A diffusers pipeline over live (possibly training) modules: the base supplies the rest.
+
+    Used for validation images during training and for saving: nothing is loaded twice, and the
+    tokenizers are the (possibly extended) ones being trained with.
+    """
+    from diffusers import DiffusionPipeline
+
+    parts: dict[str, Any] = dict(modules)
+    parts["tokenizer"] = components.tokenizers[0]
+    if components.family == "sdxl":
+        parts["tokenizer_2"] = components.tokenizers[1]
+    elif not keep_safety_checker:
+        # An SD 1.x base may carry a safety checker; validation images do not need it.
+        parts.update(safety_checker=None, feature_extractor=None, requires_safety_checker=False)
+    return DiffusionPipeline.from_pretrained(base, **parts)
+
+
+def pipeline_class(base: Path) -> type:
+    """The diffusers pipeline class a base folder was saved from (model_index.json `_class_name`)."""
+    import diffusers
+
+    name = json.loads((Path(base) / "model_index.json").read_text())["_class_name"]
+    return getattr(diffusers, name)

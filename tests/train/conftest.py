@@ -9,6 +9,18 @@ import pytest
 from PIL import Image
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _one_torch_thread():
+    """One intra-op thread: on a 2-core machine shared with other work, torch's default (one per
+    core, spinning while they wait) makes the tiny models several times slower, not faster."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="session")
 def tiny_sd(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from tasks.common.tiny_sd import build_tiny_pipeline
@@ -23,15 +35,23 @@ def tiny_sdxl(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tiny_pipeline("builtin:tiny-sdxl", 0, tmp_path_factory.mktemp("base") / "tiny-sdxl")
 
 
-def write_imagefolder(folder: Path, n: int, text: str, seed: int, size: tuple[int, int] = (64, 64)) -> Path:
-    """`n` smooth random RGB images with metadata.jsonl (file_name, text)."""
+@pytest.fixture(params=["sd", "sdxl"])
+def tiny_base(request: pytest.FixtureRequest) -> Path:
+    """Each family in turn."""
+    return request.getfixturevalue(f"tiny_{request.param}")
+
+
+def write_imagefolder(folder: Path, n: int, text: str, seed: int, size: tuple[int, int] = (64, 64),
+                      extra: list[dict] | None = None) -> Path:
+    """`n` smooth random RGB images with metadata.jsonl (file_name, text, plus `extra[i]` columns)."""
     folder.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(seed)
     with open(folder / "metadata.jsonl", "w") as fh:
         for i in range(n):
             small = rng.integers(0, 256, (4, 4, 3), dtype=np.uint8)
             Image.fromarray(small).resize(size, Image.Resampling.BICUBIC).save(folder / f"img{i}.png")
-            fh.write(json.dumps({"file_name": f"img{i}.png", "text": text}) + "\n")
+            row = {"file_name": f"img{i}.png", "text": text, **((extra or [{}] * n)[i])}
+            fh.write(json.dumps(row) + "\n")
     return folder
 
 
@@ -43,6 +63,12 @@ def instance_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     with open(folder / "metadata.jsonl", "a") as fh:
         fh.write(json.dumps({"file_name": "wide/img0.png", "text": "a photo of sks toy"}) + "\n")
     return folder
+
+
+@pytest.fixture(scope="session")
+def one_image(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A single captioned image: the fixed batch the methods overfit."""
+    return write_imagefolder(tmp_path_factory.mktemp("one") / "one", 1, "a photo of sks toy", 5, size=(32, 32))
 
 
 @pytest.fixture(scope="session")

@@ -1,33 +1,52 @@
-"""The interface between a training method and the shared loop."""
+"""The interface between a training method and the shared loop, with the shared behaviour.
+
+A method says what is trainable (`configure`, `trainable`), what prompt each instance image gets
+(`prompt`), what to do after an optimizer step (`after_step`) and how to save (`save`). Data,
+loss (noise, Min-SNR, prior preservation), caching and precision placement are shared here.
+"""
 from __future__ import annotations
 
 import logging
-from abc import ABC, abstractmethod
 from pathlib import Path
 from typing import Any, ClassVar
 
+import numpy as np
 import torch
-from torch.utils.data import Dataset
 
+from tasks.common.errors import UserError
 from tasks.train.config import TrainConfig
-from tasks.train.models import Components
+from tasks.train.data import CaptionPolicy, Record, TrainDataset, collate, read_imagefolder
+from tasks.train.diffusion import LatentCache, PromptCache, encode_latents, noise_latents, per_example_loss
+from tasks.train.models import Components, encode_prompt, pipeline_from_modules, tokenize, unet_conditioning
 
 log = logging.getLogger(__name__)
 
+INGEST_FIX = "Run the `ingest` stage (dvc repro ingest) with ingest.sources pointing at your images."
+CLASS_FIX = ("Run the `class_images` stage (dvc repro class_images) with class_images.num_images > 0, "
+             "or set train.with_prior_preservation: false in params.yaml.")
 
-class TrainingMethod(ABC):
-    """What a method decides; the loop owns devices, precision, accumulation, clipping, logging.
+
+class TrainingMethod:
+    """Shared behaviour; subclasses override only what differs.
 
     Modules are named as in the diffusers pipeline folder ("unet", "vae", "text_encoder",
-    "text_encoder_2"); `trainable()` names those whose weights change. The loop prepares those
-    with accelerate and passes the prepared (possibly wrapped) modules back to `compute_loss`.
+    "text_encoder_2"). The loop prepares the `trainable()` ones with accelerate and passes the
+    prepared (possibly wrapped) modules back to `compute_loss`.
     """
 
     name: ClassVar[str]
+    #: the caption column used when train.caption_column is null (None: the instance prompt)
+    default_caption_column: ClassVar[str | None] = None
 
     def __init__(self, cfg: TrainConfig) -> None:
         self.cfg = cfg
         self._components: Components | None = None
+        column = cfg.caption_column or self.default_caption_column
+        self.caption_column = column
+        self.captions = CaptionPolicy(cfg.shuffle_tag_p, cfg.keep_tokens, cfg.proportion_empty_prompts)
+        self.latent_cache: LatentCache | None = None
+        self.prompt_cache: PromptCache | None = None
+        self.sample_captions: list[str] = []
 
     @property
     def components(self) -> Components:
@@ -40,9 +59,9 @@ class TrainingMethod(ABC):
         self._components = components
 
     # --- what is trained -------------------------------------------------------------------
-    @abstractmethod
     def trainable(self) -> list[str]:
-        """Names of the modules whose weights this method trains."""
+        """Names of the modules with trainable weights (UNet, plus the text encoders on request)."""
+        return ["unet", *(self.components.text_encoder_names() if self.cfg.train_text_encoder else [])]
 
     def configure(self) -> None:
         """Freeze everything, then unfreeze and switch to train mode what `trainable()` names."""
@@ -50,34 +69,151 @@ class TrainingMethod(ABC):
         for name, module in self.components.modules.items():
             module.requires_grad_(name in names)
             module.train(name in names)
-        if self.cfg.gradient_checkpointing and "unet" in names:
+        self._checkpointing()
+
+    def _checkpointing(self) -> None:
+        if self.cfg.gradient_checkpointing:
             self.components.unet.enable_gradient_checkpointing()
+            if self.cfg.train_text_encoder:
+                for encoder in self.components.text_encoders:
+                    encoder.gradient_checkpointing_enable()
+
+    def place(self, device: torch.device, dtype: torch.dtype) -> None:
+        """Frozen modules in the low precision (they only run forward), trained ones in float32."""
+        trainable = set(self.trainable())
+        for name, module in self.components.modules.items():
+            # fp16 VAEs overflow (SDXL's notably); bf16 has fp32's range.
+            target = torch.float32 if name in trainable or (name == "vae" and dtype == torch.float16) else dtype
+            if target == torch.float32:
+                module.to(device)  # already fp32 (passing a dtype makes diffusers warn for nothing)
+            else:
+                module.to(device, dtype=target)
+        if self.cfg.channels_last:
+            for name in ("unet", "vae"):
+                self.components.modules[name].to(memory_format=torch.channels_last)
 
     def param_groups(self) -> list[dict[str, Any]]:
         """Optimizer parameter groups (one group with every trainable parameter by default)."""
         params = [p for n in self.trainable() for p in self.components.modules[n].parameters() if p.requires_grad]
         return [{"params": params}]
 
-    # --- data and loss -----------------------------------------------------------------------
-    @abstractmethod
-    def dataset(self, data_dir: Path, class_dir: Path | None) -> Dataset:
-        """The training dataset; raises UserError when inputs are missing."""
+    def after_step(self) -> None:
+        """Called after each optimizer step (textual inversion restores the other embeddings)."""
 
-    @abstractmethod
+    # --- data --------------------------------------------------------------------------------
+    def prompt(self, record: Record, rng: np.random.Generator) -> str:
+        """The prompt of one instance image: the instance prompt, or its caption with the caption rules."""
+        if self.caption_column is None:
+            return "" if rng.random() < self.cfg.proportion_empty_prompts else self.cfg.instance_prompt
+        return self.captions(record, rng)
+
+    def prompts_vary(self) -> bool:
+        """True when an image's prompt can change between epochs beyond caption dropout."""
+        return self.caption_column is not None and self.captions.varies
+
+    def dataset(self, data_dir: Path, class_dir: Path | None) -> TrainDataset:
+        """Instance images (and class images with prior preservation); UserError when inputs are missing."""
+        instances = read_imagefolder(data_dir, "instance images", INGEST_FIX, self.caption_column or "text")
+        self.sample_captions = [r.text for r in instances[:4]]
+        classes = None
+        if self.cfg.with_prior_preservation:
+            if class_dir is None or not Path(class_dir).is_dir():
+                raise UserError(f"prior preservation is on but the class images folder {class_dir} does not exist. "
+                                f"{CLASS_FIX}")
+            classes = read_imagefolder(class_dir, "class images", CLASS_FIX)
+            made_with = {r.text for r in classes} - {""}
+            if made_with and made_with != {self.cfg.class_prompt}:
+                log.warning("train.class_prompt %r differs from the prompt the class images were made with (%s); "
+                            "set them equal (class_images.prompt)", self.cfg.class_prompt,
+                            ", ".join(sorted(map(repr, made_with))))
+            if len(classes) < len(instances):
+                log.warning("only %d class images for %d instance images; the DreamBooth paper uses ~200",
+                            len(classes), len(instances))
+        log.info("%s data: %d instance images (prompts: %s)%s", self.name, len(instances),
+                 f"column {self.caption_column!r}" if self.caption_column else repr(self.cfg.instance_prompt),
+                 f", {len(classes)} class images" if classes else "")
+        return TrainDataset(instances, classes, self.prompt, self.cfg.class_prompt, self.cfg.resolution,
+                            self.cfg.center_crop, self.cfg.random_flip, self.cfg.seed)
+
     def collate(self, examples: list[dict[str, Any]]) -> dict[str, Any]:
-        """Batch examples (the DataLoader's collate_fn)."""
+        batch = collate(examples)
+        batch["input_ids"] = tokenize(self.components, batch["prompts"])
+        return batch
 
-    @abstractmethod
+    def validation_prompts(self) -> list[str]:
+        """Prompts of the validation images when train.validation_prompts is null."""
+        if self.caption_column is not None and self.sample_captions:
+            return self.sample_captions[:1]
+        return [self.cfg.instance_prompt]
+
+    # --- loss ----------------------------------------------------------------------------------
+    def setup_caches(self) -> None:
+        """Cache what cannot change: latents of fixed crops, embeddings of a frozen text encoder."""
+        trains_text = any(n.startswith("text_encoder") for n in self.trainable())
+        self.latent_cache = LatentCache() if self.cfg.cache_latents and self.cfg.center_crop else None
+        self.prompt_cache = (PromptCache() if self.cfg.cache_text_encoder_outputs and not trains_text
+                             and not self.prompts_vary() else None)
+        log.info("caching: latents %s, text embeddings %s",
+                 "on" if self.latent_cache else "off" + (" (random crops)" if self.cfg.cache_latents else ""),
+                 "on" if self.prompt_cache else "off" + (" (text encoder trains or tags shuffle)"
+                                                         if self.cfg.cache_text_encoder_outputs else ""))
+
     def compute_loss(
         self, batch: dict[str, Any], modules: dict[str, torch.nn.Module]
     ) -> tuple[torch.Tensor, dict[str, float]]:
         """(loss to backpropagate, extra scalars to log) for one micro-batch."""
+        c, cfg = self.components, self.cfg
+        with torch.no_grad():
+            if self.latent_cache is not None:
+                latents = self.latent_cache.latents(modules["vae"], batch["pixels"], batch["latent_keys"])
+            else:
+                latents = encode_latents(modules["vae"], batch["pixels"])
+        noised = noise_latents(c.noise_scheduler, latents, cfg.noise_offset)
+        encoders = [modules[n] for n in c.text_encoder_names()]
+        if self.prompt_cache is not None:
+            with torch.no_grad():
+                hidden, pooled = self.prompt_cache.lookup(
+                    batch["prompts"], batch["input_ids"], lambda ids: encode_prompt(c, ids, encoders), latents.device)
+        else:
+            hidden, pooled = encode_prompt(c, batch["input_ids"], encoders)
+        cond = unet_conditioning(c, hidden, pooled, batch["original_sizes"], batch["crops_top_left"], cfg.resolution)
+        sample = noised.noisy_latents
+        if cfg.channels_last:
+            sample = sample.contiguous(memory_format=torch.channels_last)
+        pred = modules["unet"](sample, noised.timesteps, **cond, return_dict=False)[0]
+        losses = per_example_loss(pred, noised.target, noised.timesteps, c.noise_scheduler, cfg.snr_gamma)
+        n = batch["num_instances"]
+        if n == losses.shape[0]:
+            loss = losses.mean()
+            return loss, {"instance_loss": float(loss.detach())}
+        instance_loss, prior_loss = losses[:n].mean(), losses[n:].mean()
+        loss = instance_loss + cfg.prior_loss_weight * prior_loss
+        return loss, {"instance_loss": float(instance_loss.detach()), "prior_loss": float(prior_loss.detach())}
 
     def images_in(self, batch: dict[str, Any]) -> int:
         """Images one micro-batch pushes through the UNet (for images/s)."""
         return int(batch["pixels"].shape[0])
 
-    # --- output ------------------------------------------------------------------------------
-    @abstractmethod
+    # --- output ----------------------------------------------------------------------------------
+    def live_pipeline(self, base: Path, modules: dict[str, torch.nn.Module]) -> Any:
+        """A pipeline over the modules being trained (validation images during training)."""
+        return pipeline_from_modules(base, self.components, modules)
+
     def save(self, base: Path, out_dir: Path, trained: dict[str, torch.nn.Module]) -> None:
-        """Write the method's output to `out_dir`; `trained` are the unwrapped trained modules."""
+        """A complete pipeline folder: the trained modules plus the base's other parts, safetensors."""
+        # Only the trained modules come from memory; the frozen ones load from the base in their
+        # stored precision (in memory they may be bf16).
+        pipe = pipeline_from_modules(base, self.components, trained, keep_safety_checker=True)
+        if self.cfg.prediction_type is not None:
+            # Inference must predict what training taught: carry the target into the scheduler.
+            pipe.scheduler = pipe.scheduler.__class__.from_config(
+                pipe.scheduler.config, prediction_type=self.cfg.prediction_type
+            )
+        pipe.save_pretrained(out_dir, safe_serialization=True)
+        log.info("saved %s pipeline (%s trained) to %s", self.name, ", ".join(sorted(trained)), out_dir)
+
+    def load_output(self, out_dir: Path, base: Path) -> Any:
+        """The saved output as a pipeline, through diffusers' own loaders (final validation)."""
+        from diffusers import DiffusionPipeline
+
+        return DiffusionPipeline.from_pretrained(out_dir)

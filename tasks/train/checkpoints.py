@@ -1,0 +1,192 @@
+"""Checkpoints that resume exactly: where they live, what they hold, how they are kept.
+
+Layout: `<checkpoints_dir>/<run key>/checkpoint-<step>/`, outside the stage's DVC outputs (DVC
+deletes `models/finetuned` before each run). The run key hashes every setting that changes what
+a step computes (see config.NOT_IN_RUN_KEY for those that do not), the base model's files and
+the data's metadata, so `resume: latest` only ever continues the same run; a changed learning
+rate or dataset starts a new folder instead of silently mixing two runs.
+
+A checkpoint is accelerate's `save_state` (optimizer, LR scheduler, grad scaler, every process's
+RNG states, the accumulation counter) plus registered objects (the loop position and loss
+history, the EMA weights) and, through a save hook, only the *trainable* weights of each trained
+module (all of the UNet for DreamBooth; the adapters for LoRA; the embedding matrix for textual
+inversion). It is written to a hidden `.partial` folder and renamed when complete, so a crash
+while saving never leaves a checkpoint that looks whole.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tasks.common.errors import UserError
+from tasks.common.fingerprint import folder_fingerprint, sha256_file
+from tasks.train.config import NOT_IN_RUN_KEY, TrainConfig
+
+log = logging.getLogger(__name__)
+
+PREFIX = "checkpoint-"
+RUN_INFO = "run.json"
+
+
+def run_key(cfg: TrainConfig, base: Path, data_files: list[Path]) -> tuple[str, dict[str, Any]]:
+    """(16-hex key, what it was computed from)."""
+    settings = {k: v for k, v in cfg.model_dump(mode="json").items() if k not in NOT_IN_RUN_KEY}
+    info = {
+        "settings": settings,
+        "base": folder_fingerprint(Path(base)),
+        "data": {str(p): sha256_file(p) for p in data_files if p.is_file()},
+    }
+    digest = hashlib.sha256(json.dumps(info, sort_keys=True).encode()).hexdigest()[:16]
+    return digest, info
+
+
+@dataclass
+class TrainState:
+    """Where the loop is: optimizer steps done, epoch, batches of that epoch consumed; and the history.
+
+    Registered with accelerate, so it is saved and restored with every checkpoint.
+    """
+
+    step: int = 0
+    epoch: int = 0
+    batches_in_epoch: int = 0
+    images: int = 0
+    history: list[list[float]] = field(default_factory=list)  # [step, loss, lr] per step
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"step": self.step, "epoch": self.epoch, "batches_in_epoch": self.batches_in_epoch,
+                "images": self.images, "history": [list(h) for h in self.history]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.step, self.epoch = int(state["step"]), int(state["epoch"])
+        self.batches_in_epoch, self.images = int(state["batches_in_epoch"]), int(state["images"])
+        self.history = [list(h) for h in state["history"]]
+
+
+def trainable_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.detach().contiguous() for n, p in module.named_parameters() if p.requires_grad}
+
+
+def register_weight_hooks(accelerator: Any, modules: dict[str, torch.nn.Module]) -> None:
+    """Make accelerate save and load only the trainable weights, by module name.
+
+    accelerate passes its prepared models in `prepare()` order; we match them to names by identity
+    of the unwrapped module, so the files are `trainable_<name>.safetensors` whatever the order.
+    """
+    from safetensors.torch import load_file, save_file
+
+    names = {id(m): n for n, m in modules.items()}
+
+    def name_of(model: torch.nn.Module) -> str:
+        return names[id(accelerator.unwrap_model(model))]
+
+    def save_hook(models: list, weights: list, output_dir: str) -> None:
+        if accelerator.is_main_process:
+            for model in models:
+                state = trainable_state(accelerator.unwrap_model(model))
+                save_file(state, str(Path(output_dir) / f"trainable_{name_of(model)}.safetensors"))
+        weights.clear()  # accelerate must not save the full state dicts as well
+
+    def load_hook(models: list, input_dir: str) -> None:
+        while models:
+            model = models.pop()
+            path = Path(input_dir) / f"trainable_{name_of(model)}.safetensors"
+            if not path.is_file():
+                raise UserError(f"{input_dir} holds no {path.name}: it is not a checkpoint of this kind of run "
+                                "(set train.resume: none to start over)")
+            unwrapped = accelerator.unwrap_model(model)
+            expected = set(trainable_state(unwrapped))
+            state = load_file(str(path))
+            if set(state) != expected:
+                raise UserError(f"{path} does not match the model being trained ({len(state)} tensors, "
+                                f"{len(expected)} expected): resume from a checkpoint of the same method and base")
+            unwrapped.load_state_dict(state, strict=False)
+
+    accelerator.register_save_state_pre_hook(save_hook)
+    accelerator.register_load_state_pre_hook(load_hook)
+
+
+def checkpoint_step(path: Path) -> int | None:
+    name = Path(path).name
+    if name.startswith(PREFIX) and name[len(PREFIX):].isdigit():
+        return int(name[len(PREFIX):])
+    return None
+
+
+class CheckpointManager:
+    """Saves, finds, resolves and prunes the checkpoints of one run folder."""
+
+    def __init__(self, run_dir: Path, total_limit: int | None, accelerator: Any, info: dict[str, Any],
+                 keep_every: int | None = None) -> None:
+        self.run_dir, self.total_limit, self.accelerator, self.info = Path(run_dir), total_limit, accelerator, info
+        self.keep_every = keep_every
+        self.last_saved: int | None = None
+
+    def checkpoints(self) -> list[Path]:
+        """Complete checkpoints, oldest first."""
+        if not self.run_dir.is_dir():
+            return []
+        found = [p for p in self.run_dir.iterdir() if p.is_dir() and checkpoint_step(p) is not None]
+        return sorted(found, key=lambda p: checkpoint_step(p) or 0)
+
+    def resolve(self, resume: str) -> Path | None:
+        """The checkpoint `resume` names: none, latest (None when there is none yet), or a folder."""
+        if resume == "none":
+            return None
+        if resume == "latest":
+            found = self.checkpoints()
+            if not found:
+                log.info("no checkpoint in %s yet: starting from step 0", self.run_dir)
+                return None
+            return found[-1]
+        path = Path(resume)
+        if checkpoint_step(path) is None or not path.is_dir():
+            raise UserError(f"train.resume: {resume} is not a checkpoint-<step> folder")
+        return path
+
+    def save(self, step: int) -> Path:
+        """Save the whole training state after `step`; returns the checkpoint folder."""
+        final = self.run_dir / f"{PREFIX}{step}"
+        partial = self.run_dir / f".{PREFIX}{step}.partial"
+        acc = self.accelerator
+        if acc.is_main_process:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            (self.run_dir / RUN_INFO).write_text(json.dumps(self.info, indent=2, sort_keys=True) + "\n")
+            shutil.rmtree(partial, ignore_errors=True)
+        acc.wait_for_everyone()
+        acc.save_state(str(partial))
+        acc.wait_for_everyone()
+        if acc.is_main_process:
+            if final.exists():
+                shutil.rmtree(final)
+            partial.rename(final)
+            self._prune()
+        acc.wait_for_everyone()
+        self.last_saved = step
+        log.info("checkpoint saved: %s", final)
+        return final
+
+    def load(self, path: Path) -> None:
+        try:
+            self.accelerator.load_state(str(path))
+        except (FileNotFoundError, RuntimeError, KeyError) as err:
+            raise UserError(f"cannot resume from {path}: {err}. Set train.resume: none to start over") from err
+        self.last_saved = checkpoint_step(path)
+        log.info("resumed from %s", path)
+
+    def _prune(self) -> None:
+        """Keep the newest `total_limit` rolling checkpoints, plus every `keep_every`-th step's for good."""
+        if self.total_limit is None:
+            return
+        kept = (lambda p: (checkpoint_step(p) or 0) % self.keep_every == 0) if self.keep_every else (lambda p: False)
+        rolling = [p for p in self.checkpoints() if not kept(p)]
+        for old in rolling[: max(0, len(rolling) - self.total_limit)]:
+            shutil.rmtree(old, ignore_errors=True)
+            log.info("removed old checkpoint %s (checkpoints_total_limit %d)", old, self.total_limit)

@@ -1,0 +1,90 @@
+"""LoRA (Hu et al. 2021) with peft: low-rank adapters on the UNet's attention projections, and on
+the text encoders' with `train_text_encoder`, as diffusers' train_dreambooth_lora*.py add them.
+
+The base weights stay frozen in the training precision; only the adapters train, in float32.
+Saves `pytorch_lora_weights.safetensors` (diffusers' format: `pipe.load_lora_weights(folder)`
+loads it) and, with `fuse_lora`, the base pipeline with the adapters fused in next to it, so the
+`export` stage gets the full pipeline it needs.
+"""
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tasks.train.methods.base import TrainingMethod
+from tasks.train.models import pipeline_class
+
+log = logging.getLogger(__name__)
+
+UNET_TARGETS = ["to_k", "to_q", "to_v", "to_out.0"]
+TEXT_TARGETS = ["q_proj", "k_proj", "v_proj", "out_proj"]
+WEIGHT_NAME = "pytorch_lora_weights.safetensors"
+
+
+class LoRA(TrainingMethod):
+    name = "lora"
+
+    def _config(self, targets: list[str]) -> Any:
+        from peft import LoraConfig
+
+        return LoraConfig(r=self.cfg.rank, lora_alpha=self.cfg.lora_alpha or self.cfg.rank,
+                          lora_dropout=self.cfg.lora_dropout, init_lora_weights="gaussian", target_modules=targets)
+
+    def configure(self) -> None:
+        """Freeze every base weight, then add adapters (their weights are the only trainable ones)."""
+        c = self.components
+        for module in c.modules.values():
+            module.requires_grad_(False)
+            module.eval()
+        c.unet.add_adapter(self._config(UNET_TARGETS))
+        c.unet.train()
+        if self.cfg.train_text_encoder:
+            for encoder in c.text_encoders:
+                encoder.add_adapter(self._config(TEXT_TARGETS))
+                encoder.train()
+        self._checkpointing()
+
+    def place(self, device: torch.device, dtype: torch.dtype) -> None:
+        """Everything frozen in the low precision, including the base weights under the adapters."""
+        super().place(device, dtype)
+        if dtype == torch.float32:
+            return
+        for name in self.trainable():
+            for param in self.components.modules[name].parameters():
+                if not param.requires_grad:
+                    param.data = param.data.to(dtype)
+
+    def save(self, base: Path, out_dir: Path, trained: dict[str, torch.nn.Module]) -> None:
+        from diffusers import DiffusionPipeline
+        from diffusers.utils import convert_state_dict_to_diffusers
+        from peft.utils import get_peft_model_state_dict
+
+        layers: dict[str, Any] = {}
+        for name, module in trained.items():
+            layers[f"{name}_lora_layers"] = convert_state_dict_to_diffusers(get_peft_model_state_dict(module))
+            # peft keeps target_modules as a set: sort it, or the file's bytes vary with the hash seed.
+            config = module.peft_config["default"].to_dict()
+            meta = {k: sorted(v) if isinstance(v, set) else v for k, v in config.items()}
+            layers[f"{name}_lora_adapter_metadata"] = meta
+        pipeline_class(base).save_lora_weights(out_dir, **layers, weight_name=WEIGHT_NAME, safe_serialization=True)
+        log.info("saved LoRA weights (%s, rank %d) to %s", ", ".join(sorted(trained)), self.cfg.rank,
+                 out_dir / WEIGHT_NAME)
+        if self.cfg.fuse_lora:
+            pipe = DiffusionPipeline.from_pretrained(base)
+            pipe.load_lora_weights(out_dir, weight_name=WEIGHT_NAME)
+            pipe.fuse_lora(components=["unet", *(n for n in trained if n.startswith("text_encoder"))])
+            pipe.unload_lora_weights()
+            pipe.save_pretrained(out_dir, safe_serialization=True)
+            log.info("saved the base pipeline with the LoRA fused in to %s", out_dir)
+
+    def load_output(self, out_dir: Path, base: Path) -> Any:
+        from diffusers import DiffusionPipeline
+
+        if self.cfg.fuse_lora:
+            return DiffusionPipeline.from_pretrained(out_dir)
+        pipe = DiffusionPipeline.from_pretrained(base)
+        pipe.load_lora_weights(out_dir, weight_name=WEIGHT_NAME)
+        return pipe

@@ -1,0 +1,89 @@
+"""The `train` section: bad settings fail at config load, with the key and the fix in the message."""
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+import yaml
+
+from tasks.common.config import parse_section
+from tasks.common.errors import UserError
+from tasks.train.config import NOT_IN_RUN_KEY, TrainConfig
+from tests.conftest import REPO
+
+
+def load(**section) -> TrainConfig:
+    return parse_section("train", section, TrainConfig)
+
+
+def test_textual_inversion_needs_its_tokens_and_no_class_images() -> None:
+    with pytest.raises(UserError, match="textual_inversion needs placeholder_token"):
+        load(method="textual_inversion", with_prior_preservation=False)
+    with pytest.raises(UserError, match="initializer_token"):
+        load(method="textual_inversion", placeholder_token="<x>", with_prior_preservation=False)
+    with pytest.raises(UserError, match="set with_prior_preservation: false"):
+        load(method="textual_inversion", placeholder_token="<x>", initializer_token="toy")
+    with pytest.raises(UserError, match="train_text_encoder: false"):
+        load(method="textual_inversion", placeholder_token="<x>", initializer_token="toy",
+             with_prior_preservation=False, train_text_encoder=True)
+    assert load(method="textual_inversion", placeholder_token="<x>", initializer_token="toy",
+                with_prior_preservation=False).num_vectors == 1
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="fp16 is valid where CUDA is present")
+def test_fp16_on_cpu_fails_at_load() -> None:
+    with pytest.raises(UserError, match=r"train: fp16 needs a CUDA GPU|mixed_precision fp16 needs a CUDA GPU"):
+        load(mixed_precision="fp16")
+
+
+def test_other_bad_settings_name_key_and_fix(tmp_path) -> None:
+    with pytest.raises(UserError, match=r"train\.learning_rate"):
+        load(learning_rate=-1)
+    with pytest.raises(UserError, match=r"train\.max_train_step: unknown key"):
+        load(max_train_step=3)
+    with pytest.raises(UserError, match=r"train\.method"):
+        load(method="dreambooth_lora")
+    with pytest.raises(UserError, match="lr_warmup_steps"):
+        load(max_train_steps=2, lr_warmup_steps=5)
+    with pytest.raises(UserError, match="keep_tokens only matters with shuffle_tag_p"):
+        load(keep_tokens=2)
+    with pytest.raises(UserError, match="resume: .* is not a checkpoint folder; use latest"):
+        load(resume=str(tmp_path / "checkpoint-5"))
+    with pytest.raises(UserError, match="multiple of checkpointing_steps"):
+        load(checkpointing_steps=10, keep_checkpoints_every_steps=25)
+    with pytest.raises(UserError, match=r"train\.snr_gamma"):
+        load(snr_gamma=0)
+    if importlib.util.find_spec("bitsandbytes") is None:
+        with pytest.raises(UserError, match="use_8bit_adam needs the bitsandbytes package"):
+            load(use_8bit_adam=True)
+
+
+def test_scale_lr_follows_diffusers() -> None:
+    cfg = load(learning_rate=2e-3, scale_lr=True, train_batch_size=2, gradient_accumulation_steps=3)
+    assert cfg.effective_learning_rate(num_processes=4) == pytest.approx(2e-3 * 2 * 3 * 4)
+    assert load(learning_rate=2e-3).effective_learning_rate(4) == 2e-3
+
+
+def test_shipped_params_are_valid_and_the_surface_is_frozen() -> None:
+    params = yaml.safe_load((REPO / "params.yaml").read_text())
+    shipped = parse_section("train", params["train"], TrainConfig)
+    assert shipped.method == "dreambooth" and shipped.resolution == 64, "the demo: DreamBooth on the tiny model"
+    assert NOT_IN_RUN_KEY <= set(TrainConfig.model_fields)
+    # New options are a decision: adding one means updating this list (and params.yaml/README).
+    assert sorted(TrainConfig.model_fields) == sorted([
+        "method", "instance_prompt", "caption_column", "shuffle_tag_p", "keep_tokens", "proportion_empty_prompts",
+        "class_prompt", "with_prior_preservation", "prior_loss_weight", "train_text_encoder",
+        "placeholder_token", "initializer_token", "num_vectors", "learnable_property",
+        "rank", "lora_alpha", "lora_dropout", "fuse_lora",
+        "resolution", "center_crop", "random_flip", "train_batch_size", "dataloader_num_workers",
+        "max_train_steps", "gradient_accumulation_steps", "gradient_checkpointing", "learning_rate", "scale_lr",
+        "lr_scheduler", "lr_warmup_steps", "lr_num_cycles", "lr_power", "use_8bit_adam", "adam_beta1",
+        "adam_beta2", "adam_weight_decay", "adam_epsilon", "max_grad_norm", "mixed_precision", "allow_tf32",
+        "prediction_type", "snr_gamma", "noise_offset",
+        "use_ema", "ema_decay", "offload_ema", "ema_update_every",
+        "cache_latents", "cache_text_encoder_outputs", "channels_last",
+        "checkpoints_dir", "checkpointing_steps", "checkpoints_total_limit", "keep_checkpoints_every_steps", "resume",
+        "validation_prompts", "num_validation_images", "validation_steps", "validation_inference_steps",
+        "log_every_steps", "system_metrics_interval", "seed",
+    ])
