@@ -21,12 +21,15 @@ import urllib.error
 import urllib.request
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import yaml
 
+from flows.recovery import crash_orphans
 from tasks.common.errors import UserError, main_guard
+from tasks.common.tracking import tracking_uri
 
 log = logging.getLogger("flows.serve")
 
@@ -37,15 +40,26 @@ DEPLOYMENT = "main"
 POOL_CONCURRENCY = 1  # one checkout, one pipeline run at a time
 SERVER_START_TIMEOUT_S = 180.0
 STOP_TIMEOUT_S = 30.0
+#: A worker that dies (killed, out of memory) is restarted this many times before serve gives up.
+MAX_WORKER_RESTARTS = 5
 
 
-@dataclass(frozen=True)
+@dataclass
 class Served:
     api_url: str
     pool: str
     server: subprocess.Popen
     worker: subprocess.Popen
     seconds_to_ready: float
+    _start_worker: Callable[[], subprocess.Popen] = field(repr=False)
+    _recover: Callable[[], None] = field(repr=False)
+    restarts: int = 0
+
+    def restart_worker(self) -> None:
+        """After the worker died: crash the flow run it left open, then start a new worker."""
+        self.restarts += 1
+        self._recover()
+        self.worker = self._start_worker()
 
 
 def port_from_env(env: Mapping[str, str] = os.environ) -> int:
@@ -170,7 +184,7 @@ def serving(root: Path = REPO, port: int = DEFAULT_PORT, env: Mapping[str, str] 
             _prefect("server", "start", "--host", HOST, "--port", str(port)),
             env=penv, cwd=root, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True,
         )
-    worker: subprocess.Popen | None = None
+    served: Served | None = None
     try:
         log.info("starting the Prefect server on %s (log: %s)", api_url, server_log)
         wait_healthy(api_url, server, server_log, SERVER_START_TIMEOUT_S)
@@ -182,15 +196,27 @@ def serving(root: Path = REPO, port: int = DEFAULT_PORT, env: Mapping[str, str] 
         _run(_prefect("work-pool", "set-concurrency-limit", pool, str(POOL_CONCURRENCY)), penv,
              root, f"work pool '{pool}' concurrency limit {POOL_CONCURRENCY}")
         _run(_prefect("deploy", "--all"), penv, root, "prefect deploy --all")
-        worker = subprocess.Popen(
-            _prefect("worker", "start", "--pool", pool, "--type", "process"),
-            env=penv, cwd=root, stdout=worker_output,
-            stderr=subprocess.STDOUT if worker_output else None, start_new_session=True,
-        )
-        yield Served(api_url, pool, server, worker, round(time.monotonic() - start, 1))
+
+        def recover() -> None:
+            try:
+                crash_orphans(api_url, pool, penv.get("MLFLOW_TRACKING_URI") or tracking_uri(root))
+            except Exception as err:  # never keep the server from serving; say what is left open
+                log.warning("could not close the runs a dead worker left open: %s", err)
+
+        def start_worker() -> subprocess.Popen:
+            return subprocess.Popen(
+                _prefect("worker", "start", "--pool", pool, "--type", "process"),
+                env=penv, cwd=root, stdout=worker_output,
+                stderr=subprocess.STDOUT if worker_output else None, start_new_session=True,
+            )
+
+        recover()  # runs left open by a worker of an earlier `make serve` that died with it
+        served = Served(api_url, pool, server, start_worker(), round(time.monotonic() - start, 1),
+                        start_worker, recover)
+        yield served
     finally:
-        if worker is not None:
-            stop(worker, "worker")
+        if served is not None:
+            stop(served.worker, "worker")
         stop(server, "server")
 
 
@@ -219,11 +245,20 @@ def main() -> None:
                 flush=True,
             )
             while True:
-                for proc, name in ((served.server, "server"), (served.worker, "worker")):
-                    if proc.poll() is not None:
-                        raise UserError(
-                            f"the Prefect {name} exited (code {proc.returncode}); stopping"
-                        )
+                if served.server.poll() is not None:
+                    raise UserError(f"the Prefect server exited (code {served.server.returncode}); "
+                                    f"stopping. Its log: {Path(os.environ.get('PREFECT_HOME', REPO / '.prefect')) / 'server.log'}")
+                code = served.worker.poll()
+                if code is not None:
+                    if served.restarts >= MAX_WORKER_RESTARTS:
+                        raise UserError(f"the Prefect worker exited (code {code}) after {served.restarts} "
+                                        "restarts; stopping. Its output is above.")
+                    print(f"the Prefect worker exited (code {code}); restarting it "
+                          f"({served.restarts + 1} of {MAX_WORKER_RESTARTS})", flush=True)
+                    served.restart_worker()
+                    print("worker restarted; a run it left open is marked Crashed: run the "
+                          "deployment again to resume (finished stages are skipped, training "
+                          "continues from its last checkpoint)", flush=True)
                 time.sleep(1)
     except KeyboardInterrupt:
         print("stopped the worker and the server", flush=True)

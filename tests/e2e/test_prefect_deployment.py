@@ -1,8 +1,11 @@
 """End to end with the real `prefect`: `python -m flows.serve` (server, work pool, `prefect deploy`,
 worker) on a free loopback port in a copy of the repo, then `prefect deployment run finetune/main
---watch` twice (everything runs, then everything is skipped and the same model does not take
-`champion`), then `finetune/nightly` (up to date: nothing registered), the model versions, aliases
-and run-summary artifacts, and a clean stop on Ctrl-C."""
+--watch`: the first run's worker is killed (SIGKILL, with everything it started) in the middle of
+`train`; serve restarts the worker and marks that run Crashed; the next run skips the finished
+stages, resumes training from the checkpoint and registers version 1. Then a run with nothing
+changed (everything skipped, the same model does not take `champion`), `finetune/nightly` (up to
+date: nothing registered), the model versions, aliases and run-summary artifacts, and a clean stop
+on Ctrl-C."""
 from __future__ import annotations
 
 import signal
@@ -67,6 +70,29 @@ class Serve:
             os.killpg(self.proc.pid, signal.SIGKILL)
 
 
+def _kill_worker_mid_train(root: Path, serve: Serve, env: dict[str, str]) -> int:
+    """Start a deployment run; once `train` has saved a checkpoint, SIGKILL the worker and every
+    process under it (the flow run, `dvc repro`, the training), as a node failure would. Returns
+    the step of that checkpoint."""
+    import psutil
+
+    watch = subprocess.Popen([sys.executable, "-m", "prefect", "deployment", "run", "finetune/main", "--watch"],
+                             cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 1500
+    while not (checkpoints := sorted(root.glob(".cache/train/*/checkpoint-*"))):
+        assert time.monotonic() < deadline and watch.poll() is None, serve.output[-5000:]
+        time.sleep(0.2)
+    (worker,) = [p for p in psutil.Process(serve.proc.pid).children() if "worker" in p.cmdline()]
+    tree = [worker, *worker.children(recursive=True)]
+    assert any("tasks.train" in " ".join(p.cmdline()) for p in tree), "killed in the middle of train"
+    for proc in tree:
+        proc.kill()
+    serve.wait_for("worker restarted", timeout=300)
+    out = watch.communicate(timeout=300)[0]
+    assert watch.returncode != 0 and "Crashed" in out, out[-3000:]
+    return int(checkpoints[0].name.split("-")[1])
+
+
 def _deployment_run(root: Path, env: dict[str, str], name: str = "finetune/main"
                     ) -> tuple[subprocess.CompletedProcess[str], float]:
     start = time.monotonic()
@@ -106,23 +132,30 @@ def test_deployment_run_registers_a_model(tmp_path_factory: pytest.TempPathFacto
         assert "prefect deployment run finetune/main" in serve.output
         run_env = {**env, "PREFECT_API_URL": api}
 
+        killed_at = _kill_worker_mid_train(root, serve, run_env)
         first, first_s = _deployment_run(root, run_env)
         assert first.returncode == 0, first.stdout[-4000:] + first.stderr[-4000:] + serve.output[-6000:]
         assert "Completed" in first.stdout
 
         client = mlflow.MlflowClient(tracking_uri=uri)
-        model_name = yaml.safe_load((root / "params.yaml").read_text())["register"]["model_name"]
+        params = yaml.safe_load((root / "params.yaml").read_text())
+        model_name = params["register"]["model_name"]
         v1 = client.get_model_version_by_alias(model_name, "candidate")
-        assert str(v1.version) == "1"
+        assert str(v1.version) == "1"  # the killed run registered nothing; this one registered once
+        train = yaml.safe_load((root / "reports/train.json").read_text())
+        assert train["resumed_from_step"] == killed_at and train["steps"] == params["train"]["max_train_steps"]
         gate = yaml.safe_load((root / "reports/evaluate.json").read_text())["gate"]["passed"]
         assert {a for a in v1.aliases} == ({"candidate", "champion"} if gate else {"candidate"})
         assert v1.tags["dvc.md5.models/openvino"].endswith(".dir") and v1.tags["prefect_flow_run_id"]
         parent = client.get_run(v1.run_id)  # the model is logged in the flow's parent run
         assert parent.data.tags["pipeline"] == "finetune" and parent.info.status == "FINISHED"
-        assert [parent.data.tags[f"stage.{s}"] for s in STAGES] == ["ran"] * len(STAGES)
+        finished_before_kill = ["skipped"] * 3  # base, ingest, class_images: recorded in dvc.lock
+        assert [parent.data.tags[f"stage.{s}"] for s in STAGES] == finished_before_kill + ["ran"] * 3
         children = client.search_runs([parent.info.experiment_id],
                                       filter_string=f"tags.mlflow.parentRunId = '{parent.info.run_id}'")
-        assert sorted(r.data.tags["stage"] for r in children) == sorted(STAGES)
+        assert sorted(r.data.tags["stage"] for r in children) == sorted(STAGES[3:])
+        train_runs = client.search_runs([parent.info.experiment_id], filter_string="tags.stage = 'train'")
+        assert sorted(r.info.status for r in train_runs) == ["FINISHED", "KILLED"]  # closed by flows.serve
 
         # Nothing changed: DVC skips every stage, the flow says so, and registers version 2.
         second, second_s = _deployment_run(root, run_env)
@@ -131,7 +164,7 @@ def test_deployment_run_registers_a_model(tmp_path_factory: pytest.TempPathFacto
         assert str(v2.version) == "2"
         parent2 = client.get_run(v2.run_id)
         assert parent2.data.tags["stages.skipped"] == ",".join(STAGES)
-        assert serve.output.count("Finished in state Skipped(") == len(STAGES)
+        assert serve.output.count("Finished in state Skipped(") == 3 + len(STAGES)  # resumed run, then this one
         # Same model, same scores: it does not beat the champion, so champion stays where it was.
         assert "champion" not in v2.aliases
         assert v2.tags["champion.decision"].startswith("not promoted")
@@ -143,13 +176,13 @@ def test_deployment_run_registers_a_model(tmp_path_factory: pytest.TempPathFacto
         assert f"only_if_changed: up to date: nothing changed since {model_name} v2" in serve.output
         assert len(client.search_model_versions(f"name='{model_name}'")) == 2
         pages = _artifacts(api)
-        assert len(pages) == 3 and any("**Up to date**" in p for p in pages)
+        assert len(pages) == 3 and any("**Up to date**" in p for p in pages)  # the crashed run wrote none
         assert any(f"[{model_name} version 1](" in p and "## Gate:" in p for p in pages)
 
         stop_s = serve.interrupt()
         assert serve.proc.returncode == 0, serve.output[-3000:]
         assert "stopped the worker and the server" in serve.output
-        print(f"\nserve ready {ready_s:.1f} s; first deployment run {first_s:.1f} s; "
+        print(f"\nserve ready {ready_s:.1f} s; resumed deployment run {first_s:.1f} s; "
               f"second (all skipped) {second_s:.1f} s; nightly (up to date) {nightly_s:.1f} s; "
               f"Ctrl-C stop {stop_s:.1f} s")
     finally:

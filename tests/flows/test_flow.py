@@ -34,14 +34,6 @@ pathlib.Path(f"{name}.out").write_text(str(params["value"]))
 """
 
 
-@pytest.fixture(scope="module")
-def prefect_server():
-    from prefect.testing.utilities import prefect_test_harness
-
-    with prefect_test_harness(server_startup_timeout=180):
-        yield
-
-
 @pytest.fixture
 def toy(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     root = tmp_path / "toy"
