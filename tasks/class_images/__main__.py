@@ -14,10 +14,12 @@ from pathlib import Path
 from PIL import Image
 
 from tasks.class_images.config import ClassImagesConfig
-from tasks.class_images.core import METADATA, image_name, run
+from tasks.class_images.core import METADATA, Summary, image_name, run
 from tasks.common.config import load_config
+from tasks.common.distributed import failures_named, join
 from tasks.common.errors import main_guard
 from tasks.common.images import make_grid
+from tasks.common.launch import start
 from tasks.common.outputs import write_json
 from tasks.common.tracking import stage_run
 
@@ -34,8 +36,25 @@ def main() -> None:
     parser.add_argument("--params", type=Path, default=Path("params.yaml"))
     args = parser.parse_args()
     cfg = load_config("class_images", ClassImagesConfig, args.params)
+    start("class_images", cfg.launcher, cfg.launch)  # under mpirun/accelerate: re-executes there and exits
+    worker = join()
+    with failures_named(worker):
+        if worker.world_size == 1:
+            _record(args, cfg, None)
+        else:  # every rank generates its share; rank 0 then reports
+            from accelerate import PartialState
+
+            state = PartialState()
+            summary = run(cfg, args.base, args.out, rank=worker.rank, world_size=worker.world_size,
+                          barrier=state.wait_for_everyone, device=state.device)
+            if worker.is_main:
+                _record(args, cfg, summary)
+
+
+def _record(args: argparse.Namespace, cfg: ClassImagesConfig, done: Summary | None) -> None:
+    """Generate (unless `done` by the ranks already), then write the report and log to MLflow."""
     with stage_run("class_images", params=cfg.model_dump(mode="json")) as run_:
-        summary = run(cfg, args.base, args.out)
+        summary = done if done is not None else run(cfg, args.base, args.out)
         report = summary.report()
         write_json(args.report, report)
         run_.set_tags({"class_images.base_fingerprint": summary.base_fingerprint})
@@ -52,7 +71,6 @@ def main() -> None:
         "%d class images in %s (%d generated, %d reused, %d files removed) in %.1f s",
         cfg.num_images, args.out, summary.generated, summary.reused, summary.removed, summary.seconds,
     )
-
 
 if __name__ == "__main__":
     main()

@@ -1,9 +1,12 @@
 """The `class_images` section of params.yaml."""
 from __future__ import annotations
 
-from pydantic import Field
+from typing import Literal
+
+from pydantic import Field, model_validator
 
 from tasks.common.config import StageConfig
+from tasks.common.launch import LAUNCHERS, LaunchConfig, launch_problem
 
 
 class ClassImagesConfig(StageConfig):
@@ -19,3 +22,15 @@ class ClassImagesConfig(StageConfig):
     guidance_scale: float = Field(7.5, ge=0.0, le=50.0)
     negative_prompt: str | None = Field(None, description="optional negative prompt")
     seed: int = Field(0, ge=0, description="image i is drawn from a generator seeded with seed + i")
+    launcher: Literal[LAUNCHERS] = Field(  # type: ignore[valid-type]
+        "local", description="local | accelerate | mpirun | xla: each rank generates its share of the images"
+    )
+    launch: LaunchConfig = Field(default_factory=LaunchConfig, description="topology and environment of a launch")
+
+    @model_validator(mode="after")
+    def _check(self) -> "ClassImagesConfig":
+        if self.launcher == "xla":
+            raise ValueError("launcher xla is for training: generate class images with local, mpirun or accelerate")
+        if problem := launch_problem(self.launcher, self.launch):
+            raise ValueError(problem)
+        return self

@@ -14,7 +14,7 @@ import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 from PIL import Image
 from tqdm import tqdm
@@ -113,7 +113,7 @@ def shard(indices: Sequence[int], rank: int, world_size: int) -> list[int]:
     return list(indices[rank::world_size])
 
 
-def load_pipeline(base: Path) -> Any:
+def load_pipeline(base: Path, device: Any = None) -> Any:
     """The base model as a diffusers pipeline (SD or SDXL), safety checker off, on the best device.
 
     The safety checker is turned off as in diffusers' DreamBooth example: it would replace some
@@ -128,8 +128,8 @@ def load_pipeline(base: Path) -> Any:
     extra: dict[str, Any] = {}
     if "safety_checker" in json.loads(index_path.read_text()):
         extra = {"safety_checker": None, "requires_safety_checker": False}
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    dtype = torch.float16 if device == "cuda" else torch.float32
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dtype = torch.float16 if device.type == "cuda" else torch.float32
     pipe = DiffusionPipeline.from_pretrained(base, torch_dtype=dtype, **extra).to(device)
     pipe.set_progress_bar_config(disable=True)
     return pipe
@@ -203,37 +203,55 @@ class Summary:
         }
 
 
-def run(cfg: ClassImagesConfig, base: Path, out_dir: Path, pipe: Any = None) -> Summary:
-    """Bring `out_dir` to exactly `num_images` valid images for `cfg` (single process).
+def _nothing() -> None:
+    return None
 
-    `pipe` may be passed in (tests, or a caller that already loaded the base model); it is loaded
-    only when something has to be generated.
+
+def run(cfg: ClassImagesConfig, base: Path, out_dir: Path, pipe: Any = None, rank: int = 0, world_size: int = 1,
+        barrier: Callable[[], None] = _nothing, device: Any = None) -> Summary:
+    """Bring `out_dir` to exactly `num_images` valid images for `cfg`, on one rank or split over many.
+
+    Split: rank 0 removes what is stale and records the settings; then every rank plans from the same
+    folder, generates its `shard` of the missing images (files named as in a one-rank run, so the
+    result is the same), and rank 0 writes the metadata once all are done. `barrier` waits for every
+    rank (accelerate's wait_for_everyone). `pipe` may be passed in (tests, or a caller that already
+    loaded the base model); it is loaded only when this rank has something to generate.
     """
     start = time.perf_counter()
     base, out_dir = Path(base), Path(out_dir)
     if not base.is_dir():
         raise UserError(f"base model folder {base} not found: run the `base` stage first (dvc repro base)")
-    out_dir.mkdir(parents=True, exist_ok=True)
     fingerprint = folder_fingerprint(base)
     key = generation_key(cfg, fingerprint)
-    todo = plan(out_dir, cfg, key)
-    for path in todo.remove:
-        path.unlink(missing_ok=True)
-    if todo.remove:
-        log.info("removed %d stale or surplus files from %s", len(todo.remove), out_dir)
-    # Recorded before generating: images a killed run leaves are then known to match the key.
-    with atomic_file(out_dir / STATE) as tmp:
-        tmp.write_text(json.dumps(key, indent=2, sort_keys=True) + "\n")
-    log.info("class images: %d to generate, %d reused in %s", len(todo.missing), len(todo.reused), out_dir)
-    if todo.missing:
-        pipe = pipe if pipe is not None else load_pipeline(base)
-        generate(pipe, cfg, todo.missing, out_dir)
-    write_metadata(out_dir, cfg)
+    removed = 0
+    if rank == 0:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        todo = plan(out_dir, cfg, key)
+        for path in todo.remove:
+            path.unlink(missing_ok=True)
+        removed = len(todo.remove)
+        if todo.remove:
+            log.info("removed %d stale or surplus files from %s", removed, out_dir)
+        # Recorded before generating: images a killed run leaves are then known to match the key.
+        with atomic_file(out_dir / STATE) as tmp:
+            tmp.write_text(json.dumps(key, indent=2, sort_keys=True) + "\n")
+    barrier()
+    todo = plan(out_dir, cfg, key)  # the same on every rank: nothing is written until all have planned
+    barrier()
+    mine = shard(todo.missing, rank, world_size)
+    log.info("class images: %d to generate (%d by rank %d of %d), %d reused in %s", len(todo.missing), len(mine),
+             rank, world_size, len(todo.reused), out_dir)
+    if mine:
+        pipe = pipe if pipe is not None else load_pipeline(base, device)
+        generate(pipe, cfg, mine, out_dir)
+    barrier()
+    if rank == 0:
+        write_metadata(out_dir, cfg)
     return Summary(
         num_images=cfg.num_images,
         generated=len(todo.missing),
         reused=len(todo.reused),
-        removed=len(todo.remove),
+        removed=removed,
         seconds=time.perf_counter() - start,
         base_fingerprint=fingerprint,
     )

@@ -16,8 +16,10 @@ from pathlib import Path
 from typing import Iterator
 
 from tasks.common.config import load_config
+from tasks.common.distributed import failures_named, join
 from tasks.common.errors import main_guard
 from tasks.common.images import make_grid
+from tasks.common.launch import start
 from tasks.common.outputs import write_json
 from tasks.common.tracking import stage_run
 from tasks.train.config import TrainConfig
@@ -66,10 +68,15 @@ def main() -> None:
     parser.add_argument("--params", type=Path, default=Path("params.yaml"))
     args = parser.parse_args()
     cfg = load_config("train", TrainConfig, args.params)
-    logging.getLogger("accelerate").setLevel(logging.WARNING)  # it logs every file of every checkpoint
-    from accelerate import PartialState
+    start("train", cfg.launcher, cfg.launch)  # under mpirun/accelerate: re-executes there and exits
+    worker = join()  # this process's rank (0 of 1 when local)
+    with failures_named(worker):
+        _train(args, cfg, worker.is_main)
 
-    main_process = PartialState().is_main_process  # under a launcher only rank 0 writes and logs
+
+def _train(args: argparse.Namespace, cfg: TrainConfig, main_process: bool) -> None:
+    """Train; under a launcher only rank 0 writes the outputs and logs to MLflow."""
+    logging.getLogger("accelerate").setLevel(logging.WARNING)  # it logs every file of every checkpoint
     if main_process:
         _enable_system_metrics(cfg.system_metrics_interval)
     try:

@@ -35,9 +35,14 @@ PREFIX = "checkpoint-"
 RUN_INFO = "run.json"
 
 
-def run_key(cfg: TrainConfig, base: Path, data_files: list[Path]) -> tuple[str, dict[str, Any]]:
-    """(16-hex key, what it was computed from)."""
+def run_key(
+    cfg: TrainConfig, base: Path, data_files: list[Path], num_processes: int = 1
+) -> tuple[str, dict[str, Any]]:
+    """(16-hex key, what it was computed from). More than one process is part of the key (one rank's
+    checkpoint cannot continue on two: batch, data position and RNG files differ)."""
     settings = {k: v for k, v in cfg.model_dump(mode="json").items() if k not in NOT_IN_RUN_KEY}
+    if num_processes > 1:
+        settings["num_processes"] = num_processes
     info = {
         "settings": settings,
         "base": folder_fingerprint(Path(base)),

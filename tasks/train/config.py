@@ -1,4 +1,4 @@
-"""The `train` section of params.yaml: what to train (where and on how many machines is not here).
+"""The `train` section of params.yaml: what to train; `launcher`/`launch` say where (tasks.common.launch).
 
 Option names are those of diffusers' example scripts (train_dreambooth.py, textual_inversion.py,
 train_text_to_image.py and their LoRA variants) where they exist, kohya sd-scripts' otherwise
@@ -15,6 +15,7 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from tasks.common.config import StageConfig
+from tasks.common.launch import LAUNCHERS, LaunchConfig, launch_problem
 
 LR_SCHEDULERS = ("constant", "constant_with_warmup", "linear", "cosine", "cosine_with_restarts", "polynomial")
 METHOD_NAMES = ("dreambooth", "textual_inversion", "lora", "full")
@@ -27,8 +28,31 @@ NOT_IN_RUN_KEY = frozenset({
     "checkpoints_dir", "resume",
     "validation_prompts", "num_validation_images", "validation_steps", "validation_inference_steps",
     "log_every_steps", "system_metrics_interval", "dataloader_num_workers", "cache_latents",
-    "cache_text_encoder_outputs", "fuse_lora",
+    "cache_text_encoder_outputs", "fuse_lora", "xla",
+    # How the processes were started does not change a step; how many there are does (the global
+    # batch, the data each rank reads, one RNG file per rank in a checkpoint), so the run key
+    # holds the number of processes actually training instead (checkpoints.run_key): a resume
+    # must use the same num_processes, whatever the launcher, hosts or threads.
+    "launcher", "launch",
 })
+
+
+class XlaConfig(StageConfig):
+    """`train.xla`: PyTorch/XLA (TPU, or CPU with PJRT_DEVICE=CPU) options, after diffusers' SDXL-on-TPU script."""
+
+    mesh_shape: list[int] | None = Field(
+        None, min_length=1, max_length=2,
+        description="SPMD device mesh (data[, model]); the batch is sharded over its first axis. "
+                    "null: every device on one data axis (data parallel)",
+    )
+    compile_cache_dir: Path | None = Field(
+        Path(".cache/xla"), description="persistent XLA compile cache (its CACHE_DIR); null: none"
+    )
+    profile_dir: Path | None = Field(None, description="write an XLA profile trace here (its PROFILE_DIR); null: off")
+    profile_start_step: int = Field(10, ge=1, description="first optimizer step inside the profile window")
+    profile_steps: int = Field(5, ge=1, description="optimizer steps the profile window covers")
+    loader_prefetch_size: int = Field(1, ge=1, description="batches the host loader keeps ready")
+    device_prefetch_size: int = Field(1, ge=1, description="batches already sent to the devices")
 
 
 class TrainConfig(StageConfig):
@@ -104,6 +128,13 @@ class TrainConfig(StageConfig):
         True, description="encode each prompt once (off by itself when the text encoder trains or tags shuffle)"
     )
     channels_last: bool = Field(False, description="channels-last memory format for the UNet and VAE")
+    # --- back ends (tasks/train/README.md, "CPU and TPU back ends") ------------------------------
+    cpu_backend: Literal["auto", "ipex", "native"] = Field(
+        "auto", description="CPU runs: ipex (Intel Extension for PyTorch's ipex.optimize) | native (torch autocast) "
+                            "| auto (ipex when it imports and matches torch, else native)"
+    )
+    torch_compile: bool = Field(False, description="torch.compile the UNet (CPU and GPU runs)")
+    xla: XlaConfig = Field(default_factory=XlaConfig, description="PyTorch/XLA options (used when torch_xla runs)")
     # --- never lose progress ----------------------------------------------------------------------
     checkpoints_dir: Path = Field(
         Path(".cache/train"), description="checkpoints go to <this>/<run key>/checkpoint-<step> (outside DVC outs)"
@@ -122,6 +153,11 @@ class TrainConfig(StageConfig):
     log_every_steps: int = Field(1, ge=1, description="MLflow metrics every N steps (the CSV has every step)")
     system_metrics_interval: float = Field(5, ge=0, description="MLflow system metrics every N seconds (0: off)")
     seed: int = Field(0, ge=0, description="same seed and params give the same weights")
+    # --- where and on how many processes (tasks/common/launch.py; README "Launchers") ---------------
+    launcher: Literal[LAUNCHERS] = Field(  # type: ignore[valid-type]
+        "local", description="local | accelerate | mpirun | xla: python -m tasks.train re-executes itself under it"
+    )
+    launch: LaunchConfig = Field(default_factory=LaunchConfig, description="topology and environment of a launch")
 
     @model_validator(mode="after")
     def _check(self) -> "TrainConfig":
@@ -154,6 +190,8 @@ class TrainConfig(StageConfig):
         return None
 
     def _option_problem(self) -> str | None:
+        if problem := launch_problem(self.launcher, self.launch):
+            return problem
         if self.lr_warmup_steps > self.max_train_steps:
             return "lr_warmup_steps is larger than max_train_steps"
         if self.keep_checkpoints_every_steps and self.keep_checkpoints_every_steps % self.checkpointing_steps:

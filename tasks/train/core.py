@@ -99,7 +99,7 @@ def train(
     data_files = [Path(data_dir) / METADATA]
     if cfg.with_prior_preservation and class_dir is not None:
         data_files.append(Path(class_dir) / METADATA)
-    key, info = run_key(cfg, base, data_files)
+    key, info = run_key(cfg, base, data_files, accelerator.num_processes)
     checkpoints = CheckpointManager(Path(cfg.checkpoints_dir) / key, cfg.checkpoints_total_limit, accelerator, info,
                                     cfg.keep_checkpoints_every_steps)
     resume_from = checkpoints.resolve(cfg.resume)

@@ -6,9 +6,10 @@ the prediction in two halves (as diffusers' DreamBooth example does). The length
 max(instances, class images): every class image is seen once per epoch while few instances repeat.
 
 Every random choice about an example (random crop, flip, tag shuffle, caption dropout, prompt
-template) is drawn from a generator seeded by (seed, epoch, index), never from a global RNG. So an
-example is the same whether it is loaded in the main process or a worker, on rank 0 or rank 3, in
-a straight run or after a resume that skipped the batches before it: resume is exact.
+template, and the seed of its diffusion noise) is drawn from a generator seeded by (seed, epoch,
+index), never from a global RNG. So an example is the same whether it is loaded in the main process
+or a worker, on rank 0 or rank 3, in a straight run or after a resume that skipped the batches
+before it: resume is exact, and 2 ranks x batch b train as 1 rank x batch 2b.
 """
 from __future__ import annotations
 
@@ -163,12 +164,15 @@ class TrainDataset(Dataset):
     def __getitem__(self, item: tuple[int, int]) -> dict[str, Any]:
         epoch, index = item
         rng = np.random.default_rng([self.seed, epoch, index])
+        # The diffusion noise of each image (posterior sample, noise, timestep) is seeded per example
+        # too, so a batch of 2b on one rank and b on each of two ranks train alike.
+        noise_seeds = np.random.SeedSequence([self.seed, epoch, index, 1]).generate_state(2)
         i = index % len(self.instances)
-        example = {"instance": self._load("i", i, self.instances[i], rng),
+        example = {"instance": {**self._load("i", i, self.instances[i], rng), "noise_seed": int(noise_seeds[0])},
                    "instance_prompt": self.prompt(self.instances[i], rng)}
         if self.classes_:
             c = index % len(self.classes_)
-            example["class"] = self._load("c", c, self.classes_[c], rng)
+            example["class"] = {**self._load("c", c, self.classes_[c], rng), "noise_seed": int(noise_seeds[1])}
             example["class_prompt"] = self.class_prompt
         return example
 
@@ -205,6 +209,7 @@ def collate(examples: list[dict[str, Any]]) -> dict[str, Any]:
         "pixels": torch.stack([p["pixels"] for p in parts]),
         "prompts": prompts,
         "latent_keys": [p["latent_key"] for p in parts],
+        "noise_seeds": [p["noise_seed"] for p in parts],
         "original_sizes": torch.tensor([p["original_size"] for p in parts], dtype=torch.long),
         "crops_top_left": torch.tensor([p["crop_top_left"] for p in parts], dtype=torch.long),
         "num_instances": len(examples),

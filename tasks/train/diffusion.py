@@ -1,7 +1,10 @@
 """The denoising objective every method shares: latents, noise, timesteps, target, weighted loss.
 
-Randomness (VAE posterior sample, noise, timesteps) comes from torch's global RNG, which the run
-seeds once: the same seed gives the same steps, and accelerate's checkpoints restore it.
+Randomness (VAE posterior sample, noise, timesteps) comes from one generator per batch row,
+seeded by the example the row holds (`RowRandom`, seeds from the dataset): a row's noise does not
+depend on the batch size, the rank it lands on or what ran before, so 2 ranks x batch b and 1 rank
+x batch 2b compute the same gradients, and a resume needs no RNG state. Without seeds (callers
+outside the loop) torch's global RNG is used.
 
 Caches: a frozen VAE gives the same posterior for the same pixels, and a frozen text encoder the
 same embedding for the same prompt, so both are computed once and kept (on the CPU). The latent
@@ -17,15 +20,36 @@ import torch
 import torch.nn.functional as F
 
 
+class RowRandom:
+    """One CPU generator per batch row (CPU: the numbers are the same on every device)."""
+
+    def __init__(self, seeds: list[int]) -> None:
+        self.generators = [torch.Generator("cpu").manual_seed(int(s)) for s in seeds]
+
+    def randn(self, shape: tuple[int, ...], device: torch.device, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """[rows, *shape] standard normal, row i from generator i."""
+        return torch.stack([torch.randn(shape, generator=g) for g in self.generators]).to(device, dtype)
+
+    def randint(self, high: int, device: torch.device) -> torch.Tensor:
+        return torch.cat([torch.randint(0, high, (1,), generator=g) for g in self.generators]).to(device)
+
+
+def _sample(dist: Any, rand: "RowRandom | None") -> torch.Tensor:
+    """A posterior sample: diffusers' own, or mean + std x the rows' own normal draws."""
+    if rand is None:
+        return dist.sample()
+    return dist.mean + dist.std * rand.randn(tuple(dist.mean.shape[1:]), dist.mean.device, dist.mean.dtype)
+
+
 def _scale(vae: torch.nn.Module, latents: torch.Tensor) -> torch.Tensor:
     shift = getattr(vae.config, "shift_factor", None) or 0.0
     return (latents - shift) * vae.config.scaling_factor
 
 
-def encode_latents(vae: torch.nn.Module, pixels: torch.Tensor) -> torch.Tensor:
+def encode_latents(vae: torch.nn.Module, pixels: torch.Tensor, rand: RowRandom | None = None) -> torch.Tensor:
     """VAE posterior sample, shifted and scaled into the UNet's latent space (float32)."""
     param = next(vae.parameters())
-    latents = vae.encode(pixels.to(param.device, param.dtype)).latent_dist.sample()
+    latents = _sample(vae.encode(pixels.to(param.device, param.dtype)).latent_dist, rand)
     return _scale(vae, latents.float())
 
 
@@ -39,11 +63,12 @@ class LatentCache:
         self.store: dict[str, torch.Tensor] = {}
         self.hits = self.misses = 0
 
-    def latents(self, vae: torch.nn.Module, pixels: torch.Tensor, keys: list[str | None]) -> torch.Tensor:
+    def latents(self, vae: torch.nn.Module, pixels: torch.Tensor, keys: list[str | None],
+                rand: RowRandom | None = None) -> torch.Tensor:
         from diffusers.models.autoencoders.vae import DiagonalGaussianDistribution
 
         if any(k is None for k in keys):
-            return encode_latents(vae, pixels)
+            return encode_latents(vae, pixels, rand)
         param = next(vae.parameters())
         for i, key in enumerate(keys):
             if key in self.store:
@@ -53,7 +78,7 @@ class LatentCache:
             dist = vae.encode(pixels[i : i + 1].to(param.device, param.dtype)).latent_dist
             self.store[key] = dist.parameters.detach().float().cpu()
         stacked = torch.cat([self.store[k] for k in keys]).to(param.device)
-        return _scale(vae, DiagonalGaussianDistribution(stacked).sample())
+        return _scale(vae, _sample(DiagonalGaussianDistribution(stacked), rand))
 
 
 class PromptCache:
@@ -85,18 +110,25 @@ class NoisedBatch:
     target: torch.Tensor
 
 
-def noise_latents(noise_scheduler: Any, latents: torch.Tensor, noise_offset: float = 0.0) -> NoisedBatch:
+def noise_latents(noise_scheduler: Any, latents: torch.Tensor, noise_offset: float = 0.0,
+                  rand: RowRandom | None = None) -> NoisedBatch:
     """Forward diffusion at uniformly drawn timesteps, and the target the UNet must predict.
 
     `noise_offset` adds per-channel constant noise (diffusers' --noise_offset), which lets the model
-    learn overall brightness shifts.
+    learn overall brightness shifts. `rand`: per-row generators (else the global RNG).
     """
-    noise = torch.randn_like(latents)
-    if noise_offset:
-        noise = noise + noise_offset * torch.randn((latents.shape[0], latents.shape[1], 1, 1), device=latents.device)
-    timesteps = torch.randint(
-        0, noise_scheduler.config.num_train_timesteps, (latents.shape[0],), device=latents.device
-    ).long()
+    steps = noise_scheduler.config.num_train_timesteps
+    if rand is not None:
+        noise = rand.randn(tuple(latents.shape[1:]), latents.device, latents.dtype)
+        if noise_offset:
+            noise = noise + noise_offset * rand.randn((latents.shape[1], 1, 1), latents.device, latents.dtype)
+        timesteps = rand.randint(steps, latents.device).long()
+    else:
+        noise = torch.randn_like(latents)
+        if noise_offset:
+            noise = noise + noise_offset * torch.randn((latents.shape[0], latents.shape[1], 1, 1),
+                                                       device=latents.device)
+        timesteps = torch.randint(0, steps, (latents.shape[0],), device=latents.device).long()
     noisy = noise_scheduler.add_noise(latents, noise, timesteps)
     kind = noise_scheduler.config.prediction_type
     if kind == "epsilon":

@@ -26,6 +26,7 @@ from torch.utils.data import DataLoader, Dataset
 from tqdm import tqdm
 
 from tasks.common.errors import UserError
+from tasks.train.backend import choose_backend
 from tasks.train.checkpoints import CheckpointManager, TrainState, register_weight_hooks
 from tasks.train.config import TrainConfig
 from tasks.train.data import EpochSampler
@@ -63,7 +64,12 @@ def make_accelerator(cfg: TrainConfig) -> Any:
     """
     from accelerate import Accelerator
     from accelerate.state import AcceleratorState, GradientState
+    from accelerate.utils import is_torch_xla_available
 
+    if is_torch_xla_available():  # accelerate then runs on torch_xla; SPMD must be on before its device exists
+        from tasks.train.xla import start_runtime
+
+        start_runtime(cfg.xla)
     AcceleratorState._reset_state(reset_partial_state=False)
     GradientState._reset_state()
     return Accelerator(
@@ -116,10 +122,11 @@ def run_loop(  # noqa: C901 - one loop, read top to bottom, on purpose
     modules = method.components.modules
     method.place(accelerator.device, weight_dtype(accelerator.mixed_precision))
     method.setup_caches()
-    groups = method.param_groups()
-    params = [p for g in groups for p in g["params"]]
     n_proc = accelerator.num_processes
-    optimizer = make_optimizer(cfg, groups, cfg.effective_learning_rate(n_proc))
+    optimizer = make_optimizer(cfg, method.param_groups(), cfg.effective_learning_rate(n_proc))
+    backend = choose_backend(cfg, accelerator)  # XLA, CPU acceleration (IPEX or native) or the default
+    optimizer = backend.prepare(method, optimizer)
+    params = [p for g in optimizer.param_groups for p in g["params"]]  # IPEX may have replaced them
     lr_scheduler = make_lr_scheduler(cfg, optimizer, n_proc)
     dataloader, sampler = build_dataloader(dataset, method, cfg)
     prepared = accelerator.prepare(*[modules[n] for n in trainable], optimizer, dataloader, lr_scheduler)
@@ -162,15 +169,16 @@ def run_loop(  # noqa: C901 - one loop, read top to bottom, on purpose
                 sampler.set_epoch(state.epoch)
                 consumed = skip
                 fetch = time.perf_counter()
-                for batch in loader:
+                for batch in backend.loader(loader):
                     data_seconds += time.perf_counter() - fetch
                     consumed += 1
                     with accelerator.accumulate(*wrapped.values()):
                         with accelerator.autocast():
                             loss, parts = method.compute_loss(batch, live)
                         lr = lr_scheduler.get_last_lr()[0]
-                        _check_finite(float(loss.detach()), "loss", state.step + 1, lr, checkpoints)
                         accelerator.backward(loss)
+                        backend.after_backward()  # XLA: forward and backward run here, as one graph
+                        _check_finite(float(loss.detach()), "loss", state.step + 1, lr, checkpoints)
                         grad_norm = float("nan")
                         if accelerator.sync_gradients:
                             grad_norm = float(accelerator.clip_grad_norm_(params, cfg.max_grad_norm))
@@ -181,13 +189,14 @@ def run_loop(  # noqa: C901 - one loop, read top to bottom, on purpose
                         optimizer.zero_grad(set_to_none=True)
                     micro_losses.append(loss.detach())
                     for key, value in parts.items():
-                        extras.setdefault(key, []).append(value)
+                        extras.setdefault(key, []).append(float(value))
                     step_images += method.images_in(batch) * n_proc
                     if not accelerator.sync_gradients:
                         fetch = time.perf_counter()
                         continue
                     method.after_step()
                     state.step, state.batches_in_epoch = state.step + 1, consumed
+                    backend.after_step(state.step)
                     state.images += step_images
                     run_images += step_images
                     if ema is not None:
@@ -239,8 +248,10 @@ def run_loop(  # noqa: C901 - one loop, read top to bottom, on purpose
             raise
         finally:
             bar.close()
+            backend.close()
     accelerator.wait_for_everyone()
     trained = {n: accelerator.unwrap_model(m) for n, m in wrapped.items()}
+    backend.finish(trained)
     return LoopResult(history, state, time.perf_counter() - start, run_images, trained, resumed_from, ema)
 
 

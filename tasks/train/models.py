@@ -102,7 +102,8 @@ def encode_prompt(
 
 def add_time_ids(original_sizes: torch.Tensor, crops_top_left: torch.Tensor, resolution: int) -> torch.Tensor:
     """SDXL micro-conditioning, one row per image: (orig_h, orig_w, crop_top, crop_left, h, w)."""
-    target = torch.tensor([resolution, resolution], dtype=original_sizes.dtype).expand_as(original_sizes)
+    target = torch.tensor([resolution, resolution], dtype=original_sizes.dtype, device=original_sizes.device)
+    target = target.expand_as(original_sizes)
     return torch.cat([original_sizes, crops_top_left, target], dim=1)
 
 

@@ -16,7 +16,8 @@ import torch
 from tasks.common.errors import UserError
 from tasks.train.config import TrainConfig
 from tasks.train.data import CaptionPolicy, Record, TrainDataset, collate, read_imagefolder
-from tasks.train.diffusion import LatentCache, PromptCache, encode_latents, noise_latents, per_example_loss
+from tasks.train.diffusion import (LatentCache, PromptCache, RowRandom, encode_latents, noise_latents,
+                                   per_example_loss)
 from tasks.train.models import Components, encode_prompt, pipeline_from_modules, tokenize, unet_conditioning
 
 log = logging.getLogger(__name__)
@@ -160,15 +161,16 @@ class TrainingMethod:
 
     def compute_loss(
         self, batch: dict[str, Any], modules: dict[str, torch.nn.Module]
-    ) -> tuple[torch.Tensor, dict[str, float]]:
-        """(loss to backpropagate, extra scalars to log) for one micro-batch."""
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """(loss to backpropagate, extra scalars to log, as 0-d tensors) for one micro-batch."""
         c, cfg = self.components, self.cfg
+        rand = RowRandom(batch["noise_seeds"]) if "noise_seeds" in batch else None  # per example, any rank
         with torch.no_grad():
             if self.latent_cache is not None:
-                latents = self.latent_cache.latents(modules["vae"], batch["pixels"], batch["latent_keys"])
+                latents = self.latent_cache.latents(modules["vae"], batch["pixels"], batch["latent_keys"], rand)
             else:
-                latents = encode_latents(modules["vae"], batch["pixels"])
-        noised = noise_latents(c.noise_scheduler, latents, cfg.noise_offset)
+                latents = encode_latents(modules["vae"], batch["pixels"], rand)
+        noised = noise_latents(c.noise_scheduler, latents, cfg.noise_offset, rand)
         encoders = [modules[n] for n in c.text_encoder_names()]
         if self.prompt_cache is not None:
             with torch.no_grad():
@@ -185,10 +187,10 @@ class TrainingMethod:
         n = batch["num_instances"]
         if n == losses.shape[0]:
             loss = losses.mean()
-            return loss, {"instance_loss": float(loss.detach())}
+            return loss, {"instance_loss": loss.detach()}  # read after the step (XLA: no extra sync)
         instance_loss, prior_loss = losses[:n].mean(), losses[n:].mean()
         loss = instance_loss + cfg.prior_loss_weight * prior_loss
-        return loss, {"instance_loss": float(instance_loss.detach()), "prior_loss": float(prior_loss.detach())}
+        return loss, {"instance_loss": instance_loss.detach(), "prior_loss": prior_loss.detach()}
 
     def images_in(self, batch: dict[str, Any]) -> int:
         """Images one micro-batch pushes through the UNet (for images/s)."""

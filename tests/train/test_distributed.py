@@ -1,0 +1,146 @@
+"""Real multi-process training: `python -m tasks.train` re-executes itself under a real `mpirun -np 2`
+on loopback (gloo), only rank 0 writes, 2 ranks x batch 1 reach the weights of 1 rank x batch 2,
+a rank that fails is named, and SIGTERM reaches every rank (a checkpoint, then a 2-rank resume)."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from safetensors.torch import load_file
+
+from tasks.train.config import TrainConfig
+from tasks.train.core import train
+from tests.conftest import REPO, stage_runs
+
+UNET = "unet/diffusion_pytorch_model.safetensors"
+pytestmark = pytest.mark.skipif(shutil.which("mpirun") is None,
+                                reason="needs mpirun: apt-get install openmpi-bin (.ci/run installs it)")
+# adam_epsilon well above float noise: some UNet biases (those right before a GroupNorm) have a
+# gradient that is exactly zero in exact arithmetic; Adam would blow their rounding noise (which
+# differs with the summation order of 1 vs 2 ranks) up to steps of the full learning rate.
+SETTINGS = dict(max_train_steps=3, resolution=32, num_validation_images=0, learning_rate=1e-3, lr_scheduler="linear",
+                random_flip=True, checkpointing_steps=2, system_metrics_interval=0, resume="none", adam_epsilon=1e-4)
+
+
+def run_stage(tmp_path: Path, section: dict, inputs: tuple[Path, Path, Path], env: dict | None = None):
+    tiny_sd, instance_dir, class_dir = inputs
+    params = tmp_path / "params.yaml"
+    params.write_text(yaml.safe_dump({"train": section}))
+    argv = ["--base", str(tiny_sd), "--data", str(instance_dir), "--class-data", str(class_dir),
+            "--out", str(tmp_path / "out"), "--report", str(tmp_path / "train.json"),
+            "--plot", str(tmp_path / "loss.csv"), "--params", str(params)]
+    return subprocess.run([sys.executable, "-m", "tasks.train", *argv], capture_output=True, text=True, cwd=tmp_path,
+                          env={**os.environ, "PYTHONPATH": str(REPO), **(env or {})}, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def even_instances(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """4 instance images: with 4 class images, 2 batches of 2 (or 2 x 2 ranks of 1) per epoch."""
+    from tests.train.conftest import write_imagefolder
+
+    return write_imagefolder(tmp_path_factory.mktemp("even") / "processed", 4, "a photo of sks toy", 7)
+
+
+def test_two_ranks_equal_one_rank_with_twice_the_batch(
+    tmp_path, tiny_sd, even_instances, class_dir, isolated_mlflow
+) -> None:
+    section = {**SETTINGS, "train_batch_size": 1, "checkpoints_dir": str(tmp_path / "ckpt"),
+               "launcher": "mpirun", "launch": {"num_processes": 2, "threads_per_process": 1}}
+    done = run_stage(tmp_path, section, (tiny_sd, even_instances, class_dir))
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert "launching 2 processes on 1 machine(s): " in done.stderr and " mpirun -np 2 " in done.stderr
+    assert "rank 1 of 2 (local 1)" in done.stderr and "backend gloo" in done.stderr
+    report = json.loads((tmp_path / "train.json").read_text())
+    assert report["steps"] == 3
+    runs = stage_runs(isolated_mlflow)
+    assert len(runs) == 1 and runs[0].data.params["launcher"] == "mpirun", "one MLflow run: rank 0's"
+    checkpoint = next((tmp_path / "ckpt").glob("*/checkpoint-2"))
+    assert {"random_states_0.pkl", "random_states_1.pkl"} <= {p.name for p in checkpoint.iterdir()}
+
+    torch.set_num_threads(1)
+    single = TrainConfig(**{**SETTINGS, "train_batch_size": 2, "checkpoints_dir": tmp_path / "ckpt1"})
+    outcome = train(single, tiny_sd, even_instances, class_dir, tmp_path / "single")
+    assert [h[1] for h in outcome.losses] == pytest.approx([h[1] for h in
+                                                            _csv_losses(tmp_path / "loss.csv")], rel=1e-4)
+    two, one = load_file(tmp_path / "out" / UNET), load_file(tmp_path / "single" / UNET)
+    base = load_file(tiny_sd / UNET)
+    moved = max(float((one[k] - base[k]).abs().max()) for k in one)
+    worst = max(float((two[k] - one[k]).abs().max()) for k in one)
+    assert moved > 1e-3, "the weights trained"
+    assert worst < 1e-5, f"2 ranks x 1 and 1 rank x 2 differ by {worst} (training moved them by {moved})"
+
+
+def _csv_losses(path: Path) -> list[list[float]]:
+    rows = path.read_text().splitlines()[1:]
+    return [[float(x) for x in row.split(",")] for row in rows]
+
+
+@pytest.mark.parametrize("launcher", ["mpirun", "accelerate"])
+def test_a_failing_rank_is_named(tmp_path, tiny_sd, instance_dir, class_dir, launcher) -> None:
+    """Rank 1 cannot read the images (as a node whose data folder differs); the job stops, naming it.
+    `accelerate` runs torchrun, which works on CPUs too (gloo)."""
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(
+        "import os\n"
+        "rank = os.environ.get('OMPI_COMM_WORLD_RANK', os.environ.get('RANK'))\n"
+        "if rank == '1' and os.environ.get('FINETUNE_LAUNCHED'):\n"
+        "    import PIL.Image\n"
+        "    def broken(*args, **kwargs):\n"
+        "        raise OSError('cannot read the images on this node')\n"
+        "    PIL.Image.open = broken\n")
+    section = {**SETTINGS, "train_batch_size": 1, "checkpoints_dir": str(tmp_path / "ckpt"),
+               "launcher": launcher, "launch": {"num_processes": 2, "threads_per_process": 1}}
+    done = run_stage(tmp_path, section, (tiny_sd, instance_dir, class_dir),
+                     env={"PYTHONPATH": f"{hook}{os.pathsep}{REPO}"})
+    assert done.returncode == 2, done.stderr[-4000:]
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: rank 1 of 2 failed (launcher exit code 1): "), last
+    assert "cannot read the images on this node" in last and "train on that node alone" in last
+    assert ("mpirun -np 2" if launcher == "mpirun" else "accelerate.commands.launch --multi_gpu") in last
+    assert not (tmp_path / "out").exists() and not (tmp_path / "train.json").exists()
+
+
+def test_sigterm_reaches_every_rank_and_two_ranks_resume(tmp_path, tiny_sd, instance_dir, class_dir) -> None:
+    """SIGTERM to `python -m tasks.train` goes through mpirun to both ranks: they save one checkpoint
+    together (each its RNG file), the stage exits 143, and the next 2-rank run continues from it."""
+    section = {**SETTINGS, "max_train_steps": 100_000, "checkpointing_steps": 100_000, "train_batch_size": 1,
+               "checkpoints_dir": str(tmp_path / "ckpt"), "resume": "latest",
+               "launcher": "mpirun", "launch": {"num_processes": 2, "threads_per_process": 1}}
+    params = tmp_path / "params.yaml"
+    params.write_text(yaml.safe_dump({"train": section}))
+    argv = ["--base", str(tiny_sd), "--data", str(instance_dir), "--class-data", str(class_dir),
+            "--out", str(tmp_path / "out"), "--report", str(tmp_path / "train.json"),
+            "--plot", str(tmp_path / "loss.csv"), "--params", str(params)]
+    proc = subprocess.Popen([sys.executable, "-m", "tasks.train", *argv], stderr=subprocess.PIPE,
+                            stdout=subprocess.DEVNULL, text=True, cwd=tmp_path,
+                            env={**os.environ, "PYTHONPATH": str(REPO)})
+    try:
+        ready = 0
+        assert proc.stderr is not None
+        for line in proc.stderr:  # both ranks in the loop, their signal handlers installed
+            ready += "SIGTERM/SIGINT save a checkpoint" in line
+            if ready == 2:
+                break
+        proc.send_signal(signal.SIGTERM)
+        rest = proc.communicate(timeout=240)[1]
+    finally:
+        proc.kill()
+    assert proc.returncode == 128 + signal.SIGTERM, rest[-3000:]
+    assert "error: stopped by SIGTERM, passed to every rank" in rest and rest.count("interrupted by SIGTERM") == 2
+    (checkpoint,) = (tmp_path / "ckpt").glob("*/checkpoint-*")
+    assert {"random_states_0.pkl", "random_states_1.pkl"} <= {p.name for p in checkpoint.iterdir()}
+    stopped_at = int(checkpoint.name.split("-")[1])
+
+    done = run_stage(tmp_path, {**section, "max_train_steps": stopped_at + 2}, (tiny_sd, instance_dir, class_dir))
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads((tmp_path / "train.json").read_text())
+    assert report["resumed_from_step"] == stopped_at and report["steps"] == stopped_at + 2
