@@ -42,50 +42,16 @@ VARIANTS = {  # loop -> (cache, bf16, channels_last)
 RESOLUTION = {"tiny": 64, "sd15": 256}
 
 
-def build_sd15(out: Path) -> Path:
-    """SD 1.5's architecture (diffusers configs of runwayml/stable-diffusion-v1-5) with random weights."""
-    import torch
-    from diffusers import AutoencoderKL, DDIMScheduler, StableDiffusionPipeline, UNet2DConditionModel
-    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer
-
-    from tasks.common.tiny_sd import write_tokenizer
-
-    if (out / "model_index.json").is_file():
-        return out
-    tok_dir = Path(tempfile.mkdtemp())
-    write_tokenizer(tok_dir)  # no hub here: a small BPE vocabulary; token ids are all the model sees
-    torch.manual_seed(0)
-    unet = UNet2DConditionModel(
-        sample_size=64, in_channels=4, out_channels=4, layers_per_block=2, cross_attention_dim=768,
-        block_out_channels=(320, 640, 1280, 1280), attention_head_dim=8, norm_num_groups=32,
-        down_block_types=("CrossAttnDownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D", "DownBlock2D"),
-        up_block_types=("UpBlock2D", "CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "CrossAttnUpBlock2D"),
-    )
-    vae = AutoencoderKL(
-        in_channels=3, out_channels=3, latent_channels=4, layers_per_block=2, sample_size=512,
-        block_out_channels=(128, 256, 512, 512), down_block_types=("DownEncoderBlock2D",) * 4,
-        up_block_types=("UpDecoderBlock2D",) * 4, scaling_factor=0.18215,
-    )
-    text_encoder = CLIPTextModel(CLIPTextConfig(
-        vocab_size=49408, hidden_size=768, intermediate_size=3072, num_attention_heads=12, num_hidden_layers=12,
-        max_position_embeddings=77, hidden_act="quick_gelu", projection_dim=768,
-    ))
-    scheduler = DDIMScheduler(beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear",
-                              clip_sample=False, set_alpha_to_one=False, steps_offset=1)
-    pipe = StableDiffusionPipeline(vae=vae, text_encoder=text_encoder, tokenizer=CLIPTokenizer.from_pretrained(tok_dir),
-                                   unet=unet, scheduler=scheduler, safety_checker=None, feature_extractor=None,
-                                   requires_safety_checker=False)
-    pipe.save_pretrained(out, safe_serialization=True)
-    return out
-
-
 def base_for(model: str) -> Path:
     from tasks.common.tiny_sd import build_tiny_pipeline
 
     if model == "tiny":
         out = CACHE / "tiny-sd"
         return out if (out / "model_index.json").is_file() else build_tiny_pipeline("builtin:tiny-sd", 0, out)
-    return build_sd15(CACHE / "sd15-arch")
+    from benchmarks.export.sd15_random import build_sd15  # the export benchmark's SD 1.5 architecture
+
+    out = CACHE / "sd15-arch"
+    return out if (out / "model_index.json").is_file() else build_sd15(out)
 
 
 def make_data(root: Path) -> tuple[Path, Path]:
