@@ -1,12 +1,13 @@
 """The export stage's four latencies on the real SD 1.5 architecture with random weights.
 
-    .venv/bin/python -m benchmarks.export.sd15_random --steps 20 --mode int8 --work /tmp/sd15-bench
+    .venv/bin/python -m benchmarks.export.sd15_random --steps 20 --mode full_int8 --work /tmp/sd15-bench
 
 Builds UNet2DConditionModel / AutoencoderKL / CLIPTextModel from SD 1.5's published config values
 (no download; weights drawn from a seed, so the images are noise but every op and shape is SD
 1.5's), saves the pipeline, and runs the export stage's own code (`tasks.export.core.export`) at
-512 x 512, batch 1: PyTorch eager fp32, OpenVINO dynamic, static, compressed, same prompt, seed,
-latents and steps, with image PSNR of the compressed pipeline against fp32. Writes the report.
+512 x 512, batch 1: PyTorch eager fp32, OpenVINO static at f32, then dynamic, static and compressed
+at `--precision`, same prompt, seed, latents and steps, with image PSNR against fp32. Writes the
+report.
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import json
 import logging
 import os
 import platform
+import resource
 import tempfile
 import time
 from pathlib import Path
@@ -69,7 +71,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--size", type=int, default=512)
-    parser.add_argument("--mode", default="int8", choices=["int8", "int4", "hybrid"])
+    parser.add_argument("--mode", default="int8", choices=["int8", "int4", "hybrid", "full_int8"])
+    parser.add_argument("--precision", default="auto", choices=["auto", "bf16", "f16", "f32"],
+                        help="export.inference_precision (parity and openvino_static_f32: f32)")
     parser.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "sd15-bench")
     parser.add_argument("--report", type=Path, default=Path("benchmarks/export/results.json"))
     args = parser.parse_args()
@@ -84,12 +88,12 @@ def main() -> None:
         build_sd15(src)
     build_s = time.perf_counter() - start
     cfg = ExportConfig(
-        height=args.size, width=args.size,
+        height=args.size, width=args.size, inference_precision=args.precision,
         parity={"num_inference_steps": args.steps, "min_psnr_db": None},
         compression={"mode": args.mode, "calibration_prompts": ["a photo of a toy"],
                      "num_samples": 10},
     )
-    out = args.work / f"openvino-{args.mode}"
+    out = args.work / f"openvino-{args.mode}-{args.precision}"
     report = export(src, out, cfg)
     lat = report["latency_s"]
     report["benchmark"] = {
@@ -99,10 +103,12 @@ def main() -> None:
         "cpu": platform.processor() or platform.machine(),
         "cpus": os.cpu_count(),
         "ratios_vs_eager": {k: v for k, v in lat.items() if k.startswith("speedup_")},
+        "peak_rss_gb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2),
     }
     args.report.parent.mkdir(parents=True, exist_ok=True)
     args.report.write_text(json.dumps(report, indent=2) + "\n")
     print(json.dumps({"latency_s": lat, "compression": report["compression"],
+                      "inference_precision": report["inference_precision"],
                       "parity": report["parity"], "size_mb": report["size_mb"]}, indent=2))
 
 

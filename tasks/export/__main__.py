@@ -46,7 +46,8 @@ def main() -> None:
             run.set_tags(
                 {"export.family": report["family"], "export.parity_passed": parity["passed"],
                  "export.source_kind": report["source_kind"]["method"],
-                 "export.compression": cfg.compression.mode}
+                 "export.compression": cfg.compression.mode,
+                 "export.inference_precision": cfg.inference_precision}
             )
             if not parity["passed"]:
                 raise UserError(

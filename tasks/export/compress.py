@@ -1,14 +1,18 @@
-"""Weight compression (8-bit, 4-bit) and hybrid quantization of the exported pipeline with NNCF.
+"""Weight compression (8-bit, 4-bit) and 8-bit quantization of the exported pipeline with NNCF.
 
-Done through optimum-intel's own `quantization_config` (an `OVWeightQuantizationConfig`), applied
-when the fp32 IR is loaded, so the files written are what optimum-intel itself would produce with
-`optimum-cli export openvino --weight-format int8|int4` or `--quant-mode` hybrid:
+Done through optimum-intel's own `quantization_config`, applied when the fp32 IR is loaded, so the
+files written are what `optimum-cli export openvino` itself would produce (the flags below):
 
-- `int8`: every weight to 8 bit (asymmetric by default); ~4x smaller, PSNR vs fp32 typically high.
-- `int4`: weights to 4 bit in groups of `group_size` (`ratio` of the layers; the rest stay 8 bit).
-- `hybrid`: the UNet's weights to 8 bit and its activations too (full 8-bit quantization of the
-  UNet, calibrated by running the pipeline on `calibration_prompts`); other components get
-  weights-only 8 bit. The fastest on CPUs with VNNI/AMX; the most lossy.
+- `int8`: every weight to 8 bit (asymmetric by default); ~4x smaller, PSNR vs fp32 typically
+  high (`--weight-format int8`).
+- `int4`: weights to 4 bit in groups of `group_size` (`ratio` of the layers; the rest stay 8 bit;
+  `--weight-format int4`).
+- `hybrid`: the UNet's convolutions quantized in full (weights and activations 8 bit, calibrated
+  by running the pipeline on `calibration_prompts`), its MatMul weights to 8 bit only; other
+  components get weights-only 8 bit (`--weight-format int8 --dataset ...`).
+- `full_int8`: every UNet layer quantized in full, MatMuls too; other components weights-only
+  8 bit (`--quant-mode int8 --dataset ...`). The fastest on CPUs with
+  VNNI or AMX (8-bit dot products); the most lossy.
 
 The fp32 export stays the reference: parity (is the conversion right?) is checked on it, and the
 compressed pipeline is compared with it on the same latents (`compressed_vs_fp32_psnr_db`).
@@ -29,7 +33,7 @@ log = logging.getLogger(__name__)
 
 def quantization_config(cfg: CompressionConfig) -> Any:
     """optimum-intel's OVWeightQuantizationConfig for `cfg.mode` (None for 'none')."""
-    from optimum.intel import OVWeightQuantizationConfig
+    from optimum.intel import OVQuantizationConfig, OVWeightQuantizationConfig
 
     if cfg.mode == "none":
         return None
@@ -38,6 +42,13 @@ def quantization_config(cfg: CompressionConfig) -> Any:
     if cfg.mode == "int4":
         return OVWeightQuantizationConfig(
             bits=4, sym=cfg.sym, group_size=cfg.group_size, ratio=cfg.ratio
+        )
+    if cfg.mode == "full_int8":
+        # A full-quantization config on a text-to-image pipeline quantizes the UNet's weights and
+        # activations and gives the other models 8-bit weights (optimum-intel's pipeline rule).
+        return OVQuantizationConfig(
+            bits=8, sym=cfg.sym, dataset=list(cfg.calibration_prompts),
+            num_samples=cfg.num_samples,
         )
     # hybrid: a dataset of prompts turns weight-only 8 bit into hybrid quantization (optimum-intel
     # switches quant_method to HYBRID when a text-to-image pipeline gets a dataset).
@@ -59,7 +70,10 @@ def compress(fp32_dir: Path, dst: Path, shape: StaticShape, cfg: CompressionConf
     qcfg = quantization_config(cfg)
     log.info("compressing %s (%s) with NNCF", fp32_dir, cfg.mode)
     start = time.perf_counter()
-    gc.freeze()  # as in convert(): optimum's gc.collect() calls would walk every torch object
+    # As in convert(): optimum's gc.collect() calls would walk every torch object. Collect first:
+    # the pipelines timed before (reference cycles, GBs of compiled weights) would stay frozen.
+    gc.collect()
+    gc.freeze()
     try:
         pipe = cls.from_pretrained(fp32_dir, quantization_config=qcfg, compile=False)
     finally:

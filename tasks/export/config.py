@@ -24,7 +24,7 @@ class ParityConfig(StageConfig):
 class CompressionConfig(StageConfig):
     """NNCF weight compression / hybrid quantization of the written model (see compress.py)."""
 
-    mode: Literal["none", "int8", "int4", "hybrid"] = Field(
+    mode: Literal["none", "int8", "int4", "hybrid", "full_int8"] = Field(
         "none", description="none: the fp32 export is written; otherwise the compressed one"
     )
     sym: bool = Field(False, description="symmetric quantization (asymmetric is more accurate)")
@@ -32,10 +32,12 @@ class CompressionConfig(StageConfig):
     ratio: float = Field(1.0, gt=0.0, le=1.0, description="int4: share of layers in 4 bit")
     calibration_prompts: list[str] = Field(
         default_factory=lambda: ["a photo of a toy", "a photo of sks toy on the beach"],
-        description="hybrid: prompts the pipeline runs to calibrate the UNet's activations",
+        description="hybrid, full_int8: prompts the pipeline runs to calibrate the UNet's "
+        "activations",
     )
     num_samples: int | None = Field(
-        None, ge=1, description="hybrid: UNet calls collected for calibration (null: 200)"
+        None, ge=1,
+        description="hybrid, full_int8: UNet calls collected for calibration (null: 200)",
     )
     min_psnr_db: float | None = Field(
         None, description="fail when compressed vs fp32 image PSNR is below; null: record only"
@@ -43,8 +45,8 @@ class CompressionConfig(StageConfig):
 
     @model_validator(mode="after")
     def _prompts(self) -> "CompressionConfig":
-        if self.mode == "hybrid" and not self.calibration_prompts:
-            raise ValueError("hybrid quantization needs calibration_prompts")
+        if self.mode in ("hybrid", "full_int8") and not self.calibration_prompts:
+            raise ValueError(f"{self.mode} quantization needs calibration_prompts")
         return self
 
 
@@ -57,6 +59,12 @@ class ExportConfig(StageConfig):
     num_images_per_prompt: int = Field(1, ge=1, le=64)
     parity: ParityConfig = Field(default_factory=ParityConfig)
     compression: CompressionConfig = Field(default_factory=CompressionConfig)
+    inference_precision: Literal["auto", "bf16", "f16", "f32"] = Field(
+        "auto",
+        description="precision OpenVINO computes in when the export is timed, evaluated and "
+        "served (recorded in the folder); parity is always checked in f32. auto: OpenVINO's "
+        "choice for the CPU (bf16 where it has native bf16: AVX-512 BF16 or AMX; else f32)",
+    )
     latency_dynamic: bool = Field(
         True, description="also time the fp32 export with dynamic shapes (one more compile)"
     )

@@ -25,12 +25,13 @@ from tasks.common.openvino_model import (
     ov_pipeline_class,
     pipeline_family,
     static_shape,
+    write_runtime_config,
 )
 from tasks.export.config import ExportConfig
 from tasks.export.compress import compress
 from tasks.export.parity import run_parity
 from tasks.export.source import materialize
-from tasks.export.variants import add_ratios, compressed_comparison, dynamic_latency
+from tasks.export.variants import add_ratios, compare, dynamic_latency
 
 log = logging.getLogger(__name__)
 
@@ -102,6 +103,8 @@ def convert(src: Path, dst: Path, shape: StaticShape) -> dict[str, Any]:
     # optimum-intel runs gc.collect() after each model it converts; with torch, diffusers and
     # transformers loaded, each full collection walks ~600k objects (10.6 s of 16 s CPU measured
     # for the tiny model). Freezing what exists now makes those collections skip it (2.2 s).
+    # Collect first: a dead pipeline (a reference cycle) frozen would never be freed.
+    gc.collect()
     gc.freeze()
     try:
         pipe = cls.from_pretrained(src, export=True, compile=False)
@@ -126,10 +129,10 @@ def component_sizes(path: Path) -> dict[str, float]:
     }
 
 
-def _load_static(path: Path, wanted: StaticShape) -> tuple[Any, float]:
+def _load_static(path: Path, wanted: StaticShape, precision: str) -> tuple[Any, float]:
     """Load an export back from disk at its static shape (and check it is `wanted`)."""
     start = time.perf_counter()
-    pipe = load_ov_pipeline(path, static=True)
+    pipe = load_ov_pipeline(path, static=True, precision=precision)
     load_s = time.perf_counter() - start
     got = static_shape(pipe)
     if got is None or got.images_per_call != wanted.images_per_call or (got.height, got.width) != (
@@ -144,16 +147,18 @@ def export(src: Path, dst: Path, cfg: ExportConfig, base: Path | None = None) ->
 
     `src` is any train output (see source.py; adapters need `base`). `dst` receives the fp32
     export, or the compressed one when `export.compression.mode` is not 'none' (the fp32 export
-    is then built in a temporary folder as the reference for parity and fidelity).
+    is then built in a temporary folder as the reference for parity and fidelity). Parity runs
+    in f32; the other timings at `cfg.inference_precision`, which is recorded in `dst`.
     """
     src, dst = Path(src), Path(dst)
     wanted = StaticShape(cfg.batch_size, cfg.height, cfg.width, cfg.num_images_per_prompt)
     compressing = cfg.compression.mode != "none"
+    precision = cfg.inference_precision
     with tempfile.TemporaryDirectory(prefix="export-") as work:
         source, source_info = materialize(src, base, Path(work), cfg.placeholder_token)
         fp32_dir = Path(work) / "openvino-fp32" if compressing else dst
         info = convert(source, fp32_dir, wanted)
-        ov_pipe, load_s = _load_static(fp32_dir, wanted)
+        ov_pipe, load_s = _load_static(fp32_dir, wanted, "f32")
         report: dict[str, Any] = {
             "source": str(src),
             "source_kind": source_info,
@@ -166,24 +171,33 @@ def export(src: Path, dst: Path, cfg: ExportConfig, base: Path | None = None) ->
                 "load_compile": round(load_s, 3),
             },
             "size_mb": {"source": folder_size_mb(source), "openvino_fp32": folder_size_mb(fp32_dir)},
+            "inference_precision": {"requested": precision},
         }
         ref = None
         if cfg.parity.enabled:
-            report["parity"], report["latency_s"], ref = run_parity(
-                source, ov_pipe, wanted, cfg.parity
-            )
+            report["parity"], latency, ref = run_parity(source, ov_pipe, wanted, cfg.parity)
+            report["latency_s"] = latency
+            latency["openvino_static_f32"] = latency.pop("openvino_static")
+            del ov_pipe
+            static_pipe, _ = _load_static(fp32_dir, wanted, precision)
+            seconds, fidelity = compare(static_pipe, ref, f"static {precision}")
+            del static_pipe
+            latency["openvino_static"] = round(seconds, 4)
+            report["inference_precision"].update(fidelity)
             if cfg.latency_dynamic:
-                report["latency_s"]["openvino_dynamic"] = round(dynamic_latency(fp32_dir, ref), 4)
+                latency["openvino_dynamic"] = round(
+                    dynamic_latency(fp32_dir, ref, precision), 4
+                )
         else:
             report["parity"] = {"enabled": False, "passed": True}
-        del ov_pipe
+            del ov_pipe
         if compressing:
             report["compression"] = compress(fp32_dir, dst, wanted, cfg.compression,
                                              fix_static_shape)
             report["size_mb"]["openvino_compressed"] = folder_size_mb(dst)
             if ref is not None:
-                comp_pipe, _ = _load_static(dst, wanted)
-                seconds, fidelity = compressed_comparison(comp_pipe, ref)
+                comp_pipe, _ = _load_static(dst, wanted, precision)
+                seconds, fidelity = compare(comp_pipe, ref, f"{cfg.compression.mode} {precision}")
                 report["latency_s"]["openvino_compressed"] = round(seconds, 4)
                 limit = cfg.compression.min_psnr_db
                 fidelity["min_psnr_db"] = limit
@@ -191,6 +205,7 @@ def export(src: Path, dst: Path, cfg: ExportConfig, base: Path | None = None) ->
                     limit is None or fidelity["psnr_vs_openvino_fp32_db"] >= limit
                 )
                 report["compression"].update(fidelity)
+    write_runtime_config(dst, precision)
     report["size_mb"]["openvino"] = folder_size_mb(dst)
     report["size_mb"]["components"] = component_sizes(dst)
     if "latency_s" in report:
@@ -209,6 +224,6 @@ def numeric_metrics(report: dict[str, Any]) -> dict[str, float]:
         elif isinstance(node, (int, float)) and not isinstance(node, bool):
             out[prefix[:-1]] = float(node)
 
-    for key in ("seconds", "size_mb", "parity", "latency_s", "compression"):
+    for key in ("seconds", "size_mb", "parity", "latency_s", "inference_precision", "compression"):
         walk(report.get(key, {}), f"{key}.")
     return out

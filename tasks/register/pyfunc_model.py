@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import base64
 import io
+import json
 import logging
 import os
 from typing import Any
@@ -74,6 +75,18 @@ def _want_openvino() -> bool:
     return True
 
 
+def _runtime_config(path: str) -> dict[str, str]:
+    """The OpenVINO settings the export stage validated (openvino_runtime.json); fp32 without it.
+
+    Read here rather than imported: this file is the model's code and must load on its own.
+    """
+    file = os.path.join(path, "openvino_runtime.json")
+    if not os.path.isfile(file):
+        return {"INFERENCE_PRECISION_HINT": "f32"}
+    with open(file) as fh:
+        return dict(json.load(fh)["ov_config"])
+
+
 class DiffusionImageModel(mlflow.pyfunc.PythonModel):
     """Prompts in, base64 PNGs out; the pipeline is loaded once per process."""
 
@@ -82,7 +95,7 @@ class DiffusionImageModel(mlflow.pyfunc.PythonModel):
             from optimum.intel import OVDiffusionPipeline
 
             path = context.artifacts["openvino"]
-            self.pipe = OVDiffusionPipeline.from_pretrained(path)
+            self.pipe = OVDiffusionPipeline.from_pretrained(path, ov_config=_runtime_config(path))
             self.backend = "openvino"
             self.pipe.set_progress_bar_config(disable=True)
         else:

@@ -52,6 +52,41 @@ def test_int8_is_smaller_close_to_fp32_and_timed(compressed_export):
             assert lat[f"speedup_{key.removeprefix('openvino_')}_vs_eager"] > 0
 
 
+def _quantized_inputs(model, op_type: str) -> tuple[int, int]:
+    """(ops of `op_type`, of which fed by a FakeQuantize: 8-bit activations) in an OpenVINO model."""
+    ops = [op for op in model.get_ops() if op.get_type_name() == op_type]
+    fed = [
+        op for op in ops
+        if op.input_value(0).get_node().get_type_name() == "FakeQuantize"
+    ]
+    return len(ops), len(fed)
+
+
+def test_full_int8_quantizes_every_unet_layer(tmp_path_factory):
+    """full_int8: the UNet's convolutions and MatMuls all take 8-bit activations; the report
+    times it; the other models keep float activations (weights-only 8 bit)."""
+    import openvino as ov
+
+    from tasks.export.core import export
+
+    base = tiny_pipeline(tmp_path_factory, "builtin:tiny-sd")
+    out = tmp_path_factory.mktemp("full-int8") / "openvino"
+    cfg = ExportConfig(
+        parity=PARITY_FAST, latency_dynamic=False,
+        compression={"mode": "full_int8", "num_samples": 4, "calibration_prompts": ["a toy"]},
+    )
+    report = export(base, out, cfg)
+    assert report["compression"]["mode"] == "full_int8" and report["compression"]["finite"]
+    assert report["latency_s"]["speedup_compressed_vs_eager"] > 0
+    core = ov.Core()
+    unet = core.read_model(out / "unet" / "openvino_model.xml")
+    for op_type in ("Convolution", "MatMul"):
+        total, quantized = _quantized_inputs(unet, op_type)
+        assert total > 0 and quantized >= total * 0.8, (op_type, total, quantized)
+    text = core.read_model(out / "text_encoder" / "openvino_model.xml")
+    assert _quantized_inputs(text, "MatMul")[1] == 0
+
+
 def test_quantization_configs():
     assert quantization_config(CompressionConfig()) is None
     q4 = quantization_config(CompressionConfig(mode="int4", group_size=32, ratio=0.8))
@@ -59,5 +94,9 @@ def test_quantization_configs():
     hybrid = quantization_config(CompressionConfig(mode="hybrid", num_samples=8))
     assert hybrid.bits == 8 and hybrid.dataset and hybrid.num_samples == 8
     assert str(hybrid.quant_method).lower().endswith("hybrid")
-    with pytest.raises(ValueError, match="calibration_prompts"):
-        CompressionConfig(mode="hybrid", calibration_prompts=[])
+    full = quantization_config(CompressionConfig(mode="full_int8", num_samples=8))
+    assert type(full).__name__ == "OVQuantizationConfig" and full.num_samples == 8
+    assert full.dataset == list(CompressionConfig().calibration_prompts)
+    for mode in ("hybrid", "full_int8"):
+        with pytest.raises(ValueError, match="calibration_prompts"):
+            CompressionConfig(mode=mode, calibration_prompts=[])

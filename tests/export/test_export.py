@@ -56,6 +56,40 @@ def test_parity_of_a_faithful_export_passes(sd_export):
     assert latency["pytorch_eager"] > 0 and latency["openvino_static"] > 0
 
 
+def test_precision_is_recorded_timed_and_kept_with_the_model(sd_export, tmp_path):
+    """Parity in f32; the static timing at export.inference_precision (default auto); the folder
+    says how to compile it, and every loader follows (f32 forced here in a copy)."""
+    import shutil
+
+    from tasks.common.openvino_model import RUNTIME_FILE, compiled_precisions, runtime_config
+
+    _, out, report = sd_export
+    precision = report["inference_precision"]
+    assert precision["requested"] == "auto" and precision["finite"]
+    assert set(precision["compiled_precision"]) == {"text_encoder", "unet", "vae_decoder"}
+    # auto means no hint: each model runs at what a plain OpenVINO compile picks on this CPU.
+    import openvino as ov
+
+    core = ov.Core()
+    for name, used in precision["compiled_precision"].items():
+        plain = core.compile_model(core.read_model(out / name / "openvino_model.xml"), "CPU")
+        assert used == plain.get_property("INFERENCE_PRECISION_HINT").get_type_name(), name
+    # Lower precision still has to look like the fp32 images (tiny models: > 25 dB measured).
+    assert precision["psnr_vs_openvino_fp32_db"] > 25.0
+    latency = report["latency_s"]
+    assert latency["openvino_static_f32"] > 0 and latency["speedup_static_f32_vs_eager"] > 0
+    assert runtime_config(out) == {}  # auto: no hint, OpenVINO chooses
+
+    forced = tmp_path / "f32"
+    shutil.copytree(out, forced)
+    (forced / RUNTIME_FILE).write_text(json.dumps({"inference_precision": "f32",
+                                                   "ov_config": {"INFERENCE_PRECISION_HINT": "f32"}}))
+    pipe = load_ov_pipeline(forced, static=True)
+    assert set(compiled_precisions(pipe).values()) == {"f32"}
+    (forced / RUNTIME_FILE).unlink()  # exports from before the file: fp32, as they were made
+    assert runtime_config(forced) == {"INFERENCE_PRECISION_HINT": "f32"}
+
+
 def test_parity_catches_wrong_weights(sd_export, tmp_path_factory):
     """The same export compared with a different model (other seed) must fail the gate."""
     _, out, _ = sd_export
@@ -96,6 +130,8 @@ def test_config_rejects_bad_shapes():
         parse_section("export", {"parity": {"guidance_scale": 1.0}}, ExportConfig)
     with pytest.raises(UserError, match="unknown key"):
         parse_section("export", {"batchsize": 2}, ExportConfig)
+    with pytest.raises(UserError, match="export.inference_precision"):
+        parse_section("export", {"inference_precision": "fp8"}, ExportConfig)
 
 
 def _run_cli(monkeypatch, capsys, *args: str) -> int:
