@@ -17,7 +17,12 @@ from PIL import Image
 
 from tasks.common.errors import UserError
 from tasks.common.images import to_rgb
-from tasks.common.openvino_model import StaticShape, load_ov_pipeline, static_shape
+from tasks.common.openvino_model import (
+    StaticShape,
+    compiled_precisions,
+    load_ov_pipeline,
+    static_shape,
+)
 from tasks.common.tiny_encoders import LoadedEncoder, load_clip, load_dino
 from tasks.evaluate import extra_metrics as X
 from tasks.evaluate import metrics as M
@@ -137,6 +142,8 @@ def evaluate(model: Path, base: Path | None, instance_data: Path, cfg: EvaluateC
     dino = load_dino(cfg.dino_model, cfg.encoder_seed, cfg.dino_revision, "evaluate.dino_model")
 
     pipe, backend, shape = _load_model(model, cfg.backend)
+    # what the export's openvino_runtime.json made OpenVINO compute in (PyTorch: fp32)
+    precision = compiled_precisions(pipe) if backend != "pytorch" else {"all": "f32"}
     n = cfg.images_per_prompt
     log.info("generating %d x %d images with %s at %s", len(prompts), n, backend, shape)
     common = dict(shape=shape, seed=cfg.seed, num_inference_steps=cfg.num_inference_steps,
@@ -226,6 +233,7 @@ def evaluate(model: Path, base: Path | None, instance_data: Path, cfg: EvaluateC
         },
         "generation": {
             "backend": backend,
+            "precision": precision,
             "call_shape": shape.as_dict(),
             "base_compared": base_images is not None,
             "prompt_set": cfg.prompt_set,

@@ -30,9 +30,19 @@ def run(tmp_path_factory, migrated_mlflow_db):
     call is padded), and the base; the gate has one threshold that holds and one that cannot."""
     from tasks.evaluate.__main__ import main
 
-    _, model, _ = exported(tmp_path_factory, "builtin:tiny-sd", **SHAPE)
+    import shutil
+
+    from tasks.common.openvino_model import write_runtime_config
+
+    _, shared, _ = exported(tmp_path_factory, "builtin:tiny-sd", **SHAPE)
     base = tiny_pipeline(tmp_path_factory, "builtin:tiny-sd")  # the export's own source: no gain
     work = tmp_path_factory.mktemp("evaluate")
+    # f32 compute, as `export.inference_precision: f32` would record: the tiny model's images
+    # hardly depend on the latents, so only exact numerics can show that base and fine-tuned
+    # images start from the same latents (bf16 alone moves pixels about as much as other latents).
+    model = work / "openvino"
+    shutil.copytree(shared, model)
+    write_runtime_config(model, "f32")
     data = write_subject_images(work / "data" / "processed")
     params = work / "params.yaml"
     section = {
@@ -50,8 +60,6 @@ def run(tmp_path_factory, migrated_mlflow_db):
     ]
     # The run gets an MLflow store of its own (the autouse per-test store would belong to whichever
     # test first asked for this module fixture); test_mlflow_run_has_metrics_and_artifacts reads it.
-    import shutil
-
     from tests.conftest import reset_mlflow_globals
 
     shutil.copy(migrated_mlflow_db, work / "mlflow.db")
@@ -81,6 +89,9 @@ def test_report_has_metrics_gate_and_details(run):
     expected = {"per_prompt": 1, "generated": 3, "instance": 4, "height": 64, "width": 64}
     assert report["images"] == expected
     assert report["generation"]["backend"] == "openvino-static"
+    # The folder's openvino_runtime.json asks for f32, and that is what ran.
+    assert report["generation"]["precision"] == {
+        "text_encoder": "f32", "unet": "f32", "vae_decoder": "f32"}
     assert report["generation"]["call_shape"]["batch_size"] == 2
 
 
