@@ -1,6 +1,7 @@
 """The export stage's four latencies on the real SD 1.5 architecture with random weights.
 
-    .venv/bin/python -m benchmarks.export.sd15_random --steps 20 --mode full_int8 --work /tmp/sd15-bench
+    .venv/bin/python -m benchmarks.export.sd15_random --steps 20 --mode full_int8 \
+        --work /tmp/sd15-bench
 
 Builds UNet2DConditionModel / AutoencoderKL / CLIPTextModel from SD 1.5's published config values
 (no download; weights drawn from a seed, so the images are noise but every op and shape is SD

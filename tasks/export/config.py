@@ -65,6 +65,11 @@ class ExportConfig(StageConfig):
         "served (recorded in the folder); parity is always checked in f32. auto: OpenVINO's "
         "choice for the CPU (bf16 where it has native bf16: AVX-512 BF16 or AMX; else f32)",
     )
+    single_file: Literal["none", "fp16", "bf16", "fp32"] = Field(
+        "none",
+        description="also write single_file/model.safetensors in the original SD layout "
+        "(AUTOMATIC1111, ComfyUI, from_single_file), in this dtype; SD 1.x only",
+    )
     latency_dynamic: bool = Field(
         True, description="also time the fp32 export with dynamic shapes (one more compile)"
     )

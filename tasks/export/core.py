@@ -30,6 +30,7 @@ from tasks.common.openvino_model import (
 from tasks.export.config import ExportConfig
 from tasks.export.compress import compress
 from tasks.export.parity import run_parity
+from tasks.export.single_file import SINGLE_FILE, write_single_file
 from tasks.export.source import materialize
 from tasks.export.variants import add_ratios, compare, dynamic_latency
 
@@ -156,6 +157,11 @@ def export(src: Path, dst: Path, cfg: ExportConfig, base: Path | None = None) ->
     precision = cfg.inference_precision
     with tempfile.TemporaryDirectory(prefix="export-") as work:
         source, source_info = materialize(src, base, Path(work), cfg.placeholder_token)
+        if cfg.single_file != "none" and pipeline_family(source) != "sd":
+            raise UserError(
+                "export.single_file writes SD 1.x checkpoints only (SDXL's original layout has "
+                "two text encoders in another format); set it to none for this model"
+            )
         fp32_dir = Path(work) / "openvino-fp32" if compressing else dst
         info = convert(source, fp32_dir, wanted)
         ov_pipe, load_s = _load_static(fp32_dir, wanted, "f32")
@@ -170,7 +176,8 @@ def export(src: Path, dst: Path, cfg: ExportConfig, base: Path | None = None) ->
                 "reshape_save": round(info["save_s"], 3),
                 "load_compile": round(load_s, 3),
             },
-            "size_mb": {"source": folder_size_mb(source), "openvino_fp32": folder_size_mb(fp32_dir)},
+            "size_mb": {"source": folder_size_mb(source),
+                        "openvino_fp32": folder_size_mb(fp32_dir)},
             "inference_precision": {"requested": precision},
         }
         ref = None
@@ -205,6 +212,11 @@ def export(src: Path, dst: Path, cfg: ExportConfig, base: Path | None = None) ->
                     limit is None or fidelity["psnr_vs_openvino_fp32_db"] >= limit
                 )
                 report["compression"].update(fidelity)
+        if cfg.single_file != "none":
+            report["single_file"] = {
+                "path": str(SINGLE_FILE),  # inside the export folder
+                **write_single_file(source, dst / SINGLE_FILE, cfg.single_file),
+            }
     write_runtime_config(dst, precision)
     report["size_mb"]["openvino"] = folder_size_mb(dst)
     report["size_mb"]["components"] = component_sizes(dst)
@@ -224,6 +236,7 @@ def numeric_metrics(report: dict[str, Any]) -> dict[str, float]:
         elif isinstance(node, (int, float)) and not isinstance(node, bool):
             out[prefix[:-1]] = float(node)
 
-    for key in ("seconds", "size_mb", "parity", "latency_s", "inference_precision", "compression"):
+    for key in ("seconds", "size_mb", "parity", "latency_s", "inference_precision", "compression",
+                "single_file"):
         walk(report.get(key, {}), f"{key}.")
     return out

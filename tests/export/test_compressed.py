@@ -1,7 +1,7 @@
 """Adapters-only train output -> fused, exported, int8-compressed; the four latencies recorded.
 
 One real export (the expensive part: ~20-60 s on 2 cores) covers LoRA fusion, a new token,
-NNCF weight compression, and the dynamic / static / compressed timings.
+NNCF weight compression, the dynamic / static / compressed timings and the single-file checkpoint.
 """
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ def compressed_export(tmp_path_factory):
     base = tiny_pipeline(tmp_path_factory, "builtin:tiny-sd")
     work = tmp_path_factory.mktemp("compressed")
     adapters = write_adapters(base, work / "adapters")
-    cfg = ExportConfig(parity=PARITY_FAST, compression={"mode": "int8"})
+    cfg = ExportConfig(parity=PARITY_FAST, compression={"mode": "int8"}, single_file="fp16")
     out = work / "openvino"
     return out, export(adapters, out, cfg, base=base)
 
@@ -37,6 +37,15 @@ def test_adapter_export_knows_the_concept(compressed_export):
     assert token_id == len(pipe.tokenizer) - 1
     images = pipe(f"a photo of {TOKEN} toy", num_inference_steps=2, output_type="np").images
     assert images.shape == (1, 64, 64, 3)
+    # The single-file checkpoint beside it carries the fused LoRA and the new token's row.
+    from safetensors import safe_open
+
+    assert report["single_file"]["path"] == "single_file/model.safetensors"
+    with safe_open(str(out / report["single_file"]["path"]), "pt") as fh:
+        rows = fh.get_slice(
+            "cond_stage_model.transformer.text_model.embeddings.token_embedding.weight"
+        ).get_shape()[0]
+    assert rows == len(pipe.tokenizer)
 
 
 def test_int8_is_smaller_close_to_fp32_and_timed(compressed_export):
@@ -45,7 +54,10 @@ def test_int8_is_smaller_close_to_fp32_and_timed(compressed_export):
     assert comp["mode"] == "int8" and comp["passed"] and comp["finite"]
     assert comp["psnr_vs_openvino_fp32_db"] > 25.0
     # int8 weights: the UNet's linear/conv weights shrink ~4x; the whole folder at least 2x.
-    assert sizes["openvino"] == sizes["openvino_compressed"] < sizes["openvino_fp32"] / 2
+    assert sizes["openvino_compressed"] < sizes["openvino_fp32"] / 2
+    # The folder holds the compressed model and the single-file checkpoint, nothing else.
+    single = report["single_file"]["size_mb"]
+    assert sizes["openvino"] == pytest.approx(sizes["openvino_compressed"] + single, abs=0.01)
     for key in ("pytorch_eager", "openvino_dynamic", "openvino_static", "openvino_compressed"):
         assert lat[key] > 0
         if key != "pytorch_eager":
@@ -53,7 +65,7 @@ def test_int8_is_smaller_close_to_fp32_and_timed(compressed_export):
 
 
 def _quantized_inputs(model, op_type: str) -> tuple[int, int]:
-    """(ops of `op_type`, of which fed by a FakeQuantize: 8-bit activations) in an OpenVINO model."""
+    """(ops of `op_type`, how many take a FakeQuantize output: 8-bit activations) in `model`."""
     ops = [op for op in model.get_ops() if op.get_type_name() == op_type]
     fed = [
         op for op in ops

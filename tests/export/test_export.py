@@ -61,7 +61,12 @@ def test_precision_is_recorded_timed_and_kept_with_the_model(sd_export, tmp_path
     says how to compile it, and every loader follows (f32 forced here in a copy)."""
     import shutil
 
-    from tasks.common.openvino_model import RUNTIME_FILE, compiled_precisions, runtime_config
+    from tasks.common.openvino_model import (
+        RUNTIME_FILE,
+        compiled_precisions,
+        runtime_config,
+        write_runtime_config,
+    )
 
     _, out, report = sd_export
     precision = report["inference_precision"]
@@ -82,8 +87,7 @@ def test_precision_is_recorded_timed_and_kept_with_the_model(sd_export, tmp_path
 
     forced = tmp_path / "f32"
     shutil.copytree(out, forced)
-    (forced / RUNTIME_FILE).write_text(json.dumps({"inference_precision": "f32",
-                                                   "ov_config": {"INFERENCE_PRECISION_HINT": "f32"}}))
+    write_runtime_config(forced, "f32")
     pipe = load_ov_pipeline(forced, static=True)
     assert set(compiled_precisions(pipe).values()) == {"f32"}
     (forced / RUNTIME_FILE).unlink()  # exports from before the file: fp32, as they were made
