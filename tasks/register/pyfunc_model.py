@@ -3,7 +3,8 @@
 Logged as "models from code" (MLflow copies this file into the model), so it must stand alone:
 it imports nothing from this repository. Its two artifacts are the fine-tuned diffusers pipeline
 (`finetuned`) and its OpenVINO export (`openvino`). It runs the OpenVINO export when optimum-intel
-imports (fast on CPU) and the diffusers pipeline otherwise; `FINETUNE_PYFUNC_BACKEND=openvino|
+imports (fast on CPU), compiled at the precision the export stage validated it at (its
+`openvino_runtime.json`), and the diffusers pipeline otherwise; `FINETUNE_PYFUNC_BACKEND=openvino|
 diffusers` forces one.
 
 Input: a list of prompts, or a DataFrame with a `prompt` column. Params (all optional): `seed`,

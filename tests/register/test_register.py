@@ -143,3 +143,16 @@ def test_missing_inputs_fail_before_mlflow(project: Path) -> None:
     assert "dvc.lock not found: run the pipeline first" in proc.stderr
     assert "Traceback" not in proc.stderr
     assert mlflow.MlflowClient().search_registered_models() == []
+
+
+def test_pyfunc_reads_the_exports_runtime_settings_like_the_pipeline(tmp_path: Path) -> None:
+    """The model's code stands alone, so it reads openvino_runtime.json itself: it must agree with
+    tasks.common.openvino_model for every precision and for a folder without the file (f32)."""
+    from tasks.common.openvino_model import runtime_config, write_runtime_config
+    from tasks.register.pyfunc_model import _runtime_config
+
+    assert _runtime_config(str(tmp_path)) == runtime_config(tmp_path) == {
+        "INFERENCE_PRECISION_HINT": "f32"}
+    for precision in ("auto", "bf16", "f16", "f32"):
+        write_runtime_config(tmp_path, precision)
+        assert _runtime_config(str(tmp_path)) == runtime_config(tmp_path), precision
