@@ -11,11 +11,11 @@ files written are what `optimum-cli export openvino` itself would produce (the f
   by running the pipeline on `calibration_prompts`), its MatMul weights to 8 bit only; other
   components get weights-only 8 bit (`--weight-format int8 --dataset ...`).
 - `full_int8`: every UNet layer quantized in full, MatMuls too; other components weights-only
-  8 bit (`--quant-mode int8 --dataset ...`). The fastest on CPUs with
-  VNNI or AMX (8-bit dot products); the most lossy.
+  8 bit (`--quant-mode int8 --dataset ...`). The fastest on CPUs with VNNI or AMX (8-bit dot
+  products); the most lossy.
 
 The fp32 export stays the reference: parity (is the conversion right?) is checked on it, and the
-compressed pipeline is compared with it on the same latents (`compressed_vs_fp32_psnr_db`).
+compressed pipeline is compared with it on the same latents (`psnr_vs_openvino_fp32_db`).
 """
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ log = logging.getLogger(__name__)
 
 
 def quantization_config(cfg: CompressionConfig) -> Any:
-    """optimum-intel's OVWeightQuantizationConfig for `cfg.mode` (None for 'none')."""
+    """optimum-intel's quantization config for `cfg.mode` (None for 'none')."""
     from optimum.intel import OVQuantizationConfig, OVWeightQuantizationConfig
 
     if cfg.mode == "none":

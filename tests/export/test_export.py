@@ -94,6 +94,22 @@ def test_precision_is_recorded_timed_and_kept_with_the_model(sd_export, tmp_path
     assert runtime_config(forced) == {"INFERENCE_PRECISION_HINT": "f32"}
 
 
+def test_f32_precision_times_the_parity_pipeline(tmp_path_factory, tmp_path):
+    """inference_precision f32: the static figure comes from the parity run's own pipeline, at
+    f32, identical to it; the folder records f32."""
+    from tasks.common.openvino_model import runtime_config
+    from tasks.export.core import export
+
+    src = tiny_pipeline(tmp_path_factory, "builtin:tiny-sd")
+    cfg = ExportConfig(inference_precision="f32", latency_dynamic=False, parity=PARITY_FAST)
+    report = export(src, tmp_path / "ov", cfg)
+    precision = report["inference_precision"]
+    assert set(precision["compiled_precision"].values()) == {"f32"}
+    assert precision["psnr_vs_openvino_fp32_db"] == 100.0
+    assert report["latency_s"]["openvino_static"] > 0
+    assert runtime_config(tmp_path / "ov") == {"INFERENCE_PRECISION_HINT": "f32"}
+
+
 def test_parity_catches_wrong_weights(sd_export, tmp_path_factory):
     """The same export compared with a different model (other seed) must fail the gate."""
     _, out, _ = sd_export
