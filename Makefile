@@ -49,9 +49,10 @@ install: $(STAMP)
 SIDE_ENVS := xla ipex
 export UV_CACHE_DIR ?= $(CURDIR)/.cache/uv
 export UV_LINK_MODE ?= hardlink
-# Free disk that building both side environments from an empty uv cache needs (measured 2026-11-21:
-# 10.6 GB of cache), with a margin for the test run's own files. With less, `make test` skips them
-# and says so (their tests then skip) instead of failing half-way through an install.
+# Free disk that building both side environments from an empty uv cache needs (measured
+# 2026-11-21: 11.1 GB, all of it the cache; the environments are hardlinks into it), with a margin
+# for the test run's own files. With less, `make test` leaves them out and says so (their tests
+# then skip) instead of failing half-way through an install.
 SIDE_ENVS_NEED_GB ?= 13
 
 .venv-%/.installed: requirements-%.lock requirements.lock pyproject.toml $(STAMP)

@@ -27,7 +27,8 @@ def side_python(name: str) -> Path:
     python = REPO / f".venv-{name}" / "bin" / "python"
     if not (REPO / f".venv-{name}" / ".installed").is_file():
         pytest.skip(f".venv-{name} is not built: run `make side-envs` (it installs torch with "
-                    f"{'torch_xla' if name == 'xla' else 'intel_extension_for_pytorch'}; about 8 GB)")
+                    f"{'torch_xla' if name == 'xla' else 'intel_extension_for_pytorch'}; about 11 GB "
+                    "for both side environments)")
     return python
 
 
