@@ -80,13 +80,13 @@ def write_tokenizer(out: Path) -> int:
     return len(vocab)
 
 
-def _text_config(vocab_size: int, projection_dim: int | None = None):
+def _text_config(vocab_size: int, projection_dim: int | None = None, hidden_size: int = 32):
     from transformers import CLIPTextConfig
 
     extra = {"projection_dim": projection_dim} if projection_dim else {}
     return CLIPTextConfig(
         vocab_size=vocab_size,
-        hidden_size=32,
+        hidden_size=hidden_size,
         intermediate_size=37,
         num_attention_heads=4,
         num_hidden_layers=2,
@@ -157,8 +157,11 @@ def build_tiny_sd(seed: int):
     )
 
 
-def build_tiny_sdxl(seed: int):
-    """A tiny SDXL pipeline: two text encoders (the second with projection), size/crop conditioning."""
+def build_tiny_sdxl(seed: int, text_2_width: int = 32):
+    """A tiny SDXL pipeline: two text encoders (the second with projection), size/crop conditioning.
+
+    `text_2_width`: the second encoder's width (SDXL's are 768 and 1280; here both 32 unless set).
+    """
     import tempfile
 
     import torch
@@ -184,7 +187,7 @@ def build_tiny_sdxl(seed: int):
         addition_time_embed_dim=8,
         transformer_layers_per_block=(1, 2),
         projection_class_embeddings_input_dim=6 * 8 + 32,  # 6 size/crop ids x 8 + pooled text (32)
-        cross_attention_dim=64,  # both encoders' hidden states, concatenated
+        cross_attention_dim=32 + text_2_width,  # both encoders' hidden states, concatenated
         norm_num_groups=1,
     )
     torch.manual_seed(seed + 1)
@@ -192,7 +195,9 @@ def build_tiny_sdxl(seed: int):
     torch.manual_seed(seed + 2)
     text_encoder = CLIPTextModel(_text_config(vocab_size))
     torch.manual_seed(seed + 3)
-    text_encoder_2 = CLIPTextModelWithProjection(_text_config(vocab_size, projection_dim=32))
+    text_encoder_2 = CLIPTextModelWithProjection(
+        _text_config(vocab_size, projection_dim=32, hidden_size=text_2_width)
+    )
     scheduler = EulerDiscreteScheduler(**_scheduler_kwargs(), timestep_spacing="leading")
     return StableDiffusionXLPipeline(
         vae=vae,

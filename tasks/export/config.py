@@ -68,7 +68,7 @@ class ExportConfig(StageConfig):
     single_file: Literal["none", "fp16", "bf16", "fp32"] = Field(
         "none",
         description="also write single_file/model.safetensors in the original SD layout "
-        "(AUTOMATIC1111, ComfyUI, from_single_file), in this dtype; SD 1.x only",
+        "(AUTOMATIC1111, ComfyUI, from_single_file), in this dtype; SD 1.x, SD 2.x and SDXL",
     )
     latency_dynamic: bool = Field(
         True, description="also time the fp32 export with dynamic shapes (one more compile)"

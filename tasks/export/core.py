@@ -24,13 +24,14 @@ from tasks.common.openvino_model import (
     load_ov_pipeline,
     ov_pipeline_class,
     pipeline_family,
+    read_model_index,
     static_shape,
     write_runtime_config,
 )
 from tasks.export.config import ExportConfig
 from tasks.export.compress import compress
 from tasks.export.parity import run_parity
-from tasks.export.single_file import SINGLE_FILE, write_single_file
+from tasks.export.single_file import SINGLE_FILE, check_source, write_single_file
 from tasks.export.source import materialize
 from tasks.export.variants import add_ratios, compare, dynamic_latency
 
@@ -157,11 +158,8 @@ def export(src: Path, dst: Path, cfg: ExportConfig, base: Path | None = None) ->
     precision = cfg.inference_precision
     with tempfile.TemporaryDirectory(prefix="export-") as work:
         source, source_info = materialize(src, base, Path(work), cfg.placeholder_token)
-        if cfg.single_file != "none" and pipeline_family(source) != "sd":
-            raise UserError(
-                "export.single_file writes SD 1.x checkpoints only (SDXL's original layout has "
-                "two text encoders in another format); set it to none for this model"
-            )
+        if cfg.single_file != "none":
+            check_source(read_model_index(source))
         fp32_dir = Path(work) / "openvino-fp32" if compressing else dst
         info = convert(source, fp32_dir, wanted)
         ov_pipe, load_s = _load_static(fp32_dir, wanted, "f32")

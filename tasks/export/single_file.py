@@ -1,14 +1,17 @@
-"""An SD 1.x pipeline as one safetensors file in the original (CompVis/LDM) layout.
+"""A pipeline as one safetensors file in the original (CompVis/LDM, Stability) layout.
 
 Tools such as AUTOMATIC1111, ComfyUI and kohya's scripts take one `.safetensors` checkpoint with
-the original key names (`model.diffusion_model.*`, `first_stage_model.*`,
-`cond_stage_model.transformer.*`) instead of a diffusers folder; diffusers reads such a file with
-`StableDiffusionPipeline.from_single_file`. Diffusers ships only the reading direction, so the
-writing one is here: a renaming of keys (plus the VAE attention's linear weights as 1x1
-convolutions). The test converts back with diffusers' own reader and compares every tensor.
+the original key names (`model.diffusion_model.*`, `first_stage_model.*`, and the text encoders
+under `cond_stage_model.*` or `conditioner.embedders.*`) instead of a diffusers folder; diffusers
+reads such a file with `from_single_file`. Diffusers ships only the reading direction, so the
+writing one is here: a renaming of keys, the VAE attention's linear weights as 1x1 convolutions,
+and the OpenCLIP text encoders' layout (query, key and value in one `in_proj` matrix, the
+projection transposed). The tests convert back with diffusers' own reader and compare every tensor.
 
-Only SD 1.x: SD 2.x's original text encoder is OpenCLIP with another layout, and SDXL has two
-text encoders in yet another one; both get a UserError that says to use the diffusers folder.
+- SD 1.x: CLIP ViT-L text encoder under `cond_stage_model.transformer.` (transformers' keys).
+- SD 2.x (cross-attention width 1024): OpenCLIP ViT-H text encoder under `cond_stage_model.model.`.
+- SDXL: CLIP ViT-L under `conditioner.embedders.0.transformer.`, OpenCLIP ViT-bigG with its
+  projection under `conditioner.embedders.1.model.`, and the size/crop embedding as `label_emb`.
 """
 from __future__ import annotations
 
@@ -25,7 +28,13 @@ SINGLE_FILE = Path("single_file") / "model.safetensors"
 
 UNET_PREFIX = "model.diffusion_model."
 VAE_PREFIX = "first_stage_model."
-TEXT_PREFIX = "cond_stage_model.transformer."
+#: Where each layout keeps its text encoders: (prefix, OpenCLIP layout?) per encoder, in order.
+TEXT_LAYOUTS = {
+    "sd1": [("cond_stage_model.transformer.", False)],
+    "sd2": [("cond_stage_model.model.", True)],
+    "sdxl": [("conditioner.embedders.0.transformer.", False),
+             ("conditioner.embedders.1.model.", True)],
+}
 
 _UNET_TOP = {
     "time_embedding.linear_1.": "time_embed.0.",
@@ -33,6 +42,8 @@ _UNET_TOP = {
     "conv_in.": "input_blocks.0.0.",
     "conv_norm_out.": "out.0.",
     "conv_out.": "out.2.",
+    "add_embedding.linear_1.": "label_emb.0.0.",  # SDXL's size/crop and pooled-text embedding
+    "add_embedding.linear_2.": "label_emb.0.2.",
 }
 _UNET_RESNET = {
     "norm1.": "in_layers.0.",
@@ -43,6 +54,13 @@ _UNET_RESNET = {
     "conv_shortcut.": "skip_connection.",
 }
 _VAE_RESNET = {"conv_shortcut.": "nin_shortcut."}
+_OPEN_CLIP_LAYER = {
+    "layer_norm1.": "ln_1.",
+    "layer_norm2.": "ln_2.",
+    "mlp.fc1.": "mlp.c_fc.",
+    "mlp.fc2.": "mlp.c_proj.",
+    "self_attn.out_proj.": "attn.out_proj.",
+}
 _VAE_ATTENTION = {
     "group_norm.": "norm.",
     "to_q.": "q.",
@@ -123,21 +141,67 @@ def _rename(key: str, blocks: dict[str, tuple[str, dict[str, str]]]) -> str:
     return key
 
 
+_REFINER = ("export.single_file: an SDXL refiner (one OpenCLIP text encoder) has no supported "
+            "original layout here; set export.single_file: none")
+
+
+def check_source(index: dict[str, Any]) -> None:
+    """Refuse, from its model_index.json and before any export work, a pipeline with no layout."""
+    has = {name: (index.get(name) or [None])[0] is not None
+           for name in ("text_encoder", "text_encoder_2")}
+    if has["text_encoder_2"] and not has["text_encoder"]:
+        raise UserError(_REFINER)
+
+
+def layout(pipe: Any) -> str:
+    """'sd1', 'sd2' or 'sdxl': which original layout `pipe` is written in."""
+    if getattr(pipe, "text_encoder_2", None) is not None:
+        if getattr(pipe, "text_encoder", None) is None:
+            raise UserError(_REFINER)
+        return "sdxl"
+    return "sd2" if pipe.unet.config["cross_attention_dim"] == 1024 else "sd1"
+
+
+def _open_clip(state: dict[str, Any]) -> dict[str, Any]:
+    """A transformers CLIP text model's weights in OpenCLIP's layout (what SD 2.x and SDXL ship)."""
+    import torch
+
+    out: dict[str, Any] = {}
+    layers: dict[str, dict[str, Any]] = {}
+    for key, value in state.items():
+        if key.startswith("text_model.encoder.layers."):
+            index, rest = key[len("text_model.encoder.layers."):].split(".", 1)
+            layers.setdefault(index, {})[rest] = value
+        elif key == "text_model.embeddings.token_embedding.weight":
+            out["token_embedding.weight"] = value
+        elif key == "text_model.embeddings.position_embedding.weight":
+            out["positional_embedding"] = value
+        elif key.startswith("text_model.final_layer_norm."):
+            out["ln_final." + key.rsplit(".", 1)[1]] = value
+        elif key == "text_projection.weight":
+            out["text_projection"] = value.T  # OpenCLIP multiplies x @ projection
+        elif not key.endswith("position_ids"):
+            raise UserError(f"export.single_file: unexpected text-encoder weight {key!r}")
+    for index, weights in layers.items():
+        prefix = f"transformer.resblocks.{index}."
+        for kind in ("weight", "bias"):
+            out[prefix + f"attn.in_proj_{kind}"] = torch.cat(
+                [weights.pop(f"self_attn.{p}_proj.{kind}") for p in ("q", "k", "v")]
+            )
+        for rest, value in weights.items():
+            for old, new in _OPEN_CLIP_LAYER.items():
+                if rest.startswith(old):
+                    rest = new + rest[len(old):]
+                    break
+            out[prefix + rest] = value
+    return out
+
+
 def original_state_dict(pipe: Any) -> dict[str, Any]:
     """The pipeline's UNet, VAE and text encoder weights under the original key names."""
-    unet_config = pipe.unet.config
-    if getattr(pipe, "text_encoder_2", None) is not None:
-        raise UserError(
-            "export.single_file supports SD 1.x only; SDXL's original file has two text encoders "
-            "in another layout. Use the diffusers folder (models/finetuned) with SDXL tools"
-        )
-    if unet_config["cross_attention_dim"] == 1024:
-        raise UserError(
-            "export.single_file supports SD 1.x only; SD 2.x's original text encoder is OpenCLIP "
-            "with another layout. Use the diffusers folder (models/finetuned)"
-        )
+    kind = layout(pipe)
     out: dict[str, Any] = {}
-    unet_blocks = _unet_blocks(unet_config)
+    unet_blocks = _unet_blocks(pipe.unet.config)
     for key, value in pipe.unet.state_dict().items():
         out[UNET_PREFIX + _rename(key, unet_blocks)] = value
     vae_blocks = _vae_blocks(len(pipe.vae.config["block_out_channels"]))
@@ -146,21 +210,28 @@ def original_state_dict(pipe: Any) -> dict[str, Any]:
         if ".mid.attn_1." in new and new.endswith(".weight") and value.ndim == 2:
             value = value[:, :, None, None]  # linear -> 1x1 convolution
         out[VAE_PREFIX + new] = value
-    for key, value in pipe.text_encoder.state_dict().items():
-        out[TEXT_PREFIX + key] = value
+    encoders = [pipe.text_encoder, getattr(pipe, "text_encoder_2", None)]
+    for (prefix, open_clip), encoder in zip(TEXT_LAYOUTS[kind], encoders):
+        state = encoder.state_dict()
+        if open_clip:
+            state = _open_clip(state)
+        out.update({prefix + key: value for key, value in state.items()})
     return out
 
 
 def write_single_file(src: Path, dst: Path, dtype: str = "fp16") -> dict[str, Any]:
     """Save the diffusers pipeline `src` as one original-layout safetensors file `dst`."""
     import torch
-    from diffusers import StableDiffusionPipeline
+    from diffusers import DiffusionPipeline
     from safetensors.torch import save_file
 
     torch_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[dtype]
-    pipe = StableDiffusionPipeline.from_pretrained(src, torch_dtype=torch.float32)
+    pipe = DiffusionPipeline.from_pretrained(src, torch_dtype=torch.float32)
+    kind = layout(pipe)
     tensors = {k: v.to(torch_dtype).contiguous() for k, v in original_state_dict(pipe).items()}
     dst.parent.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(dst), metadata={"format": "pt", "source": "sd-finetune export"})
-    log.info("single-file checkpoint (%s, %d tensors) written to %s", dtype, len(tensors), dst)
-    return {"dtype": dtype, "tensors": len(tensors), "size_mb": round(dst.stat().st_size / 1e6, 3)}
+    log.info("single-file checkpoint (%s layout, %s, %d tensors) written to %s",
+             kind, dtype, len(tensors), dst)
+    return {"layout": kind, "dtype": dtype, "tensors": len(tensors),
+            "size_mb": round(dst.stat().st_size / 1e6, 3)}
