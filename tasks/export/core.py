@@ -31,7 +31,7 @@ from tasks.common.openvino_model import (
 from tasks.export.config import ExportConfig
 from tasks.export.compress import compress
 from tasks.export.parity import run_parity
-from tasks.export.single_file import SINGLE_FILE, check_source, write_single_file
+from tasks.export.single_file import SINGLE_FILE, check_layout_supported, write_single_file
 from tasks.export.source import materialize
 from tasks.export.variants import add_ratios, compare, dynamic_latency
 
@@ -159,7 +159,7 @@ def export(src: Path, dst: Path, cfg: ExportConfig, base: Path | None = None) ->
     with tempfile.TemporaryDirectory(prefix="export-") as work:
         source, source_info = materialize(src, base, Path(work), cfg.placeholder_token)
         if cfg.single_file != "none":
-            check_source(read_model_index(source))
+            check_layout_supported(read_model_index(source))
         fp32_dir = Path(work) / "openvino-fp32" if compressing else dst
         info = convert(source, fp32_dir, wanted)
         ov_pipe, load_s = _load_static(fp32_dir, wanted, "f32")

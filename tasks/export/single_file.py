@@ -148,7 +148,7 @@ _REFINER = ("export.single_file: an SDXL refiner (one OpenCLIP text encoder) has
             "original layout here; set export.single_file: none")
 
 
-def check_source(index: dict[str, Any]) -> None:
+def check_layout_supported(index: dict[str, Any]) -> None:
     """Refuse, from its model_index.json and before any export work, a pipeline with no layout."""
     has = {name: (index.get(name) or [None])[0] is not None
            for name in ("text_encoder", "text_encoder_2")}

@@ -13,7 +13,7 @@ import torch
 from safetensors import safe_open
 
 from tasks.common.errors import UserError
-from tasks.export.single_file import check_source, write_single_file
+from tasks.export.single_file import check_layout_supported, write_single_file
 from tests.export.tiny_ov import tiny_pipeline
 
 
@@ -113,8 +113,8 @@ def test_fp16_by_default_and_refiner_refused(tmp_path_factory, tmp_path):
     with safe_open(str(path), "pt") as fh:
         assert fh.get_tensor("model.diffusion_model.out.2.weight").dtype == torch.float16
 
-    check_source({"text_encoder": ["transformers", "CLIPTextModel"],
+    check_layout_supported({"text_encoder": ["transformers", "CLIPTextModel"],
                   "text_encoder_2": ["transformers", "CLIPTextModelWithProjection"]})
     with pytest.raises(UserError, match="refiner"):
-        check_source({"text_encoder": [None, None],
+        check_layout_supported({"text_encoder": [None, None],
                       "text_encoder_2": ["transformers", "CLIPTextModelWithProjection"]})
