@@ -62,21 +62,25 @@ def _step_capture(store: list[np.ndarray]) -> Any:
     return callback
 
 
-def run_parity(
-    src: Path, ov_pipe: Any, shape: StaticShape, cfg: ParityConfig
-) -> tuple[dict[str, Any], dict[str, Any], Reference]:
-    """Generate once with PyTorch (diffusers, fp32) and OpenVINO from the same latents.
+@dataclass
+class PyTorchRun:
+    """The PyTorch (diffusers, fp32) half of the parity check, run before any OpenVINO model is
+    loaded so that the two pipelines are never in memory together (SD 1.5: 4.3 GB + 8 GB)."""
 
-    Returns (parity, latency) sections of the export report and the Reference (latents, call
-    arguments, both images) for comparing other variants. `parity.passed` is False when the
-    image PSNR is below `cfg.min_psnr_db` (or any output is not finite).
-    """
+    latents: Any  # torch.Tensor: the shared initial latents
+    kwargs: dict[str, Any]
+    images: np.ndarray
+    step1_latents: np.ndarray
+    seconds: float
+
+
+def pytorch_run(src: Path, shape: StaticShape, cfg: ParityConfig) -> PyTorchRun:
+    """Generate once with the diffusers pipeline `src` in fp32 from seeded latents."""
     import torch
     from diffusers import DiffusionPipeline
 
     pt_pipe = DiffusionPipeline.from_pretrained(src, torch_dtype=torch.float32)
     pt_pipe.set_progress_bar_config(disable=True)
-    ov_pipe.set_progress_bar_config(disable=True)
     vsf = pt_pipe.vae_scale_factor
     generator = torch.Generator().manual_seed(cfg.seed)
     channels = pt_pipe.unet.config.in_channels
@@ -91,23 +95,36 @@ def run_parity(
         guidance_scale=cfg.guidance_scale,
         output_type="np",
     )
-    pt_step, ov_step = [], []
-    log.info("parity: %d steps through PyTorch and OpenVINO", cfg.num_inference_steps)
+    step: list[np.ndarray] = []
+    log.info("parity: %d steps through PyTorch", cfg.num_inference_steps)
     start = time.perf_counter()
-    pt_images = pt_pipe(
-        latents=latents.clone(), callback_on_step_end=_step_capture(pt_step), **kwargs
-    ).images
-    pt_s = time.perf_counter() - start
+    images = pt_pipe(latents=latents.clone(), callback_on_step_end=_step_capture(step),
+                     **kwargs).images
+    return PyTorchRun(latents, kwargs, images, step[0], time.perf_counter() - start)
+
+
+def run_parity(
+    pt: PyTorchRun, ov_pipe: Any, cfg: ParityConfig
+) -> tuple[dict[str, Any], dict[str, Any], Reference]:
+    """The OpenVINO half: the same call as `pt` through `ov_pipe`, and the comparison.
+
+    Returns (parity, latency) sections of the export report and the Reference (latents, call
+    arguments, both images) for comparing other variants. `parity.passed` is False when the
+    image PSNR is below `cfg.min_psnr_db` (or any output is not finite).
+    """
+    ov_pipe.set_progress_bar_config(disable=True)
+    ov_step: list[np.ndarray] = []
+    log.info("parity: %d steps through OpenVINO", cfg.num_inference_steps)
     start = time.perf_counter()
     ov_images = ov_pipe(
-        latents=latents.clone(), callback_on_step_end=_step_capture(ov_step), **kwargs
+        latents=pt.latents.clone(), callback_on_step_end=_step_capture(ov_step), **pt.kwargs
     ).images
     ov_first_s = time.perf_counter() - start
     start = time.perf_counter()
-    ov_pipe(latents=latents.clone(), **kwargs)
+    ov_pipe(latents=pt.latents.clone(), **pt.kwargs)
     ov_s = time.perf_counter() - start
     ov_pipe.set_progress_bar_config(disable=False)
-    del pt_pipe
+    pt_images = pt.images
 
     psnr = psnr_db(pt_images, ov_images)
     finite = bool(np.isfinite(ov_images).all() and np.isfinite(pt_images).all())
@@ -119,20 +136,20 @@ def run_parity(
         "seed": cfg.seed,
         "image_psnr_db": round(psnr, 3),
         "image_max_abs_diff": _max_abs(pt_images, ov_images),
-        "step1_latents_max_abs_diff": _max_abs(pt_step[0], ov_step[0]),
+        "step1_latents_max_abs_diff": _max_abs(pt.step1_latents, ov_step[0]),
         "finite": finite,
         "min_psnr_db": cfg.min_psnr_db,
         "passed": passed,
     }
     latency = {
-        "images_per_call": shape.images_per_call,
+        "images_per_call": int(pt.latents.shape[0]),
         "num_inference_steps": cfg.num_inference_steps,
-        "pytorch_eager": round(pt_s, 4),
+        "pytorch_eager": round(pt.seconds, 4),
         "openvino_static_first_call": round(ov_first_s, 4),
         "openvino_static": round(ov_s, 4),
     }
     log.info(
         "parity: PSNR %.1f dB (%s); latency of one call: PyTorch %.2f s, OpenVINO %.2f s",
-        psnr, "ok" if passed else "FAILED", pt_s, ov_s,
+        psnr, "ok" if passed else "FAILED", pt.seconds, ov_s,
     )
-    return parity, latency, Reference(latents, kwargs, pt_images, ov_images)
+    return parity, latency, Reference(pt.latents, pt.kwargs, pt_images, ov_images)

@@ -11,7 +11,7 @@ import yaml
 
 from tasks.common.openvino_model import StaticShape, load_ov_pipeline, static_shape
 from tasks.export.config import ExportConfig, ParityConfig
-from tasks.export.parity import psnr_db, run_parity
+from tasks.export.parity import psnr_db, pytorch_run, run_parity
 from tests.export.tiny_ov import PARITY_FAST, exported, tiny_pipeline
 
 SD_SHAPE = {"batch_size": 2, "height": 64, "width": 64, "num_images_per_prompt": 1}
@@ -115,7 +115,8 @@ def test_parity_catches_wrong_weights(sd_export, tmp_path_factory):
     _, out, _ = sd_export
     other = tiny_pipeline(tmp_path_factory, "builtin:tiny-sd", seed=1)
     pipe = load_ov_pipeline(out, static=True)
-    parity, _, _ = run_parity(other, pipe, StaticShape(**SD_SHAPE), ParityConfig(**PARITY_FAST))
+    cfg = ParityConfig(**PARITY_FAST)
+    parity, _, _ = run_parity(pytorch_run(other, StaticShape(**SD_SHAPE), cfg), pipe, cfg)
     assert not parity["passed"]
     assert parity["image_psnr_db"] < 30.0
 
