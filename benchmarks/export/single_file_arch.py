@@ -148,7 +148,8 @@ def write_case(folder: Path, path: Path) -> dict:
     start = time.perf_counter()
     info = write_single_file(folder, path, dtype="fp16")
     return {**info, "write_s": round(time.perf_counter() - start, 1),
-            "write_peak_rss_gb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2)}
+            "write_peak_rss_gb": round(
+                resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2)}
 
 
 def in_child(fn, *args):
@@ -206,7 +207,8 @@ CASES = {  # name: (builder, pipeline class, components compared)
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "single-file-arch")
+    parser.add_argument("--work", type=Path,
+                        default=Path(tempfile.gettempdir()) / "single-file-arch")
     parser.add_argument("--report", type=Path,
                         default=Path("benchmarks/export/results_single_file.json"))
     parser.add_argument("--only", choices=["sd15", "sd21", "sdxl"], action="append")

@@ -1,4 +1,4 @@
-"""release_memory(): a dropped object in a reference cycle gives its memory back only when called."""
+"""release_memory(): a dropped reference cycle gives its memory back when it is called."""
 from __future__ import annotations
 
 import gc
