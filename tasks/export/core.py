@@ -167,8 +167,10 @@ def export(src: Path, dst: Path, cfg: ExportConfig, base: Path | None = None) ->
         info = convert(source, fp32_dir, wanted)
         # One pipeline in memory at a time: PyTorch first, then each OpenVINO one, dropped and
         # collected before the next is loaded (SD 1.5: 4.3 GB in PyTorch, ~8 GB compiled).
-        pt_run = pytorch_run(source, wanted, cfg.parity) if cfg.parity.enabled else None
-        release_memory()
+        pt_run = None
+        if cfg.parity.enabled:
+            pt_run = pytorch_run(source, wanted, cfg.parity)
+            release_memory()  # the PyTorch pipeline
         ov_pipe, load_s = _load_static(fp32_dir, wanted, "f32")
         report: dict[str, Any] = {
             "source": str(src),
@@ -191,15 +193,12 @@ def export(src: Path, dst: Path, cfg: ExportConfig, base: Path | None = None) ->
             del pt_run
             report["latency_s"] = latency
             latency["openvino_static_f32"] = latency.pop("openvino_static")
-            if precision == "f32":  # the parity run's pipeline is the one: no second compile
-                static_pipe = ov_pipe
-                del ov_pipe
-            else:
+            if precision != "f32":  # at f32 the parity run's pipeline is the one to time
                 del ov_pipe
                 release_memory()
-                static_pipe, _ = _load_static(fp32_dir, wanted, precision)
-            seconds, fidelity = compare(static_pipe, ref, f"static {precision}")
-            del static_pipe
+                ov_pipe, _ = _load_static(fp32_dir, wanted, precision)
+            seconds, fidelity = compare(ov_pipe, ref, f"static {precision}")
+            del ov_pipe
             release_memory()
             latency["openvino_static"] = round(seconds, 4)
             report["inference_precision"].update(fidelity)
@@ -207,7 +206,6 @@ def export(src: Path, dst: Path, cfg: ExportConfig, base: Path | None = None) ->
                 latency["openvino_dynamic"] = round(
                     dynamic_latency(fp32_dir, ref, precision), 4
                 )
-                release_memory()
         else:
             report["parity"] = {"enabled": False, "passed": True}
             del ov_pipe
