@@ -39,7 +39,7 @@ def make_inputs(root: Path) -> tuple[Path, Path, Path]:
     import numpy as np
     from PIL import Image
 
-    from tasks.common.tiny_sd import build_tiny_pipeline
+    from tasks.common.families import build_tiny_pipeline
 
     base = build_tiny_pipeline("builtin:tiny-sd", 0, root / "base")
     folders = []

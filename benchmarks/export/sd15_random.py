@@ -31,7 +31,7 @@ def build_sd15(out: Path, seed: int = 0) -> Path:
     from diffusers import AutoencoderKL, PNDMScheduler, StableDiffusionPipeline, UNet2DConditionModel
     from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer
 
-    from tasks.common.tiny_sd import write_tokenizer
+    from tasks.common.families.tiny import write_tokenizer
 
     torch.manual_seed(seed)
     unet = UNet2DConditionModel(

@@ -39,7 +39,7 @@ CLIP_L = dict(vocab_size=49408, hidden_size=768, intermediate_size=3072, num_hid
 def _tokenizer():
     from transformers import CLIPTokenizer
 
-    from tasks.common.tiny_sd import write_tokenizer
+    from tasks.common.families.tiny import write_tokenizer
 
     with tempfile.TemporaryDirectory() as tmp:
         write_tokenizer(Path(tmp))  # the project's local BPE tokenizer (ids inside 49408 rows)

@@ -43,7 +43,7 @@ RESOLUTION = {"tiny": 64, "sd15": 256}
 
 
 def base_for(model: str) -> Path:
-    from tasks.common.tiny_sd import build_tiny_pipeline
+    from tasks.common.families import build_tiny_pipeline
 
     if model == "tiny":
         out = CACHE / "tiny-sd"
@@ -85,7 +85,7 @@ def plain_loop(cfg, base: Path, data: Path, class_dir: Path, steps: int, fused: 
 
     from tasks.train.loop import build_dataloader
     from tasks.train.methods import METHODS
-    from tasks.train.models import encode_prompt, load_components, unet_conditioning
+    from tasks.train.models import load_components
     from tasks.train.optim import make_lr_scheduler
 
     torch.manual_seed(cfg.seed)
@@ -109,10 +109,8 @@ def plain_loop(cfg, base: Path, data: Path, class_dir: Path, steps: int, fused: 
             noise = torch.randn_like(latents)
             timesteps = torch.randint(0, c.noise_scheduler.config.num_train_timesteps, (latents.shape[0],))
             noisy = c.noise_scheduler.add_noise(latents, noise, timesteps)
-            hidden, pooled = encode_prompt(c, batch["input_ids"])
-            cond = unet_conditioning(c, hidden, pooled, batch["original_sizes"], batch["crops_top_left"],
-                                     cfg.resolution)
-            pred = c.unet(noisy, timesteps, **cond).sample
+            hidden, pooled = c.family.encode_prompt(c, batch["input_ids"])
+            pred = c.family.predict(c.denoiser, noisy, timesteps, hidden, pooled, batch, cfg.resolution)
             n = batch["num_instances"]
             if cfg.snr_gamma:
                 snr = compute_snr(c.noise_scheduler, timesteps)

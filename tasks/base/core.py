@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from tasks.common.errors import UserError
-from tasks.common.tiny_sd import BUILTIN_PIPELINES, build_tiny_pipeline
+from tasks.common import families
 
 log = logging.getLogger(__name__)
 
@@ -22,9 +22,9 @@ _COMMIT = re.compile(r"^[0-9a-f]{40}$")
 def classify(model: str) -> str:
     """'builtin', 'local' or 'hub'."""
     if model.startswith("builtin:"):
-        if model not in BUILTIN_PIPELINES:
+        if model not in families.BUILTINS:
             raise UserError(
-                f"base.model: unknown built-in model {model!r}; choose one of {', '.join(BUILTIN_PIPELINES)}"
+                f"base.model: unknown built-in model {model!r}; choose one of {', '.join(families.BUILTINS)}"
             )
         return "builtin"
     if Path(model).expanduser().exists() or model.startswith((".", "/", "~")):
@@ -46,11 +46,6 @@ def check_pipeline_folder(path: Path) -> dict[str, Any]:
             "folder saved with DiffusionPipeline.save_pretrained()"
         )
     return json.loads(index.read_text())
-
-
-def family(index: dict[str, Any]) -> str:
-    """'sdxl' for Stable Diffusion XL pipelines, 'sd' for SD 1.x/2.x."""
-    return "sdxl" if "text_encoder_2" in index or "XL" in index.get("_class_name", "") else "sd"
 
 
 def download(repo_id: str, revision: str | None, dst: Path) -> None:
@@ -87,12 +82,12 @@ def resolve(model: str, revision: str | None, seed: int, dst: Path) -> dict[str,
     kind = classify(model)
     if kind == "builtin":
         log.info("building %s from seed %d", model, seed)
-        build_tiny_pipeline(model, seed, dst)
+        families.build_tiny_pipeline(model, seed, dst)
     elif kind == "local":
         src = Path(model).expanduser()
         if not src.is_dir():
             raise UserError(f"base.model: local folder {src} does not exist")
-        check_pipeline_folder(src)
+        families.from_index(check_pipeline_folder(src), f"base.model {src}")  # unsupported: refused before copying
         log.info("copying local pipeline %s", src)
         shutil.copytree(src, dst, dirs_exist_ok=True)
     else:
@@ -100,5 +95,6 @@ def resolve(model: str, revision: str | None, seed: int, dst: Path) -> dict[str,
         download(model, revision, dst)
         shutil.rmtree(dst / ".cache", ignore_errors=True)
     index = check_pipeline_folder(dst)
-    return {"source": kind, "model": model, "revision": revision, "family": family(index),
+    family = families.from_index(index, f"base.model {model}")
+    return {"source": kind, "model": model, "revision": revision, "family": family.name,
             "pipeline_class": index.get("_class_name")}

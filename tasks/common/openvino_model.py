@@ -1,7 +1,7 @@
 """Loading the exported OpenVINO pipeline (models/openvino/) the same way everywhere.
 
-Used by `evaluate` and by registration/serving: which optimum-intel class fits a folder (SD 1.x or
-SDXL, from model_index.json), loading it with the static shapes the export stage fixed, and reading
+Used by `evaluate` and by registration/serving: which optimum-intel class fits a folder (its model
+family's, from model_index.json), loading it with the static shapes the export stage fixed, and reading
 those shapes back from the model itself, so no side file can disagree with the weights.
 
 A statically reshaped pipeline only accepts the exact number of images per call it was reshaped
@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from tasks.common import families
 from tasks.common.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -57,7 +58,7 @@ def runtime_config(path: Path) -> dict[str, str]:
 def compiled_precisions(pipe: Any) -> dict[str, str]:
     """The precision each compiled model of an OpenVINO pipeline really runs at ('bf16', 'f32')."""
     out = {}
-    for name in ("text_encoder", "text_encoder_2", "unet", "vae_decoder"):
+    for name in ("text_encoder", "text_encoder_2", "text_encoder_3", "unet", "transformer", "vae_decoder"):
         part = getattr(pipe, name, None)
         request = getattr(part, "request", None)
         if request is not None:
@@ -80,38 +81,6 @@ class StaticShape:
 
     def as_dict(self) -> dict[str, int]:
         return asdict(self)
-
-
-def read_model_index(path: Path) -> dict[str, Any]:
-    """model_index.json of a diffusers (or exported OpenVINO) pipeline folder, or a UserError."""
-    index = Path(path) / "model_index.json"
-    if not index.is_file():
-        raise UserError(
-            f"{path} is not a pipeline folder (no model_index.json). Run the stage that writes it "
-            "first (dvc repro), or pass a folder saved with save_pretrained()"
-        )
-    return json.loads(index.read_text())
-
-
-def pipeline_family(path: Path) -> str:
-    """'sdxl' for Stable Diffusion XL pipelines, 'sd' for SD 1.x/2.x."""
-    index = read_model_index(path)
-    name = index.get("_class_name", "")
-    if (index.get("text_encoder_2") or [None])[0] is not None or "XL" in name:
-        return "sdxl"
-    if "StableDiffusion" not in name:
-        raise UserError(
-            f"{path}: pipeline class {name!r} is not supported; export and evaluation handle "
-            "StableDiffusionPipeline (SD 1.x/2.x) and StableDiffusionXLPipeline"
-        )
-    return "sd"
-
-
-def ov_pipeline_class(family: str) -> type:
-    """optimum-intel's pipeline class for a family ('sd' or 'sdxl')."""
-    from optimum.intel import OVStableDiffusionPipeline, OVStableDiffusionXLPipeline
-
-    return OVStableDiffusionXLPipeline if family == "sdxl" else OVStableDiffusionPipeline
 
 
 def is_openvino_folder(path: Path) -> bool:
@@ -137,7 +106,7 @@ def load_ov_pipeline(
             f"{path} is not an exported OpenVINO pipeline (no unet/openvino_model.xml). Run the "
             "export stage first (dvc repro export)"
         )
-    cls = ov_pipeline_class(pipeline_family(path))
+    cls = families.detect(path).ov_pipeline_class()
     base = runtime_config(path) if precision is None else precision_config(precision)
     kind = "static" if static else "dynamic"
     log.info("loading %s from %s (%s shapes)", cls.__name__, path, kind)

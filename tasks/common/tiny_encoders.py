@@ -105,7 +105,7 @@ def build_tiny_clip(seed: int, out: Path) -> Path:
     import torch
     from transformers import CLIPConfig, CLIPImageProcessorPil, CLIPModel, CLIPTokenizer
 
-    from tasks.common.tiny_sd import write_tokenizer
+    from tasks.common.families.tiny import write_tokenizer
 
     out = Path(out)
     vocab_size = write_tokenizer(out)

@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 from PIL import Image
 
+from tasks.common import families
 from tasks.common.errors import UserError
 from tasks.common.images import to_rgb
 from tasks.common.openvino_model import (
@@ -77,8 +78,8 @@ def load_instance_images(folder: Path) -> list[Image.Image]:
 
 
 def _default_shape(pipe: Any) -> StaticShape:
-    """For a dynamic pipeline: one prompt, one image per call, at the UNet's native size."""
-    size = int(pipe.unet.config["sample_size"]) * int(pipe.vae_scale_factor)
+    """For a dynamic pipeline: one prompt, one image per call, at the denoiser's native size."""
+    size = families.of_pipeline(pipe).native_size(pipe)
     return StaticShape(1, size, size, 1)
 
 

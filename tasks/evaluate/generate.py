@@ -17,6 +17,7 @@ from typing import Any
 
 from tqdm import tqdm
 
+from tasks.common import families
 from tasks.common.openvino_model import StaticShape
 
 log = logging.getLogger(__name__)
@@ -54,12 +55,10 @@ def batches(units: list[Unit], batch_size: int) -> list[tuple[list[Unit], int]]:
 
 
 def initial_latents(seeds: list[int], pipe: Any, height: int, width: int) -> Any:
-    """(len(seeds), C, h, w) float32 latents, row i drawn from a CPU generator seeded seeds[i]."""
+    """Float32 latents (one row per seed, in the family's layout), row i from a CPU generator seeded seeds[i]."""
     import torch
 
-    channels = pipe.unet.config["in_channels"]
-    vsf = pipe.vae_scale_factor
-    size = (1, channels, height // vsf, width // vsf)
+    size = (1, *families.of_pipeline(pipe).latent_shape(pipe, height, width))
     rows = [torch.randn(size, generator=torch.Generator().manual_seed(s)) for s in seeds]
     return torch.cat(rows)
 

@@ -25,8 +25,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from tasks.common import families
 from tasks.common.memory import release_memory
-from tasks.common.openvino_model import StaticShape, ov_pipeline_class, pipeline_family
+from tasks.common.openvino_model import StaticShape
 from tasks.export.config import CompressionConfig
 
 log = logging.getLogger(__name__)
@@ -86,7 +87,7 @@ def compress(fp32_dir: Path, dst: Path, shape: StaticShape, cfg: CompressionConf
     The fp32 folder is loaded with dynamic shapes: hybrid calibration runs the pipeline at the
     UNet's native size, whatever the static shape.
     """
-    cls = ov_pipeline_class(pipeline_family(fp32_dir))
+    cls = families.detect(fp32_dir).ov_pipeline_class()
     qcfg = quantization_config(cfg)
     log.info("compressing %s (%s) with NNCF", fp32_dir, cfg.mode)
     start = time.perf_counter()

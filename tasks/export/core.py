@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from tasks.common import families
 from tasks.common.errors import UserError
 from tasks.common.memory import release_memory
 from tasks.common.openvino_model import (
@@ -23,9 +24,6 @@ from tasks.common.openvino_model import (
     folder_size_mb,
     is_openvino_folder,
     load_ov_pipeline,
-    ov_pipeline_class,
-    pipeline_family,
-    read_model_index,
     static_shape,
     write_runtime_config,
 )
@@ -39,7 +37,7 @@ from tasks.export.variants import add_ratios, compare, dynamic_latency
 log = logging.getLogger(__name__)
 
 
-def check_source(src: Path) -> str:
+def check_source(src: Path) -> type[families.ModelFamily]:
     """The source must be a diffusers pipeline folder (not an OpenVINO one); returns its family."""
     if not src.is_dir():
         raise UserError(
@@ -48,7 +46,7 @@ def check_source(src: Path) -> str:
         )
     if is_openvino_folder(src):
         raise UserError(f"{src} is already an OpenVINO export; pass the diffusers pipeline folder")
-    return pipeline_family(src)
+    return families.detect(src)
 
 
 def fix_vae_decoder_batch(pipe: Any, images_per_call: int) -> None:
@@ -100,8 +98,8 @@ def fix_static_shape(pipe: Any, shape: StaticShape) -> None:
 def convert(src: Path, dst: Path, shape: StaticShape) -> dict[str, Any]:
     """Convert `src` into `dst` (an empty folder) at `shape`; returns timings and the class used."""
     family = check_source(src)
-    cls = ov_pipeline_class(family)
-    log.info("exporting %s (%s) to OpenVINO with %s", src, family, cls.__name__)
+    cls = family.ov_pipeline_class()
+    log.info("exporting %s (%s) to OpenVINO with %s", src, family.title, cls.__name__)
     start = time.perf_counter()
     # optimum-intel runs gc.collect() after each model it converts; with torch, diffusers and
     # transformers loaded, each full collection walks ~600k objects (10.6 s of 16 s CPU measured
@@ -121,7 +119,7 @@ def convert(src: Path, dst: Path, shape: StaticShape) -> dict[str, Any]:
     del pipe
     release_memory()  # the export leaves GBs of torch and OpenVINO objects in reference cycles
     log.info("exported in %.1f s, reshaped and saved in %.1f s to %s", export_s, save_s, dst)
-    return {"family": family, "pipeline_class": cls.__name__, "export_s": export_s,
+    return {"family": family.name, "pipeline_class": cls.__name__, "export_s": export_s,
             "save_s": save_s}
 
 
@@ -162,7 +160,7 @@ def export(src: Path, dst: Path, cfg: ExportConfig, base: Path | None = None) ->
     with tempfile.TemporaryDirectory(prefix="export-") as work:
         source, source_info = materialize(src, base, Path(work), cfg.placeholder_token)
         if cfg.single_file != "none":
-            check_layout_supported(read_model_index(source))
+            check_layout_supported(families.read_index(source))
         fp32_dir = Path(work) / "openvino-fp32" if compressing else dst
         info = convert(source, fp32_dir, wanted)
         # One pipeline in memory at a time: PyTorch first, then each OpenVINO one, dropped and

@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from tasks.common import families
 from tasks.common.openvino_model import StaticShape
 from tasks.export.config import ParityConfig
 
@@ -81,10 +82,9 @@ def pytorch_run(src: Path, shape: StaticShape, cfg: ParityConfig) -> PyTorchRun:
 
     pt_pipe = DiffusionPipeline.from_pretrained(src, torch_dtype=torch.float32)
     pt_pipe.set_progress_bar_config(disable=True)
-    vsf = pt_pipe.vae_scale_factor
     generator = torch.Generator().manual_seed(cfg.seed)
-    channels = pt_pipe.unet.config.in_channels
-    size = (shape.images_per_call, channels, shape.height // vsf, shape.width // vsf)
+    family = families.of_pipeline(pt_pipe)
+    size = (shape.images_per_call, *family.latent_shape(pt_pipe, shape.height, shape.width))
     latents = torch.randn(size, generator=generator)
     kwargs = dict(
         prompt=[cfg.prompt] * shape.batch_size,

@@ -19,6 +19,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
+from tasks.common import families
 from tasks.common.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -144,25 +145,16 @@ def _replace_start(key: str, renames: dict[str, str]) -> str:
     return key
 
 
-_REFINER = ("export.single_file: an SDXL refiner (one OpenCLIP text encoder) has no supported "
-            "original layout here; set export.single_file: none")
-
-
 def check_layout_supported(index: dict[str, Any]) -> None:
     """Refuse, from its model_index.json and before any export work, a pipeline with no layout."""
-    has = {name: (index.get(name) or [None])[0] is not None
-           for name in ("text_encoder", "text_encoder_2")}
-    if has["text_encoder_2"] and not has["text_encoder"]:
-        raise UserError(_REFINER)
+    why = families.from_index(index).single_file_refusal(index)
+    if why is not None:
+        raise UserError(f"export.single_file: {why}")
 
 
 def layout(pipe: Any) -> str:
-    """'sd1', 'sd2' or 'sdxl': which original layout `pipe` is written in."""
-    if getattr(pipe, "text_encoder_2", None) is not None:
-        if getattr(pipe, "text_encoder", None) is None:
-            raise UserError(_REFINER)
-        return "sdxl"
-    return "sd2" if pipe.unet.config["cross_attention_dim"] == 1024 else "sd1"
+    """'sd1', 'sd2' or 'sdxl': which original layout `pipe` is written in (its family says)."""
+    return families.of_pipeline(pipe).single_file_layout(pipe)
 
 
 def _open_clip(state: dict[str, Any]) -> dict[str, Any]:

@@ -33,15 +33,15 @@ class Backend:
     def prepare(self, method: Any, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         """The method's modules and the optimizer, before accelerate prepares them; returns the
         optimizer to use (the loop reads the trained parameters back from it)."""
-        self.compile(method.components.modules)
+        self.compile(method.components.denoiser)
         return optimizer
 
-    def compile(self, modules: dict[str, torch.nn.Module]) -> None:
+    def compile(self, denoiser: torch.nn.Module) -> None:
         # nn.Module.compile() compiles in place: the module, its parameters and state_dict keys stay
         # the same objects, so checkpoints, EMA and saving need no unwrapping.
         if self.cfg.torch_compile:
-            modules["unet"].compile()
-            log.info("torch.compile: UNet compiled (the first steps include the compilation)")
+            denoiser.compile()
+            log.info("torch.compile: denoiser compiled (the first steps include the compilation)")
 
     def loader(self, loader: Iterable[Any]) -> Iterable[Any]:
         """The batches of one epoch, on the device."""

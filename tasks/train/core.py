@@ -123,7 +123,7 @@ def train(
     accelerator.wait_for_everyone()
     peak = max((h.peak_memory_mb for h in result.history), default=0.0)
     return TrainOutcome(
-        method=cfg.method, family=components.family, history=result.history, losses=result.state.history,
+        method=cfg.method, family=components.family.name, history=result.history, losses=result.state.history,
         seconds=result.seconds, total_seconds=time.perf_counter() - start, images=result.images, weights=weights,
         validation=images, resumed_from=result.resumed_from, checkpoint_dir=checkpoints.run_dir,
         peak_memory_mb=peak,

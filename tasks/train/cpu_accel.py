@@ -98,7 +98,7 @@ class IpexBackend(Backend):
                  ", ".join(trainable), ", ".join(frozen) or "nothing", str(self.dtype).removeprefix("torch."),
                  " + bf16 autocast" if self.dtype == torch.bfloat16 else "",
                  ", torch.compile" if self.cfg.torch_compile else "", self.why)
-        self.compile(modules)
+        self.compile(method.components.denoiser)
         return optimizer
 
 

@@ -96,7 +96,7 @@ class XlaBackend(Backend):
             log.info("xla: latent and text caches off (inputs are encoded on the devices, sharded with the batch)")
             method.latent_cache = method.prompt_cache = None
         if self.cfg.gradient_checkpointing:
-            self._checkpointing(method.components.unet)
+            self._checkpointing(method.components.denoiser)
         if any(group.get("fused") for group in optimizer.param_groups):
             # torch's fused AdamW kernel exists for CPU/CUDA tensors only; XLA fuses the update itself.
             for group in optimizer.param_groups:
@@ -109,13 +109,13 @@ class XlaBackend(Backend):
         return optimizer
 
     @staticmethod
-    def _checkpointing(unet: torch.nn.Module) -> None:
+    def _checkpointing(denoiser: torch.nn.Module) -> None:
         """The TPU script's choice: recompute each BasicTransformerBlock, through torch_xla's checkpoint."""
         from diffusers.models.attention import BasicTransformerBlock
         from torch_xla.distributed.fsdp import checkpoint_module
 
-        unet.disable_gradient_checkpointing()  # torch.utils.checkpoint: XLA's CSE would undo it
-        blocks = [m for m in unet.modules() if isinstance(m, BasicTransformerBlock)]
+        denoiser.disable_gradient_checkpointing()  # torch.utils.checkpoint: XLA's CSE would undo it
+        blocks = [m for m in denoiser.modules() if isinstance(m, BasicTransformerBlock)]
         for block in blocks:
             checkpoint_module(block)  # patches forward in place: parameters and state_dict keys unchanged
         log.info("xla: gradient checkpointing of %d transformer blocks", len(blocks))

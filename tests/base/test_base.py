@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from tasks.base.core import classify, family, resolve
+from tasks.base.core import classify, resolve
+from tasks.common.families import from_index
 from tasks.common.errors import UserError
 from tests.conftest import stage_runs
 
@@ -78,8 +79,8 @@ def test_hub_offline_says_so_and_how_to_fix(tmp_path: Path, monkeypatch: pytest.
 
 
 def test_family_detection() -> None:
-    assert family({"_class_name": "StableDiffusionXLPipeline", "text_encoder_2": []}) == "sdxl"
-    assert family({"_class_name": "StableDiffusionPipeline"}) == "sd"
+    assert from_index({"_class_name": "StableDiffusionXLPipeline", "text_encoder_2": []}).name == "sdxl"
+    assert from_index({"_class_name": "StableDiffusionPipeline"}).name == "sd"
 
 
 def run_stage(cwd: Path, params: str) -> subprocess.CompletedProcess[str]:

@@ -94,7 +94,7 @@ def test_other_settings_make_old_images_stale(tmp_path: Path, tiny_sd: Path, tin
 
 
 def test_sdxl_base(tmp_path: Path) -> None:
-    from tasks.common.tiny_sd import build_tiny_pipeline
+    from tasks.common.families import build_tiny_pipeline
 
     base = build_tiny_pipeline("builtin:tiny-sdxl", 0, tmp_path / "tiny-sdxl")
     summary = run(cfg(num_images=2), base, tmp_path / "cls")

@@ -120,13 +120,13 @@ def test_hybrid_quantizes_after_releasing_the_calibration_models(tmp_path_factor
     hold a compiled model (5-6 GB on SD 1.5). The UNet still comes out quantized."""
     import nncf
 
-    from tasks.common.openvino_model import ov_pipeline_class
+    from tasks.common.families import StableDiffusion
     from tasks.export.compress import quantize
     from tests.export.tiny_ov import exported
 
     _, fp32_dir, _ = exported(tmp_path_factory, "builtin:tiny-sd", batch_size=2, height=64,
                               width=64, num_images_per_prompt=1)
-    pipe = ov_pipeline_class("sd").from_pretrained(fp32_dir, compile=False)
+    pipe = StableDiffusion.ov_pipeline_class().from_pretrained(fp32_dir, compile=False)
     compiled_when_quantizing = []
     real_quantize = nncf.quantize
 

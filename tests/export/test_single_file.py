@@ -53,11 +53,11 @@ def tiny_sd2(seed: int, out: Path) -> Path:
     from diffusers import StableDiffusionPipeline, UNet2DConditionModel
     from transformers import CLIPTextConfig, CLIPTextModel
 
-    from tasks.common.tiny_sd import build_tiny_sd
+    from tasks.common.families import StableDiffusion
 
     if (out / "model_index.json").is_file():
         return out
-    pipe = build_tiny_sd(seed)
+    pipe = StableDiffusion.build_tiny(seed)
     torch.manual_seed(seed)
     unet = UNet2DConditionModel.from_config({**pipe.unet.config, "cross_attention_dim": 1024})
     text = CLIPTextModel(CLIPTextConfig(**{**pipe.text_encoder.config.to_dict(),
@@ -86,13 +86,13 @@ def test_sdxl_two_encoders_read_back(tmp_path_factory, tmp_path):
     them apart by width, so the default tiny model (both 32) would load one encoder twice."""
     from diffusers import StableDiffusionXLPipeline
 
-    from tasks.common.tiny_sd import build_tiny_sdxl
+    from tasks.common.families import StableDiffusionXL
 
     folders = []
     for seed in (0, 1):
         folder = tmp_path_factory.getbasetemp() / "tiny-pipelines" / f"sdxl-wide-{seed}"
         if not (folder / "model_index.json").is_file():
-            build_tiny_sdxl(seed, text_2_width=48).save_pretrained(folder, safe_serialization=True)
+            StableDiffusionXL.build_tiny(seed, text_2_width=48).save_pretrained(folder, safe_serialization=True)
         folders.append(folder)
     path = tmp_path / "model.safetensors"
     info = write_single_file(folders[0], path, dtype="fp32")
@@ -113,8 +113,9 @@ def test_fp16_by_default_and_refiner_refused(tmp_path_factory, tmp_path):
     with safe_open(str(path), "pt") as fh:
         assert fh.get_tensor("model.diffusion_model.out.2.weight").dtype == torch.float16
 
-    check_layout_supported({"text_encoder": ["transformers", "CLIPTextModel"],
-                  "text_encoder_2": ["transformers", "CLIPTextModelWithProjection"]})
+    check_layout_supported({"_class_name": "StableDiffusionXLPipeline",
+                            "text_encoder": ["transformers", "CLIPTextModel"],
+                            "text_encoder_2": ["transformers", "CLIPTextModelWithProjection"]})
     with pytest.raises(UserError, match="refiner"):
-        check_layout_supported({"text_encoder": [None, None],
-                      "text_encoder_2": ["transformers", "CLIPTextModelWithProjection"]})
+        check_layout_supported({"_class_name": "StableDiffusionXLImg2ImgPipeline", "text_encoder": [None, None],
+                                "text_encoder_2": ["transformers", "CLIPTextModelWithProjection"]})

@@ -18,7 +18,7 @@ PARITY_FAST = {"num_inference_steps": 2}
 
 def tiny_pipeline(tmp_path_factory: pytest.TempPathFactory, kind: str, seed: int = 0) -> Path:
     """builtin:tiny-sd / builtin:tiny-sdxl saved once per session."""
-    from tasks.common.tiny_sd import build_tiny_pipeline
+    from tasks.common.families import build_tiny_pipeline
 
     path = tmp_path_factory.getbasetemp() / "tiny-pipelines" / f"{kind.split(':')[1]}-{seed}"
     if not (path / "model_index.json").is_file():

@@ -20,7 +20,9 @@ from tests.conftest import REPO
 
 
 def _key() -> str:
-    h = hashlib.sha256((REPO / "tasks/common/tiny_sd.py").read_bytes())
+    h = hashlib.sha256()
+    for path in ("tiny.py", "sd.py"):
+        h.update((REPO / "tasks/common/families" / path).read_bytes())
     for pkg in ("diffusers", "transformers", "optimum-intel", "openvino", "torch"):
         h.update(f"{pkg}={importlib.metadata.version(pkg)}".encode())
     return h.hexdigest()[:16]
@@ -29,7 +31,7 @@ def _key() -> str:
 def _build(dst: Path) -> None:
     from optimum.intel import OVStableDiffusionPipeline
 
-    from tasks.common.tiny_sd import build_tiny_pipeline
+    from tasks.common.families import build_tiny_pipeline
 
     finetuned = build_tiny_pipeline("builtin:tiny-sd", 0, dst / "finetuned")
     ov = OVStableDiffusionPipeline.from_pretrained(finetuned, export=True, compile=False)

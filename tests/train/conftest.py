@@ -23,14 +23,14 @@ def _one_torch_thread():
 
 @pytest.fixture(scope="session")
 def tiny_sd(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from tasks.common.tiny_sd import build_tiny_pipeline
+    from tasks.common.families import build_tiny_pipeline
 
     return build_tiny_pipeline("builtin:tiny-sd", 0, tmp_path_factory.mktemp("base") / "tiny-sd")
 
 
 @pytest.fixture(scope="session")
 def tiny_sdxl(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from tasks.common.tiny_sd import build_tiny_pipeline
+    from tasks.common.families import build_tiny_pipeline
 
     return build_tiny_pipeline("builtin:tiny-sdxl", 0, tmp_path_factory.mktemp("base") / "tiny-sdxl")
 

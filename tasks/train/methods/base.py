@@ -18,7 +18,7 @@ from tasks.train.config import TrainConfig
 from tasks.train.data import CaptionPolicy, Record, TrainDataset, collate, read_imagefolder
 from tasks.train.diffusion import (LatentCache, PromptCache, RowRandom, encode_latents, noise_latents,
                                    per_example_loss)
-from tasks.train.models import Components, encode_prompt, pipeline_from_modules, tokenize, unet_conditioning
+from tasks.train.models import Components, pipeline_from_modules
 
 log = logging.getLogger(__name__)
 
@@ -30,8 +30,8 @@ CLASS_FIX = ("Run the `class_images` stage (dvc repro class_images) with class_i
 class TrainingMethod:
     """Shared behaviour; subclasses override only what differs.
 
-    Modules are named as in the diffusers pipeline folder ("unet", "vae", "text_encoder",
-    "text_encoder_2"). The loop prepares the `trainable()` ones with accelerate and passes the
+    Modules are named as in the diffusers pipeline folder ("unet" or "transformer", "vae",
+    "text_encoder", "text_encoder_2", ...); the family (`components.family`) says how they are called. The loop prepares the `trainable()` ones with accelerate and passes the
     prepared (possibly wrapped) modules back to `compute_loss`.
     """
 
@@ -61,8 +61,8 @@ class TrainingMethod:
 
     # --- what is trained -------------------------------------------------------------------
     def trainable(self) -> list[str]:
-        """Names of the modules with trainable weights (UNet, plus the text encoders on request)."""
-        return ["unet", *(self.components.text_encoder_names() if self.cfg.train_text_encoder else [])]
+        """Names of the modules with trainable weights (the denoiser, plus the text encoders on request)."""
+        return [self.components.family.denoiser_name, *(self.components.text_encoder_names() if self.cfg.train_text_encoder else [])]
 
     def configure(self) -> None:
         """Freeze everything, then unfreeze and switch to train mode what `trainable()` names."""
@@ -74,7 +74,7 @@ class TrainingMethod:
 
     def _checkpointing(self) -> None:
         if self.cfg.gradient_checkpointing:
-            self.components.unet.enable_gradient_checkpointing()
+            self.components.denoiser.enable_gradient_checkpointing()
             if self.cfg.train_text_encoder:
                 for encoder in self.components.text_encoders:
                     encoder.gradient_checkpointing_enable()
@@ -90,7 +90,7 @@ class TrainingMethod:
             else:
                 module.to(device, dtype=target)
         if self.cfg.channels_last:
-            for name in ("unet", "vae"):
+            for name in (self.components.family.denoiser_name, "vae"):
                 self.components.modules[name].to(memory_format=torch.channels_last)
 
     def param_groups(self) -> list[dict[str, Any]]:
@@ -138,7 +138,7 @@ class TrainingMethod:
 
     def collate(self, examples: list[dict[str, Any]]) -> dict[str, Any]:
         batch = collate(examples)
-        batch["input_ids"] = tokenize(self.components, batch["prompts"])
+        batch["input_ids"] = self.components.family.tokenize(self.components, batch["prompts"])
         return batch
 
     def validation_prompts(self) -> list[str]:
@@ -171,18 +171,20 @@ class TrainingMethod:
             else:
                 latents = encode_latents(modules["vae"], batch["pixels"], rand)
         noised = noise_latents(c.noise_scheduler, latents, cfg.noise_offset, rand)
+        family = c.family
         encoders = [modules[n] for n in c.text_encoder_names()]
         if self.prompt_cache is not None:
             with torch.no_grad():
                 hidden, pooled = self.prompt_cache.lookup(
-                    batch["prompts"], batch["input_ids"], lambda ids: encode_prompt(c, ids, encoders), latents.device)
+                    batch["prompts"], batch["input_ids"], lambda ids: family.encode_prompt(c, ids, encoders),
+                    latents.device)
         else:
-            hidden, pooled = encode_prompt(c, batch["input_ids"], encoders)
-        cond = unet_conditioning(c, hidden, pooled, batch["original_sizes"], batch["crops_top_left"], cfg.resolution)
+            hidden, pooled = family.encode_prompt(c, batch["input_ids"], encoders)
         sample = noised.noisy_latents
         if cfg.channels_last:
             sample = sample.contiguous(memory_format=torch.channels_last)
-        pred = modules["unet"](sample, noised.timesteps, **cond, return_dict=False)[0]
+        pred = family.predict(modules[family.denoiser_name], sample, noised.timesteps, hidden, pooled, batch,
+                              cfg.resolution)
         losses = per_example_loss(pred, noised.target, noised.timesteps, c.noise_scheduler, cfg.snr_gamma)
         n = batch["num_instances"]
         if n == losses.shape[0]:
@@ -193,7 +195,7 @@ class TrainingMethod:
         return loss, {"instance_loss": instance_loss.detach(), "prior_loss": prior_loss.detach()}
 
     def images_in(self, batch: dict[str, Any]) -> int:
-        """Images one micro-batch pushes through the UNet (for images/s)."""
+        """Images one micro-batch pushes through the denoiser (for images/s)."""
         return int(batch["pixels"].shape[0])
 
     # --- output ----------------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""LoRA (Hu et al. 2021) with peft: low-rank adapters on the UNet's attention projections, and on
+"""LoRA (Hu et al. 2021) with peft: low-rank adapters on the denoiser's attention projections (the family's `lora_targets`), and on
 the text encoders' with `train_text_encoder`, as diffusers' train_dreambooth_lora*.py add them.
 
 The base weights stay frozen in the training precision; only the adapters train, in float32.
@@ -15,23 +15,21 @@ from typing import Any
 import torch
 
 from tasks.train.methods.base import TrainingMethod
-from tasks.train.models import pipeline_class
 
 log = logging.getLogger(__name__)
 
-UNET_TARGETS = ["to_k", "to_q", "to_v", "to_out.0"]
-TEXT_TARGETS = ["q_proj", "k_proj", "v_proj", "out_proj"]
 WEIGHT_NAME = "pytorch_lora_weights.safetensors"
 
 
 class LoRA(TrainingMethod):
     name = "lora"
 
-    def _config(self, targets: list[str]) -> Any:
+    def _config(self, targets: tuple[str, ...]) -> Any:
         from peft import LoraConfig
 
         return LoraConfig(r=self.cfg.rank, lora_alpha=self.cfg.lora_alpha or self.cfg.rank,
-                          lora_dropout=self.cfg.lora_dropout, init_lora_weights="gaussian", target_modules=targets)
+                          lora_dropout=self.cfg.lora_dropout, init_lora_weights="gaussian",
+                          target_modules=list(targets))
 
     def configure(self) -> None:
         """Freeze every base weight, then add adapters (their weights are the only trainable ones)."""
@@ -39,11 +37,11 @@ class LoRA(TrainingMethod):
         for module in c.modules.values():
             module.requires_grad_(False)
             module.eval()
-        c.unet.add_adapter(self._config(UNET_TARGETS))
-        c.unet.train()
+        c.denoiser.add_adapter(self._config(c.family.lora_targets))
+        c.denoiser.train()
         if self.cfg.train_text_encoder:
             for encoder in c.text_encoders:
-                encoder.add_adapter(self._config(TEXT_TARGETS))
+                encoder.add_adapter(self._config(c.family.text_lora_targets))
                 encoder.train()
         self._checkpointing()
 
@@ -69,13 +67,13 @@ class LoRA(TrainingMethod):
             config = module.peft_config["default"].to_dict()
             meta = {k: sorted(v) if isinstance(v, set) else v for k, v in config.items()}
             layers[f"{name}_lora_adapter_metadata"] = meta
-        pipeline_class(base).save_lora_weights(out_dir, **layers, weight_name=WEIGHT_NAME, safe_serialization=True)
+        self.components.family.pipeline_class().save_lora_weights(out_dir, **layers, weight_name=WEIGHT_NAME, safe_serialization=True)
         log.info("saved LoRA weights (%s, rank %d) to %s", ", ".join(sorted(trained)), self.cfg.rank,
                  out_dir / WEIGHT_NAME)
         if self.cfg.fuse_lora:
             pipe = DiffusionPipeline.from_pretrained(base)
             pipe.load_lora_weights(out_dir, weight_name=WEIGHT_NAME)
-            pipe.fuse_lora(components=["unet", *(n for n in trained if n.startswith("text_encoder"))])
+            pipe.fuse_lora(components=self.components.family.lora_components(list(trained)))
             pipe.unload_lora_weights()
             pipe.save_pretrained(out_dir, safe_serialization=True)
             log.info("saved the base pipeline with the LoRA fused in to %s", out_dir)

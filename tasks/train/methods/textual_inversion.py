@@ -28,7 +28,6 @@ from tasks.train.models import Components
 log = logging.getLogger(__name__)
 
 EMBEDS_NAME = "learned_embeds.safetensors"
-SDXL_KEYS = ("clip_l", "clip_g")
 
 OBJECT_TEMPLATES = [
     "a photo of a {}", "a rendering of a {}", "a cropped photo of the {}", "the photo of a {}",
@@ -97,7 +96,7 @@ class TextualInversion(TrainingMethod):
             weight.requires_grad_(True)
             self.original.append(weight.detach().clone())
         if self.cfg.gradient_checkpointing:
-            c.unet.enable_gradient_checkpointing()
+            c.denoiser.enable_gradient_checkpointing()
             for encoder in c.text_encoders:
                 encoder.gradient_checkpointing_enable()
 
@@ -120,11 +119,12 @@ class TextualInversion(TrainingMethod):
         return [self.templates[0].format(self.cfg.placeholder_token)]
 
     def learned_embeds(self, trained: dict[str, torch.nn.Module]) -> dict[str, torch.Tensor]:
-        """The placeholder rows, keyed as diffusers (SD) or SDXL embedding files key them."""
+        """The placeholder rows, keyed as the family's embedding files key them (`embedding_keys`)."""
         rows = [trained[name].get_input_embeddings().weight[ids].detach().float().cpu().contiguous()
                 for name, ids in zip(self.components.text_encoder_names(), self.token_ids)]
-        if self.components.family == "sdxl":
-            return dict(zip(SDXL_KEYS, rows))
+        keys = self.components.family.embedding_keys
+        if keys is not None:
+            return dict(zip(keys, rows))
         return {self.cfg.placeholder_token: rows[0]}
 
     def save(self, base: Path, out_dir: Path, trained: dict[str, torch.nn.Module]) -> None:

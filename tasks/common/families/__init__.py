@@ -1,0 +1,79 @@
+"""Model families: everything family-specific, one module each; every stage reads them here.
+
+    family = families.detect(Path("models/base"))      # from model_index.json
+    family.ov_pipeline_class(), family.objective, family.methods, family.build_tiny(seed) ...
+
+Adding a family is adding a module with a `ModelFamily` subclass and listing it in FAMILIES
+(tasks/common/families/README.md says what it must define).
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from tasks.common.errors import UserError
+from tasks.common.families.base import Components, ModelFamily
+from tasks.common.families.sd import StableDiffusion
+from tasks.common.families.sdxl import StableDiffusionXL
+
+#: Every family, in the order detection tries them (the more specific first).
+FAMILIES: tuple[type[ModelFamily], ...] = (StableDiffusionXL, StableDiffusion)
+#: `base.model` values of the built-in tiny models.
+BUILTINS: dict[str, type[ModelFamily]] = {f.builtin: f for f in FAMILIES}
+
+
+def supported() -> str:
+    return ", ".join(f"{f.title} ({', '.join(f.pipeline_class_names)})" for f in FAMILIES)
+
+
+def by_name(name: str) -> type[ModelFamily]:
+    for family in FAMILIES:
+        if family.name == name:
+            return family
+    raise ValueError(f"unknown model family {name!r}; known: {', '.join(f.name for f in FAMILIES)}")
+
+
+def from_index(index: dict[str, Any], where: str = "the pipeline") -> type[ModelFamily]:
+    """The family a model_index.json belongs to, or a UserError naming the supported ones."""
+    for family in FAMILIES:
+        if family.matches(index):
+            return family
+    raise UserError(f"{where}: pipeline class {index.get('_class_name')!r} is not supported; "
+                    f"supported: {supported()}")
+
+
+def read_index(path: Path) -> dict[str, Any]:
+    """model_index.json of a diffusers (or exported OpenVINO) pipeline folder, or a UserError."""
+    index = Path(path) / "model_index.json"
+    if not index.is_file():
+        raise UserError(
+            f"{path} is not a pipeline folder (no model_index.json). Run the stage that writes it "
+            "first (dvc repro), or pass a folder saved with save_pretrained()"
+        )
+    return json.loads(index.read_text())
+
+
+def detect(path: Path) -> type[ModelFamily]:
+    """The family of a diffusers or OpenVINO pipeline folder."""
+    return from_index(read_index(path), str(path))
+
+
+def of_pipeline(pipe: Any) -> type[ModelFamily]:
+    """The family of a loaded diffusers or optimum-intel pipeline object."""
+    index = {k: list(v) for k, v in pipe.config.items() if isinstance(v, (list, tuple))}
+    index["_class_name"] = type(pipe).__name__.removeprefix("OV")
+    return from_index(index, type(pipe).__name__)
+
+
+def build_tiny_pipeline(kind: str, seed: int, out: Path) -> Path:
+    """Build a built-in tiny model (`builtin:tiny-sd`, ...) from `seed` and save it to `out` (safetensors)."""
+    if kind not in BUILTINS:
+        raise ValueError(f"unknown built-in model {kind!r}; choose one of {', '.join(BUILTINS)}")
+    out = Path(out)
+    BUILTINS[kind].build_tiny(seed).save_pretrained(out, safe_serialization=True)
+    return out
+
+
+__all__ = ["BUILTINS", "FAMILIES", "Components", "ModelFamily", "StableDiffusion", "StableDiffusionXL", "build_tiny_pipeline", "by_name", "detect",
+           "from_index", "of_pipeline", "read_index", "supported"]

@@ -1,0 +1,181 @@
+"""What a model family says about itself, and the parts of a base model that training holds.
+
+A family is one module under tasks/common/families/ with one `ModelFamily` subclass: how it is
+recognised in a diffusers folder, its diffusers and optimum-intel pipeline classes, its built-in
+tiny model, how a prompt becomes conditioning, how the denoiser is called, the training objective,
+which methods and options apply, the LoRA targets and the single-file layout. Stages never test a
+family's name; they ask the family.
+
+Everything here imports torch, diffusers and transformers lazily: the stages that only need to
+know a family's name or classes (base, export, evaluate) pay for nothing else.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Components:
+    """Tokenizers, text encoders, VAE, denoiser and training noise scheduler of one base model.
+
+    `modules` names every torch module as in the pipeline folder ("unet" or "transformer", "vae",
+    "text_encoder", "text_encoder_2", ...), which is how methods and checkpoints refer to them.
+    """
+
+    family: type["ModelFamily"]
+    tokenizers: list[Any]
+    text_encoders: list[Any]
+    vae: Any
+    denoiser: Any
+    noise_scheduler: Any
+    modules: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        f = self.family
+        self.modules = {f.denoiser_name: self.denoiser, "vae": self.vae,
+                        **dict(zip(f.text_encoder_names, self.text_encoders))}
+
+    def text_encoder_names(self) -> list[str]:
+        return list(self.family.text_encoder_names[: len(self.text_encoders)])
+
+
+class ModelFamily:
+    """One model family. Subclasses set the class attributes and override what differs."""
+
+    #: short name used in reports, tags and params checks ("sd", "sdxl", "sd3", "flux")
+    name: ClassVar[str]
+    #: a human name for messages
+    title: ClassVar[str]
+    #: `base.model` value of the built-in tiny model
+    builtin: ClassVar[str]
+    #: diffusers pipeline class names (model_index.json `_class_name`) this family loads
+    pipeline_class_names: ClassVar[tuple[str, ...]]
+    #: optimum-intel's pipeline class for the OpenVINO export
+    ov_pipeline_class_name: ClassVar[str]
+    #: the denoiser's folder in the pipeline ("unet" or "transformer")
+    denoiser_name: ClassVar[str] = "unet"
+    #: text encoder folders, in the order conditioning uses them; tokenizers follow the same order
+    text_encoder_names: ClassVar[tuple[str, ...]] = ("text_encoder",)
+    tokenizer_names: ClassVar[tuple[str, ...]] = ("tokenizer",)
+    #: "ddpm" (noise or v prediction on a DDPM schedule) or "flow_matching" (rectified flow)
+    objective: ClassVar[str] = "ddpm"
+    #: training methods this family supports (train.method)
+    methods: ClassVar[tuple[str, ...]] = ("dreambooth", "textual_inversion", "lora", "full")
+    #: train.* keys that mean nothing for this family and are refused when set (key: why)
+    refused_train_options: ClassVar[dict[str, str]] = {}
+    #: peft target modules of the denoiser's and the text encoders' attention projections
+    lora_targets: ClassVar[tuple[str, ...]] = ("to_k", "to_q", "to_v", "to_out.0")
+    text_lora_targets: ClassVar[tuple[str, ...]] = ("q_proj", "k_proj", "v_proj", "out_proj")
+    #: keys of a textual-inversion embedding file per text encoder (None: one {token: rows} entry)
+    embedding_keys: ClassVar[tuple[str, ...] | None] = None
+
+    # --- recognising a folder -------------------------------------------------------------------
+    @classmethod
+    def matches(cls, index: dict[str, Any]) -> bool:
+        """True when a model_index.json belongs to this family."""
+        return index.get("_class_name") in cls.pipeline_class_names
+
+    # --- classes --------------------------------------------------------------------------------
+    @classmethod
+    def pipeline_class(cls) -> type:
+        import diffusers
+
+        return getattr(diffusers, cls.pipeline_class_names[0])
+
+    @classmethod
+    def ov_pipeline_class(cls) -> type:
+        import optimum.intel
+
+        return getattr(optimum.intel, cls.ov_pipeline_class_name)
+
+    # --- the built-in tiny model -----------------------------------------------------------------
+    @classmethod
+    def build_tiny(cls, seed: int) -> Any:
+        """The family's toy-sized pipeline, every weight drawn from `seed`."""
+        raise NotImplementedError
+
+    # --- training parts --------------------------------------------------------------------------
+    @classmethod
+    def load_components(cls, base: Path, prediction_type: str | None = None) -> Components:
+        """Every part of a base folder; text encoders and tokenizers in `text_encoder_names` order."""
+        import diffusers
+        import transformers
+
+        base = Path(base)
+        index = _index(base)
+        tokenizers, encoders = [], []
+        for tok_name, enc_name in zip(cls.tokenizer_names, cls.text_encoder_names):
+            if (index.get(enc_name) or [None])[0] is None:
+                continue  # an optional encoder left out (SD3 without T5)
+            tokenizers.append(getattr(transformers, index[tok_name][1]).from_pretrained(base, subfolder=tok_name))
+            encoders.append(getattr(transformers, index[enc_name][1]).from_pretrained(base, subfolder=enc_name))
+        vae = getattr(diffusers, index["vae"][1]).from_pretrained(base, subfolder="vae")
+        denoiser = getattr(diffusers, index[cls.denoiser_name][1]).from_pretrained(base, subfolder=cls.denoiser_name)
+        scheduler = cls.noise_scheduler(base, prediction_type)
+        log.info("loaded %s base model from %s (%s objective)", cls.title, base, cls.objective)
+        return Components(cls, tokenizers, encoders, vae, denoiser, scheduler)
+
+    @classmethod
+    def noise_scheduler(cls, base: Path, prediction_type: str | None) -> Any:
+        """The scheduler training draws timesteps and noise levels from."""
+        raise NotImplementedError
+
+    @classmethod
+    def tokenize(cls, components: Components, prompts: list[str]) -> list[Any]:
+        """Token ids per tokenizer, padded/truncated to each tokenizer's max length."""
+        return [
+            tok(prompts, padding="max_length", max_length=tok.model_max_length, truncation=True,
+                return_tensors="pt").input_ids
+            for tok in components.tokenizers
+        ]
+
+    @classmethod
+    def encode_prompt(cls, components: Components, input_ids: list[Any], text_encoders: list[Any] | None = None
+                      ) -> tuple[Any, Any]:
+        """(sequence embeddings, pooled embeddings or None). `text_encoders` may be wrapped copies."""
+        raise NotImplementedError
+
+    @classmethod
+    def predict(cls, denoiser: Any, noisy_latents: Any, timesteps: Any, hidden: Any, pooled: Any,
+                batch: dict[str, Any], resolution: int) -> Any:
+        """The denoiser's prediction, in the latents' shape."""
+        raise NotImplementedError
+
+    @classmethod
+    def lora_components(cls, trained: list[str]) -> list[str]:
+        """Pipeline components that carry LoRA layers, for `fuse_lora(components=...)`."""
+        return [cls.denoiser_name, *(n for n in trained if n.startswith("text_encoder"))]
+
+    # --- inference ------------------------------------------------------------------------------
+    @classmethod
+    def latent_shape(cls, pipe: Any, height: int, width: int) -> tuple[int, ...]:
+        """One image's starting noise as the pipeline's `latents` argument takes it (no batch axis)."""
+        channels = int(getattr(pipe, cls.denoiser_name).config["in_channels"])
+        vsf = int(pipe.vae_scale_factor)
+        return (channels, height // vsf, width // vsf)
+
+    @classmethod
+    def native_size(cls, pipe: Any) -> int:
+        """The image size (px) the denoiser's config was made for."""
+        return int(getattr(pipe, cls.denoiser_name).config["sample_size"]) * int(pipe.vae_scale_factor)
+
+    @classmethod
+    def single_file_refusal(cls, index: dict[str, Any]) -> str | None:
+        """Why a pipeline (its model_index.json) cannot be written as one original-layout file, or None."""
+        return f"{cls.title} has no original single-file layout here; set export.single_file: none"
+
+    @classmethod
+    def single_file_layout(cls, pipe: Any) -> str:
+        """The original single-file checkpoint layout of `pipe` ('sd1', 'sd2', 'sdxl')."""
+        raise NotImplementedError(cls.single_file_refusal({}))
+
+
+def _index(base: Path) -> dict[str, Any]:
+    import json
+
+    return json.loads((Path(base) / "model_index.json").read_text())

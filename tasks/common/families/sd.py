@@ -1,0 +1,84 @@
+"""Stable Diffusion 1.x / 2.x: one CLIP text encoder, a UNet, DDPM noise or v prediction.
+
+Conditioning is the text encoder's last hidden state; nothing pooled. SD 2.x (OpenCLIP ViT-H,
+cross-attention width 1024) differs only in its single-file layout and, for the 768 px models,
+v prediction, which the scheduler config carries.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from tasks.common.families.base import Components, ModelFamily
+from tasks.common.families.tiny import clip_text_config, clip_tokenizer, ddpm_kwargs, seeded, tiny_vae
+
+
+class StableDiffusion(ModelFamily):
+    name = "sd"
+    title = "Stable Diffusion 1.x/2.x"
+    builtin = "builtin:tiny-sd"
+    pipeline_class_names = ("StableDiffusionPipeline",)
+    ov_pipeline_class_name = "OVStableDiffusionPipeline"
+    embedding_keys = None
+
+    @classmethod
+    def matches(cls, index: dict[str, Any]) -> bool:
+        # Any SD 1.x/2.x pipeline variant saved under another class name (img2img, inpaint) too,
+        # as long as it has a single text encoder.
+        name = index.get("_class_name", "")
+        return name.startswith("StableDiffusion") and "XL" not in name and "3" not in name \
+            and (index.get("text_encoder_2") or [None])[0] is None
+
+    @classmethod
+    def noise_scheduler(cls, base: Path, prediction_type: str | None) -> Any:
+        return ddpm_scheduler(base, prediction_type)
+
+    @classmethod
+    def encode_prompt(cls, components: Components, input_ids: list[Any], text_encoders: list[Any] | None = None
+                      ) -> tuple[Any, Any]:
+        encoder = (text_encoders or components.text_encoders)[0]
+        device = next(encoder.parameters()).device
+        return encoder(input_ids[0].to(device), return_dict=True).last_hidden_state, None
+
+    @classmethod
+    def predict(cls, denoiser: Any, noisy_latents: Any, timesteps: Any, hidden: Any, pooled: Any,
+                batch: dict[str, Any], resolution: int) -> Any:
+        return denoiser(noisy_latents, timesteps, encoder_hidden_states=hidden, return_dict=False)[0]
+
+    @classmethod
+    def single_file_refusal(cls, index: dict[str, Any]) -> str | None:
+        return None
+
+    @classmethod
+    def single_file_layout(cls, pipe: Any) -> str:
+        return "sd2" if pipe.unet.config["cross_attention_dim"] == 1024 else "sd1"
+
+    @classmethod
+    def build_tiny(cls, seed: int) -> Any:
+        """One 2-layer CLIP text encoder, a 32/64-channel UNet with 32-wide cross-attention."""
+        from diffusers import DDIMScheduler, StableDiffusionPipeline, UNet2DConditionModel
+        from transformers import CLIPTextModel
+
+        tokenizer, vocab_size = clip_tokenizer()
+        unet = seeded(seed, lambda: UNet2DConditionModel(
+            block_out_channels=(32, 64), layers_per_block=2, sample_size=32, in_channels=4, out_channels=4,
+            down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"),
+            up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"), cross_attention_dim=32, attention_head_dim=8,
+        ))
+        vae = seeded(seed + 1, lambda: tiny_vae(64))
+        text_encoder = seeded(seed + 2, lambda: CLIPTextModel(clip_text_config(vocab_size)))
+        return StableDiffusionPipeline(
+            vae=vae, text_encoder=text_encoder, tokenizer=tokenizer, unet=unet,
+            scheduler=DDIMScheduler(**ddpm_kwargs(), clip_sample=False, set_alpha_to_one=False),
+            safety_checker=None, feature_extractor=None, requires_safety_checker=False,
+        )
+
+
+def ddpm_scheduler(base: Path, prediction_type: str | None) -> Any:
+    """DDPM with the base's betas (what the UNet families train with), optionally another target."""
+    from diffusers import DDPMScheduler
+
+    scheduler = DDPMScheduler.from_pretrained(base, subfolder="scheduler")
+    if prediction_type is not None:
+        scheduler.register_to_config(prediction_type=prediction_type)
+    return scheduler

@@ -1,0 +1,138 @@
+"""Pieces the families' built-in tiny models share: a locally learned CLIP BPE tokenizer, toy
+CLIP text encoder configs, a toy VAE, seeding.
+
+The tiny models are real diffusers/transformers classes at toy sizes, with weights drawn from a
+seed: the same seed gives the same bytes. Images they make are noise; everything around them
+(training, export, evaluation) is real. Sizes follow diffusers' own pipeline tests.
+"""
+from __future__ import annotations
+
+import json
+from collections import Counter
+from pathlib import Path
+
+# Words the tokenizer's merges are learned from: the demo's and the DreamBooth paper's prompt
+# vocabulary, so that common prompt words become single tokens as in a real CLIP vocabulary.
+_CORPUS = """
+a an the photo picture of in on with and at by sks toy dog cat robot figure backpack
+vase teapot bowl clock sneaker glasses candle boot sunglasses berry plushie monster cartoon
+jungle snow beach city street water grass table floor background wooden purple red blue green
+yellow shiny wet cube sitting top mirror bed house pink fur wearing santa hat rainbow scarf chef
+outfit police firefighter sailor angel wings witch purple high quality yellow dicoo close up view
+"""
+_NUM_MERGES = 300
+
+
+def _byte_unicode() -> dict[int, str]:
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    return bytes_to_unicode()
+
+
+def _learn_merges(words: list[str], num_merges: int) -> list[tuple[str, str]]:
+    """Plain BPE over the corpus words, CLIP-style (last symbol of a word carries '</w>')."""
+    vocab = Counter(tuple(w[:-1]) + (w[-1] + "</w>",) for w in words)
+    merges: list[tuple[str, str]] = []
+    for _ in range(num_merges):
+        pairs: Counter[tuple[str, str]] = Counter()
+        for word, freq in vocab.items():
+            for pair in zip(word, word[1:]):
+                pairs[pair] += freq
+        if not pairs:
+            break
+        # Most frequent pair; ties broken lexicographically so the result is deterministic.
+        best = min(pairs, key=lambda p: (-pairs[p], p))
+        merges.append(best)
+        merged: Counter[tuple[str, ...]] = Counter()
+        for word, freq in vocab.items():
+            out, i = [], 0
+            while i < len(word):
+                if i < len(word) - 1 and (word[i], word[i + 1]) == best:
+                    out.append(word[i] + word[i + 1])
+                    i += 2
+                else:
+                    out.append(word[i])
+                    i += 1
+            merged[tuple(out)] += freq
+        vocab = merged
+    return merges
+
+
+def write_tokenizer(out: Path) -> int:
+    """Write a CLIP BPE tokenizer (vocab.json, merges.txt) generated locally; returns vocab size."""
+    from transformers import CLIPTokenizer
+
+    out.mkdir(parents=True, exist_ok=True)
+    symbols = list(_byte_unicode().values())
+    tokens = symbols + [s + "</w>" for s in symbols]
+    merges = _learn_merges(_CORPUS.split(), _NUM_MERGES)
+    tokens += ["".join(pair) for pair in merges]
+    tokens += ["<|startoftext|>", "<|endoftext|>"]
+    vocab = {tok: i for i, tok in enumerate(dict.fromkeys(tokens))}
+    (out / "vocab.json").write_text(json.dumps(vocab, ensure_ascii=False))
+    (out / "merges.txt").write_text("#version: 0.2\n" + "".join(f"{a} {b}\n" for a, b in merges))
+    tok = CLIPTokenizer(
+        str(out / "vocab.json"), str(out / "merges.txt"), model_max_length=77, pad_token="<|endoftext|>"
+    )
+    tok.save_pretrained(out)
+    return len(vocab)
+
+
+def clip_tokenizer():
+    """(CLIPTokenizer, vocabulary size) of the locally learned vocabulary."""
+    import tempfile
+
+    from transformers import CLIPTokenizer
+
+    with tempfile.TemporaryDirectory() as tmp:
+        vocab_size = write_tokenizer(Path(tmp))
+        return CLIPTokenizer.from_pretrained(tmp), vocab_size
+
+
+def clip_text_config(vocab_size: int, projection_dim: int | None = None, hidden_size: int = 32):
+    """A 2-layer CLIP text encoder config over the tiny vocabulary."""
+    from transformers import CLIPTextConfig
+
+    extra = {"projection_dim": projection_dim} if projection_dim else {}
+    return CLIPTextConfig(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=37,
+        num_attention_heads=4,
+        num_hidden_layers=2,
+        max_position_embeddings=77,
+        hidden_act="gelu",
+        bos_token_id=vocab_size - 2,
+        eos_token_id=vocab_size - 1,
+        pad_token_id=vocab_size - 1,
+        **extra,
+    )
+
+
+def tiny_vae(sample_size: int, latent_channels: int = 4, **config):
+    """A 2-block AutoencoderKL (latents at half the image size)."""
+    from diffusers import AutoencoderKL
+
+    return AutoencoderKL(
+        block_out_channels=(32, 64),
+        in_channels=3,
+        out_channels=3,
+        down_block_types=("DownEncoderBlock2D", "DownEncoderBlock2D"),
+        up_block_types=("UpDecoderBlock2D", "UpDecoderBlock2D"),
+        latent_channels=latent_channels,
+        sample_size=sample_size,
+        **config,
+    )
+
+
+def ddpm_kwargs() -> dict:
+    """The SD 1.x/SDXL training schedule's betas."""
+    return dict(beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear", steps_offset=1)
+
+
+def seeded(seed: int, build):
+    """`build()` right after seeding torch's global RNG with `seed` (its weights follow from the seed)."""
+    import torch
+
+    torch.manual_seed(seed)
+    return build()
