@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import importlib.util
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
 from tasks.common.config import StageConfig
+from tasks.common.errors import UserError
 from tasks.common.launch import LAUNCHERS, LaunchConfig, launch_problem
 
 LR_SCHEDULERS = ("constant", "constant_with_warmup", "linear", "cosine", "cosine_with_restarts", "polynomial")
@@ -117,6 +118,18 @@ class TrainConfig(StageConfig):
     )
     snr_gamma: float | None = Field(None, gt=0.0, description="Min-SNR loss weighting (5.0 recommended); null: off")
     noise_offset: float = Field(0.0, ge=0.0, le=1.0, description="offset noise scale (0.05-0.1 typical)")
+    # --- flow matching (SD3/3.5, FLUX.1; the names of diffusers' train_dreambooth*_sd3/flux.py) --------
+    weighting_scheme: Literal["none", "sigma_sqrt", "logit_normal", "mode", "cosmap"] | None = Field(
+        None, description="timestep density and loss weighting; null: the family's (SD3 logit_normal, FLUX none)"
+    )
+    logit_mean: float = Field(0.0, description="mean of the logit_normal weighting scheme")
+    logit_std: float = Field(1.0, gt=0.0, description="std of the logit_normal weighting scheme")
+    mode_scale: float = Field(1.29, description="scale of the mode weighting scheme")
+    guidance_scale: float = Field(3.5, ge=0.0, description="FLUX guidance-distilled bases: the guidance input")
+    max_sequence_length: int | None = Field(
+        None, ge=1, le=512, description="T5 tokens per prompt; null: the family's (SD3 77, FLUX 512), at most "
+                                        "the tokenizer's"
+    )
     # --- EMA (seed 001; on the CPU as in seed 003) ----------------------------------------------
     use_ema: bool = Field(False, description="keep an exponential moving average of the trained weights; save it")
     ema_decay: float = Field(0.9999, gt=0.0, lt=1.0)
@@ -202,6 +215,23 @@ class TrainConfig(StageConfig):
             return (f"resume: {self.resume!r} is not a checkpoint folder; use latest (the newest checkpoint "
                     "of this run, if any), none, or a checkpoint-<step> folder")
         return None
+
+    def check_family(self, family: Any) -> None:
+        """Refuse, before any weights load, a method or option the base model's family does not have."""
+        problems = []
+        if self.method not in family.methods:
+            problems.append(f"train.method: {self.method} is not available for {family.title}; choose one of "
+                            f"{', '.join(family.methods)}")
+        defaults = type(self).model_fields
+        for key, why in family.refused_options().items():
+            if getattr(self, key) != defaults[key].default:
+                problems.append(f"train.{key}: {why}; remove it or set it to {defaults[key].default}")
+        if family.objective != "flow_matching":
+            flow_keys = ("weighting_scheme", "max_sequence_length")
+            problems += [f"train.{k}: a flow-matching option (SD3, FLUX); {family.title} trains with DDPM noise, "
+                         "remove it" for k in flow_keys if getattr(self, k) is not None]
+        if problems:
+            raise UserError(f"params.yaml: train does not fit the base model ({family.title}): " + "; ".join(problems))
 
     def effective_learning_rate(self, num_processes: int) -> float:
         """diffusers' --scale_lr: the LR grows with the images per optimizer step."""

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from PIL import Image
 
+from tasks.common import families
 from tasks.common.errors import UserError
 from tasks.common.fingerprint import weight_hashes
 from tasks.common.outputs import atomic_dir, atomic_file
@@ -91,6 +92,7 @@ def train(
     base = Path(base)
     if not (base / "model_index.json").is_file():
         raise UserError(f"{base} is not a diffusers pipeline folder: run the `base` stage first (dvc repro base)")
+    cfg.check_family(families.detect(base))  # a method or option the family lacks: refused before any load
     _settings(cfg)
     accelerator = make_accelerator(cfg)
     set_seed(cfg.seed)

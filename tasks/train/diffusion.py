@@ -108,6 +108,7 @@ class NoisedBatch:
     noisy_latents: torch.Tensor
     timesteps: torch.Tensor
     target: torch.Tensor
+    sigmas: torch.Tensor | None = None  # flow matching's noise levels (tasks/train/objectives.py)
 
 
 def noise_latents(noise_scheduler: Any, latents: torch.Tensor, noise_offset: float = 0.0,

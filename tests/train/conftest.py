@@ -74,3 +74,23 @@ def one_image(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def class_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_imagefolder(tmp_path_factory.mktemp("class") / "class_images", 4, "a photo of a toy", 2)
+
+
+@pytest.fixture(scope="session")
+def tiny_sd3(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from tasks.common.families import build_tiny_pipeline
+
+    return build_tiny_pipeline("builtin:tiny-sd3", 0, tmp_path_factory.mktemp("base") / "tiny-sd3")
+
+
+@pytest.fixture(scope="session")
+def tiny_flux(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from tasks.common.families import build_tiny_pipeline
+
+    return build_tiny_pipeline("builtin:tiny-flux", 0, tmp_path_factory.mktemp("base") / "tiny-flux")
+
+
+@pytest.fixture(params=["sd3", "flux"])
+def flow_base(request: pytest.FixtureRequest) -> Path:
+    """Each flow-matching transformer family in turn."""
+    return request.getfixturevalue(f"tiny_{request.param}")

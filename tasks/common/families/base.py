@@ -43,6 +43,10 @@ class Components:
     def text_encoder_names(self) -> list[str]:
         return list(self.family.text_encoder_names[: len(self.text_encoders)])
 
+    def trainable_text_encoder_names(self) -> list[str]:
+        allowed = self.family.trainable_text_encoders
+        return [n for n in self.text_encoder_names() if allowed is None or n in allowed]
+
 
 class ModelFamily:
     """One model family. Subclasses set the class attributes and override what differs."""
@@ -66,11 +70,11 @@ class ModelFamily:
     objective: ClassVar[str] = "ddpm"
     #: training methods this family supports (train.method)
     methods: ClassVar[tuple[str, ...]] = ("dreambooth", "textual_inversion", "lora", "full")
-    #: train.* keys that mean nothing for this family and are refused when set (key: why)
-    refused_train_options: ClassVar[dict[str, str]] = {}
     #: peft target modules of the denoiser's and the text encoders' attention projections
     lora_targets: ClassVar[tuple[str, ...]] = ("to_k", "to_q", "to_v", "to_out.0")
     text_lora_targets: ClassVar[tuple[str, ...]] = ("q_proj", "k_proj", "v_proj", "out_proj")
+    #: text encoders that train with train.text_encoder (T5 never does, as in diffusers' scripts)
+    trainable_text_encoders: ClassVar[tuple[str, ...] | None] = None
     #: keys of a textual-inversion embedding file per text encoder (None: one {token: rows} entry)
     embedding_keys: ClassVar[tuple[str, ...] | None] = None
 
@@ -121,13 +125,19 @@ class ModelFamily:
         return Components(cls, tokenizers, encoders, vae, denoiser, scheduler)
 
     @classmethod
+    def refused_options(cls) -> dict[str, str]:
+        """train.* keys this family refuses when they are set away from their default (key: why)."""
+        return {}
+
+    @classmethod
     def noise_scheduler(cls, base: Path, prediction_type: str | None) -> Any:
         """The scheduler training draws timesteps and noise levels from."""
         raise NotImplementedError
 
     @classmethod
-    def tokenize(cls, components: Components, prompts: list[str]) -> list[Any]:
-        """Token ids per tokenizer, padded/truncated to each tokenizer's max length."""
+    def tokenize(cls, components: Components, prompts: list[str], max_sequence_length: int | None = None
+                 ) -> list[Any]:
+        """Token ids per tokenizer, padded/truncated to each tokenizer's max length (CLIP: 77)."""
         return [
             tok(prompts, padding="max_length", max_length=tok.model_max_length, truncation=True,
                 return_tensors="pt").input_ids
@@ -142,8 +152,9 @@ class ModelFamily:
 
     @classmethod
     def predict(cls, denoiser: Any, noisy_latents: Any, timesteps: Any, hidden: Any, pooled: Any,
-                batch: dict[str, Any], resolution: int) -> Any:
-        """The denoiser's prediction, in the latents' shape."""
+                batch: dict[str, Any], settings: Any) -> Any:
+        """The denoiser's prediction, in the latents' shape. `settings`: the train config (resolution,
+        guidance_scale)."""
         raise NotImplementedError
 
     @classmethod

@@ -42,7 +42,7 @@ class StableDiffusion(ModelFamily):
 
     @classmethod
     def predict(cls, denoiser: Any, noisy_latents: Any, timesteps: Any, hidden: Any, pooled: Any,
-                batch: dict[str, Any], resolution: int) -> Any:
+                batch: dict[str, Any], settings: Any) -> Any:
         return denoiser(noisy_latents, timesteps, encoder_hidden_states=hidden, return_dict=False)[0]
 
     @classmethod

@@ -52,10 +52,10 @@ class StableDiffusionXL(ModelFamily):
 
     @classmethod
     def predict(cls, denoiser: Any, noisy_latents: Any, timesteps: Any, hidden: Any, pooled: Any,
-                batch: dict[str, Any], resolution: int) -> Any:
+                batch: dict[str, Any], settings: Any) -> Any:
         if pooled is None:
             raise RuntimeError("SDXL conditioning needs the pooled embeds of text_encoder_2")
-        time_ids = add_time_ids(batch["original_sizes"], batch["crops_top_left"], resolution)
+        time_ids = add_time_ids(batch["original_sizes"], batch["crops_top_left"], settings.resolution)
         added = {"text_embeds": pooled, "time_ids": time_ids.to(hidden.device, hidden.dtype)}
         return denoiser(noisy_latents, timesteps, encoder_hidden_states=hidden, added_cond_kwargs=added,
                         return_dict=False)[0]

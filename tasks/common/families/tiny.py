@@ -136,3 +136,44 @@ def seeded(seed: int, build):
 
     torch.manual_seed(seed)
     return build()
+
+
+def t5_tokenizer(max_length: int = 32):
+    """A SentencePiece-style Unigram tokenizer over the same corpus, built locally with the
+    `tokenizers` library, as T5TokenizerFast: `<pad>` 0, `</s>` 1, `<unk>` 2, as T5's own
+    vocabulary numbers them; saved with save_pretrained it is the standard tokenizer.json that
+    `T5TokenizerFast.from_pretrained` reads. `max_length` is its model_max_length.
+
+    The pieces are the corpus's words (with SentencePiece's leading "▁") and its characters, each
+    scored by its log frequency (characters far below words, so a known word stays one piece). Counted
+    here rather than by tokenizers' UnigramTrainer, whose scores vary in their last digits between runs.
+    """
+    import math
+
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
+    from transformers import T5TokenizerFast
+
+    words = Counter(_CORPUS.split())
+    chars = Counter(c for word, n in words.items() for c in word * n)
+    total = sum(words.values()) + sum(chars.values())
+    pieces = [("▁" + w, math.log(n / total)) for w, n in sorted(words.items())]
+    pieces += [("▁", math.log(len(words) / total) - 10)]
+    pieces += [(c, math.log(n / total) - 10) for c, n in sorted(chars.items())]
+    tok = Tokenizer(models.Unigram([("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), *pieces], unk_id=2))
+    tok.normalizer = normalizers.NFKC()
+    tok.pre_tokenizer = pre_tokenizers.Metaspace()
+    tok.decoder = decoders.Metaspace()
+    tok.post_processor = processors.TemplateProcessing(single="$A </s>", pair="$A </s> $B </s>",
+                                                       special_tokens=[("</s>", 1)])
+    return T5TokenizerFast(tokenizer_object=tok, eos_token="</s>", unk_token="<unk>", pad_token="<pad>",
+                           extra_ids=0, model_max_length=max_length)
+
+
+def t5_config(vocab_size: int, d_model: int = 32):
+    """A 2-layer T5 encoder config over the tiny vocabulary."""
+    from transformers import T5Config
+
+    return T5Config(vocab_size=vocab_size, d_model=d_model, d_kv=8, d_ff=37, num_layers=2, num_heads=4,
+                    relative_attention_num_buckets=8, dropout_rate=0.0, feed_forward_proj="gated-gelu",
+                    is_encoder_decoder=False, use_cache=False, pad_token_id=0, eos_token_id=1,
+                    decoder_start_token_id=0)

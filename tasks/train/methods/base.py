@@ -16,8 +16,8 @@ import torch
 from tasks.common.errors import UserError
 from tasks.train.config import TrainConfig
 from tasks.train.data import CaptionPolicy, Record, TrainDataset, collate, read_imagefolder
-from tasks.train.diffusion import (LatentCache, PromptCache, RowRandom, encode_latents, noise_latents,
-                                   per_example_loss)
+from tasks.train.diffusion import LatentCache, PromptCache, RowRandom, encode_latents
+from tasks.train.objectives import make_objective
 from tasks.train.models import Components, pipeline_from_modules
 
 log = logging.getLogger(__name__)
@@ -58,11 +58,13 @@ class TrainingMethod:
 
     def bind(self, components: Components) -> None:
         self._components = components
+        self.objective = make_objective(components.family, components.noise_scheduler, self.cfg)
 
     # --- what is trained -------------------------------------------------------------------
     def trainable(self) -> list[str]:
         """Names of the modules with trainable weights (the denoiser, plus the text encoders on request)."""
-        return [self.components.family.denoiser_name, *(self.components.text_encoder_names() if self.cfg.train_text_encoder else [])]
+        c = self.components
+        return [c.family.denoiser_name, *(c.trainable_text_encoder_names() if self.cfg.train_text_encoder else [])]
 
     def configure(self) -> None:
         """Freeze everything, then unfreeze and switch to train mode what `trainable()` names."""
@@ -75,9 +77,8 @@ class TrainingMethod:
     def _checkpointing(self) -> None:
         if self.cfg.gradient_checkpointing:
             self.components.denoiser.enable_gradient_checkpointing()
-            if self.cfg.train_text_encoder:
-                for encoder in self.components.text_encoders:
-                    encoder.gradient_checkpointing_enable()
+            for name in self.components.trainable_text_encoder_names() if self.cfg.train_text_encoder else []:
+                self.components.modules[name].gradient_checkpointing_enable()
 
     def place(self, device: torch.device, dtype: torch.dtype) -> None:
         """Frozen modules in the low precision (they only run forward), trained ones in float32."""
@@ -138,7 +139,8 @@ class TrainingMethod:
 
     def collate(self, examples: list[dict[str, Any]]) -> dict[str, Any]:
         batch = collate(examples)
-        batch["input_ids"] = self.components.family.tokenize(self.components, batch["prompts"])
+        batch["input_ids"] = self.components.family.tokenize(self.components, batch["prompts"],
+                                                             self.cfg.max_sequence_length)
         return batch
 
     def validation_prompts(self) -> list[str]:
@@ -170,7 +172,7 @@ class TrainingMethod:
                 latents = self.latent_cache.latents(modules["vae"], batch["pixels"], batch["latent_keys"], rand)
             else:
                 latents = encode_latents(modules["vae"], batch["pixels"], rand)
-        noised = noise_latents(c.noise_scheduler, latents, cfg.noise_offset, rand)
+        noised = self.objective.noise(latents, rand)
         family = c.family
         encoders = [modules[n] for n in c.text_encoder_names()]
         if self.prompt_cache is not None:
@@ -183,9 +185,8 @@ class TrainingMethod:
         sample = noised.noisy_latents
         if cfg.channels_last:
             sample = sample.contiguous(memory_format=torch.channels_last)
-        pred = family.predict(modules[family.denoiser_name], sample, noised.timesteps, hidden, pooled, batch,
-                              cfg.resolution)
-        losses = per_example_loss(pred, noised.target, noised.timesteps, c.noise_scheduler, cfg.snr_gamma)
+        pred = family.predict(modules[family.denoiser_name], sample, noised.timesteps, hidden, pooled, batch, cfg)
+        losses = self.objective.loss(pred, noised)
         n = batch["num_instances"]
         if n == losses.shape[0]:
             loss = losses.mean()

@@ -40,9 +40,9 @@ class LoRA(TrainingMethod):
         c.denoiser.add_adapter(self._config(c.family.lora_targets))
         c.denoiser.train()
         if self.cfg.train_text_encoder:
-            for encoder in c.text_encoders:
-                encoder.add_adapter(self._config(c.family.text_lora_targets))
-                encoder.train()
+            for name in c.trainable_text_encoder_names():
+                c.modules[name].add_adapter(self._config(c.family.text_lora_targets))
+                c.modules[name].train()
         self._checkpointing()
 
     def place(self, device: torch.device, dtype: torch.dtype) -> None:

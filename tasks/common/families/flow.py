@@ -1,0 +1,61 @@
+"""What the flow-matching transformer families (SD3/SD3.5, FLUX.1) share.
+
+Rectified flow: x_t = (1 - sigma) x_0 + sigma noise, the transformer predicts the velocity
+noise - x_0; sigmas come from the base's FlowMatchEulerDiscreteScheduler (with its shift), drawn
+with diffusers' `compute_density_for_timestep_sampling` (train.weighting_scheme). No DDPM options
+(prediction_type, snr_gamma, noise_offset) and no textual inversion: diffusers' SD3 and FLUX
+scripts have none, and their T5 encoder would need its own embedding file format.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, ClassVar
+
+from tasks.common.families.base import ModelFamily
+
+_NOT_FLOW = "is a DDPM option; {title} trains with flow matching (train.weighting_scheme and its logit_* / mode_scale)"
+
+
+class FlowMatchingFamily(ModelFamily):
+    denoiser_name = "transformer"
+    objective = "flow_matching"
+    methods = ("dreambooth", "lora", "full")
+    lora_targets = ("to_k", "to_q", "to_v", "to_out.0")
+    #: train.weighting_scheme when it is null (what diffusers' script for the family defaults to)
+    default_weighting_scheme: ClassVar[str] = "none"
+    #: T5 tokens per prompt when train.max_sequence_length is null
+    default_max_sequence_length: ClassVar[int] = 77
+    #: the T5 tokenizer's folder
+    t5_tokenizer_name: ClassVar[str]
+
+    @classmethod
+    def refused_options(cls) -> dict[str, str]:
+        why = _NOT_FLOW.format(title=cls.title)
+        return {"prediction_type": why, "snr_gamma": why, "noise_offset": why}
+
+    @classmethod
+    def noise_scheduler(cls, base: Path, prediction_type: str | None) -> Any:
+        from diffusers import FlowMatchEulerDiscreteScheduler
+
+        return FlowMatchEulerDiscreteScheduler.from_pretrained(base, subfolder="scheduler")
+
+    @classmethod
+    def tokenize(cls, components: Any, prompts: list[str], max_sequence_length: int | None = None) -> list[Any]:
+        """CLIP tokenizers to 77, the T5 one to `max_sequence_length` (capped by its model_max_length)."""
+        out = []
+        for name, tok in zip(cls.tokenizer_names, components.tokenizers):
+            length = tok.model_max_length
+            if name == cls.t5_tokenizer_name:
+                length = min(max_sequence_length or cls.default_max_sequence_length, tok.model_max_length)
+            out.append(tok(prompts, padding="max_length", max_length=length, truncation=True,
+                           return_tensors="pt").input_ids)
+        return out
+
+
+def flow_scheduler(shift: float = 3.0, dynamic: bool = False) -> Any:
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    if dynamic:
+        return FlowMatchEulerDiscreteScheduler(shift=shift, use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15,
+                                               base_image_seq_len=256, max_image_seq_len=4096)
+    return FlowMatchEulerDiscreteScheduler(shift=shift)

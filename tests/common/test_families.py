@@ -1,0 +1,80 @@
+"""The family seam: every built-in model is deterministic, saved folders are recognised by their
+family, unknown pipelines are refused naming what is supported, and the locally learned T5
+tokenizer is read back by transformers' own T5TokenizerFast."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tasks.common import families
+from tasks.common.errors import UserError
+
+
+@pytest.mark.parametrize("kind", ["builtin:tiny-sd3", "builtin:tiny-flux"])
+def test_builtins_are_seeded_and_recognised(tmp_path, kind) -> None:
+    family = families.BUILTINS[kind]
+    a = families.build_tiny_pipeline(kind, 0, tmp_path / "a")
+    b = families.build_tiny_pipeline(kind, 0, tmp_path / "b")
+    c = families.build_tiny_pipeline(kind, 1, tmp_path / "c")
+    files = sorted(p.relative_to(a) for p in a.rglob("*") if p.is_file())
+    assert files == sorted(p.relative_to(b) for p in b.rglob("*") if p.is_file())
+    assert all((a / f).read_bytes() == (b / f).read_bytes() for f in files), "same seed, same bytes"
+    weights = f"{family.denoiser_name}/diffusion_pytorch_model.safetensors"
+    assert (a / weights).read_bytes() != (c / weights).read_bytes(), "another seed, other weights"
+    assert families.detect(a) is family
+    pipe = family.pipeline_class().from_pretrained(a)
+    assert pipe.vae.config.latent_channels == 16 and families.of_pipeline(pipe) is family
+
+
+def test_the_t5_tokenizer_loads_with_transformers(tmp_path) -> None:
+    from transformers import T5TokenizerFast
+
+    families.build_tiny_pipeline("builtin:tiny-flux", 0, tmp_path)
+    tok = T5TokenizerFast.from_pretrained(tmp_path / "tokenizer_2")
+    ids = tok("a photo of sks toy", padding="max_length", max_length=16).input_ids
+    assert len(ids) == 16 and ids.count(tok.eos_token_id) == 1 and ids[-1] == tok.pad_token_id == 0
+    assert tok.decode(ids, skip_special_tokens=True) == "a photo of sks toy"
+
+
+def test_every_family_says_what_the_stages_ask() -> None:
+    for family in families.FAMILIES:
+        assert family.builtin in families.BUILTINS and families.by_name(family.name) is family
+        assert family.pipeline_class().__name__ in family.pipeline_class_names
+        assert family.ov_pipeline_class().__name__ == family.ov_pipeline_class_name
+        assert family.objective in ("ddpm", "flow_matching")
+        assert len(family.text_encoder_names) == len(family.tokenizer_names)
+        assert family.matches({"_class_name": family.pipeline_class_names[0]})
+    matched = [f for f in families.FAMILIES for g in families.FAMILIES if f.matches(
+        {"_class_name": g.pipeline_class_names[0]}) and f is not g]
+    assert not matched, "each pipeline class belongs to one family"
+
+
+def test_an_unknown_pipeline_is_refused_naming_the_supported_ones() -> None:
+    with pytest.raises(UserError, match="KandinskyPipeline.*not supported.*FLUX.1"):
+        families.from_index({"_class_name": "KandinskyPipeline"}, "base.model")
+
+
+def test_sd3_conditioning_has_the_pipelines_layout(tmp_path) -> None:
+    """Training's prompt encoding equals StableDiffusion3Pipeline.encode_prompt's (CLIP-L|CLIP-G padded, then T5)."""
+    path = families.build_tiny_pipeline("builtin:tiny-sd3", 0, tmp_path)
+    family = families.detect(path)
+    components = family.load_components(path)
+    ids = family.tokenize(components, ["a photo of sks toy"], max_sequence_length=16)
+    with torch.no_grad():
+        hidden, pooled = family.encode_prompt(components, ids)
+        pipe = family.pipeline_class().from_pretrained(path)
+        ref, _, ref_pooled, _ = pipe.encode_prompt("a photo of sks toy", "a photo of sks toy", "a photo of sks toy",
+                                                    do_classifier_free_guidance=False, max_sequence_length=16)
+    assert torch.allclose(hidden, ref, atol=1e-5) and torch.allclose(pooled, ref_pooled, atol=1e-5)
+
+
+def test_flux_conditioning_has_the_pipelines_layout(tmp_path) -> None:
+    path = families.build_tiny_pipeline("builtin:tiny-flux", 0, tmp_path)
+    family = families.detect(path)
+    components = family.load_components(path)
+    ids = family.tokenize(components, ["a photo of sks toy"], max_sequence_length=16)
+    with torch.no_grad():
+        hidden, pooled = family.encode_prompt(components, ids)
+        pipe = family.pipeline_class().from_pretrained(path)
+        ref, ref_pooled, _ = pipe.encode_prompt("a photo of sks toy", "a photo of sks toy", max_sequence_length=16)
+    assert torch.allclose(hidden, ref, atol=1e-5) and torch.allclose(pooled, ref_pooled, atol=1e-5)

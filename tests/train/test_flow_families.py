@@ -1,0 +1,112 @@
+"""SD3 and FLUX (flow-matching transformers) through the train stage: each method overfits a fixed
+batch and its output loads with the family's own diffusers class; exact resume holds; what the
+family lacks is refused before any weights load, naming the key."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tasks.common.errors import UserError
+from tasks.common.families import detect
+from tasks.train.config import TrainConfig
+from tasks.train.core import train
+from tests.train.test_methods import cfg, overfit, tensors_equal
+
+TRANSFORMER = "transformer/diffusion_pytorch_model.safetensors"
+
+
+def generates(pipe) -> None:
+    image = pipe("a photo of sks toy", num_inference_steps=2, height=32, width=32, output_type="np",
+                 max_sequence_length=16).images[0]
+    assert image.shape == (32, 32, 3) and torch.isfinite(torch.from_numpy(image)).all()
+
+
+def test_dreambooth_with_prior_preservation(tmp_path, flow_base, one_image, class_dir) -> None:
+    from diffusers import DiffusionPipeline
+
+    out = tmp_path / "out"
+    config = cfg(tmp_path, learning_rate=1e-3, with_prior_preservation=True, max_train_steps=4,
+                 max_sequence_length=16)
+    outcome = train(config, flow_base, one_image, class_dir, out)
+    assert all("prior_loss" in h.extra for h in outcome.history)
+    single = overfit(cfg(tmp_path / "single", learning_rate=1e-2, max_train_steps=40, max_sequence_length=16),
+                     flow_base, one_image, tmp_path / "single-out")
+    assert single[-1] < 0.3 * single[0], single
+    pipe = DiffusionPipeline.from_pretrained(out)
+    assert type(pipe) is detect(flow_base).pipeline_class()
+    assert not tensors_equal(out / TRANSFORMER, flow_base / TRANSFORMER), "the transformer trained"
+    assert tensors_equal(out / "text_encoder/model.safetensors", flow_base / "text_encoder/model.safetensors")
+    generates(pipe)
+
+
+def test_lora_loads_with_the_family_pipeline(tmp_path, flow_base, one_image) -> None:
+    family = detect(flow_base)
+    out = tmp_path / "out"
+    losses = overfit(cfg(tmp_path, method="lora", learning_rate=1e-2, rank=8, train_text_encoder=True,
+                         max_sequence_length=16), flow_base, one_image, out)
+    assert losses[-1] < 0.95 * losses[0], losses
+    weights = load_file(out / "pytorch_lora_weights.safetensors")
+    # T5 never gets adapters (as in diffusers' scripts); the CLIP encoders do with train_text_encoder.
+    assert {k.split(".")[0] for k in weights} == {"transformer", *family.trainable_text_encoders}
+    pipe = family.pipeline_class().from_pretrained(flow_base)
+    before = {k: v.clone() for k, v in pipe.transformer.state_dict().items() if "to_q" in k}
+    pipe.load_lora_weights(out)
+    pipe.fuse_lora()
+    pipe.unload_lora_weights()
+    assert any(not torch.equal(before[k], pipe.transformer.state_dict()[k]) for k in before)
+    fused = family.pipeline_class().from_pretrained(out)  # fuse_lora: the full pipeline beside the adapters
+    generates(fused)
+
+
+def test_full_fine_tune_with_a_weighting_scheme(tmp_path, flow_base, one_image) -> None:
+    out = tmp_path / "out"
+    config = cfg(tmp_path, method="full", learning_rate=1e-2, weighting_scheme="cosmap", use_ema=True,
+                 ema_decay=0.5, max_sequence_length=16)
+    losses = overfit(config, flow_base, one_image, out)
+    assert losses[-1] < 0.8 * losses[0], losses
+    assert not tensors_equal(out / TRANSFORMER, flow_base / TRANSFORMER)
+
+
+def test_four_steps_equal_two_plus_resume_plus_two(tmp_path, tiny_flux, instance_dir, class_dir) -> None:
+    kw = dict(max_train_steps=4, train_batch_size=1, resolution=32, num_validation_images=0, learning_rate=1e-3,
+              weighting_scheme="logit_normal", checkpointing_steps=2, max_sequence_length=16)
+    straight = train(TrainConfig(**kw, checkpoints_dir=tmp_path / "a", resume="none"), tiny_flux, instance_dir,
+                     class_dir, tmp_path / "straight")
+
+    class Stop(Exception):
+        pass
+
+    def stop_after_two(entry) -> None:
+        if entry.step == 2:
+            raise Stop
+
+    config = TrainConfig(**kw, checkpoints_dir=tmp_path / "b")
+    with pytest.raises(Stop):
+        train(config, tiny_flux, instance_dir, class_dir, tmp_path / "resumed", callbacks=[stop_after_two])
+    resumed = train(config, tiny_flux, instance_dir, class_dir, tmp_path / "resumed")
+    assert resumed.resumed_from == 2
+    assert [h[1] for h in resumed.losses] == pytest.approx([h[1] for h in straight.losses], rel=1e-6)
+    a, b = load_file(tmp_path / "straight" / TRANSFORMER), load_file(tmp_path / "resumed" / TRANSFORMER)
+    assert all(torch.allclose(a[k], b[k], atol=1e-6) for k in a)
+
+
+@pytest.mark.parametrize("base_name, setting, key", [
+    ("tiny_flux", dict(method="textual_inversion", placeholder_token="<t>", initializer_token="toy",
+                       with_prior_preservation=False), "train.method"),
+    ("tiny_sd3", dict(snr_gamma=5.0), "train.snr_gamma"),
+    ("tiny_flux", dict(prediction_type="v_prediction"), "train.prediction_type"),
+    ("tiny_sd", dict(weighting_scheme="logit_normal"), "train.weighting_scheme"),
+])
+def test_what_a_family_lacks_is_refused_before_loading(request, monkeypatch, tmp_path, instance_dir, base_name,
+                                                        setting, key) -> None:
+    import tasks.train.core as core
+
+    base: Path = request.getfixturevalue(base_name)
+    monkeypatch.setattr(core, "load_components", lambda *a, **k: pytest.fail("weights loaded before the check"))
+    with pytest.raises(UserError, match=key.replace(".", r"\.")) as err:
+        train(cfg(tmp_path, **setting), base, instance_dir, None, tmp_path / "out")
+    assert detect(base).title in str(err.value)
+    assert not (tmp_path / "out").exists()
