@@ -25,6 +25,8 @@ def tree_hashes(root: Path) -> dict[str, str]:
 @pytest.mark.parametrize("kind,fam,cls", [
     ("builtin:tiny-sd", "sd", "StableDiffusionPipeline"),
     ("builtin:tiny-sdxl", "sdxl", "StableDiffusionXLPipeline"),
+    ("builtin:tiny-sd3", "sd3", "StableDiffusion3Pipeline"),
+    ("builtin:tiny-flux", "flux", "FluxPipeline"),
 ])
 def test_builtin_is_deterministic_and_loads(tmp_path: Path, kind: str, fam: str, cls: str) -> None:
     from diffusers import DiffusionPipeline
@@ -60,7 +62,7 @@ def test_classify() -> None:
     assert classify("builtin:tiny-sd") == "builtin"
     assert classify("stable-diffusion-v1-5/stable-diffusion-v1-5") == "hub"
     with pytest.raises(UserError, match="unknown built-in"):
-        classify("builtin:tiny-sd3")
+        classify("builtin:tiny-sd4")
     with pytest.raises(UserError, match="neither"):
         classify("not a model id")
 

@@ -1,5 +1,4 @@
-"""The family seam: every built-in model is deterministic, saved folders are recognised by their
-family, unknown pipelines are refused naming what is supported, and the locally learned T5
+"""The family seam: saved folders are recognised by their family, unknown pipelines are refused naming what is supported, and the locally learned T5
 tokenizer is read back by transformers' own T5TokenizerFast."""
 from __future__ import annotations
 
@@ -11,16 +10,10 @@ from tasks.common.errors import UserError
 
 
 @pytest.mark.parametrize("kind", ["builtin:tiny-sd3", "builtin:tiny-flux"])
-def test_builtins_are_seeded_and_recognised(tmp_path, kind) -> None:
+def test_builtins_are_recognised(tmp_path, kind) -> None:
+    """(Same seed, same bytes: tests/base/test_base.py, for every built-in.)"""
     family = families.BUILTINS[kind]
     a = families.build_tiny_pipeline(kind, 0, tmp_path / "a")
-    b = families.build_tiny_pipeline(kind, 0, tmp_path / "b")
-    c = families.build_tiny_pipeline(kind, 1, tmp_path / "c")
-    files = sorted(p.relative_to(a) for p in a.rglob("*") if p.is_file())
-    assert files == sorted(p.relative_to(b) for p in b.rglob("*") if p.is_file())
-    assert all((a / f).read_bytes() == (b / f).read_bytes() for f in files), "same seed, same bytes"
-    weights = f"{family.denoiser_name}/diffusion_pytorch_model.safetensors"
-    assert (a / weights).read_bytes() != (c / weights).read_bytes(), "another seed, other weights"
     assert families.detect(a) is family
     pipe = family.pipeline_class().from_pretrained(a)
     assert pipe.vae.config.latent_channels == 16 and families.of_pipeline(pipe) is family
