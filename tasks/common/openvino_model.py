@@ -84,7 +84,8 @@ class StaticShape:
 
 
 def is_openvino_folder(path: Path) -> bool:
-    return (Path(path) / "unet" / "openvino_model.xml").is_file()
+    """True when the denoiser (UNet or transformer) of `path` is an OpenVINO model."""
+    return any((Path(path) / name / "openvino_model.xml").is_file() for name in ("unet", "transformer"))
 
 
 def load_ov_pipeline(
@@ -103,7 +104,7 @@ def load_ov_pipeline(
     path = Path(path)
     if not is_openvino_folder(path):
         raise UserError(
-            f"{path} is not an exported OpenVINO pipeline (no unet/openvino_model.xml). Run the "
+            f"{path} is not an exported OpenVINO pipeline (no unet/ or transformer/openvino_model.xml). Run the "
             "export stage first (dvc repro export)"
         )
     cls = families.detect(path).ov_pipeline_class()
@@ -124,18 +125,21 @@ def _dim(port: Any, axis: int) -> int:
 
 
 def static_shape(pipe: Any) -> StaticShape | None:
-    """The call shape a static pipeline accepts; None when the UNet or VAE is dynamic.
+    """The call shape a static pipeline accepts; None when the denoiser or VAE is dynamic.
 
-    The UNet's batch is 2 x prompts x images per prompt (classifier-free guidance), and only that
-    product is fixed (the export leaves the text encoders' batch free), so the shape is returned
-    as `images_per_call` prompts with one image each; any split with the same product works too.
-    Height and width come from the VAE decoder (latent size x vae_scale_factor).
+    The denoiser's batch is prompts x images per prompt, doubled where the family runs
+    classifier-free guidance in one batch (all but FLUX's guidance-distilled transformer), and only
+    that product is fixed (the export leaves the text encoders' batch free), so the shape is
+    returned as `images_per_call` prompts with one image each; any split with the same product
+    works too. Height and width come from the VAE decoder (latent size x vae_scale_factor).
     """
-    unet_batch = _dim(pipe.unet.model.inputs[0], 0)
+    family = families.of_pipeline(pipe)
+    batch = _dim(getattr(pipe, family.denoiser_name).model.inputs[0], 0)
     height, width = pipe.height, pipe.width
-    if -1 in (unet_batch, height, width) or unet_batch % 2:
+    per_image = 2 if family.guidance_in_batch else 1
+    if -1 in (batch, height, width) or batch % per_image:
         return None
-    return StaticShape(unet_batch // 2, height, width, 1)
+    return StaticShape(batch // per_image, height, width, 1)
 
 
 def folder_size_mb(path: Path) -> float:

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from tasks.common.errors import UserError
+from tasks.common.lora import fuse_lora_file
 
 log = logging.getLogger(__name__)
 
@@ -117,13 +118,9 @@ def materialize(src: Path, base: Path | None, work: Path, token: str | None = No
     pipe = DiffusionPipeline.from_pretrained(base, torch_dtype=torch.float32)
     info["base"] = str(base)
     if kind.lora is not None:
-        pipe.load_lora_weights(kind.lora.parent, weight_name=kind.lora.name)
-        # Fuse into every component the file has layers for (UNet, text encoders), then drop the
-        # adapter modules so the saved weights are plain tensors with the LoRA inside.
-        components = [n for n in ("unet", "text_encoder", "text_encoder_2")
-                      if getattr(pipe, n, None) is not None]
-        pipe.fuse_lora(components=components)
-        pipe.unload_lora_weights()
+        # Fused into every component the file can have layers for (denoiser, text encoders), the
+        # adapter modules dropped: the saved weights are plain tensors with the LoRA inside.
+        fuse_lora_file(pipe, kind.lora)
         info["lora"] = str(kind.lora)
     if kind.embeds is not None:
         info["tokens"] = _load_embeds(pipe, kind.embeds, token)

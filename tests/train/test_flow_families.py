@@ -57,6 +57,10 @@ def test_lora_loads_with_the_family_pipeline(tmp_path, flow_base, one_image) -> 
     pipe.fuse_lora()
     pipe.unload_lora_weights()
     assert any(not torch.equal(before[k], pipe.transformer.state_dict()[k]) for k in before)
+    for name in family.trainable_text_encoders:  # fused, under the keys transformers loads
+        fused_weights, base_weights = load_file(out / name / "model.safetensors"), load_file(flow_base / name / "model.safetensors")
+        assert fused_weights.keys() == base_weights.keys(), name
+        assert not tensors_equal(out / name / "model.safetensors", flow_base / name / "model.safetensors"), name
     fused = family.pipeline_class().from_pretrained(out)  # fuse_lora: the full pipeline beside the adapters
     generates(fused)
 

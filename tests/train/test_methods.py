@@ -101,6 +101,9 @@ def test_lora(tmp_path, tiny_base, one_image) -> None:
     if sdxl:
         fused = DiffusionPipeline.from_pretrained(out)
         assert not tensors_equal(out / UNET, tiny_base / UNET)
+        for name in (TEXT, "text_encoder_2/model.safetensors"):  # fused, under the keys transformers loads
+            assert load_file(out / name).keys() == load_file(tiny_base / name).keys(), name
+            assert not tensors_equal(out / name, tiny_base / name), name
         assert torch.allclose(fused.unet.state_dict()[next(iter(after))], after[next(iter(after))], atol=1e-5)
 
 

@@ -23,6 +23,7 @@ class Flux(FlowMatchingFamily):
     tokenizer_names = ("tokenizer", "tokenizer_2")
     t5_tokenizer_name = "tokenizer_2"
     trainable_text_encoders = ("text_encoder",)
+    guidance_in_batch = False  # guidance is an input of the distilled transformer
     default_weighting_scheme = "none"  # train_dreambooth_lora_flux.py's default
     default_max_sequence_length = 512
 
@@ -74,7 +75,7 @@ class Flux(FlowMatchingFamily):
         from transformers import CLIPTextModel, T5EncoderModel
 
         tokenizer, vocab_size = clip_tokenizer()
-        tokenizer_2 = t5_tokenizer()
+        tokenizer_2 = t5_tokenizer(max_length=512)  # FluxPipeline's max_sequence_length
         transformer = seeded(seed, lambda: FluxTransformer2DModel(
             patch_size=1, in_channels=64, num_layers=1, num_single_layers=1, attention_head_dim=16,
             num_attention_heads=2, joint_attention_dim=32, pooled_projection_dim=32, guidance_embeds=True,

@@ -66,7 +66,7 @@ class StableDiffusion3(FlowMatchingFamily):
 
         tokenizer, vocab_size = clip_tokenizer()
         tokenizer_2, _ = clip_tokenizer()
-        tokenizer_3 = t5_tokenizer()
+        tokenizer_3 = t5_tokenizer(max_length=256)  # StableDiffusion3Pipeline's max_sequence_length
         transformer = seeded(seed, lambda: SD3Transformer2DModel(
             sample_size=32, patch_size=1, in_channels=16, out_channels=16, num_layers=2, attention_head_dim=8,
             num_attention_heads=4, joint_attention_dim=64, caption_projection_dim=32, pooled_projection_dim=64,

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from tasks.common.lora import fuse_lora_file
 from tasks.train.methods.base import TrainingMethod
 
 log = logging.getLogger(__name__)
@@ -72,9 +73,7 @@ class LoRA(TrainingMethod):
                  out_dir / WEIGHT_NAME)
         if self.cfg.fuse_lora:
             pipe = DiffusionPipeline.from_pretrained(base)
-            pipe.load_lora_weights(out_dir, weight_name=WEIGHT_NAME)
-            pipe.fuse_lora(components=self.components.family.lora_components(list(trained)))
-            pipe.unload_lora_weights()
+            fuse_lora_file(pipe, out_dir / WEIGHT_NAME, self.components.family.lora_components(list(trained)))
             pipe.save_pretrained(out_dir, safe_serialization=True)
             log.info("saved the base pipeline with the LoRA fused in to %s", out_dir)
 
