@@ -87,6 +87,7 @@ class PromptCache:
     def __init__(self) -> None:
         self.store: dict[str, tuple[torch.Tensor, torch.Tensor | None]] = {}
         self.hits = self.misses = 0
+        self.complete = False  # every prompt is in; the text encoders are gone
 
     def lookup(self, prompts: list[str], input_ids: list[torch.Tensor], encode: Any, device: torch.device):
         """`encode(ids_per_tokenizer) -> (hidden, pooled)`; returns the batch's (hidden, pooled)."""
@@ -94,6 +95,8 @@ class PromptCache:
             if prompt in self.store:
                 self.hits += 1
                 continue
+            if self.complete:
+                raise RuntimeError(f"prompt {prompt!r} is not in the text cache, and the text encoders were released")
             self.misses += 1
             hidden, pooled = encode([ids[i : i + 1] for ids in input_ids])
             self.store[prompt] = (hidden.detach().cpu(), None if pooled is None else pooled.detach().cpu())

@@ -125,7 +125,8 @@ def run_loop(  # noqa: C901 - one loop, read top to bottom, on purpose
     n_proc = accelerator.num_processes
     optimizer = make_optimizer(cfg, method.param_groups(), cfg.effective_learning_rate(n_proc))
     backend = choose_backend(cfg, accelerator)  # XLA, CPU acceleration (IPEX or native) or the default
-    optimizer = backend.prepare(method, optimizer)
+    optimizer = backend.prepare(method, optimizer)  # may switch the caches off (XLA)
+    method.release_text_encoders()  # with the text cache on: embeddings in, encoders out
     params = [p for g in optimizer.param_groups for p in g["params"]]  # IPEX may have replaced them
     lr_scheduler = make_lr_scheduler(cfg, optimizer, n_proc)
     dataloader, sampler = build_dataloader(dataset, method, cfg)

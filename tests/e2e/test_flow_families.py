@@ -61,6 +61,7 @@ def test_the_lora_loads_with_the_family_pipeline(pipeline) -> None:
     before = {k: v.clone() for k, v in pipe.transformer.state_dict().items() if "to_q" in k}
     pipe.load_lora_weights(root / "models/finetuned")
     pipe.fuse_lora()
+    pipe.unload_lora_weights()
     assert any(not torch.equal(v, pipe.transformer.state_dict()[k]) for k, v in before.items())
     report = json.loads((root / "reports/train.json").read_text())
     assert report["family"] == name and report["method"] == "lora"

@@ -114,3 +114,28 @@ def test_what_a_family_lacks_is_refused_before_loading(request, monkeypatch, tmp
         train(cfg(tmp_path, **setting), base, instance_dir, None, tmp_path / "out")
     assert detect(base).title in str(err.value)
     assert not (tmp_path / "out").exists()
+
+
+def test_text_encoders_leave_before_the_first_step(tmp_path, tiny_flux, instance_dir, class_dir) -> None:
+    """With the text cache on, every prompt is encoded up front and the encoders (T5 above all) are let go."""
+    from tasks.train.methods import METHODS
+    from tasks.train.models import load_components
+
+    config = cfg(tmp_path, with_prior_preservation=True, proportion_empty_prompts=0.1, max_sequence_length=16)
+    method = METHODS["dreambooth"](config)
+    method.dataset(instance_dir, class_dir)
+    components = load_components(tiny_flux)
+    method.bind(components)
+    method.configure()
+    method.setup_caches()
+    family = components.family
+    ids = family.tokenize(components, ["a photo of a toy"], 16)
+    with torch.no_grad():
+        expected = family.encode_prompt(components, ids)
+    method.release_text_encoders()
+    assert not any(name.startswith("text_encoder") for name in components.modules)
+    assert set(method.prompt_cache.store) == {"a photo of sks toy", "a photo of a toy", ""}
+    hidden, pooled = method.prompt_cache.lookup(["a photo of a toy"], ids, None, torch.device("cpu"))
+    assert torch.equal(hidden, expected[0]) and torch.equal(pooled, expected[1])
+    with pytest.raises(RuntimeError, match="not in the text cache"):
+        method.prompt_cache.lookup(["another prompt"], ids, None, torch.device("cpu"))

@@ -59,7 +59,7 @@ def test_nan_stops_and_keeps_the_last_good_checkpoint(tmp_path, tiny_sd, instanc
         self.steps = getattr(self, "steps", 0) + 1
         if self.steps == 2:
             with torch.no_grad():
-                self.components.unet.conv_out.weight.fill_(float("nan"))
+                self.components.denoiser.conv_out.weight.fill_(float("nan"))
 
     monkeypatch.setattr(DreamBooth, "after_step", poison_after_step_two)
     config = TrainConfig(max_train_steps=5, train_batch_size=1, resolution=32, num_validation_images=0,

@@ -48,6 +48,7 @@ class TrainingMethod:
         self.latent_cache: LatentCache | None = None
         self.prompt_cache: PromptCache | None = None
         self.sample_captions: list[str] = []
+        self.instance_texts: set[str] = set()
 
     @property
     def components(self) -> Components:
@@ -117,6 +118,7 @@ class TrainingMethod:
         """Instance images (and class images with prior preservation); UserError when inputs are missing."""
         instances = read_imagefolder(data_dir, "instance images", INGEST_FIX, self.caption_column or "text")
         self.sample_captions = [r.text for r in instances[:4]]
+        self.instance_texts = {r.text for r in instances}
         classes = None
         if self.cfg.with_prior_preservation:
             if class_dir is None or not Path(class_dir).is_dir():
@@ -160,6 +162,36 @@ class TrainingMethod:
                  "on" if self.latent_cache else "off" + (" (random crops)" if self.cfg.cache_latents else ""),
                  "on" if self.prompt_cache else "off" + (" (text encoder trains or tags shuffle)"
                                                          if self.cfg.cache_text_encoder_outputs else ""))
+
+    def fixed_prompts(self) -> set[str]:
+        """Every prompt a batch can hold when prompts do not vary (the instance prompt or the captions,
+        the class prompt with prior preservation, '' with caption dropout)."""
+        prompts = {self.cfg.instance_prompt} if self.caption_column is None else set(self.instance_texts)
+        if self.cfg.with_prior_preservation:
+            prompts.add(self.cfg.class_prompt)
+        if self.cfg.proportion_empty_prompts > 0:
+            prompts.add("")
+        return prompts
+
+    def release_text_encoders(self) -> None:
+        """With the text cache on: encode every prompt training will see, then let the frozen text
+        encoders go before the first step, as diffusers' SD3/FLUX scripts do (FLUX's T5-XXL alone is
+        9.5 GB in bf16). Validation images then load them from the base again."""
+        if self.prompt_cache is None:
+            return
+        c = self.components
+        prompts = sorted(self.fixed_prompts())
+        device = next(c.denoiser.parameters()).device
+        with torch.no_grad():
+            ids = c.family.tokenize(c, prompts, self.cfg.max_sequence_length)
+            self.prompt_cache.lookup(prompts, ids, lambda one: c.family.encode_prompt(c, one), device)
+        names = c.text_encoder_names()
+        for name in names:
+            del c.modules[name]
+        c.text_encoders = []
+        self.prompt_cache.complete = True
+        log.info("text embeddings of %d prompt(s) cached; %s released before the first step", len(prompts),
+                 ", ".join(names))
 
     def compute_loss(
         self, batch: dict[str, Any], modules: dict[str, torch.nn.Module]
