@@ -26,6 +26,7 @@ import json
 import logging
 import math
 import os
+import threading
 from dataclasses import dataclass
 from typing import Any
 
@@ -188,6 +189,9 @@ class DiffusionImageModel(mlflow.pyfunc.PythonModel):
     """Prompts in, base64 PNGs out; the pipeline is loaded once per process."""
 
     def load_context(self, context: Any) -> None:
+        # `mlflow models serve` runs each request in a thread of its worker: a pipeline (its
+        # scheduler's step state, OpenVINO's infer requests) must not run two calls at once.
+        self.lock = threading.Lock()
         if _want_openvino():
             from optimum.intel import OVDiffusionPipeline
 
@@ -207,23 +211,25 @@ class DiffusionImageModel(mlflow.pyfunc.PythonModel):
     # Untyped on purpose: MLflow would read type hints as an input schema.
     def predict(self, context, model_input, params=None):
         """One row per image; see the module docstring for inputs, params and output."""
-        import torch
-
         prompts, settings = check_request(model_input, params, int(getattr(self.pipe, "vae_scale_factor", 8)))
         seed, per_prompt = settings["seed"], settings["num_images_per_prompt"]
-        rows = []
-        for k in range(len(prompts) * per_prompt):
-            prompt = prompts[k // per_prompt]
-            image = self.pipe(
-                prompt,
-                num_inference_steps=settings["num_inference_steps"],
-                guidance_scale=settings["guidance_scale"],
-                height=settings["height"],
-                width=settings["width"],
-                generator=torch.Generator("cpu").manual_seed(seed + k),
-            ).images[0]
-            rows.append({"prompt": prompt, "seed": seed + k, "image": to_png_base64(image)})
+        with self.lock:
+            rows = [self._generate(prompts[k // per_prompt], seed + k, settings)
+                    for k in range(len(prompts) * per_prompt)]
         return pd.DataFrame(rows, columns=["prompt", "seed", "image"])
+
+    def _generate(self, prompt: str, seed: int, settings: dict[str, Any]) -> dict[str, Any]:
+        import torch
+
+        image = self.pipe(
+            prompt,
+            num_inference_steps=settings["num_inference_steps"],
+            guidance_scale=settings["guidance_scale"],
+            height=settings["height"],
+            width=settings["width"],
+            generator=torch.Generator("cpu").manual_seed(seed),
+        ).images[0]
+        return {"prompt": prompt, "seed": seed, "image": to_png_base64(image)}
 
 
 mlflow.models.set_model(DiffusionImageModel())
