@@ -77,7 +77,8 @@ def test_a_checkpoint_holds_only_safetensors_json_and_accelerates_tensor_files(w
 CASES = {
     # name: (what is done to the checkpoint, forge the manifest, the error)
     "extra pickle": ("evil.pkl", False, r"evil.pkl: not a checkpoint file; evil.pkl: not in the manifest"),
-    "accelerate's old custom state": ("custom_checkpoint_0.pkl", True, r"custom_checkpoint_0.pkl: not a checkpoint file"),
+    "accelerate's old custom state": ("custom_checkpoint_0.pkl", True,
+                                      r"custom_checkpoint_0.pkl: not a checkpoint file"),
     "swapped optimizer": ("optimizer.bin", False, r"optimizer.bin: changed since it was written"),
     "swapped optimizer, forged manifest": ("optimizer.bin", True, r"refused to resume.*holds more than tensors"),
     "swapped scheduler, forged manifest": ("scheduler.bin", True, r"refused to resume.*holds more than tensors"),
