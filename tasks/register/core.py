@@ -15,8 +15,8 @@ from tasks.common.config import load_config, read_params
 from tasks.common.errors import UserError
 from tasks.common.tracking import git_commit, stage_run
 from tasks.register.config import RegisterConfig
-from tasks.register.pyfunc_model import signature
 from tasks.register.promotion import Champion, Goal, candidate_score, decide, score_from_tags
+from tasks.register.pyfunc_model import signature
 from tasks.register.lineage import (
     Evaluation,
     Lock,

@@ -83,8 +83,12 @@ def write_manifest(folder: Path, run_key: str, step: int) -> None:
     (folder / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
 
 
-def verify(folder: Path, run_key: str) -> None:
-    """Refuse `folder` unless this stage wrote it for run `run_key` and nothing changed since."""
+def verify(folder: Path, run_key: str, hashes: bool = True) -> None:
+    """Refuse `folder` unless this stage wrote it for run `run_key` and nothing changed since.
+
+    `hashes=False` checks all but the file contents (cheap: for choosing the checkpoint early; the
+    load checks the hashes, right before it reads, since hashing a large checkpoint takes seconds).
+    """
     fix = "resume only from this run's own checkpoints (train.resume: latest), or start over (train.resume: none)"
     file = folder / MANIFEST
     try:
@@ -105,7 +109,7 @@ def verify(folder: Path, run_key: str) -> None:
     problems += [f"{n}: not in the manifest" for n in sorted(present - set(files))]
     problems += [f"{n}: missing" for n in sorted(set(files) - present)]
     problems += [f"{n}: changed since it was written" for n in sorted(present & set(files))
-                 if sha256_file(folder / n) != files[n]]
+                 if hashes and sha256_file(folder / n) != files[n]]
     if problems:
         raise UserError(f"{folder} was altered after this stage wrote it ({'; '.join(problems)}). Nothing in it "
                         f"was read; {fix}")
