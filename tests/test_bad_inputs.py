@@ -113,6 +113,9 @@ CLI = [
     ("base", ["--out", "models/base", "--params", "missing.yaml"], r"missing.yaml not found: run from the "
                                                                     r"repository root or pass --params PATH"),
     ("ingest", [*OUTPUTS["ingest"], "--bogus", "1"], r"unrecognized arguments: --bogus 1"),
+    ("class_images", ["--base", "models/base"], r"the following arguments are required: --out, --report"),
+    ("evaluate", [*OUTPUTS["evaluate"], "--metrics"], r"argument --metrics: expected one argument"),
+    ("register", OUTPUTS["register"], r"dvc.lock not found: run the pipeline first"),
 ]
 
 
