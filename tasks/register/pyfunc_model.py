@@ -16,7 +16,13 @@ MlflowException of INVALID_PARAMETER_VALUE that names the field and the allowed 
 `image` (a base64-encoded PNG), one row per image, which `mlflow models serve` returns as JSON.
 Image k of the request (prompt by prompt, then image by image) is generated with seed `seed + k`,
 one image per pipeline call, so results do not depend on the batch and static-shape OpenVINO
-exports (batch 1) accept any number of prompts.
+exports (batch 1) accept any number of prompts; one request at a time per process (a lock: the
+server runs requests in threads and a pipeline is not thread-safe).
+
+MLflow enforces the signature before `predict` runs, in `mlflow models serve` and in a loaded
+model's `predict()` alike: params of the wrong type are refused there, but params the signature
+does not declare are dropped with a warning (MLflow's choice), so `check_settings`' refusal of
+unknown names only acts when this class's `predict` is called directly.
 """
 from __future__ import annotations
 
@@ -56,7 +62,7 @@ class Setting:
         return f"{kind} from {low} to {high} (default {default})"
 
 
-#: Every limit of a request, in one place (README "Serving the model" lists them).
+#: Every limit of a request, in one place (README "The registry" lists them).
 SETTINGS: dict[str, Setting] = {
     "seed": Setting("long", 0, 0, 2**32 - 1),
     "num_inference_steps": Setting("long", 20, 1, 100),
