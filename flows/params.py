@@ -5,7 +5,9 @@
   in place with ruamel.yaml so comments and layout survive, the way `dvc exp run --set-param`
   does it. DVC then sees the changed parameter and reruns exactly the stages that read it.
   Every key must already exist: a misspelt key is an error before anything runs, instead of a
-  new, silently ignored entry.
+  new, silently ignored entry. Every section an override touches is validated with its stage's
+  strict config before the file is written, so a bad value fails at once and params.yaml stays
+  as it was (instead of failing later, in the stage, with the bad value left in params.yaml).
 """
 from __future__ import annotations
 
@@ -78,6 +80,29 @@ def _set(doc: Any, dotted: str, value: Any) -> None:
     node[last] = value
 
 
+def _stage_configs() -> dict[str, type]:
+    """The strict config of each params.yaml section (the stages read theirs with load_config)."""
+    from tasks.base.config import BaseConfig
+    from tasks.class_images.config import ClassImagesConfig
+    from tasks.evaluate.config import EvaluateConfig
+    from tasks.export.config import ExportConfig
+    from tasks.ingest.config import IngestConfig
+    from tasks.register.config import RegisterConfig
+    from tasks.train.config import TrainConfig
+
+    return {"base": BaseConfig, "ingest": IngestConfig, "class_images": ClassImagesConfig, "train": TrainConfig,
+            "export": ExportConfig, "evaluate": EvaluateConfig, "register": RegisterConfig}
+
+
+def _validate_sections(text: str, sections: set[str], source: str) -> None:
+    from tasks.common.config import parse_section
+
+    data = yaml.safe_load(text) or {}
+    configs = _stage_configs()
+    for section in sorted(sections & set(configs)):
+        parse_section(section, data.get(section), configs[section], f"{source} with the overrides")
+
+
 def apply_overrides(params_path: Path, overrides: Mapping[str, Any] | None) -> dict[str, Any]:
     """Write `overrides` into params.yaml in place; return them as applied (possibly empty).
 
@@ -106,6 +131,7 @@ def apply_overrides(params_path: Path, overrides: Mapping[str, Any] | None) -> d
         _set(doc, dotted, value)
     buf = io.StringIO()
     rt.dump(doc, buf)
+    _validate_sections(buf.getvalue(), {k.split(".")[0] for k in applied}, params_path.name)
     with atomic_file(params_path) as tmp:
         tmp.write_text(buf.getvalue())
     return applied

@@ -16,6 +16,7 @@ from tasks.common.errors import UserError
 from tasks.common.tracking import git_commit, stage_run
 from tasks.register.config import RegisterConfig
 from tasks.register.promotion import Champion, Goal, candidate_score, decide, score_from_tags
+from tasks.register.pyfunc_model import signature
 from tasks.register.lineage import (
     Evaluation,
     Lock,
@@ -58,26 +59,6 @@ def pip_requirements() -> list[str]:
         except importlib.metadata.PackageNotFoundError:
             continue
     return reqs
-
-
-def signature() -> Any:
-    """Prompts in (a string column), base64 PNGs out, generation settings as optional params."""
-    from mlflow.models import ModelSignature
-    from mlflow.types.schema import ColSpec, ParamSchema, ParamSpec, Schema
-
-    return ModelSignature(
-        inputs=Schema([ColSpec("string")]),  # unnamed: a plain list of prompts validates
-        outputs=Schema(
-            [ColSpec("string", "prompt"), ColSpec("long", "seed"), ColSpec("string", "image")]
-        ),
-        params=ParamSchema([
-            ParamSpec("seed", "long", 0),
-            ParamSpec("num_inference_steps", "long", 20),
-            ParamSpec("guidance_scale", "double", 7.5),
-            ParamSpec("height", "long", None),
-            ParamSpec("width", "long", None),
-        ]),
-    )
 
 
 def current_champion(client: Any, model_name: str, metric: str) -> Champion | None:

@@ -7,17 +7,20 @@ the data's metadata, so `resume: latest` only ever continues the same run; a cha
 rate or dataset starts a new folder instead of silently mixing two runs.
 
 A checkpoint is accelerate's `save_state` (optimizer, LR scheduler, grad scaler, every process's
-RNG states, the accumulation counter) plus registered objects (the loop position and loss
-history, the EMA weights) and, through a save hook, only the *trainable* weights of each trained
-module (all of the UNet for DreamBooth; the adapters for LoRA; the embedding matrix for textual
-inversion). It is written to a hidden `.partial` folder and renamed when complete, so a crash
-while saving never leaves a checkpoint that looks whole.
+RNG states, the accumulation counter), the tracked objects (the loop position and loss history,
+the EMA weights) as safetensors + JSON, and, through a save hook, only the *trainable* weights of
+each trained module as safetensors (all of the UNet for DreamBooth; the adapters for LoRA; the
+embedding matrix for textual inversion), then a manifest (run key, sha256 of every file). It is
+written to a hidden `.partial` folder and renamed when complete, so a crash while saving never
+leaves a checkpoint that looks whole. A resume verifies the manifest before reading anything and
+never unpickles more than tensors (checkpoint_files.py).
 """
 from __future__ import annotations
 
 import hashlib
 import json
 import logging
+import pickle
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,6 +30,7 @@ import torch
 
 from tasks.common.errors import UserError
 from tasks.common.fingerprint import folder_fingerprint, sha256_file
+from tasks.train import checkpoint_files
 from tasks.train.config import NOT_IN_RUN_KEY, TrainConfig
 
 log = logging.getLogger(__name__)
@@ -133,6 +137,15 @@ class CheckpointManager:
         self.run_dir, self.total_limit, self.accelerator, self.info = Path(run_dir), total_limit, accelerator, info
         self.keep_every = keep_every
         self.last_saved: int | None = None
+        self.tracked: dict[str, Any] = {}
+
+    @property
+    def key(self) -> str:
+        return self.run_dir.name
+
+    def track(self, objects: dict[str, Any]) -> None:
+        """Objects with state_dict/load_state_dict saved in every checkpoint (safetensors + JSON, by name)."""
+        self.tracked.update(objects)
 
     def checkpoints(self) -> list[Path]:
         """Complete checkpoints, oldest first."""
@@ -150,10 +163,12 @@ class CheckpointManager:
             if not found:
                 log.info("no checkpoint in %s yet: starting from step 0", self.run_dir)
                 return None
+            checkpoint_files.verify(found[-1], self.key, hashes=False)
             return found[-1]
         path = Path(resume)
         if checkpoint_step(path) is None or not path.is_dir():
             raise UserError(f"train.resume: {resume} is not a checkpoint-<step> folder")
+        checkpoint_files.verify(path, self.key, hashes=False)
         return path
 
     def save(self, step: int) -> Path:
@@ -169,6 +184,9 @@ class CheckpointManager:
         acc.save_state(str(partial))
         acc.wait_for_everyone()
         if acc.is_main_process:
+            for name, obj in self.tracked.items():
+                checkpoint_files.save_state_dict(obj.state_dict(), partial, name)
+            checkpoint_files.write_manifest(partial, self.key, step)
             if final.exists():
                 shutil.rmtree(final)
             partial.rename(final)
@@ -179,8 +197,20 @@ class CheckpointManager:
         return final
 
     def load(self, path: Path) -> None:
+        """Verify, then restore: accelerate's states (tensors only), the weights, the tracked objects."""
+        from accelerate.utils import load as safe_load
+
+        path = Path(path)
+        checkpoint_files.verify(path, self.key)
         try:
-            self.accelerator.load_state(str(path))
+            # accelerate ignores an unreadable RNG file; a resume that is not exact must fail instead
+            safe_load(path / f"random_states_{self.accelerator.process_index}.pkl", weights_only=True)
+            self.accelerator.load_state(str(path), load_kwargs={"weights_only": True})
+            for name, obj in self.tracked.items():
+                obj.load_state_dict(checkpoint_files.load_state_dict(path, name))
+        except pickle.UnpicklingError as err:
+            raise UserError(f"refused to resume from {path}: a state file holds more than tensors ({err}). "
+                            "Set train.resume: none to start over") from None
         except (FileNotFoundError, RuntimeError, KeyError) as err:
             raise UserError(f"cannot resume from {path}: {err}. Set train.resume: none to start over") from err
         self.last_saved = checkpoint_step(path)

@@ -136,9 +136,8 @@ def run_loop(  # noqa: C901 - one loop, read top to bottom, on purpose
     live = {**modules, **wrapped}
     ema = Ema(params, cfg) if cfg.use_ema else None
     state = TrainState()
-    accelerator.register_for_checkpointing(state)
-    if ema is not None:
-        accelerator.register_for_checkpointing(ema)
+    if checkpoints is not None:  # saved as safetensors + JSON, never pickled
+        checkpoints.track({"train": state, **({"ema": ema} if ema is not None else {})})
     register_weight_hooks(accelerator, {n: modules[n] for n in trainable})
     resumed_from = None
     if resume_from is not None and checkpoints is not None:

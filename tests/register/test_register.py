@@ -156,3 +156,34 @@ def test_pyfunc_reads_the_exports_runtime_settings_like_the_pipeline(tmp_path: P
     for precision in ("auto", "bf16", "f16", "f32"):
         write_runtime_config(tmp_path, precision)
         assert _runtime_config(str(tmp_path)) == runtime_config(tmp_path), precision
+
+
+def test_predict_refuses_bad_requests_before_generating(registered: Path) -> None:
+    """The registered model itself (not only check_request): MLflow's typed params, then our ranges;
+    a refused request never reaches the pipeline."""
+    from mlflow.exceptions import MlflowException
+
+    model = mlflow.pyfunc.load_model("models:/sd-test@candidate")
+    inner = model.unwrap_python_model()
+    real, calls = inner.pipe, []
+
+    def counting(*args, **kwargs):
+        calls.append(kwargs)
+        return real(*args, **kwargs)
+
+    inner.pipe = type("Spy", (), {"__call__": staticmethod(counting), "vae_scale_factor": real.vae_scale_factor})()
+    for inputs, params, error in [
+        (["a"], {"num_inference_steps": -3}, r"num_inference_steps: -3 is out of range; allowed: an integer from 1"),
+        (["a"], {"num_inference_steps": "x"}, r"Invalid parameters.*num_inference_steps"),  # MLflow's type check
+        (["a"], {"height": 63}, r"height: 63 is out of range"),
+        (["a"], {"height": 65}, rf"height: 65 is not a multiple of {real.vae_scale_factor}"),
+        ([""], {}, r"inputs\[0\]: '' is not a prompt"),
+        (["a"] * 5, {"num_images_per_prompt": 4}, r"20 images; at most 16"),
+    ]:
+        with pytest.raises(MlflowException, match=error) as info:
+            model.predict(inputs, params=params)
+        assert info.value.error_code == "INVALID_PARAMETER_VALUE"
+    assert calls == [], "nothing was generated for a refused request"
+    out = model.predict(["a", "b"], params={"num_inference_steps": 1, "num_images_per_prompt": 2, "seed": 5})
+    assert out[["prompt", "seed"]].values.tolist() == [["a", 5], ["a", 6], ["b", 7], ["b", 8]]
+    assert len(calls) == 4 and {c["num_inference_steps"] for c in calls} == {1}

@@ -112,6 +112,6 @@ def test_resume_from_an_explicit_folder_that_is_not_a_checkpoint(tmp_path, tiny_
     (tmp_path / "checkpoint-3").mkdir()
     config = TrainConfig(resume=str(tmp_path / "checkpoint-3"), with_prior_preservation=False,
                          checkpoints_dir=tmp_path / "ckpt", num_validation_images=0, resolution=32)
-    with pytest.raises(UserError, match="checkpoint-3 holds no trainable_unet.safetensors.*resume: none"):
+    with pytest.raises(UserError, match="checkpoint-3 has no manifest.json.*not trusted.*resume: none"):
         train(config, tiny_sd, instance_dir, None, tmp_path / "out")
     assert Path(config.resume).is_dir()
