@@ -122,4 +122,5 @@ def test_pins_match_requirements_lock() -> None:
     assert mlflow_pin and mlflow_pin.group(1) == _lock_version("mlflow")
     prefect_image = SERVICES["prefect-server"]["image"]
     assert prefect_image.startswith(f"prefecthq/prefect:{_lock_version('prefect')}-python3.11")
-    assert "requirements.lock" in (INFRA / "Dockerfile.worker").read_text()
+    worker = (INFRA / "Dockerfile.worker").read_text()
+    assert "-r /tmp/requirements.lock" in worker and "-r /tmp/requirements-torch.lock" in worker
