@@ -29,7 +29,9 @@ class FolderSource(StageConfig):
     """Images at any depth with sidecar captions (`name.txt`), or one prompt for all (DreamBooth)."""
 
     type: Literal["folder"]
-    path: Path | None = Field(None, description="dataset root; nothing outside it is read; default: ingest.data_dir")
+    path: Path | None = Field(
+        None, description="dataset root; nothing outside it is read; default: ingest.data_dir"
+    )
     caption_extensions: tuple[str, ...] = Field(
         (".txt", ".caption"), min_length=1, description="sidecar caption names, first found wins"
     )
@@ -55,7 +57,10 @@ class MetadataJsonSource(StageConfig):
     """
 
     type: Literal["metadata_json"]
-    path: Path | None = Field(None, description="dataset root: JSON `path` values are relative to it; default: ingest.data_dir")
+    path: Path | None = Field(
+        None,
+        description="dataset root: JSON `path` values are relative to it; default: ingest.data_dir",
+    )
     metadata_dir: str = Field("metadata", min_length=1, description="JSON files, under the root")
     consider_every_nth: int | None = Field(None, ge=1, description="only every nth JSON (sorted)")
     abs_min_score: float | None = Field(None, description="score below this: dropped at once")
@@ -84,7 +89,10 @@ class ImageFolderSource(StageConfig):
     """A Hugging Face imagefolder: images plus metadata.jsonl / metadata.csv with `file_name`."""
 
     type: Literal["imagefolder"]
-    path: Path | None = Field(None, description="dataset root; metadata files may sit at any depth; default: ingest.data_dir")
+    path: Path | None = Field(
+        None,
+        description="dataset root; metadata files may sit at any depth; default: ingest.data_dir",
+    )
     caption_column: str = Field("text", min_length=1, description="metadata column with captions")
 
 

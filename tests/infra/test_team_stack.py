@@ -35,11 +35,13 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 INFRA = REPO / "infra"
 COMPOSE = yaml.safe_load((INFRA / "compose.yaml").read_text())
 USER = "finetune"  # compose's default POSTGRES_USER
+NO_POSTGRES = "PostgreSQL's server is not installed: apt-get install postgresql (.ci/run does)"
 
 
 def debian_postgres_bin() -> Path | None:
     """The newest /usr/lib/postgresql/<major>/bin of Debian's postgresql package."""
-    found = sorted(glob.glob("/usr/lib/postgresql/*/bin/initdb"), key=lambda p: int(p.split("/")[4]))
+    found = sorted(glob.glob("/usr/lib/postgresql/*/bin/initdb"),
+                   key=lambda p: int(p.split("/")[4]))
     return Path(found[-1]).parent if found else None
 
 
@@ -70,7 +72,8 @@ class Postgres:
         import asyncpg
 
         async def run() -> list[tuple]:
-            conn = await asyncpg.connect(host="127.0.0.1", port=self.port, user=USER, database=database)
+            conn = await asyncpg.connect(host="127.0.0.1", port=self.port, user=USER,
+                                         database=database)
             try:
                 return [tuple(row) for row in await conn.fetch(sql)]
             finally:
@@ -83,8 +86,9 @@ class Postgres:
 def postgres() -> Iterator[Postgres]:
     bindir = debian_postgres_bin()
     if bindir is None:
-        pytest.skip("PostgreSQL's server is not installed: apt-get install postgresql (.ci/run does)")
-    # Not under pytest's tmp_path: that is private to this user, and the server may run as `postgres`.
+        pytest.skip(NO_POSTGRES)
+    # Not under pytest's tmp_path: that is private to this user, and the server may run as
+    # `postgres`.
     root = Path(tempfile.mkdtemp(prefix="finetune-pg-"))
     if os.geteuid() == 0:
         shutil.chown(root, "postgres", "postgres")
@@ -126,7 +130,9 @@ def wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 180) -> floa
 
 
 @pytest.fixture(scope="module")
-def prefect_on_postgres(postgres: Postgres, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+def prefect_on_postgres(
+    postgres: Postgres, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[str]:
     home = tmp_path_factory.mktemp("prefect-server")
     port = free_port()
     env = e2e_env(home, PREFECT_API_DATABASE_CONNECTION_URL=postgres.url("asyncpg", "prefect"))
@@ -147,7 +153,8 @@ def needs_psycopg2() -> None:
     import importlib.util
 
     if importlib.util.find_spec("psycopg2") is None:
-        pytest.skip("psycopg2 (psycopg2-binary in requirements.lock) is not installed here: make install")
+        pytest.skip("psycopg2 (psycopg2-binary in requirements.lock) is not installed here: "
+                    "make install")
 
 
 def start_mlflow(postgres: Postgres, home: Path, port: int) -> subprocess.Popen:
@@ -169,7 +176,9 @@ def start_mlflow(postgres: Postgres, home: Path, port: int) -> subprocess.Popen:
 
 
 @pytest.fixture(scope="module")
-def mlflow_on_postgres(postgres: Postgres, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]:
+def mlflow_on_postgres(
+    postgres: Postgres, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[str, Path]]:
     needs_psycopg2()
     home = tmp_path_factory.mktemp("mlflow-server")
     port = free_port()
@@ -239,7 +248,7 @@ def run_flow(api: str, tmp: Path, n: int) -> None:
 def test_compose_runs_the_postgresql_major_the_tests_start() -> None:
     bindir = debian_postgres_bin()
     if bindir is None:
-        pytest.skip("PostgreSQL's server is not installed: apt-get install postgresql (.ci/run does)")
+        pytest.skip(NO_POSTGRES)
     image = COMPOSE["services"]["postgres"]["image"]
     assert image == f"postgres:{bindir.parent.name}", "compose's postgres and Debian's differ"
 

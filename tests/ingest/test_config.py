@@ -83,16 +83,20 @@ def test_a_source_without_path_reads_data_dir() -> None:
         {"type": "folder"}, {"type": "imagefolder", "path": "photos/more"},
         {"type": "hub", "name": "org/set", "revision": "abc123"},
     ]})
-    assert [getattr(s, "path", None) for s in cfg.sources] == [Path("photos"), Path("photos/more"), None]
+    paths = [getattr(s, "path", None) for s in cfg.sources]
+    assert paths == [Path("photos"), Path("photos/more"), None]
 
 
 def test_a_local_source_outside_data_dir_is_refused_with_the_fix() -> None:
     message = error({"data_dir": "photos", "sources": [{"type": "folder"},
                                                        {"type": "folder", "path": "elsewhere"}]})
-    assert "ingest.sources.1.path: lies outside ingest.data_dir (photos), the folder DVC watches" in message
-    assert "'elsewhere'" in message and "set data_dir to a folder that holds every local source" in message
+    assert ("ingest.sources.1.path: lies outside ingest.data_dir (photos), the folder DVC "
+            "watches") in message
+    assert "'elsewhere'" in message
+    assert "set data_dir to a folder that holds every local source" in message
 
 
 def test_without_data_dir_every_local_source_names_its_path() -> None:
     message = error({"data_dir": None, "sources": [{"type": "metadata_json"}]})
-    assert "ingest.sources.0.path: a 'metadata_json' source needs `path`, or ingest.data_dir" in message
+    assert ("ingest.sources.0.path: a 'metadata_json' source needs `path`, or "
+            "ingest.data_dir") in message
