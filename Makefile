@@ -2,6 +2,8 @@
 # .venv when it is missing and install the pinned dependencies first.
 SHELL := /bin/bash
 PYTHON ?= python3
+# Where PyTorch publishes its CPU-only builds (requirements-torch.lock names it; `make lock` writes it).
+TORCH_INDEX := https://download.pytorch.org/whl/cpu
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
@@ -20,16 +22,35 @@ help:
 	@echo "make test       set up, then run the test suite (what .ci/run calls)"
 	@echo "make serve      Prefect server + worker on 127.0.0.1:\$${PREFECT_PORT:-4200}, deployments finetune/main and finetune/nightly"
 	@echo "make mlflow-ui  MLflow UI on 127.0.0.1:5000 over ./mlflow.db"
-	@echo "make lock       re-resolve requirements.in into requirements.lock"
+	@echo "make lock       re-resolve requirements.in into requirements.lock and requirements-torch.lock"
 	@echo "make side-envs  build .venv-xla (torch_xla) and .venv-ipex (Intel Extension for PyTorch) for their tests"
 
+# The Python that pyproject.toml's requires-python allows (tests/test_install.py keeps them in step).
+PYTHON_NEEDED := 3.11
+# Stops at once when $(1) is not Python $(PYTHON_NEEDED), saying how to get it.
+define check_python
+@v=$$($(1) -c 'import sys; print("%d.%d" % sys.version_info[:2])' 2>/dev/null); \
+if [ "$$v" != "$(PYTHON_NEEDED)" ]; then \
+  echo "error: this project needs Python $(PYTHON_NEEDED) (pyproject.toml requires-python); $(1) is $${v:-not a working Python}."; \
+  echo "  Get it: Debian 12: sudo apt-get install python3.11 python3.11-venv; elsewhere: uv python install 3.11 (or pyenv install 3.11)."; \
+  echo "  Then: $(2)make $(or $(MAKECMDGOALS),install) PYTHON=python3.11 (or PYTHON=\$$(uv python find 3.11))"; \
+  exit 1; fi
+endef
+
 $(BIN)/python:
+	$(call check_python,$(PYTHON),)
 	$(PYTHON) -m venv $(VENV)
 
-$(STAMP): $(BIN)/python requirements.lock pyproject.toml
+# torch comes from requirements-torch.lock, which names PyTorch's CPU index. A wheel that pip's own
+# configuration already provides (find-links: a wheelhouse, an offline mirror) is taken without
+# asking any index (--no-index); otherwise pip downloads it from that index.
+$(STAMP): $(BIN)/python requirements.lock requirements-torch.lock pyproject.toml
+	$(call check_python,$(BIN)/python,rm -rf $(VENV) && )
 	@echo "installing pinned dependencies into $(VENV) (about 2.4 GB; minutes on a fresh machine)"
 	@start=$$(date +%s); \
 	$(BIN)/pip install --quiet --no-cache-dir --no-deps -r requirements.lock && \
+	{ $(BIN)/pip install --quiet --no-cache-dir --no-deps --no-index -r requirements-torch.lock 2>/dev/null || \
+	  $(BIN)/pip install --quiet --no-cache-dir --no-deps -r requirements-torch.lock; } && \
 	$(BIN)/pip install --quiet --no-cache-dir --no-deps -e . && \
 	if $(BIN)/python -c "import torchvision" 2>/dev/null; then \
 	  echo "error: torchvision is installed in $(VENV); it breaks transformers with torch 2.13+cpu (pip uninstall torchvision)"; exit 1; fi && \
@@ -40,7 +61,7 @@ install: $(STAMP)
 
 # Side environments for the back ends that need another torch than the project's 2.13: torch_xla
 # 2.9 runs only with torch 2.9, intel_extension_for_pytorch 2.8 only with torch 2.8. Each gets
-# requirements.lock without torch, then requirements-<name>.lock (the torch pair and what it adds
+# requirements.lock (which holds no torch), then requirements-<name>.lock (the torch pair and what it adds
 # or changes), all --no-deps, then the project (editable). torchvision stays out (it breaks
 # transformers' imports here). Rebuilt only when a lock file changes (stamp .venv-<name>/.installed).
 # uv (pinned in requirements.lock) installs them from one cache inside the project and hardlinks
@@ -59,7 +80,7 @@ SIDE_ENVS_NEED_GB ?= 13
 	@echo "building .venv-$* from requirements.lock + requirements-$*.lock (torch with its CUDA packages, through uv's shared cache $(UV_CACHE_DIR))"
 	@start=$$(date +%s); \
 	rm -rf .venv-$* && $(BIN)/uv venv --quiet --python $(PYTHON) .venv-$* && \
-	$(BIN)/uv pip install --quiet --python .venv-$*/bin/python --no-deps -r <(grep -v -E '^torch==' requirements.lock) && \
+	$(BIN)/uv pip install --quiet --python .venv-$*/bin/python --no-deps -r requirements.lock && \
 	$(BIN)/uv pip install --quiet --python .venv-$*/bin/python --no-deps -r requirements-$*.lock && \
 	$(BIN)/uv pip install --quiet --python .venv-$*/bin/python --no-deps -e . && \
 	if .venv-$*/bin/python -c "import torchvision" 2>/dev/null; then \
@@ -77,7 +98,7 @@ lock-side-envs: $(SIDE_ENVS:%=lock-side-env-%)
 
 lock-side-env-%:
 	rm -rf .venv-lock-$* && $(PYTHON) -m venv .venv-lock-$*
-	.venv-lock-$*/bin/pip install --quiet --no-deps -r <(grep -v -E '^torch==' requirements.lock)
+	.venv-lock-$*/bin/pip install --quiet --no-deps -r requirements.lock
 	.venv-lock-$*/bin/pip freeze --all | LC_ALL=C sort > .venv-lock-$*/before
 	.venv-lock-$*/bin/pip install --quiet $(SIDE_PAIR_$*)
 	{ echo "# .venv-$*: installed with --no-deps after requirements.lock without torch (make side-envs)."; \
@@ -121,12 +142,19 @@ mlflow-ui: $(STAMP)
 	$(BIN)/mlflow ui --backend-store-uri sqlite:///$(CURDIR)/mlflow.db --host 127.0.0.1 --port $${MLFLOW_PORT:-5000}
 
 lock:
+	$(call check_python,$(PYTHON),)
 	rm -rf .venv-lock && $(PYTHON) -m venv .venv-lock
+	.venv-lock/bin/pip install --quiet --index-url $(TORCH_INDEX) $$(grep -E '^torch==' requirements.in)
 	.venv-lock/bin/pip install --quiet -r requirements.in
 	.venv-lock/bin/pip install --quiet --no-deps optimum-intel==2.2.0
 	{ echo "# Every package, pinned: generated by 'make lock' from requirements.in; installed with --no-deps."; \
-	  echo "# optimum-intel's declared torchvision is deliberately absent (see requirements.in)."; \
-	  .venv-lock/bin/pip freeze --all | grep -v -E '^(-e |sd-finetune|pip==)'; } > requirements.lock
+	  echo "# optimum-intel's declared torchvision is deliberately absent (see requirements.in). torch is in"; \
+	  echo "# requirements-torch.lock: its CPU build comes from PyTorch's own index."; \
+	  .venv-lock/bin/pip freeze --all | grep -v -E '^(-e |sd-finetune|pip==|torch==)'; } > requirements.lock
+	{ echo "# torch's CPU build: PyTorch publishes it on its own index, not on PyPI (which has only the"; \
+	  echo "# CUDA build). Generated by 'make lock'; installed with --no-deps after requirements.lock."; \
+	  echo "--index-url $(TORCH_INDEX)"; \
+	  .venv-lock/bin/pip freeze --all | grep -E '^torch=='; } > requirements-torch.lock
 	rm -rf .venv-lock
 
 clean:

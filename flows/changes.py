@@ -26,6 +26,7 @@ from typing import Any
 import yaml
 
 from tasks.common.errors import UserError
+from tasks.ingest.deps import interpolate
 
 #: Lineage tags that identify what a version was built from (tasks/register/lineage.py writes them).
 _LINEAGE_PREFIXES = ("dvc.md5.", "param.")
@@ -82,10 +83,14 @@ def unwatched_sources(root: Path) -> list[str]:
     deps = set()
     for stage in stages.values():
         for dep in stage.get("deps") or []:
-            deps.add(Path(str(dep)).as_posix().rstrip("/"))
+            dep = interpolate(str(dep), params)  # `${ingest.data_dir}` as DVC fills it in
+            if dep is not None:
+                deps.add(Path(dep).as_posix().rstrip("/"))
     missing = []
-    for source in ((params.get("ingest") or {}).get("sources") or []):
-        path = source.get("path") if isinstance(source, dict) else None
+    ingest = params.get("ingest") or {}
+    for source in ingest.get("sources") or []:
+        # A local source without `path` reads ingest.data_dir.
+        path = source.get("path", ingest.get("data_dir")) if isinstance(source, dict) else None
         if not path or source.get("type") == "hub" or "://" in str(path):
             continue
         norm = Path(str(path)).as_posix().rstrip("/")

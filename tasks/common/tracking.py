@@ -8,7 +8,8 @@
   `FINETUNE_MLFLOW_WAIT_S` seconds (default 60: a server restarting or briefly unreachable); then
   the stage fails with a clear message before doing any work, so nothing is ever trained without
   a record. Once a run is open, MLflow's own HTTP retries (MLFLOW_HTTP_REQUEST_MAX_RETRIES, with
-  backoff) cover a short outage.
+  backoff) cover a short outage; a server still gone after them fails the stage with a message
+  naming the server and the run (no traceback).
 """
 from __future__ import annotations
 
@@ -189,6 +190,7 @@ def stage_run(stage: str, params: Mapping[str, Any] | None = None) -> Iterator[S
     The run ends FINISHED on success and FAILED when the body raises.
     """
     import mlflow
+    from mlflow.exceptions import MlflowException
 
     wait_for_server()  # before any work: never train without a record
     configure()
@@ -199,9 +201,42 @@ def stage_run(stage: str, params: Mapping[str, Any] | None = None) -> Iterator[S
     commit = git_commit()
     if commit:
         tags["mlflow.source.git.commit"] = commit
-    with mlflow.start_run(run_name=stage, tags=tags) as run:
-        handle = StageRun(run)
-        if params:
-            handle.log_params(params)
-        log.info("MLflow run %s (stage %s) at %s", run.info.run_id, stage, tracking_uri())
-        yield handle
+    run_id = None
+    try:
+        with mlflow.start_run(run_name=stage, tags=tags) as run:
+            run_id = run.info.run_id
+            handle = StageRun(run)
+            if params:
+                handle.log_params(params)
+            log.info("MLflow run %s (stage %s) at %s", run_id, stage, tracking_uri())
+            yield handle
+    except MlflowException as err:
+        lost_server(err, stage, run_id)
+        raise
+
+
+def lost_server(err: Exception, stage: str, run_id: str | None) -> None:
+    """A UserError when `err` came from a tracking server that stopped answering mid-run."""
+    from tasks.common.errors import UserError
+
+    uri = tracking_uri()
+    if run_id is None or not uri.startswith(("http://", "https://")) or _answers(uri):
+        return
+    first = err.__context__
+    before = f" The stage had failed first: {type(first).__name__}: {first}." if (
+        first is not None and not isinstance(first, type(err))) else ""
+    raise UserError(
+        f"the MLflow tracking server {uri} stopped answering during the run of stage '{stage}' "
+        f"(MLflow run {run_id}; last error: {err}).{before} The stage failed and its run may stay "
+        "RUNNING on the server. Restart the server (infra/README.md), then rerun the stage; "
+        "MLFLOW_HTTP_REQUEST_MAX_RETRIES and MLFLOW_HTTP_REQUEST_TIMEOUT set how long a run rides "
+        "out an outage"
+    ) from None
+
+
+def _answers(uri: str) -> bool:
+    try:
+        with urllib.request.urlopen(f"{uri.rstrip('/')}/health", timeout=3) as resp:
+            return resp.status == 200
+    except (urllib.error.URLError, OSError):
+        return False

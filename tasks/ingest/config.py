@@ -29,7 +29,9 @@ class FolderSource(StageConfig):
     """Images at any depth with sidecar captions (`name.txt`), or one prompt for all (DreamBooth)."""
 
     type: Literal["folder"]
-    path: Path = Field(description="dataset root; nothing outside it is read")
+    path: Path | None = Field(
+        None, description="dataset root; nothing outside it is read; default: ingest.data_dir"
+    )
     caption_extensions: tuple[str, ...] = Field(
         (".txt", ".caption"), min_length=1, description="sidecar caption names, first found wins"
     )
@@ -55,7 +57,10 @@ class MetadataJsonSource(StageConfig):
     """
 
     type: Literal["metadata_json"]
-    path: Path = Field(description="dataset root: JSON `path` values are relative to it")
+    path: Path | None = Field(
+        None,
+        description="dataset root: JSON `path` values are relative to it; default: ingest.data_dir",
+    )
     metadata_dir: str = Field("metadata", min_length=1, description="JSON files, under the root")
     consider_every_nth: int | None = Field(None, ge=1, description="only every nth JSON (sorted)")
     abs_min_score: float | None = Field(None, description="score below this: dropped at once")
@@ -84,7 +89,10 @@ class ImageFolderSource(StageConfig):
     """A Hugging Face imagefolder: images plus metadata.jsonl / metadata.csv with `file_name`."""
 
     type: Literal["imagefolder"]
-    path: Path = Field(description="dataset root; metadata files may sit at any depth")
+    path: Path | None = Field(
+        None,
+        description="dataset root; metadata files may sit at any depth; default: ingest.data_dir",
+    )
     caption_column: str = Field("text", min_length=1, description="metadata column with captions")
 
 
@@ -131,8 +139,14 @@ class Captions(StageConfig):
 class IngestConfig(StageConfig):
     """`ingest` section of params.yaml: where images come from and what is kept, and how."""
 
+    data_dir: Path | None = Field(
+        Path("data/demo/subject"),
+        description="the folder of your images: DVC's dependency of the stage (dvc.yaml deps "
+        "${ingest.data_dir}); a local source without `path` reads it, and every local source "
+        "must lie inside it. null: each local source names its own path (no DVC check)",
+    )
     sources: list[Source] = Field(
-        default_factory=lambda: [FolderSource(type="folder", path=Path("data/demo/subject"))],
+        default_factory=lambda: [FolderSource(type="folder")],
         min_length=1,
     )
     output_size: Literal["square", "short_side", "source"] = Field(
@@ -175,11 +189,42 @@ class IngestConfig(StageConfig):
     def _source_errors_at_their_index(cls, data: Any, handler: Any) -> "IngestConfig":
         """Drop the union tag from error paths and list a source type's keys for unknown ones."""
         try:
-            return handler(data)
+            cfg = handler(data)
         except ValidationError as err:
             raise ValidationError.from_exception_data(
                 cls.__name__, [_rewrite(e) for e in err.errors()]
             ) from None
+        problems = _place_in_data_dir(cfg)
+        if problems:
+            raise ValidationError.from_exception_data(cls.__name__, problems)
+        return cfg
+
+
+def _place_in_data_dir(cfg: IngestConfig) -> list[InitErrorDetails]:
+    """Local sources without `path` read data_dir (filled in place: nobody has seen `cfg` yet);
+    one outside data_dir, which DVC watches, is an error."""
+    problems = []
+    for i, src in enumerate(cfg.sources):
+        if isinstance(src, HubSource):
+            continue
+        loc = ("sources", i, "path")
+        if src.path is None and cfg.data_dir is None:
+            kind = PydanticCustomError(
+                "path_needed", "a '{kind}' source needs `path`, or ingest.data_dir set to the "
+                "folder of your images", {"kind": src.type},
+            )
+            problems.append(InitErrorDetails(type=kind, loc=loc, input=None))
+        elif src.path is None:
+            cfg.sources[i] = src.model_copy(update={"path": cfg.data_dir})
+        elif cfg.data_dir is not None and not _inside(src.path, cfg.data_dir):
+            kind = PydanticCustomError(
+                "outside_data_dir", "lies outside ingest.data_dir ({data_dir}), the folder DVC "
+                "watches, so changes there would not rerun the stage. Move it into data_dir, or "
+                "set data_dir to a folder that holds every local source (a source without `path` "
+                "reads data_dir itself)", {"data_dir": cfg.data_dir.as_posix()},
+            )
+            problems.append(InitErrorDetails(type=kind, loc=loc, input=src.path.as_posix()))
+    return problems
 
 
 def _rewrite(error: Any) -> InitErrorDetails:
@@ -205,6 +250,11 @@ def _rewrite(error: Any) -> InitErrorDetails:
     if "ctx" in error:
         details["ctx"] = error["ctx"]
     return details
+
+
+def _inside(path: Path, folder: Path) -> bool:
+    path, folder = path.resolve(), folder.resolve()
+    return path == folder or folder in path.parents
 
 
 def local_root(source: Any) -> Path | None:

@@ -91,7 +91,8 @@ def check_sources(cfg: IngestConfig) -> None:
     """Fail fast (before an MLflow run is opened) when a local source folder is missing."""
     for i, src in enumerate(cfg.sources):
         if not isinstance(src, HubSource):
-            source_root(src.path, f"ingest.sources.{i}.path")
+            key = "ingest.data_dir" if src.path == cfg.data_dir else f"ingest.sources.{i}.path"
+            source_root(src.path, key)
 
 
 def iter_items(cfg: IngestConfig) -> Iterator[Item]:

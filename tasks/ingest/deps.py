@@ -1,11 +1,13 @@
 """Keep dvc.yaml honest: under `dvc repro`, every local source folder must be a dependency.
 
-DVC 3 cannot template a list from params into `deps` (`deps: ${ingest.paths}` fails with
-"Cannot interpolate data of type 'list'", treeverse/dvc#8171), so the source folders are listed
-in dvc.yaml by hand. If one were missing, adding images to it would not rerun the stage and
-the pipeline would silently train on stale data. DVC sets DVC_ROOT and DVC_STAGE for the
-commands it runs; with them set, this check reads the stage's deps and fails with the exact
-line to add. Run by hand (no DVC_STAGE) the stage does not check.
+dvc.yaml's ingest stage depends on `${ingest.data_dir}` (DVC fills it in from params.yaml), and
+the config keeps every local source inside data_dir. DVC 3 cannot template a list from params
+into `deps` (`deps: ${ingest.paths}` fails with "Cannot interpolate data of type 'list'",
+treeverse/dvc#8171), hence the one folder. Should dvc.yaml be edited so that a source is not
+inside a dependency, adding images to it would not rerun the stage and the pipeline would
+silently train on stale data. DVC sets DVC_ROOT and DVC_STAGE for the commands it runs; with them
+set, this check reads the stage's deps and fails with the exact line to add. Run by hand (no
+DVC_STAGE) the stage does not check.
 """
 from __future__ import annotations
 
@@ -25,7 +27,7 @@ log = logging.getLogger(__name__)
 _TEMPLATE = re.compile(r"\$\{\s*([^}]+?)\s*\}")
 
 
-def _interpolate(text: str, params: Mapping[str, Any]) -> str | None:
+def interpolate(text: str, params: Mapping[str, Any]) -> str | None:
     """`${a.b}` from params.yaml (DVC's syntax for a dotted key), or None if it cannot."""
     def value(match: re.Match) -> str:
         node: Any = params
@@ -57,7 +59,7 @@ def stage_deps(environ: Mapping[str, str], params: Mapping[str, Any]) -> tuple[s
     paths = []
     for dep in definition.get("deps") or []:
         text = dep if isinstance(dep, str) else next(iter(dep), "")
-        resolved = _interpolate(str(text), params)
+        resolved = interpolate(str(text), params)
         if resolved is not None:
             paths.append((wdir / resolved).resolve())
     return name, paths

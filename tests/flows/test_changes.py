@@ -86,3 +86,16 @@ def test_a_source_folder_dvc_does_not_watch_is_reported(ws: Path, isolated_mlflo
     changes = detect_changes(ws, "toy", isolated_mlflow)
     assert changes.changed
     assert changes.reasons[0].startswith("source folder more is not a dependency of any stage")
+
+
+def test_the_data_dir_dependency_is_read_as_dvc_fills_it_in(tmp_path: Path) -> None:
+    """dvc.yaml's `${ingest.data_dir}` watches a source that has no `path` of its own."""
+    (tmp_path / "params.yaml").write_text(
+        "ingest:\n  data_dir: photos\n  sources:\n    - type: folder\n"
+        "    - type: folder\n      path: photos/more\n")
+    stages = {"ingest": {"cmd": "true", "deps": ["tasks/ingest", "${ingest.data_dir}"]}}
+    (tmp_path / "dvc.yaml").write_text(yaml.safe_dump({"stages": stages}))
+    assert unwatched_sources(tmp_path) == []
+    stages["ingest"]["deps"] = ["tasks/ingest", "data/other"]
+    (tmp_path / "dvc.yaml").write_text(yaml.safe_dump({"stages": stages}))
+    assert unwatched_sources(tmp_path) == ["photos", "photos/more"]

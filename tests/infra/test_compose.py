@@ -120,6 +120,9 @@ def test_no_secret_is_committed_and_every_variable_is_documented() -> None:
 def test_pins_match_requirements_lock() -> None:
     mlflow_pin = re.search(r"mlflow==([\d.]+)", (INFRA / "Dockerfile.mlflow").read_text())
     assert mlflow_pin and mlflow_pin.group(1) == _lock_version("mlflow")
+    driver_pin = re.search(r"psycopg2-binary==([\d.]+)", (INFRA / "Dockerfile.mlflow").read_text())
+    assert driver_pin and driver_pin.group(1) == _lock_version("psycopg2-binary")
     prefect_image = SERVICES["prefect-server"]["image"]
     assert prefect_image.startswith(f"prefecthq/prefect:{_lock_version('prefect')}-python3.11")
-    assert "requirements.lock" in (INFRA / "Dockerfile.worker").read_text()
+    worker = (INFRA / "Dockerfile.worker").read_text()
+    assert "-r /tmp/requirements.lock" in worker and "-r /tmp/requirements-torch.lock" in worker

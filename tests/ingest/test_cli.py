@@ -16,7 +16,8 @@ from tests.ingest.util import read_jsonl
 
 def write_params(path: Path, sources: list[dict], **overrides) -> Path:
     params = yaml.safe_load((REPO / "params.yaml").read_text())
-    params["ingest"] = {**params["ingest"], "sources": sources, **overrides}
+    # The sources name their own folders (under tmp), so no data_dir to lie inside.
+    params["ingest"] = {**params["ingest"], "data_dir": None, "sources": sources, **overrides}
     path.write_text(yaml.safe_dump(params))
     return path
 

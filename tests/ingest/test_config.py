@@ -13,7 +13,8 @@ from tests.conftest import REPO
 
 
 def parse(data: dict) -> IngestConfig:
-    return parse_section("ingest", data, IngestConfig)
+    """The section as given; without data_dir, each source names its own folder."""
+    return parse_section("ingest", {"data_dir": None, **data}, IngestConfig)
 
 
 def error(data: dict) -> str:
@@ -75,3 +76,27 @@ def test_top_level_values_are_checked() -> None:
     assert "ingest.source: unknown key" in error({"source": "data/demo/subject"})
     assert "ingest.resolution" in error({"resolution": 0})
     assert "ingest.max_aspect_ratio" in error({"max_aspect_ratio": 0.5})
+
+
+def test_a_source_without_path_reads_data_dir() -> None:
+    cfg = parse({"data_dir": "photos", "sources": [
+        {"type": "folder"}, {"type": "imagefolder", "path": "photos/more"},
+        {"type": "hub", "name": "org/set", "revision": "abc123"},
+    ]})
+    paths = [getattr(s, "path", None) for s in cfg.sources]
+    assert paths == [Path("photos"), Path("photos/more"), None]
+
+
+def test_a_local_source_outside_data_dir_is_refused_with_the_fix() -> None:
+    message = error({"data_dir": "photos", "sources": [{"type": "folder"},
+                                                       {"type": "folder", "path": "elsewhere"}]})
+    assert ("ingest.sources.1.path: lies outside ingest.data_dir (photos), the folder DVC "
+            "watches") in message
+    assert "'elsewhere'" in message
+    assert "set data_dir to a folder that holds every local source" in message
+
+
+def test_without_data_dir_every_local_source_names_its_path() -> None:
+    message = error({"data_dir": None, "sources": [{"type": "metadata_json"}]})
+    assert ("ingest.sources.0.path: a 'metadata_json' source needs `path`, or "
+            "ingest.data_dir") in message

@@ -33,10 +33,13 @@ def save(path: Path, image: Image.Image, caption: str | None = None, **kw: Any) 
 
 
 def config(sources: list[dict] | Path, **overrides: Any) -> IngestConfig:
-    """An IngestConfig for tests: one process and no cache unless a test asks for them."""
+    """An IngestConfig for tests: one process and no cache unless a test asks for them.
+
+    No data_dir unless a test asks: the sources name their own folders (anywhere under tmp).
+    """
     if isinstance(sources, Path):
         sources = [{"type": "folder", "path": str(sources)}]
-    data = {"sources": sources, "workers": 1, "cache_dir": None, **overrides}
+    data = {"data_dir": None, "sources": sources, "workers": 1, "cache_dir": None, **overrides}
     return IngestConfig.model_validate(data)
 
 
