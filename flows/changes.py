@@ -27,6 +27,8 @@ import yaml
 
 from tasks.common.errors import UserError
 
+#: The model version tag naming the DVC experiment a version was built in (flows/finetune.py).
+EXPERIMENT_TAG = "dvc.experiment"
 #: Lineage tags that identify what a version was built from (tasks/register/lineage.py writes them).
 _LINEAGE_PREFIXES = ("dvc.md5.", "param.")
 #: ... except the register section, which names the model and its promotion rule, not its content.
@@ -109,11 +111,18 @@ def _comparable(tags: dict[str, str]) -> dict[str, str]:
             if k.startswith(_LINEAGE_PREFIXES) and not k.startswith(_IGNORED_PREFIXES)}
 
 
-def last_registered(model_name: str, tracking_uri: str) -> Any | None:
-    """The newest version of `model_name` (highest number), or None when there is none."""
+def last_registered(model_name: str, tracking_uri: str,
+                    include_experiments: bool = True) -> Any | None:
+    """The newest version of `model_name` (highest number), or None when there is none.
+
+    Without `include_experiments`, versions registered from a DVC experiment (flow overrides,
+    tag `dvc.experiment`) are passed over: they were not built from the workspace's params.yaml.
+    """
     from mlflow import MlflowClient
 
     versions = MlflowClient(tracking_uri=tracking_uri).search_model_versions(f"name='{model_name}'")
+    if not include_experiments:
+        versions = [v for v in versions if EXPERIMENT_TAG not in (v.tags or {})]
     return max(versions, key=lambda v: int(v.version)) if versions else None
 
 
@@ -125,13 +134,15 @@ def _diff(now: dict[str, str], then: dict[str, str]) -> list[str]:
     return [f"{shown}{more}"] if diffs else []
 
 
-def detect_changes(root: Path, model_name: str, tracking_uri: str) -> Changes:
-    """Compare the workspace (dvc status, dvc.lock, sources) with the last registered version."""
+def detect_changes(root: Path, model_name: str, tracking_uri: str,
+                   include_experiments: bool = False) -> Changes:
+    """Compare the workspace (dvc status, dvc.lock, sources) with the last registered version
+    (with `include_experiments`, one registered from a DVC experiment counts too)."""
     reasons = _status_reasons(dvc_status(root))
     reasons += [f"source folder {p} is not a dependency of any stage in dvc.yaml, so DVC cannot "
                 "tell whether it has new files (add it to the ingest stage's deps)"
                 for p in unwatched_sources(root)]
-    version = last_registered(model_name, tracking_uri)
+    version = last_registered(model_name, tracking_uri, include_experiments)
     if version is None:
         reasons.append(f"no version of model '{model_name}' is registered yet")
         return Changes(True, reasons)

@@ -49,6 +49,10 @@ def markdown(summary: dict[str, Any], tracking_uri: str) -> str:
         lines += ["", f"MLflow run: [{run_id}]({link})"]
     if summary.get("changes"):
         lines += ["", f"Why it ran: {summary['changes']}"]
+    if summary.get("dvc_experiment"):
+        lines += ["", f"Overrides ran as DVC experiment `{summary['dvc_experiment']}` "
+                  "(`dvc exp show`; `dvc exp apply` to bring it into the workspace); "
+                  "params.yaml was left as it was."]
     stages = summary.get("stages") or []
     if stages:
         lines += ["", "## Stages", "", "| stage | status | seconds |", "|---|---|---|"]

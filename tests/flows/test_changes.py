@@ -69,6 +69,20 @@ def test_changes_against_the_last_registered_version(ws: Path, isolated_mlflow: 
     assert not detect_changes(ws, "toy", isolated_mlflow).changed
 
 
+def test_a_version_built_by_an_experiment_is_not_the_workspace_baseline(
+        ws: Path, isolated_mlflow: str) -> None:
+    """A flow run with overrides (a DVC experiment) registers a version the nightly must not
+    compare the workspace with: it was not built from the workspace's params.yaml."""
+    _register(ws, isolated_mlflow)
+    client = mlflow.MlflowClient(tracking_uri=isolated_mlflow)
+    client.create_model_version("toy", source=str(ws / "processed"), tags={
+        "dvc.experiment": "flow-x", "param.ingest.resolution": "128", "dvc.md5.processed": "y"})
+    changes = detect_changes(ws, "toy", isolated_mlflow)
+    assert not changes.changed and changes.compared_with == "toy v1"
+    with_exps = detect_changes(ws, "toy", isolated_mlflow, include_experiments=True)
+    assert with_exps.changed and with_exps.compared_with == "toy v2"
+
+
 def test_a_changed_param_is_a_change(ws: Path, isolated_mlflow: str) -> None:
     _register(ws, isolated_mlflow)
     (ws / "params.yaml").write_text(PARAMS.replace("resolution: 64", "resolution: 128"))
