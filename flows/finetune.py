@@ -43,6 +43,7 @@ from tasks.register.config import RegisterConfig
 REPO = Path(__file__).resolve().parents[1]
 
 # Paths fixed by the contract (DESIGN.md, "stage outputs"); dvc.yaml passes the same ones.
+BASE = Path("models/base")
 FINETUNED = Path("models/finetuned")
 OPENVINO = Path("models/openvino")
 EVALUATION = Path("reports/evaluate.json")
@@ -108,6 +109,7 @@ def register_model(root: str, parent_run_id: str, flow_run_id: str | None,
     result = register(
         base / FINETUNED, base / OPENVINO, base / EVALUATION,
         lock=base / "dvc.lock", params=base / "params.yaml", run_id=parent_run_id, extra_tags=extra,
+        base=base / BASE,
     )
     get_run_logger().info(
         "registered %s version %s, aliases %s",

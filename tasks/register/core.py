@@ -30,6 +30,9 @@ log = logging.getLogger(__name__)
 CANDIDATE = "candidate"
 CHAMPION = "champion"
 MODEL_CODE = Path(__file__).with_name("pyfunc_model.py")
+#: What the train stage writes for `train.method: lora` (tasks/train/methods/lora.py); without
+#: `fuse_lora` the folder holds only this file, and the model is registered with its base.
+LORA_WEIGHTS = "pytorch_lora_weights.safetensors"
 
 #: What the model needs to load and predict, pinned to the versions that logged it (MLflow's
 #: own inference would load the model in a subprocess just to guess this list).
@@ -98,6 +101,30 @@ def _check_folder(path: Path, what: str, marker: str) -> None:
         raise UserError(f"{path} is not {what} (no {marker}): run the pipeline first (`dvc repro`)")
 
 
+def model_artifacts(finetuned: Path, openvino: Path, base: Path | None) -> dict[str, str]:
+    """The pyfunc's artifacts: the fine-tuned pipeline and its OpenVINO export; for LoRA adapters
+    saved without `fuse_lora`, the adapters and the base pipeline they apply to.
+
+    Every train output reaches the registry (README "The registry", method x export table):
+    a full pipeline (dreambooth, full, textual_inversion, lora with fuse_lora) as it is; an
+    adapters-only folder (lora, fuse_lora: false) with `base`, loaded by the pyfunc as
+    `DiffusionPipeline.from_pretrained(base).load_lora_weights(finetuned)`.
+    """
+    _check_folder(openvino, "an OpenVINO export folder", "model_index.json")
+    artifacts = {"finetuned": str(finetuned), "openvino": str(openvino)}
+    if (Path(finetuned) / "model_index.json").is_file():
+        return artifacts
+    if not (Path(finetuned) / LORA_WEIGHTS).is_file():
+        _check_folder(finetuned, "a diffusers pipeline folder", "model_index.json")
+    if base is None or not (Path(base) / "model_index.json").is_file():
+        raise UserError(
+            f"{finetuned} holds LoRA adapters only (train.fuse_lora: false); they are registered "
+            f"with the base pipeline they apply to, which was not found at {base}: pass --base "
+            "models/base (run `dvc repro base` first)"
+        )
+    return {**artifacts, "base": str(base)}
+
+
 def register_model(
     *,
     model_name: str,
@@ -111,24 +138,25 @@ def register_model(
     extra_tags: dict[str, Any] | None = None,
     primary_metric: str = "dino",
     primary_metric_goal: Goal = "maximize",
+    base: Path | None = None,
 ) -> Registered:
     """Log the pyfunc in run `run_id`, register a version of `model_name`, tag it, set aliases."""
     import mlflow
     from mlflow.models import Model
 
-    _check_folder(finetuned, "a diffusers pipeline folder", "model_index.json")
-    _check_folder(openvino, "an OpenVINO export folder", "model_index.json")
+    artifacts = model_artifacts(finetuned, openvino, base)
     candidate_score(evaluation, primary_metric)  # a misnamed metric fails before anything is logged
     client = mlflow.MlflowClient()
     tags = lineage_tags(lock, evaluation, params, git_commit, extra_tags)
-    log.info("logging the pyfunc model (artifacts %s, %s) into run %s", finetuned, openvino, run_id)
+    tags["model.artifacts"] = "lora_adapters+base" if "base" in artifacts else "pipeline"
+    log.info("logging the pyfunc model (artifacts %s) into run %s", artifacts, run_id)
     info = Model.log(
         artifact_path=None,
         name="model",
         flavor=mlflow.pyfunc,
         run_id=run_id,
         python_model=str(MODEL_CODE),
-        artifacts={"finetuned": str(finetuned), "openvino": str(openvino)},
+        artifacts=artifacts,
         signature=signature(),
         pip_requirements=pip_requirements(),
         registered_model_name=model_name,
@@ -169,6 +197,7 @@ def register(
     params: Path = Path("params.yaml"),
     run_id: str | None = None,
     extra_tags: dict[str, Any] | None = None,
+    base: Path | None = None,
 ) -> Registered:
     """Read params, dvc.lock and the evaluation, then register: in `run_id`, or in a new run.
 
@@ -189,6 +218,7 @@ def register(
         extra_tags=extra_tags,
         primary_metric=cfg.primary_metric,
         primary_metric_goal=cfg.primary_metric_goal,
+        base=Path(base).resolve() if base is not None else None,
     )
     if run_id:
         return register_model(run_id=run_id, **kwargs)
