@@ -9,9 +9,11 @@ This module does what `--temp` does, with those inputs carried over:
 1. `git worktree add --detach` of HEAD under `.dvc/tmp/flow-exps/<name>` (git-ignored), sharing
    the repository's refs and DVC cache (`dvc cache dir --local`);
 2. the workspace's uncommitted changes to tracked files, its untracked files that git does not
-   ignore, and every dep and out of dvc.yaml that git does not track are carried over (files are
-   hard-linked when possible: stages replace outputs atomically, so a link is never written
-   through);
+   ignore, and every dep and out of dvc.yaml that git does not track are carried over: copied,
+   except the files of cached, non-persistent outputs, which are hard-linked when possible (DVC
+   deletes such an output before its stage runs and stages write outputs to a new folder, so a
+   link is never written through; dvc.lock, params.yaml, .gitignore, reports and persistent
+   outputs are written in place and are always copies);
 3. the overrides are written into the experiment's params.yaml only;
 4. after the stages ran, `dvc exp save --name <name>` records the experiment in the repository,
    listed by `dvc exp show` and restorable with `dvc exp apply <name>`;
@@ -90,7 +92,7 @@ def _link_or_copy(src: str, dst: str) -> None:
         shutil.copy2(src, dst)
 
 
-def _carry(root: Path, dest: Path, rel: str) -> None:
+def _carry(root: Path, dest: Path, rel: str, link: bool = False) -> None:
     src, dst = root / rel, dest / rel
     if dst.is_symlink() or dst.is_file():
         dst.unlink()
@@ -99,24 +101,30 @@ def _carry(root: Path, dest: Path, rel: str) -> None:
     if not (src.exists() or src.is_symlink()):
         return  # deleted in the workspace: deleted in the experiment too
     dst.parent.mkdir(parents=True, exist_ok=True)
+    copy = _link_or_copy if link else shutil.copy2
     if src.is_symlink():
         os.symlink(os.readlink(src), dst)
     elif src.is_dir():
-        shutil.copytree(src, dst, symlinks=True, copy_function=_link_or_copy)
+        shutil.copytree(src, dst, symlinks=True, copy_function=copy)
     else:
-        _link_or_copy(str(src), str(dst))
+        copy(str(src), str(dst))
 
 
-def _pipeline_paths(root: Path) -> list[str]:
-    """Every dep, out, metric and plot path of dvc.yaml's stages."""
+def _pipeline_paths(root: Path) -> tuple[list[str], set[str]]:
+    """Every dep, out, metric and plot path of dvc.yaml's stages; and the linkable ones (cached,
+    non-persistent outs)."""
     stages = (yaml.safe_load((root / "dvc.yaml").read_text()) or {}).get("stages") or {}
     paths: list[str] = []
+    linkable: set[str] = set()
     for stage in stages.values():
         for kind in ("deps", "outs", "metrics", "plots"):
             for entry in stage.get(kind) or []:
                 path = next(iter(entry)) if isinstance(entry, dict) else entry
+                opts = (entry[path] or {}) if isinstance(entry, dict) else {}
                 paths.append(str(path))
-    return list(dict.fromkeys(paths))
+                if (kind == "outs" and opts.get("cache", True) and not opts.get("persist", False)):
+                    linkable.add(str(path))
+    return list(dict.fromkeys(paths)), linkable
 
 
 def _untracked_by_git(root: Path, paths: list[str]) -> list[str]:
@@ -130,8 +138,11 @@ def populate(root: Path, dest: Path) -> None:
     """Make `dest` (a worktree of HEAD) hold what the workspace holds, for the pipeline's sake."""
     changed = _null_split(_git(root, "diff", "--name-only", "-z", "HEAD"))
     untracked = _null_split(_git(root, "ls-files", "--others", "--exclude-standard", "-z"))
-    for rel in [*changed, *untracked, *_untracked_by_git(root, _pipeline_paths(root))]:
+    for rel in [*changed, *untracked]:
         _carry(root, dest, rel)
+    paths, linkable = _pipeline_paths(root)
+    for rel in _untracked_by_git(root, paths):
+        _carry(root, dest, rel, link=rel in linkable)
     for local in (".dvc/config.local",):
         if (root / local).is_file():
             shutil.copy2(root / local, dest / local)

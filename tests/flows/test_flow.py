@@ -141,30 +141,44 @@ def _experiments(root: Path) -> dict[str, dict]:
     return found
 
 
+def _snapshot(root: Path) -> dict[str, tuple[bytes, int]]:
+    """Content and mode of every file git does not track, and of params.yaml."""
+    files = [root / "params.yaml"] + [
+        p for p in root.rglob("*")
+        if p.is_file() and ".git" not in p.parts and ".dvc" not in p.parts]
+    return {str(p.relative_to(root)): (p.read_bytes(), p.stat().st_mode) for p in files}
+
+
 def test_overrides_run_as_a_dvc_experiment_and_leave_the_workspace_alone(
         prefect_server, toy: Path) -> None:
     (toy / "params.yaml").chmod(0o664)
-    before, mode = (toy / "params.yaml").read_bytes(), (toy / "params.yaml").stat().st_mode
+    plain = finetune_module.finetune(register=False)  # the workspace has outputs and dvc.lock
+    assert [s["status"] for s in plain["stages"]] == ["ran", "ran"]
+    before, status = _snapshot(toy), _git(toy, "status", "--porcelain")
+    assert "dvc.lock" in before and "first.out" in before
+
     result = finetune_module.finetune(overrides={"first.value": 5}, register=False)
-    assert [(s["stage"], s["status"]) for s in result["stages"]] == [("second", "ran"), ("first", "ran")]
+    # Carried over from the workspace, 'second' is unchanged: only 'first' reruns.
+    assert [(s["stage"], s["status"]) for s in result["stages"]] == [("second", "skipped"),
+                                                                      ("first", "ran")]
     name = result["dvc_experiment"]
-    # The workspace is as it was: params.yaml (content and mode), no outputs, no dvc.lock, git clean.
-    assert (toy / "params.yaml").read_bytes() == before
-    assert (toy / "params.yaml").stat().st_mode == mode
-    assert not (toy / "first.out").exists() and not (toy / "dvc.lock").exists()
-    assert _git(toy, "status", "--porcelain") == ""
+    # The workspace is as it was: every file, dvc.lock and params.yaml included, content and mode.
+    assert _snapshot(toy) == before
+    assert _git(toy, "status", "--porcelain") == status
     assert _git(toy, "worktree", "list").count("\n") == 1  # the experiment's worktree is gone
+    assert subprocess.run([sys.executable, "-m", "dvc", "status", "--json"], cwd=toy,
+                          capture_output=True, text=True, check=True).stdout.strip() == "{}"
     # DVC lists the experiment with the overridden value; the run records it.
     assert _experiments(toy)[name]["first"]["value"] == 5
     parent = mlflow.MlflowClient().get_run(result["mlflow_run_id"])
     assert parent.data.tags["dvc.experiment"] == name
     assert json.loads(parent.data.tags["overrides"]) == {"first.value": 5}
     assert parent.data.params["first.value"] == "5"
-    assert {r.data.metrics["value"] for r in _runs(parent.info.run_id)} == {1.0, 5.0}
+    assert {r.data.metrics["value"] for r in _runs(parent.info.run_id)} == {5.0}
 
-    # The next plain run uses the tracked params.yaml; the experiment's outputs are in the cache.
-    plain = finetune_module.finetune(register=False)
-    assert [s["status"] for s in plain["stages"]] == ["restored", "ran"]
+    # The next plain run uses the tracked params.yaml: nothing to do.
+    again = finetune_module.finetune(register=False)
+    assert [s["status"] for s in again["stages"]] == ["skipped", "skipped"]
     assert (toy / "first.out").read_text() == "2"
 
 
@@ -205,6 +219,7 @@ def _artifact(flow_run_id) -> str:
 
 def test_only_if_changed_and_the_run_summary_artifact(prefect_server, toy: Path) -> None:
     from flows.changes import lineage_of_workspace
+    from tasks.register.lineage import fingerprint
 
     state = finetune_module.finetune(register=False, return_state=True)
     first = state.result()
@@ -215,7 +230,8 @@ def test_only_if_changed_and_the_run_summary_artifact(prefect_server, toy: Path)
     # What tasks/register would leave: a version whose lineage is this workspace's dvc.lock.
     client = mlflow.MlflowClient()
     client.create_registered_model("toy")
-    client.create_model_version("toy", source=str(toy), tags=lineage_of_workspace(toy))
+    client.create_model_version("toy", source=str(toy), tags={
+        "lineage.fingerprint": fingerprint(lineage_of_workspace(toy))})
     runs_before = len(mlflow.search_runs(search_all_experiments=True, output_format="list"))
 
     state = finetune_module.finetune(only_if_changed=True, return_state=True)
