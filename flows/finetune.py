@@ -103,7 +103,7 @@ def register_model(root: str, parent_run_id: str, flow_run_id: str | None,
     from tasks.register.core import register
 
     base = Path(root)
-    extra = {"mlflow_parent_run_id": parent_run_id, **(tags or {})}
+    extra = dict(tags or {})  # the version's run is the parent run: no tag needed for it
     if flow_run_id:
         extra["prefect_flow_run_id"] = flow_run_id
     result = register(

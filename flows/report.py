@@ -62,6 +62,11 @@ def markdown(summary: dict[str, Any], tracking_uri: str) -> str:
     if metrics:
         lines += ["", "## Metrics", "", "| metric | value |", "|---|---|"]
         lines += [f"| {k} | {_fmt(v)} |" for k, v in sorted(metrics.items())]
+    protocol = evaluation.get("protocol") or {}
+    if protocol:
+        lines += ["", f"Evaluation protocol `{protocol.get('id')}`"
+                  + ("" if protocol.get("calibrated", True)
+                     else f": **{protocol.get('uncalibrated_reason')}**")]
     gate = evaluation.get("gate")
     if gate is not None:
         checks = ", ".join(f"{k}: {'ok' if v else 'FAILED'}" for k, v in (gate.get("checks") or {}).items())

@@ -15,18 +15,28 @@ from tasks.common.config import load_config, read_params
 from tasks.common.errors import UserError
 from tasks.common.tracking import git_commit, stage_run
 from tasks.register.config import RegisterConfig
-from tasks.register.promotion import Champion, Goal, candidate_score, decide, score_from_tags
+from tasks.register.promotion import (
+    Champion,
+    Goal,
+    candidate_score,
+    decide,
+    protocol_from_tags,
+    score_from_tags,
+)
 from tasks.register.lineage import (
     Evaluation,
     Lock,
     describe,
-    lineage_tags,
+    lineage_record,
     read_evaluation,
     read_lock,
+    summary_tags,
 )
 
 log = logging.getLogger(__name__)
 
+#: The version's full lineage, one JSON document in its run (tasks/register/lineage.py).
+LINEAGE_ARTIFACT = "lineage.json"
 CANDIDATE = "candidate"
 CHAMPION = "champion"
 MODEL_CODE = Path(__file__).with_name("pyfunc_model.py")
@@ -93,7 +103,9 @@ def current_champion(client: Any, model_name: str, metric: str) -> Champion | No
         if err.error_code in ("RESOURCE_DOES_NOT_EXIST", "INVALID_PARAMETER_VALUE"):
             return None
         raise
-    return Champion(version=str(mv.version), score=score_from_tags(dict(mv.tags), metric))
+    tags = dict(mv.tags)
+    return Champion(version=str(mv.version), score=score_from_tags(tags, metric),
+                    protocol=protocol_from_tags(tags))
 
 
 def _check_folder(path: Path, what: str, marker: str) -> None:
@@ -139,6 +151,7 @@ def register_model(
     primary_metric: str = "dino",
     primary_metric_goal: Goal = "maximize",
     base: Path | None = None,
+    promote_uncalibrated: bool = False,
 ) -> Registered:
     """Log the pyfunc in run `run_id`, register a version of `model_name`, tag it, set aliases."""
     import mlflow
@@ -147,8 +160,9 @@ def register_model(
     artifacts = model_artifacts(finetuned, openvino, base)
     candidate_score(evaluation, primary_metric)  # a misnamed metric fails before anything is logged
     client = mlflow.MlflowClient()
-    tags = lineage_tags(lock, evaluation, params, git_commit, extra_tags)
+    tags = summary_tags(lock, evaluation, git_commit, primary_metric, extra_tags)
     tags["model.artifacts"] = "lora_adapters+base" if "base" in artifacts else "pipeline"
+    record = lineage_record(lock, evaluation, params, git_commit, extra_tags)
     log.info("logging the pyfunc model (artifacts %s) into run %s", artifacts, run_id)
     info = Model.log(
         artifact_path=None,
@@ -160,16 +174,20 @@ def register_model(
         signature=signature(),
         pip_requirements=pip_requirements(),
         registered_model_name=model_name,
-        metadata={"lineage": {k: v for k, v in tags.items() if not k.startswith("param.")}},
+        metadata={"lineage": tags},
     )
     version = str(info.registered_model_version)
     # Decided after this version exists, against the champion of that moment.
     decision = decide(evaluation, primary_metric, primary_metric_goal,
-                      current_champion(client, model_name, primary_metric))
+                      current_champion(client, model_name, primary_metric), promote_uncalibrated)
     promote, reason = decision.promote, decision.reason
-    description = f"{describe(lock, evaluation, git_commit)} Champion: {reason}."
+    description = f"{describe(lock, evaluation, git_commit, primary_metric)} Champion: {reason}."
     client.update_model_version(model_name, version, description=description)
-    tags.update(decision.tags())
+    record.update(champion=decision.tags(), model={"name": model_name, "version": version,
+                                                   "artifacts": sorted(artifacts)})
+    client.log_dict(run_id, record, LINEAGE_ARTIFACT)
+    tags["lineage"] = f"runs:/{run_id}/{LINEAGE_ARTIFACT}"
+    tags["champion.decision"] = reason
     for key, value in tags.items():
         client.set_model_version_tag(model_name, version, key, value)
     client.set_registered_model_alias(model_name, CANDIDATE, version)
@@ -219,6 +237,7 @@ def register(
         primary_metric=cfg.primary_metric,
         primary_metric_goal=cfg.primary_metric_goal,
         base=Path(base).resolve() if base is not None else None,
+        promote_uncalibrated=cfg.promote_uncalibrated,
     )
     if run_id:
         return register_model(run_id=run_id, **kwargs)

@@ -45,15 +45,23 @@ def test_cli_registers_version_with_lineage_and_both_aliases(registered: Path) -
     assert str(client.get_model_version_by_alias("sd-test", "candidate").version) == "1"
     commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=registered, capture_output=True,
                             text=True, check=True).stdout.strip()
-    assert mv.tags["git_commit"] == commit
-    assert mv.tags["dvc.md5.data/processed"] == "11111111111111111111111111111111.dir"
-    assert mv.tags["dvc.md5.models/finetuned"] == "22222222222222222222222222222222.dir"
-    assert mv.tags["dvc.md5.models/openvino"] == "33333333333333333333333333333333.dir"
-    assert mv.tags["param.train.max_train_steps"] == "3"
-    assert mv.tags["param.register.model_name"] == "sd-test"
-    assert mv.tags["metric.clip_t"] == "0.21" and mv.tags["gate.passed"] == "true"
+    # A few readable tags; the full lineage in one JSON document in the version's run.
+    assert set(mv.tags) == {"base", "method", "data", "git_commit", "metric.dino", "gate",
+                            "protocol", "lineage.fingerprint", "lineage", "champion.decision",
+                            "model.artifacts"}
+    assert mv.tags["git_commit"] == commit and mv.tags["method"] == "dreambooth"
+    assert mv.tags["data"] == "11111111111111111111111111111111.dir"
+    assert mv.tags["metric.dino"] == "0.4" and mv.tags["gate"] == "passed"
     assert mv.tags["champion.decision"].startswith("promoted")
     assert "dreambooth for 3 steps" in mv.description
+    lineage = mlflow.artifacts.load_dict(mv.tags["lineage"])
+    assert lineage["outputs"]["models/openvino"] == "33333333333333333333333333333333.dir"
+    assert lineage["params"]["train"]["max_train_steps"] == 3
+    assert lineage["params"]["register"]["model_name"] == "sd-test"
+    assert lineage["metrics"]["clip_t"] == 0.21 and lineage["gate"]["passed"] is True
+    assert lineage["champion"]["champion.promoted"] == "true"
+    assert lineage["model"] == {"name": "sd-test", "version": "1",
+                                "artifacts": ["finetuned", "openvino"]}
     # The CLI logs into a run of its own, named after it.
     run = client.get_run(mv.run_id)
     assert run.info.run_name == "register" and run.info.status == "FINISHED"
@@ -75,7 +83,7 @@ def test_failed_gate_moves_only_candidate(registered: Path) -> None:
     assert str(client.get_model_version_by_alias("sd-test", "champion").version) == "1"
     v2 = client.get_model_version("sd-test", "2")
     assert v2.run_id == run.info.run_id
-    assert v2.tags["gate.passed"] == "false" and v2.tags["champion.decision"].startswith("not promoted")
+    assert v2.tags["gate"] == "failed" and v2.tags["champion.decision"].startswith("not promoted")
 
 
 def test_champion_moves_only_to_a_better_candidate(registered: Path) -> None:
@@ -96,13 +104,15 @@ def test_champion_moves_only_to_a_better_candidate(registered: Path) -> None:
     assert v2.tags["champion.decision"] == (
         "not promoted: the gate passed but it does not beat the champion "
         "(dino=0.3 vs champion v1 dino=0.4, maximize)")
-    assert (v2.tags["champion.candidate_score"], v2.tags["champion.previous_score"]) == ("0.3", "0.4")
+    champion = mlflow.artifacts.load_dict(v2.tags["lineage"])["champion"]
+    assert (champion["champion.candidate_score"], champion["champion.previous_score"]) == ("0.3", "0.4")
     assert "Champion: not promoted" in v2.description
 
     assert register_with(0.45) == "3"
     v3 = client.get_model_version("sd-test", "3")
     assert sorted(v3.aliases) == ["candidate", "champion"]
-    assert v3.tags["champion.previous_version"] == "1" and v3.tags["champion.promoted"] == "true"
+    champion = mlflow.artifacts.load_dict(v3.tags["lineage"])["champion"]
+    assert champion["champion.previous_version"] == "1" and champion["champion.promoted"] == "true"
     assert v3.tags["champion.decision"].startswith("promoted: the gate passed and it beats")
 
 
