@@ -44,7 +44,8 @@ def uncalibrated_reason(cfg: EvaluateConfig) -> str | None:
     builtin = [n for n in (cfg.clip_model, cfg.dino_model) if n.startswith(BUILTIN)]
     if not builtin:
         return None
-    return (f"uncalibrated scores: {' and '.join(builtin)} have random (seeded) weights, so "
+    verb = "have" if len(builtin) > 1 else "has"
+    return (f"uncalibrated scores: {' and '.join(builtin)} {verb} random (seeded) weights, so "
             "CLIP-T, CLIP-I and DINO do not measure likeness here; set evaluate.clip_model and "
             "evaluate.dino_model to trained encoders (README, 'Parameters') for meaningful scores")
 
