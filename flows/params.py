@@ -105,7 +105,8 @@ def section_config(section: str) -> type[StageConfig] | None:
     return getattr(importlib.import_module(module), name)
 
 
-def _check_keys(doc: Mapping[str, Any], overrides: Mapping[str, Any], source: str) -> dict[str, Any]:
+def _check_keys(doc: Mapping[str, Any], overrides: Mapping[str, Any],
+                source: str) -> dict[str, Any]:
     applied: dict[str, Any] = {}
     for dotted, value in overrides.items():
         if not isinstance(dotted, str) or not dotted or any(not p for p in dotted.split(".")):

@@ -147,6 +147,7 @@ def test_deployment_run_registers_a_model(tmp_path_factory: pytest.TempPathFacto
         assert train["resumed_from_step"] == killed_at and train["steps"] == params["train"]["max_train_steps"]
         gate = yaml.safe_load((root / "reports/evaluate.json").read_text())["gate"]["passed"]
         assert {a for a in v1.aliases} == ({"candidate", "champion"} if gate else {"candidate"})
+
         def lineage_of(version):
             path = mlflow.artifacts.download_artifacts(version.tags["lineage"], tracking_uri=uri)
             return json.loads(Path(path).read_text())

@@ -108,6 +108,19 @@ def test_report_carries_the_protocol_its_scores_were_measured_under(run):
     assert (settings["seed"], settings["num_inference_steps"]) == (0, 2)
 
 
+def test_a_no_op_fine_tune_fails_a_gate_that_asks_for_a_gain(run):
+    """Controlled input: the 'fine-tune' is the base itself (its export), so nothing was learned.
+    A gate with a real gain threshold (README's for real encoders: min_gain_clip_i 0.02) fails it."""
+    from tasks.evaluate.config import GateConfig
+
+    metrics = run["report"]["metrics"]
+    assert abs(metrics["gain_dino"]) < 0.02 and abs(metrics["gain_clip_i"]) < 0.02
+    verdict = M.gate(metrics, GateConfig(min_gain_clip_i=0.02, min_gain_dino=0.02).model_dump())
+    assert not verdict["passed"]
+    assert not verdict["checks"]["gain_clip_i"]["passed"]
+    assert not verdict["checks"]["gain_dino"]["passed"]
+
+
 def test_gate_records_each_check_and_fails_when_one_fails(run):
     gate = run["report"]["gate"]
     assert gate["passed"] is False  # the registration step reads this key
