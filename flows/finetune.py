@@ -98,7 +98,8 @@ def repro_stage(stage: str, root: str, parent_run_id: str, tracking: str | None 
 
 @task(name="register", task_run_name="register", cache_policy=NO_CACHE)
 def register_model(root: str, parent_run_id: str, flow_run_id: str | None,
-                   tags: dict[str, Any] | None = None) -> dict[str, Any]:
+                   tags: dict[str, Any] | None = None,
+                   champion_rescore: dict[str, Any] | None = None) -> dict[str, Any]:
     """Register the pyfunc (pipeline + OpenVINO export) in the parent run; move the aliases."""
     from tasks.register.core import register
 
@@ -109,7 +110,7 @@ def register_model(root: str, parent_run_id: str, flow_run_id: str | None,
     result = register(
         base / FINETUNED, base / OPENVINO, base / EVALUATION,
         lock=base / "dvc.lock", params=base / "params.yaml", run_id=parent_run_id, extra_tags=extra,
-        base=base / BASE,
+        base=base / BASE, champion_rescore=champion_rescore,
     )
     get_run_logger().info(
         "registered %s version %s, aliases %s",
@@ -260,7 +261,8 @@ def _run_pipeline(root: Path, workdir: Path, stages: list[str], applied: dict[st
             extra = {"dvc.experiment": saved["name"], "dvc.experiment.rev": saved["rev"],
                      "overrides": json.dumps(applied, sort_keys=True)}
             parent.set_tags(extra)
-        registered = (register_model(str(workdir), parent.run_id, flow_run_id, extra)
+        rescored = _rescore_champion(root, workdir, parent) if register else None
+        registered = (register_model(str(workdir), parent.run_id, flow_run_id, extra, rescored)
                       if register else None)
         parent.log_artifact(workdir / "dvc.lock")
         experiment_id = parent.client.get_run(parent.run_id).info.experiment_id
@@ -271,6 +273,40 @@ def _run_pipeline(root: Path, workdir: Path, stages: list[str], applied: dict[st
     if (workdir / EVALUATION).is_file():  # read now: an experiment's workspace goes away
         summary["evaluation"] = json.loads((workdir / EVALUATION).read_text())
     return summary
+
+
+def _rescore_champion(root: Path, workdir: Path, parent: ParentRun) -> dict[str, Any] | None:
+    """When the champion was scored under another evaluation protocol, score it again under the
+    current one (flows/rescore.py), so promotion compares like with like."""
+    from mlflow.exceptions import MlflowException
+
+    from flows import rescore
+
+    logger = get_run_logger()
+    name = load_config("register", RegisterConfig, workdir / "params.yaml").model_name
+    if not (workdir / EVALUATION).is_file():
+        return None
+    report = json.loads((workdir / EVALUATION).read_text())
+    try:
+        champion = parent.client.get_model_version_by_alias(name, "champion")
+    except MlflowException:
+        return None
+    if not rescore.needs_rescore(dict(champion.tags), report):
+        return None
+    logger.info("champion v%s was scored under protocol %s; re-scoring it under %s",
+                champion.version, champion.tags.get("protocol", "unknown"),
+                report["protocol"]["id"])
+    env = {PARENT_ENV: parent.run_id, "MLFLOW_TRACKING_URI": tracking_uri(root),
+           "MLFLOW_EXPERIMENT_NAME": experiment_name()}
+    try:
+        result = rescore.rescore(workdir, f"models:/{name}/{champion.version}", env)
+    except UserError as err:
+        logger.warning("could not re-score the champion: %s", err)
+        parent.set_tags({"champion.rescore_error": str(err)[:5000]})
+        return None
+    parent.set_tags({"champion.rescored_seconds": result["seconds_total"]})
+    logger.info("champion v%s re-scored in %s s", champion.version, result["seconds_total"])
+    return {"version": str(champion.version), "report": result}
 
 
 def _stages(workdir: Path, stages: list[str], parent: ParentRun,

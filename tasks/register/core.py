@@ -108,6 +108,26 @@ def current_champion(client: Any, model_name: str, metric: str) -> Champion | No
                     protocol=protocol_from_tags(tags))
 
 
+def _rescored(client: Any, model_name: str, champion: Champion | None,
+              rescore: dict[str, Any] | None, metric: str) -> tuple[Champion | None, str]:
+    """The champion with its score under the current protocol, when the flow re-scored it
+    (`rescore`: {"version", "report"}); the new score is also tagged on the champion's version."""
+    if champion is None or not rescore or str(rescore.get("version")) != champion.version:
+        return champion, ""
+    report = rescore["report"]
+    score = report.get("metrics", {}).get(metric)
+    protocol = (report.get("protocol") or {}).get("id")
+    if not isinstance(score, (int, float)) or not protocol:
+        return champion, ""
+    text = (f"v{champion.version} re-scored under protocol {protocol}: {metric}={score:.6g} "
+            f"(was {champion.score if champion.score is not None else 'none'} under "
+            f"{champion.protocol or 'unknown'}; {report.get('seconds_total', '?')} s)")
+    client.set_model_version_tag(model_name, champion.version, f"rescore.{protocol}",
+                                 f"{metric}={score:.6g}")
+    log.info("%s", text)
+    return Champion(champion.version, float(score), protocol), text
+
+
 def _check_folder(path: Path, what: str, marker: str) -> None:
     if not (Path(path) / marker).is_file():
         raise UserError(f"{path} is not {what} (no {marker}): run the pipeline first (`dvc repro`)")
@@ -152,6 +172,7 @@ def register_model(
     primary_metric_goal: Goal = "maximize",
     base: Path | None = None,
     promote_uncalibrated: bool = False,
+    champion_rescore: dict[str, Any] | None = None,
 ) -> Registered:
     """Log the pyfunc in run `run_id`, register a version of `model_name`, tag it, set aliases."""
     import mlflow
@@ -178,8 +199,10 @@ def register_model(
     )
     version = str(info.registered_model_version)
     # Decided after this version exists, against the champion of that moment.
-    decision = decide(evaluation, primary_metric, primary_metric_goal,
-                      current_champion(client, model_name, primary_metric), promote_uncalibrated)
+    champion = current_champion(client, model_name, primary_metric)
+    champion, rescored = _rescored(client, model_name, champion, champion_rescore, primary_metric)
+    decision = decide(evaluation, primary_metric, primary_metric_goal, champion,
+                      promote_uncalibrated)
     promote, reason = decision.promote, decision.reason
     description = f"{describe(lock, evaluation, git_commit, primary_metric)} Champion: {reason}."
     client.update_model_version(model_name, version, description=description)
@@ -188,6 +211,8 @@ def register_model(
     client.log_dict(run_id, record, LINEAGE_ARTIFACT)
     tags["lineage"] = f"runs:/{run_id}/{LINEAGE_ARTIFACT}"
     tags["champion.decision"] = reason
+    if rescored:
+        tags["champion.rescored"] = rescored
     for key, value in tags.items():
         client.set_model_version_tag(model_name, version, key, value)
     client.set_registered_model_alias(model_name, CANDIDATE, version)
@@ -216,6 +241,7 @@ def register(
     run_id: str | None = None,
     extra_tags: dict[str, Any] | None = None,
     base: Path | None = None,
+    champion_rescore: dict[str, Any] | None = None,
 ) -> Registered:
     """Read params, dvc.lock and the evaluation, then register: in `run_id`, or in a new run.
 
@@ -238,6 +264,7 @@ def register(
         primary_metric_goal=cfg.primary_metric_goal,
         base=Path(base).resolve() if base is not None else None,
         promote_uncalibrated=cfg.promote_uncalibrated,
+        champion_rescore=champion_rescore,
     )
     if run_id:
         return register_model(run_id=run_id, **kwargs)

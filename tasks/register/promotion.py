@@ -9,8 +9,9 @@ the gate replaces it, and the reason says so.
 
 Scores are compared only under the same evaluation protocol (tasks/evaluate/protocol.py: the
 encoders, prompts, seeds, sizes, data, backend and precision they were measured with). A champion
-scored under another protocol is not compared with: the candidate is not promoted and the reason
-says the champion must be re-scored under the current protocol (this run does not re-score it).
+scored under another protocol is not compared with: the flow re-scores it under the current
+protocol first (flows/rescore.py) and passes that score in; without one, the candidate is not
+promoted and the reason says the champion must be re-scored.
 Scores from random-weight encoders (`uncalibrated`) promote only with
 `register.promote_uncalibrated: true`, an explicit choice (the offline demo makes it).
 

@@ -166,3 +166,33 @@ def test_pyfunc_reads_the_exports_runtime_settings_like_the_pipeline(tmp_path: P
     for precision in ("auto", "bf16", "f16", "f32"):
         write_runtime_config(tmp_path, precision)
         assert _runtime_config(str(tmp_path)) == runtime_config(tmp_path), precision
+
+
+def test_a_champion_rescored_under_the_current_protocol_is_compared_on_that_score(
+        project: Path) -> None:
+    """v1 was scored under protocol 'old' (dino 0.9); v2 under 'new' (dino 0.4). Compared with
+    v1's old score v2 would lose; re-scored under 'new' v1 scores 0.3, and v2 wins."""
+    client = mlflow.MlflowClient()
+
+    def register_with(protocol: str, dino: float, rescore: dict | None = None):
+        report = {**EVAL_PASS, "metrics": {**EVAL_PASS["metrics"], "dino": dino},
+                  "protocol": {"id": protocol, "calibrated": True}}
+        (project / "reports/evaluate.json").write_text(json.dumps(report))
+        return register(project / "models/finetuned", project / "models/openvino",
+                        project / "reports/evaluate.json", project / "dvc.lock",
+                        project / "params.yaml", champion_rescore=rescore)
+
+    assert register_with("old", 0.9).champion_moved
+    without = register_with("new", 0.4)
+    assert not without.champion_moved and "not comparable until the champion is re-scored" in (
+        without.decision)
+    rescored = {"version": "1", "report": {"metrics": {"dino": 0.3}, "protocol": {"id": "new"},
+                                           "seconds_total": 12.5}}
+    result = register_with("new", 0.4, rescored)
+    assert result.champion_moved and result.version == "3"
+    assert result.decision == ("promoted: the gate passed and it beats the champion (dino=0.4 vs "
+                               "champion v1 dino=0.3, maximize) under protocol new")
+    v3 = client.get_model_version("sd-test", "3")
+    assert v3.tags["champion.rescored"] == (
+        "v1 re-scored under protocol new: dino=0.3 (was 0.9 under old; 12.5 s)")
+    assert client.get_model_version("sd-test", "1").tags["rescore.new"] == "dino=0.3"
