@@ -8,10 +8,11 @@ never from timestamps:
    e.g. an ingest source folder), parameters or outputs differ from dvc.lock.
 2. Every local folder source in `ingest.sources` must be a dependency of a stage in dvc.yaml;
    otherwise DVC cannot see its new files, so it counts as changed (and says why).
-3. dvc.lock against the last registered version's lineage tags (`dvc.md5.*` and `param.*`, written
-   by tasks/register from the same dvc.lock): a workspace that is up to date with dvc.lock but
-   whose outputs or parameters were never registered (a plain `dvc repro`, a failed registration)
-   counts as changed.
+3. dvc.lock against the last registered version's lineage (its `lineage.fingerprint` tag, a hash
+   of the output hashes and stage params tasks/register reads from the same dvc.lock; the
+   differences are named from the version's lineage.json): a workspace that is up to date with
+   dvc.lock but whose outputs or parameters were never registered (a plain `dvc repro`, a failed
+   registration) counts as changed.
 4. No registered version of `register.model_name` yet: changed.
 """
 from __future__ import annotations
@@ -28,10 +29,10 @@ import yaml
 from tasks.common.errors import UserError
 from tasks.ingest.deps import interpolate
 
-#: Lineage tags that identify what a version was built from (tasks/register/lineage.py writes them).
-_LINEAGE_PREFIXES = ("dvc.md5.", "param.")
-#: ... except the register section, which names the model and its promotion rule, not its content.
-_IGNORED_PREFIXES = ("param.register.",)
+#: The model version tag naming the DVC experiment a version was built in (flows/finetune.py).
+EXPERIMENT_TAG = "dvc.experiment"
+#: The version tag identifying what it was built from (tasks/register/lineage.py writes it).
+FINGERPRINT_TAG = "lineage.fingerprint"
 
 
 @dataclass(frozen=True)
@@ -100,25 +101,40 @@ def unwatched_sources(root: Path) -> list[str]:
 
 
 def lineage_of_workspace(root: Path) -> dict[str, str] | None:
-    """The lineage tags a registration of the workspace would carry now (None: no dvc.lock)."""
-    from tasks.register.lineage import Evaluation, lineage_tags, read_lock
+    """What a registration of the workspace would be built from now, flat (None: no dvc.lock):
+    `dvc.md5.<out>` and `param.<key>` (tasks/register/lineage.py `inputs`)."""
+    from tasks.register.lineage import inputs, read_lock
 
     if not (root / "dvc.lock").is_file():
         return None
-    tags = lineage_tags(read_lock(root / "dvc.lock", required=()), Evaluation({}, True), {}, None)
-    return _comparable(tags)
+    return inputs(read_lock(root / "dvc.lock", required=()))
 
 
-def _comparable(tags: dict[str, str]) -> dict[str, str]:
-    return {k: v for k, v in tags.items()
-            if k.startswith(_LINEAGE_PREFIXES) and not k.startswith(_IGNORED_PREFIXES)}
+def registered_inputs(version: Any) -> dict[str, str] | None:
+    """The `inputs` of a version's lineage.json (None when it cannot be read)."""
+    uri = (version.tags or {}).get("lineage")
+    if not uri:
+        return None
+    try:
+        import mlflow
+
+        return dict(mlflow.artifacts.load_dict(uri).get("inputs") or {})
+    except Exception:  # an unreadable artifact only costs the detail of the message
+        return None
 
 
-def last_registered(model_name: str, tracking_uri: str) -> Any | None:
-    """The newest version of `model_name` (highest number), or None when there is none."""
+def last_registered(model_name: str, tracking_uri: str,
+                    include_experiments: bool = True) -> Any | None:
+    """The newest version of `model_name` (highest number), or None when there is none.
+
+    Without `include_experiments`, versions registered from a DVC experiment (flow overrides,
+    tag `dvc.experiment`) are passed over: they were not built from the workspace's params.yaml.
+    """
     from mlflow import MlflowClient
 
     versions = MlflowClient(tracking_uri=tracking_uri).search_model_versions(f"name='{model_name}'")
+    if not include_experiments:
+        versions = [v for v in versions if EXPERIMENT_TAG not in (v.tags or {})]
     return max(versions, key=lambda v: int(v.version)) if versions else None
 
 
@@ -130,13 +146,15 @@ def _diff(now: dict[str, str], then: dict[str, str]) -> list[str]:
     return [f"{shown}{more}"] if diffs else []
 
 
-def detect_changes(root: Path, model_name: str, tracking_uri: str) -> Changes:
-    """Compare the workspace (dvc status, dvc.lock, sources) with the last registered version."""
+def detect_changes(root: Path, model_name: str, tracking_uri: str,
+                   include_experiments: bool = False) -> Changes:
+    """Compare the workspace (dvc status, dvc.lock, sources) with the last registered version
+    (with `include_experiments`, one registered from a DVC experiment counts too)."""
     reasons = _status_reasons(dvc_status(root))
     reasons += [f"source folder {p} is not a dependency of any stage in dvc.yaml, so DVC cannot "
                 "tell whether it has new files (add it to the ingest stage's deps)"
                 for p in unwatched_sources(root)]
-    version = last_registered(model_name, tracking_uri)
+    version = last_registered(model_name, tracking_uri, include_experiments)
     if version is None:
         reasons.append(f"no version of model '{model_name}' is registered yet")
         return Changes(True, reasons)
@@ -145,7 +163,12 @@ def detect_changes(root: Path, model_name: str, tracking_uri: str) -> Changes:
     if now is None:
         reasons.append("dvc.lock is missing: the pipeline has not run in this workspace")
     else:
-        diff = _diff(now, _comparable(dict(version.tags)))
-        if diff:
-            reasons.append(f"dvc.lock differs from the lineage of {label}: {diff[0]}")
+        from tasks.register.lineage import fingerprint
+
+        then_fp = (version.tags or {}).get(FINGERPRINT_TAG)
+        if fingerprint(now) != then_fp:
+            then = registered_inputs(version)
+            detail = (_diff(now, then) or [""])[0] if then is not None else (
+                f"{FINGERPRINT_TAG}: {then_fp or '(none)'} -> {fingerprint(now)}")
+            reasons.append(f"dvc.lock differs from the lineage of {label}: {detail}")
     return Changes(bool(reasons), reasons, label)

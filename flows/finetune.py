@@ -24,9 +24,9 @@ from prefect import flow, get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 from prefect.states import Completed, State
 
-from flows import dvc_stage, report
+from flows import dvc_stage, experiment, report
 from flows.changes import detect_changes
-from flows.params import apply_overrides, stage_names
+from flows.params import stage_names, validate_overrides
 from flows.workspace import workspace_lock
 from tasks.common.config import load_config
 from tasks.common.errors import UserError, main_guard
@@ -43,6 +43,7 @@ from tasks.register.config import RegisterConfig
 REPO = Path(__file__).resolve().parents[1]
 
 # Paths fixed by the contract (DESIGN.md, "stage outputs"); dvc.yaml passes the same ones.
+BASE = Path("models/base")
 FINETUNED = Path("models/finetuned")
 OPENVINO = Path("models/openvino")
 EVALUATION = Path("reports/evaluate.json")
@@ -77,12 +78,13 @@ def _retry_when_killed(task: Any, task_run: Any, state: State) -> bool:
     retry_condition_fn=_retry_when_killed,
     cache_policy=NO_CACHE,  # DVC is the cache: it skips the stage when nothing changed
 )
-def repro_stage(stage: str, root: str, parent_run_id: str) -> State:
-    """`dvc repro --single-item <stage>`; Completed when it ran, `Skipped` when DVC skipped it."""
+def repro_stage(stage: str, root: str, parent_run_id: str, tracking: str | None = None) -> State:
+    """`dvc repro --single-item <stage>` in `root`; Completed when it ran, `Skipped` when DVC
+    skipped it. The stage logs to `tracking` (default: `root`'s tracking store)."""
     logger = get_run_logger()
     env = {
         PARENT_ENV: parent_run_id,
-        "MLFLOW_TRACKING_URI": tracking_uri(Path(root)),
+        "MLFLOW_TRACKING_URI": tracking or tracking_uri(Path(root)),
         "MLFLOW_EXPERIMENT_NAME": experiment_name(),
     }
     result = dvc_stage.repro(stage, Path(root), env, log=logger.info)
@@ -95,17 +97,20 @@ def repro_stage(stage: str, root: str, parent_run_id: str) -> State:
 
 
 @task(name="register", task_run_name="register", cache_policy=NO_CACHE)
-def register_model(root: str, parent_run_id: str, flow_run_id: str | None) -> dict[str, Any]:
+def register_model(root: str, parent_run_id: str, flow_run_id: str | None,
+                   tags: dict[str, Any] | None = None,
+                   champion_rescore: dict[str, Any] | None = None) -> dict[str, Any]:
     """Register the pyfunc (pipeline + OpenVINO export) in the parent run; move the aliases."""
     from tasks.register.core import register
 
     base = Path(root)
-    extra = {"mlflow_parent_run_id": parent_run_id}
+    extra = dict(tags or {})  # the version's run is the parent run: no tag needed for it
     if flow_run_id:
         extra["prefect_flow_run_id"] = flow_run_id
     result = register(
         base / FINETUNED, base / OPENVINO, base / EVALUATION,
         lock=base / "dvc.lock", params=base / "params.yaml", run_id=parent_run_id, extra_tags=extra,
+        base=base / BASE, champion_rescore=champion_rescore,
     )
     get_run_logger().info(
         "registered %s version %s, aliases %s",
@@ -182,8 +187,9 @@ def finetune(
 ) -> dict[str, Any]:
     """Fine-tune: every DVC stage in dvc.yaml order (DVC skips unchanged ones), then register.
 
-    overrides: dotted params.yaml keys and values, e.g. {"train.max_train_steps": 5}; written into
-    params.yaml (comments kept) before anything runs, like `dvc exp run --set-param`.
+    overrides: dotted params.yaml keys and values, e.g. {"train.max_train_steps": 5}; validated
+    against the stage configs before anything runs, then run as a DVC experiment in a workspace
+    of its own (flows/experiment.py): the tracked params.yaml and the outputs stay as they were.
     register: register the model in MLflow (alias `candidate`; `champion` when the gate passed
     and it beats the current champion on register.primary_metric).
     only_if_changed: first compare data, code and params with the last registered version
@@ -193,62 +199,138 @@ def finetune(
     root = REPO
     flow_run_id = _flow_run_id()
     with workspace_lock(root, owner=f"flow run {flow_run_id}" if flow_run_id else ""):
-        applied = apply_overrides(root / "params.yaml", overrides)  # bad keys fail here, first
+        applied = validate_overrides(root / "params.yaml", overrides)  # bad ones fail here, first
+        if applied:
+            experiment.require_git(root)
         wait_for_server(tracking_uri(root))  # bounded; a clear error before anything runs
         stages = stage_names(root / "dvc.yaml")
-        changes = None
-        if only_if_changed:
-            model_name = load_config("register", RegisterConfig, root / "params.yaml").model_name
-            changes = detect_changes(root, model_name, tracking_uri(root))
-            logger.info("only_if_changed: %s", changes.summary())
-            if not changes.changed:
-                summary = {"up_to_date": True, "changes": changes.summary(), "stages": [],
-                           "registered": None, "mlflow_run_id": None}
-                _publish(summary, root)
-                return summary
-        summary = _run_pipeline(root, stages, applied, register, flow_run_id)
-    if changes is not None:
-        summary["changes"] = changes.summary()
+        summary = _run(root, stages, applied, register, only_if_changed, flow_run_id)
     _publish(summary, root)
     logger.info("pipeline done: %s", json.dumps(summary))
     return summary
 
 
-def _run_pipeline(root: Path, stages: list[str], applied: dict[str, Any], register: bool,
-                  flow_run_id: str | None) -> dict[str, Any]:
-    """The stages in order under one MLflow parent run, then the registration."""
+def _run(root: Path, stages: list[str], applied: dict[str, Any], register: bool,
+         only_if_changed: bool, flow_run_id: str | None) -> dict[str, Any]:
+    """In the workspace; or, with overrides, as a DVC experiment in a workspace of its own."""
+    if not applied:
+        return _run_if_changed(root, root, stages, applied, register, only_if_changed,
+                               flow_run_id)
+    name = experiment.experiment_name(flow_run_id)
+    get_run_logger().info("overrides %s: running as DVC experiment '%s'",
+                          json.dumps(applied, sort_keys=True), name)
+    with experiment.experiment_workspace(root, name, applied) as workdir:
+        return _run_if_changed(root, workdir, stages, applied, register, only_if_changed,
+                               flow_run_id, experiment_name=name)
+
+
+def _run_if_changed(root: Path, workdir: Path, stages: list[str], applied: dict[str, Any],
+                    register: bool, only_if_changed: bool, flow_run_id: str | None,
+                    experiment_name: str | None = None) -> dict[str, Any]:
+    """`only_if_changed`: compare `workdir` with the last registered version first."""
+    changes = None
+    if only_if_changed:
+        model_name = load_config("register", RegisterConfig, workdir / "params.yaml").model_name
+        changes = detect_changes(workdir, model_name, tracking_uri(root),
+                                 include_experiments=experiment_name is not None)
+        get_run_logger().info("only_if_changed: %s", changes.summary())
+        if not changes.changed:
+            return {"up_to_date": True, "changes": changes.summary(), "stages": [],
+                    "registered": None, "mlflow_run_id": None}
+    summary = _run_pipeline(root, workdir, stages, applied, register, flow_run_id,
+                            experiment_name)
+    if changes is not None:
+        summary["changes"] = changes.summary()
+    return summary
+
+
+def _run_pipeline(root: Path, workdir: Path, stages: list[str], applied: dict[str, Any],
+                  register: bool, flow_run_id: str | None,
+                  experiment_name: str | None = None) -> dict[str, Any]:
+    """The stages in order in `workdir` under one MLflow parent run (recorded in `root`'s
+    tracking store), then, for an experiment, `dvc exp save`, then the registration."""
     logger = get_run_logger()
     with parent_run(root, flow_run_id) as parent:
         logger.info("MLflow parent run %s in %s", parent.run_id, tracking_uri(root))
         parent.log_dict(applied, "overrides.json")
         parent.set_tags({"overrides": json.dumps(applied, sort_keys=True)})
-        parent.log_artifact(root / "params.yaml")
-        parent.log_params(yaml.safe_load((root / "params.yaml").read_text()) or {})
-        results = []
-        for stage in stages:
-            state = repro_stage(stage, str(root), parent.run_id)
-            result = state.result()
-            results.append(result)
-            parent.set_tags({f"stage.{stage}": result["status"]})
-        skipped = [r["stage"] for r in results if r["status"] != "ran"]
-        parent.set_tags({"stages.skipped": ",".join(skipped) or "none"})
-        registered = register_model(str(root), parent.run_id, flow_run_id) if register else None
-        parent.log_artifact(root / "dvc.lock")
+        results = _stages(workdir, stages, parent, tracking_uri(root))
+        extra: dict[str, Any] = {}
+        if experiment_name:
+            saved = experiment.save_experiment(workdir, experiment_name)
+            extra = {"dvc.experiment": saved["name"], "dvc.experiment.rev": saved["rev"],
+                     "overrides": json.dumps(applied, sort_keys=True)}
+            parent.set_tags(extra)
+        rescored = _rescore_champion(root, workdir, parent) if register else None
+        registered = (register_model(str(workdir), parent.run_id, flow_run_id, extra, rescored)
+                      if register else None)
+        parent.log_artifact(workdir / "dvc.lock")
         experiment_id = parent.client.get_run(parent.run_id).info.experiment_id
-    return {"mlflow_run_id": parent.run_id, "mlflow_experiment_id": experiment_id,
-            "stages": results, "registered": registered}
+    summary = {"mlflow_run_id": parent.run_id, "mlflow_experiment_id": experiment_id,
+               "stages": results, "registered": registered}
+    if experiment_name:
+        summary["dvc_experiment"] = extra["dvc.experiment"]
+    if (workdir / EVALUATION).is_file():  # read now: an experiment's workspace goes away
+        summary["evaluation"] = json.loads((workdir / EVALUATION).read_text())
+    return summary
+
+
+def _rescore_champion(root: Path, workdir: Path, parent: ParentRun) -> dict[str, Any] | None:
+    """When the champion was scored under another evaluation protocol, score it again under the
+    current one (flows/rescore.py), so promotion compares like with like."""
+    from mlflow.exceptions import MlflowException
+
+    from flows import rescore
+
+    logger = get_run_logger()
+    name = load_config("register", RegisterConfig, workdir / "params.yaml").model_name
+    if not (workdir / EVALUATION).is_file():
+        return None
+    report = json.loads((workdir / EVALUATION).read_text())
+    try:
+        champion = parent.client.get_model_version_by_alias(name, "champion")
+    except MlflowException:
+        return None
+    if not rescore.needs_rescore(dict(champion.tags), report):
+        return None
+    logger.info("champion v%s was scored under protocol %s; re-scoring it under %s",
+                champion.version, champion.tags.get("protocol", "unknown"),
+                report["protocol"]["id"])
+    env = {PARENT_ENV: parent.run_id, "MLFLOW_TRACKING_URI": tracking_uri(root),
+           "MLFLOW_EXPERIMENT_NAME": experiment_name()}
+    try:
+        result = rescore.rescore(workdir, f"models:/{name}/{champion.version}", env)
+    except UserError as err:
+        logger.warning("could not re-score the champion: %s", err)
+        parent.set_tags({"champion.rescore_error": str(err)[:5000]})
+        return None
+    parent.set_tags({"champion.rescored_seconds": result["seconds_total"]})
+    logger.info("champion v%s re-scored in %s s", champion.version, result["seconds_total"])
+    return {"version": str(champion.version), "report": result}
+
+
+def _stages(workdir: Path, stages: list[str], parent: ParentRun,
+            tracking: str) -> list[dict[str, Any]]:
+    """Log the params used, then `dvc repro` each stage in order in `workdir`."""
+    parent.log_artifact(workdir / "params.yaml")
+    parent.log_params(yaml.safe_load((workdir / "params.yaml").read_text()) or {})
+    results = []
+    for stage in stages:
+        state = repro_stage(stage, str(workdir), parent.run_id, tracking)
+        result = state.result()
+        results.append(result)
+        parent.set_tags({f"stage.{stage}": result["status"]})
+    skipped = [r["stage"] for r in results if r["status"] != "ran"]
+    parent.set_tags({"stages.skipped": ",".join(skipped) or "none"})
+    return results
 
 
 def _publish(summary: dict[str, Any], root: Path) -> None:
     """The flow run's markdown artifact (metrics, gate, model version, MLflow link)."""
     from prefect.artifacts import create_markdown_artifact
 
-    evaluation = root / EVALUATION
-    page = dict(summary)
-    if not summary.get("up_to_date") and evaluation.is_file():
-        page["evaluation"] = json.loads(evaluation.read_text())
     create_markdown_artifact(
-        markdown=report.markdown(page, tracking_uri(root)),
+        markdown=report.markdown(summary, tracking_uri(root)),
         key=report.ARTIFACT_KEY,
         description="finetune: stages, metrics, gate, registered model",
     )

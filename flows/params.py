@@ -1,13 +1,12 @@
 """What the flow reads from the repository: the stage order (dvc.yaml) and parameter overrides.
 
 - Stage order comes from dvc.yaml itself, so the flow never re-describes the DAG: DVC owns it.
-- Overrides are dotted params.yaml keys (`{"train.max_train_steps": 5}`), written into params.yaml
-  in place with ruamel.yaml so comments and layout survive, the way `dvc exp run --set-param`
-  does it. DVC then sees the changed parameter and reruns exactly the stages that read it.
-  Every key must already exist: a misspelt key is an error before anything runs, instead of a
-  new, silently ignored entry. Every section an override touches is validated with its stage's
-  strict config before the file is written, so a bad value fails at once and params.yaml stays
-  as it was (instead of failing later, in the stage, with the bad value left in params.yaml).
+- Overrides are dotted params.yaml keys (`{"train.max_train_steps": 5}`). `validate_overrides`
+  checks them against the stage configs (every key must exist, and the section it changes must
+  still validate as that stage's typed config) before anything runs, without writing anything.
+  `apply_overrides` then writes them into the params.yaml of the experiment's own workspace
+  (flows/experiment.py), never into the tracked one, with ruamel.yaml so comments and layout
+  survive, the way `dvc exp run --set-param` does it.
 """
 from __future__ import annotations
 
@@ -18,7 +17,22 @@ from typing import Any
 
 import yaml
 
+from tasks.common.config import StageConfig, parse_section
 from tasks.common.errors import UserError
+
+#: The typed config of each params.yaml section ("module:Class"): an override is validated with
+#: the same class the stage loads it with. Sections not listed here (a project of one's own) are
+#: only checked for existing keys. tests/flows/test_params.py keeps this table in step with
+#: params.yaml.
+SECTION_CONFIGS = {
+    "base": "tasks.base.config:BaseConfig",
+    "ingest": "tasks.ingest.config:IngestConfig",
+    "class_images": "tasks.class_images.config:ClassImagesConfig",
+    "train": "tasks.train.config:TrainConfig",
+    "export": "tasks.export.config:ExportConfig",
+    "evaluate": "tasks.evaluate.config:EvaluateConfig",
+    "register": "tasks.register.config:RegisterConfig",
+}
 
 
 def stage_names(dvc_yaml: Path) -> list[str]:
@@ -80,58 +94,87 @@ def _set(doc: Any, dotted: str, value: Any) -> None:
     node[last] = value
 
 
-def _stage_configs() -> dict[str, type]:
-    """The strict config of each params.yaml section (the stages read theirs with load_config)."""
-    from tasks.base.config import BaseConfig
-    from tasks.class_images.config import ClassImagesConfig
-    from tasks.evaluate.config import EvaluateConfig
-    from tasks.export.config import ExportConfig
-    from tasks.ingest.config import IngestConfig
-    from tasks.register.config import RegisterConfig
-    from tasks.train.config import TrainConfig
+def section_config(section: str) -> type[StageConfig] | None:
+    """The stage config class that reads `section`, or None for a section not in the table."""
+    import importlib
 
-    return {"base": BaseConfig, "ingest": IngestConfig, "class_images": ClassImagesConfig, "train": TrainConfig,
-            "export": ExportConfig, "evaluate": EvaluateConfig, "register": RegisterConfig}
+    target = SECTION_CONFIGS.get(section)
+    if target is None:
+        return None
+    module, _, name = target.partition(":")
+    return getattr(importlib.import_module(module), name)
 
 
-def _validate_sections(text: str, sections: set[str], source: str) -> None:
-    from tasks.common.config import parse_section
-
-    data = yaml.safe_load(text) or {}
-    configs = _stage_configs()
-    for section in sorted(sections & set(configs)):
-        parse_section(section, data.get(section), configs[section], f"{source} with the overrides")
-
-
-def apply_overrides(params_path: Path, overrides: Mapping[str, Any] | None) -> dict[str, Any]:
-    """Write `overrides` into params.yaml in place; return them as applied (possibly empty).
-
-    All keys are checked before the file is touched, and the file is replaced atomically, so a
-    bad override leaves params.yaml exactly as it was.
-    """
-    from tasks.common.outputs import atomic_file
-
-    if not overrides:
-        return {}
-    params_path = Path(params_path)
-    if not params_path.is_file():
-        raise UserError(f"{params_path} not found: run the flow from the repository root")
-    rt, doc = _load_round_trip(params_path.read_text())
-    if not isinstance(doc, Mapping):
-        raise UserError(f"{params_path} must be a mapping with one section per stage")
+def _check_keys(doc: Mapping[str, Any], overrides: Mapping[str, Any],
+                source: str) -> dict[str, Any]:
     applied: dict[str, Any] = {}
     for dotted, value in overrides.items():
         if not isinstance(dotted, str) or not dotted or any(not p for p in dotted.split(".")):
             raise UserError(
                 f"override key {dotted!r} must be a dotted params.yaml key, e.g. 'train.seed'"
             )
-        _check_override(doc, dotted, value, params_path.name)
+        _check_override(doc, dotted, value, source)
         applied[dotted] = value
+    return applied
+
+
+def _read_mapping(params_path: Path) -> tuple[Any, Any]:
+    params_path = Path(params_path)
+    if not params_path.is_file():
+        raise UserError(f"{params_path} not found: run the flow from the repository root")
+    rt, doc = _load_round_trip(params_path.read_text())
+    if not isinstance(doc, Mapping):
+        raise UserError(f"{params_path} must be a mapping with one section per stage")
+    return rt, doc
+
+
+def validate_overrides(params_path: Path, overrides: Mapping[str, Any] | None) -> dict[str, Any]:
+    """Check `overrides` against params.yaml and the stage configs; write nothing.
+
+    Every key must exist in params.yaml, and each section an override changes must still load as
+    its stage's typed config (`train.learning_rate=abc` fails here, naming the key, instead of
+    in the train stage an hour later). Returns the overrides as they will be applied.
+    """
+    if not overrides:
+        return {}
+    params_path = Path(params_path)
+    _, doc = _read_mapping(params_path)
+    applied = _check_keys(doc, overrides, params_path.name)
+    data = yaml.safe_load(params_path.read_text()) or {}
+    for dotted, value in applied.items():
+        _set(data, dotted, value)
+    for section in dict.fromkeys(k.split(".")[0] for k in applied):
+        model = section_config(section)
+        if model is not None:
+            where = f"{params_path.name} with overrides {_shown(applied, section)}"
+            parse_section(section, data.get(section), model, where)
+    return applied
+
+
+def _shown(applied: Mapping[str, Any], section: str) -> str:
+    return ", ".join(f"{k}={v!r}" for k, v in applied.items() if k.split(".")[0] == section)
+
+
+def apply_overrides(params_path: Path, overrides: Mapping[str, Any] | None) -> dict[str, Any]:
+    """Write `overrides` into the params.yaml at `params_path`; return them as applied.
+
+    The flow calls this only on the experiment workspace's copy (flows/experiment.py). All keys
+    are checked before the file is touched, and the file is replaced atomically with its mode
+    kept, so a bad override leaves the file exactly as it was.
+    """
+    from tasks.common.outputs import atomic_file
+
+    if not overrides:
+        return {}
+    params_path = Path(params_path)
+    rt, doc = _read_mapping(params_path)
+    applied = _check_keys(doc, overrides, params_path.name)
     for dotted, value in applied.items():
         _set(doc, dotted, value)
     buf = io.StringIO()
     rt.dump(doc, buf)
-    _validate_sections(buf.getvalue(), {k.split(".")[0] for k in applied}, params_path.name)
+    mode = params_path.stat().st_mode & 0o7777
     with atomic_file(params_path) as tmp:
         tmp.write_text(buf.getvalue())
+        tmp.chmod(mode)
     return applied

@@ -49,6 +49,10 @@ def markdown(summary: dict[str, Any], tracking_uri: str) -> str:
         lines += ["", f"MLflow run: [{run_id}]({link})"]
     if summary.get("changes"):
         lines += ["", f"Why it ran: {summary['changes']}"]
+    if summary.get("dvc_experiment"):
+        lines += ["", f"Overrides ran as DVC experiment `{summary['dvc_experiment']}` "
+                  "(`dvc exp show`; `dvc exp apply` to bring it into the workspace); "
+                  "params.yaml was left as it was."]
     stages = summary.get("stages") or []
     if stages:
         lines += ["", "## Stages", "", "| stage | status | seconds |", "|---|---|---|"]
@@ -58,6 +62,11 @@ def markdown(summary: dict[str, Any], tracking_uri: str) -> str:
     if metrics:
         lines += ["", "## Metrics", "", "| metric | value |", "|---|---|"]
         lines += [f"| {k} | {_fmt(v)} |" for k, v in sorted(metrics.items())]
+    protocol = evaluation.get("protocol") or {}
+    if protocol:
+        lines += ["", f"Evaluation protocol `{protocol.get('id')}`"
+                  + ("" if protocol.get("calibrated", True)
+                     else f": **{protocol.get('uncalibrated_reason')}**")]
     gate = evaluation.get("gate")
     if gate is not None:
         checks = ", ".join(f"{k}: {'ok' if v else 'FAILED'}" for k, v in (gate.get("checks") or {}).items())

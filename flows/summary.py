@@ -45,6 +45,12 @@ def summary(root: Path = Path(".")) -> str:
         gate = data.get("gate", {}).get("passed")
         lines.append(f"  Evaluation report  reports/evaluate.json (gate {'passed' if gate else 'failed'}; {metrics})")
         lines.append("  Evaluation grid    reports/evaluate/grid.png")
+        protocol = data.get("protocol") or {}
+        if protocol:
+            lines.append(f"  Eval protocol      {protocol.get('id')} "
+                         f"({'calibrated' if protocol.get('calibrated') else 'UNCALIBRATED'})")
+        if protocol and not protocol.get("calibrated", True):
+            lines.append(f"  WARNING            {protocol.get('uncalibrated_reason')}")
     lines.append("  Pipeline status    .venv/bin/dvc status  |  .venv/bin/dvc metrics show")
     return "\n".join(lines) + "\n"
 

@@ -2,8 +2,8 @@
 
 DVC locks the repository while one `dvc repro` runs, so two `dvc repro` at once already refuse
 each other ("Unable to acquire lock"). The flow, though, runs one `dvc repro --single-item` per
-stage and writes overrides into params.yaml first: between two stages DVC's lock is free, and a
-second flow could slip in, rewrite params.yaml and rerun stages under the first one's feet. So the
+stage: between two stages DVC's lock is free, and a second flow could slip in, change what the
+stages read and rerun stages under the first one's feet. So the
 flow holds a lock of its own for its whole run, next to DVC's (in .dvc/tmp), taken before
 anything is written. It is an OS file lock (flock): a run that is killed releases it with its
 process, so a crash never leaves a stale lock behind.

@@ -89,7 +89,11 @@ def main() -> None:
         run.log_table(result.rows, "evaluate/per_prompt_table.json")
         run.log_dict(result.report, "evaluate.json")
         gate = result.report["gate"]
-        run.set_tags({"gate.passed": str(gate["passed"]).lower()})
+        protocol = result.report["protocol"]
+        run.set_tags({"gate.passed": str(gate["passed"]).lower(), "protocol": protocol["id"],
+                      "protocol.calibrated": str(protocol["calibrated"]).lower(),
+                      **({"protocol.note": protocol["uncalibrated_reason"]}
+                         if not protocol["calibrated"] else {})})
     log.info(
         "evaluation report %s; gate %s; grids and per-prompt table in %s (%s)",
         args.report,

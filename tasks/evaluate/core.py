@@ -27,6 +27,7 @@ from tasks.common.openvino_model import (
 from tasks.common.tiny_encoders import LoadedEncoder, load_clip, load_dino
 from tasks.evaluate import extra_metrics as X
 from tasks.evaluate import metrics as M
+from tasks.evaluate import protocol as P
 from tasks.evaluate.config import EvaluateConfig
 from tasks.evaluate.generate import generate
 from tasks.evaluate.prompts import prompt_templates
@@ -243,14 +244,22 @@ def evaluate(model: Path, base: Path | None, instance_data: Path, cfg: EvaluateC
         },
         "encoders": {"clip": cfg.clip_model, "dino": cfg.dino_model, "clip_dim": clip.embedding_dim,
                      "dino_dim": dino.embedding_dim},
+        "protocol": P.describe(
+            cfg, prompts=prompts, clip_texts=clip_texts, backend=backend, precision=precision,
+            shape=shape.as_dict(), instance=P.images_hash(real_images),
+            heldout=P.images_hash(heldout_data[1]) if heldout_data else None,
+            base_backend="pytorch" if base_images is not None else None),
         "seconds": seconds,
         "reference_dreambooth_paper_table1": M.PAPER_TABLE1,
     }
     log.info(
-        "CLIP-T %.3f, CLIP-I %.3f, DINO %.3f; gate %s",
+        "CLIP-T %.3f, CLIP-I %.3f, DINO %.3f; gate %s; protocol %s",
         metrics["clip_t"],
         metrics["clip_i"],
         metrics["dino"],
         "passed" if verdict["passed"] else "FAILED",
+        report["protocol"]["id"],
     )
+    if not report["protocol"]["calibrated"]:
+        log.warning("%s", report["protocol"]["uncalibrated_reason"])
     return Result(report, rows, images, base_images)

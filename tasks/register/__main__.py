@@ -1,5 +1,6 @@
 """python -m tasks.register --finetuned models/finetuned --openvino models/openvino
---evaluation reports/evaluate.json [--lock dvc.lock] [--params params.yaml] [--run-id ID]"""
+--evaluation reports/evaluate.json [--base models/base] [--lock dvc.lock] [--params params.yaml]
+[--run-id ID]"""
 from __future__ import annotations
 
 import argparse
@@ -19,13 +20,17 @@ def main() -> None:
     parser.add_argument("--finetuned", type=Path, required=True, help="diffusers pipeline folder")
     parser.add_argument("--openvino", type=Path, required=True, help="OpenVINO export folder")
     parser.add_argument("--evaluation", type=Path, required=True, help="evaluate's report")
+    parser.add_argument("--base", type=Path, default=None,
+                        help="base pipeline folder: needed when --finetuned holds LoRA adapters "
+                             "only (train.fuse_lora: false)")
     parser.add_argument("--lock", type=Path, default=Path("dvc.lock"), help="lineage source")
     parser.add_argument("--params", type=Path, default=Path("params.yaml"))
     parser.add_argument("--run-id", default=None, help="log into this MLflow run, not a new one")
     args = parser.parse_args()
     configure()
     result = register(
-        args.finetuned, args.openvino, args.evaluation, args.lock, args.params, args.run_id
+        args.finetuned, args.openvino, args.evaluation, args.lock, args.params, args.run_id,
+        base=args.base,
     )
     log.info(
         "registered %s version %s (aliases: %s) in %s; load it with "

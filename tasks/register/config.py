@@ -28,3 +28,8 @@ class RegisterConfig(StageConfig):
         description="a key of reports/evaluate.json's metrics (clip_t, clip_i, dino, gain_dino, ...)",
     )
     primary_metric_goal: Literal["maximize", "minimize"] = "maximize"
+    promote_uncalibrated: bool = Field(
+        False,
+        description="let `champion` move on uncalibrated scores (random-weight built-in "
+                    "encoders, e.g. the offline demo): an explicit choice, never a default",
+    )

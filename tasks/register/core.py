@@ -15,22 +15,35 @@ from tasks.common.config import load_config, read_params
 from tasks.common.errors import UserError
 from tasks.common.tracking import git_commit, stage_run
 from tasks.register.config import RegisterConfig
-from tasks.register.promotion import Champion, Goal, candidate_score, decide, score_from_tags
+from tasks.register.promotion import (
+    Champion,
+    Goal,
+    candidate_score,
+    decide,
+    protocol_from_tags,
+    score_from_tags,
+)
 from tasks.register.pyfunc_model import signature
 from tasks.register.lineage import (
     Evaluation,
     Lock,
     describe,
-    lineage_tags,
+    lineage_record,
     read_evaluation,
     read_lock,
+    summary_tags,
 )
 
 log = logging.getLogger(__name__)
 
+#: The version's full lineage, one JSON document in its run (tasks/register/lineage.py).
+LINEAGE_ARTIFACT = "lineage.json"
 CANDIDATE = "candidate"
 CHAMPION = "champion"
 MODEL_CODE = Path(__file__).with_name("pyfunc_model.py")
+#: What the train stage writes for `train.method: lora` (tasks/train/methods/lora.py); without
+#: `fuse_lora` the folder holds only this file, and the model is registered with its base.
+LORA_WEIGHTS = "pytorch_lora_weights.safetensors"
 
 #: What the model needs to load and predict, pinned to the versions that logged it (MLflow's
 #: own inference would load the model in a subprocess just to guess this list).
@@ -71,12 +84,58 @@ def current_champion(client: Any, model_name: str, metric: str) -> Champion | No
         if err.error_code in ("RESOURCE_DOES_NOT_EXIST", "INVALID_PARAMETER_VALUE"):
             return None
         raise
-    return Champion(version=str(mv.version), score=score_from_tags(dict(mv.tags), metric))
+    tags = dict(mv.tags)
+    return Champion(version=str(mv.version), score=score_from_tags(tags, metric),
+                    protocol=protocol_from_tags(tags))
+
+
+def _rescored(client: Any, model_name: str, champion: Champion | None,
+              rescore: dict[str, Any] | None, metric: str) -> tuple[Champion | None, str]:
+    """The champion with its score under the current protocol, when the flow re-scored it
+    (`rescore`: {"version", "report"}); the new score is also tagged on the champion's version."""
+    if champion is None or not rescore or str(rescore.get("version")) != champion.version:
+        return champion, ""
+    report = rescore["report"]
+    score = report.get("metrics", {}).get(metric)
+    protocol = (report.get("protocol") or {}).get("id")
+    if not isinstance(score, (int, float)) or not protocol:
+        return champion, ""
+    text = (f"v{champion.version} re-scored under protocol {protocol}: {metric}={score:.6g} "
+            f"(was {champion.score if champion.score is not None else 'none'} under "
+            f"{champion.protocol or 'unknown'}; {report.get('seconds_total', '?')} s)")
+    client.set_model_version_tag(model_name, champion.version, f"rescore.{protocol}",
+                                 f"{metric}={score:.6g}")
+    log.info("%s", text)
+    return Champion(champion.version, float(score), protocol), text
 
 
 def _check_folder(path: Path, what: str, marker: str) -> None:
     if not (Path(path) / marker).is_file():
         raise UserError(f"{path} is not {what} (no {marker}): run the pipeline first (`dvc repro`)")
+
+
+def model_artifacts(finetuned: Path, openvino: Path, base: Path | None) -> dict[str, str]:
+    """The pyfunc's artifacts: the fine-tuned pipeline and its OpenVINO export; for LoRA adapters
+    saved without `fuse_lora`, the adapters and the base pipeline they apply to.
+
+    Every train output reaches the registry (README "The registry", method x export table):
+    a full pipeline (dreambooth, full, textual_inversion, lora with fuse_lora) as it is; an
+    adapters-only folder (lora, fuse_lora: false) with `base`, loaded by the pyfunc as
+    `DiffusionPipeline.from_pretrained(base).load_lora_weights(finetuned)`.
+    """
+    _check_folder(openvino, "an OpenVINO export folder", "model_index.json")
+    artifacts = {"finetuned": str(finetuned), "openvino": str(openvino)}
+    if (Path(finetuned) / "model_index.json").is_file():
+        return artifacts
+    if not (Path(finetuned) / LORA_WEIGHTS).is_file():
+        _check_folder(finetuned, "a diffusers pipeline folder", "model_index.json")
+    if base is None or not (Path(base) / "model_index.json").is_file():
+        raise UserError(
+            f"{finetuned} holds LoRA adapters only (train.fuse_lora: false); they are registered "
+            f"with the base pipeline they apply to, which was not found at {base}: pass --base "
+            "models/base (run `dvc repro base` first)"
+        )
+    return {**artifacts, "base": str(base)}
 
 
 def register_model(
@@ -92,37 +151,49 @@ def register_model(
     extra_tags: dict[str, Any] | None = None,
     primary_metric: str = "dino",
     primary_metric_goal: Goal = "maximize",
+    base: Path | None = None,
+    promote_uncalibrated: bool = False,
+    champion_rescore: dict[str, Any] | None = None,
 ) -> Registered:
     """Log the pyfunc in run `run_id`, register a version of `model_name`, tag it, set aliases."""
     import mlflow
     from mlflow.models import Model
 
-    _check_folder(finetuned, "a diffusers pipeline folder", "model_index.json")
-    _check_folder(openvino, "an OpenVINO export folder", "model_index.json")
+    artifacts = model_artifacts(finetuned, openvino, base)
     candidate_score(evaluation, primary_metric)  # a misnamed metric fails before anything is logged
     client = mlflow.MlflowClient()
-    tags = lineage_tags(lock, evaluation, params, git_commit, extra_tags)
-    log.info("logging the pyfunc model (artifacts %s, %s) into run %s", finetuned, openvino, run_id)
+    tags = summary_tags(lock, evaluation, git_commit, primary_metric, extra_tags)
+    tags["model.artifacts"] = "lora_adapters+base" if "base" in artifacts else "pipeline"
+    record = lineage_record(lock, evaluation, params, git_commit, extra_tags)
+    log.info("logging the pyfunc model (artifacts %s) into run %s", artifacts, run_id)
     info = Model.log(
         artifact_path=None,
         name="model",
         flavor=mlflow.pyfunc,
         run_id=run_id,
         python_model=str(MODEL_CODE),
-        artifacts={"finetuned": str(finetuned), "openvino": str(openvino)},
+        artifacts=artifacts,
         signature=signature(),
         pip_requirements=pip_requirements(),
         registered_model_name=model_name,
-        metadata={"lineage": {k: v for k, v in tags.items() if not k.startswith("param.")}},
+        metadata={"lineage": tags},
     )
     version = str(info.registered_model_version)
     # Decided after this version exists, against the champion of that moment.
-    decision = decide(evaluation, primary_metric, primary_metric_goal,
-                      current_champion(client, model_name, primary_metric))
+    champion = current_champion(client, model_name, primary_metric)
+    champion, rescored = _rescored(client, model_name, champion, champion_rescore, primary_metric)
+    decision = decide(evaluation, primary_metric, primary_metric_goal, champion,
+                      promote_uncalibrated)
     promote, reason = decision.promote, decision.reason
-    description = f"{describe(lock, evaluation, git_commit)} Champion: {reason}."
+    description = f"{describe(lock, evaluation, git_commit, primary_metric)} Champion: {reason}."
     client.update_model_version(model_name, version, description=description)
-    tags.update(decision.tags())
+    record.update(champion=decision.tags(), model={"name": model_name, "version": version,
+                                                   "artifacts": sorted(artifacts)})
+    client.log_dict(run_id, record, LINEAGE_ARTIFACT)
+    tags["lineage"] = f"runs:/{run_id}/{LINEAGE_ARTIFACT}"
+    tags["champion.decision"] = reason
+    if rescored:
+        tags["champion.rescored"] = rescored
     for key, value in tags.items():
         client.set_model_version_tag(model_name, version, key, value)
     client.set_registered_model_alias(model_name, CANDIDATE, version)
@@ -150,6 +221,8 @@ def register(
     params: Path = Path("params.yaml"),
     run_id: str | None = None,
     extra_tags: dict[str, Any] | None = None,
+    base: Path | None = None,
+    champion_rescore: dict[str, Any] | None = None,
 ) -> Registered:
     """Read params, dvc.lock and the evaluation, then register: in `run_id`, or in a new run.
 
@@ -170,6 +243,9 @@ def register(
         extra_tags=extra_tags,
         primary_metric=cfg.primary_metric,
         primary_metric_goal=cfg.primary_metric_goal,
+        base=Path(base).resolve() if base is not None else None,
+        promote_uncalibrated=cfg.promote_uncalibrated,
+        champion_rescore=champion_rescore,
     )
     if run_id:
         return register_model(run_id=run_id, **kwargs)

@@ -5,9 +5,17 @@
   if params.yaml was edited after the last `dvc repro`.
 - reports/evaluate.json is the evaluate stage's verdict:
   `{"metrics": {...}, "gate": {"passed": bool, "checks": {...}}}`.
+
+What a model version shows (a registry people can read): a handful of tags (`summary_tags`: base,
+method, data hash, git commit, primary metric, gate, lineage fingerprint) and a description
+(`describe`); everything else, every output hash and every parameter, goes into one JSON
+document (`lineage_record`), logged as `lineage.json` in the version's run and named by the
+version's `lineage` tag. `inputs` (output hashes and stage params, the register section left out)
+and its `fingerprint` identify what the model was built from: `only_if_changed` compares them.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 from dataclasses import dataclass, field
@@ -39,6 +47,25 @@ class Evaluation:
     metrics: dict[str, float]
     passed: bool
     checks: dict[str, Any] = field(default_factory=dict)
+    #: the report's `protocol` section (tasks/evaluate/protocol.py): id, calibrated, settings
+    protocol: dict[str, Any] | None = None
+
+    @property
+    def protocol_id(self) -> str | None:
+        return (self.protocol or {}).get("id")
+
+    @property
+    def uncalibrated(self) -> str | None:
+        """Why the scores are uncalibrated, or None (calibrated, or a report without protocol)."""
+        if self.protocol and not self.protocol.get("calibrated", True):
+            return str(self.protocol.get("uncalibrated_reason") or "uncalibrated scores")
+        return None
+
+    def protocol_tag(self) -> str:
+        """`<id> (calibrated)` / `<id> (uncalibrated)`: the version tag `protocol`."""
+        if not self.protocol_id:
+            return "unknown (the report has no protocol section)"
+        return f"{self.protocol_id} ({'uncalibrated' if self.uncalibrated else 'calibrated'})"
 
 
 def read_lock(path: Path, required: tuple[str, ...] = KEY_OUTPUTS) -> Lock:
@@ -88,7 +115,9 @@ def read_evaluation(path: Path) -> Evaluation:
         for k, v in flatten(data.get("metrics") or {}).items()
         if isinstance(v, (int, float)) and not isinstance(v, bool)
     }
-    return Evaluation(metrics=metrics, passed=gate["passed"], checks=dict(gate.get("checks") or {}))
+    protocol = data.get("protocol")
+    return Evaluation(metrics=metrics, passed=gate["passed"], checks=dict(gate.get("checks") or {}),
+                      protocol=protocol if isinstance(protocol, dict) else None)
 
 
 def _tag_value(value: Any) -> str:
@@ -101,41 +130,87 @@ def _tag_value(value: Any) -> str:
     return text[:_TAG_VALUE_MAX]
 
 
-def lineage_tags(
+def inputs(lock: Lock) -> dict[str, str]:
+    """What the model was built from, flat: `dvc.md5.<out>` and `param.<stage key>` (tag values)."""
+    flat: dict[str, Any] = {f"dvc.md5.{p}": h for p, h in sorted(lock.hashes.items())}
+    flat.update({f"param.{k}": v for k, v in flatten(lock.params).items()
+                 if not k.startswith("register.")})
+    return {k: _tag_value(v) for k, v in sorted(flat.items())}
+
+
+def fingerprint(built_from: dict[str, str]) -> str:
+    """A short, stable id of `inputs(...)`: equal fingerprints, same data, models and params."""
+    text = json.dumps(built_from, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def lineage_record(
     lock: Lock,
     evaluation: Evaluation,
     params: dict[str, Any],
     git_commit: str | None,
     extra: dict[str, Any] | None = None,
-) -> dict[str, str]:
-    """Model version tags: git commit, dvc.lock hashes, params (flattened), metrics, gate.
+) -> dict[str, Any]:
+    """The full lineage of a version, as one JSON document (`lineage.json`).
 
-    `params` are merged over the ones in dvc.lock (the register section is not a stage's).
+    `params` (the register section) are merged over the stage params read from dvc.lock.
     """
-    tags: dict[str, Any] = {"git_commit": git_commit or "unknown (not a git checkout)"}
-    tags.update({f"dvc.md5.{p}": h for p, h in sorted(lock.hashes.items())})
-    tags.update({f"param.{k}": v for k, v in flatten({**lock.params, **params}).items()})
-    tags.update({f"metric.{k}": v for k, v in evaluation.metrics.items()})
-    tags["gate.passed"] = str(evaluation.passed).lower()
-    tags.update({f"gate.checks.{k}": v for k, v in flatten(evaluation.checks).items()})
+    built_from = inputs(lock)
+    return {
+        "git_commit": git_commit,
+        "outputs": dict(sorted(lock.hashes.items())),
+        "params": {**lock.params, **params},
+        "metrics": dict(sorted(evaluation.metrics.items())),
+        "gate": {"passed": evaluation.passed, "checks": evaluation.checks},
+        "protocol": evaluation.protocol,
+        "inputs": built_from,
+        "fingerprint": fingerprint(built_from),
+        **({"extra": extra} if extra else {}),
+    }
+
+
+def summary_tags(
+    lock: Lock,
+    evaluation: Evaluation,
+    git_commit: str | None,
+    primary_metric: str,
+    extra: dict[str, Any] | None = None,
+) -> dict[str, str]:
+    """The few tags a version shows in the registry's versions table."""
+    p = flatten(lock.params)
+    tags: dict[str, Any] = {
+        "base": p.get("base.model", "?"),
+        "method": p.get("train.method", "?"),
+        "data": lock.hashes.get("data/processed", "?"),
+        "git_commit": git_commit or "unknown (not a git checkout)",
+        f"metric.{primary_metric}": evaluation.metrics.get(primary_metric),
+        "gate": "passed" if evaluation.passed else "failed",
+        "protocol": evaluation.protocol_tag(),
+        "lineage.fingerprint": fingerprint(inputs(lock)),
+    }
     tags.update(extra or {})
     return {k: _tag_value(v) for k, v in tags.items()}
 
 
-def describe(lock: Lock, evaluation: Evaluation, git_commit: str | None) -> str:
+def describe(lock: Lock, evaluation: Evaluation, git_commit: str | None,
+             primary_metric: str | None = None) -> str:
     """One readable paragraph for the version's description in the registry UI."""
     p = flatten(lock.params)
     base = p.get("base.model", "?")
     method = p.get("train.method", "?")
     steps = p.get("train.max_train_steps", "?")
-    scores = ", ".join(f"{k}={v:.4g}" for k, v in sorted(evaluation.metrics.items()))
+    scores = ", ".join(f"{k}={v:.4g}" for k, v in sorted(evaluation.metrics.items())
+                       if primary_metric is None or k in (primary_metric, "clip_t", "clip_i"))
     verdict = "passed" if evaluation.passed else "did not pass"
+    warning = evaluation.uncalibrated
     return (
-        f"{base} fine-tuned with {method} for {steps} steps. "
-        f"Evaluation: {scores or 'no metrics'}; the gate {verdict}. "
+        (f"{warning[0].upper()}{warning[1:]}. " if warning else "")
+        + f"{base} fine-tuned with {method} for {steps} steps. "
+        f"Evaluation: {scores or 'no metrics'}; the gate {verdict}; protocol "
+        f"{evaluation.protocol_tag()}. "
         f"Artifacts: the diffusers pipeline (finetuned/) and its OpenVINO export (openvino/); "
         f"predict() uses OpenVINO when optimum-intel is installed. "
         f"Data {lock.hashes.get('data/processed', '?')}, "
         f"model {lock.hashes.get('models/finetuned', '?')}, "
-        f"git {git_commit or 'unknown'}."
+        f"git {git_commit or 'unknown'}. Full lineage: lineage.json in the source run."
     )

@@ -7,8 +7,16 @@ passing the gate is enough. A champion without a score for the metric (registere
 metric existed, or under another primary metric) cannot be compared: the candidate that passed
 the gate replaces it, and the reason says so.
 
-The decision, both scores and the champion compared against are written on the new version as
-tags (`champion.*`) and at the end of its description, so the registry shows why.
+Scores are compared only under the same evaluation protocol (tasks/evaluate/protocol.py: the
+encoders, prompts, seeds, sizes, data, backend and precision they were measured with). A champion
+scored under another protocol is not compared with: the flow re-scores it under the current
+protocol first (flows/rescore.py) and passes that score in; without one, the candidate is not
+promoted and the reason says the champion must be re-scored.
+Scores from random-weight encoders (`uncalibrated`) promote only with
+`register.promote_uncalibrated: true`, an explicit choice (the offline demo makes it).
+
+The decision is written on the new version (tag `champion.decision`, the end of its description)
+and, with both scores and the champion compared against, in its lineage.json.
 """
 from __future__ import annotations
 
@@ -31,6 +39,7 @@ class Champion:
 
     version: str
     score: float | None
+    protocol: str | None = None  # the protocol id its score was measured under
 
 
 @dataclass(frozen=True)
@@ -53,6 +62,8 @@ class Decision:
                 repr(self.champion.score)
                 if self.champion and self.champion.score is not None else "none"
             ),
+            "champion.previous_protocol": (self.champion.protocol or "unknown"
+                                           if self.champion else "none"),
         }
 
 
@@ -70,6 +81,13 @@ def candidate_score(evaluation: Evaluation, metric: str) -> float:
     return score
 
 
+def protocol_from_tags(tags: dict[str, str]) -> str | None:
+    """The protocol id of a version's `protocol` tag (`<id> (calibrated)`), None when absent."""
+    raw = tags.get("protocol", "")
+    first = raw.split(" ")[0] if raw else ""
+    return first if first and first != "unknown" else None
+
+
 def score_from_tags(tags: dict[str, str], metric: str) -> float | None:
     raw = tags.get(METRIC_TAG.format(metric))
     try:
@@ -79,11 +97,22 @@ def score_from_tags(tags: dict[str, str], metric: str) -> float | None:
     return value if value is not None and math.isfinite(value) else None
 
 
-def decide(evaluation: Evaluation, metric: str, goal: Goal, champion: Champion | None) -> Decision:
+def decide(evaluation: Evaluation, metric: str, goal: Goal, champion: Champion | None,
+           promote_uncalibrated: bool = False) -> Decision:
     score = candidate_score(evaluation, metric)
     fmt = f"{metric}={score:.6g}"
+    mine = evaluation.protocol_id
     if not evaluation.passed:
         promote, reason = False, f"not promoted: the evaluation gate did not pass ({fmt})"
+    elif evaluation.uncalibrated and not promote_uncalibrated:
+        promote, reason = False, (
+            f"not promoted: the scores are uncalibrated (random-weight built-in encoders) and "
+            f"register.promote_uncalibrated is false ({fmt})")
+    elif champion is not None and champion.score is not None and champion.protocol != mine:
+        promote, reason = False, (
+            f"not promoted: champion v{champion.version} was scored under evaluation protocol "
+            f"{champion.protocol or 'unknown'}, this version under {mine or 'unknown'}; the scores "
+            f"are not comparable until the champion is re-scored under {mine or 'unknown'} ({fmt})")
     elif champion is None:
         promote, reason = True, f"promoted: the gate passed and there was no champion ({fmt})"
     elif champion.score is None:
@@ -96,4 +125,8 @@ def decide(evaluation: Evaluation, metric: str, goal: Goal, champion: Champion |
         promote = better
         reason = (f"promoted: the gate passed and it beats the champion ({versus})" if better
                   else f"not promoted: the gate passed but it does not beat the champion ({versus})")
+        if mine:
+            reason += f" under protocol {mine}"
+    if promote and evaluation.uncalibrated:
+        reason += " on uncalibrated scores (register.promote_uncalibrated: true)"
     return Decision(promote, reason, metric, score, champion)

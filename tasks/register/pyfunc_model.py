@@ -191,6 +191,20 @@ def _runtime_config(path: str) -> dict[str, str]:
         return dict(json.load(fh)["ov_config"])
 
 
+def _diffusers_pipeline(artifacts: dict[str, str]) -> Any:
+    """The fine-tuned pipeline; LoRA adapters registered unfused are loaded onto their base."""
+    from diffusers import DiffusionPipeline
+
+    path = artifacts["finetuned"]
+    if os.path.isfile(os.path.join(path, "model_index.json")):
+        return DiffusionPipeline.from_pretrained(path)
+    if "base" not in artifacts:
+        raise ValueError(f"{path} holds no pipeline (model_index.json) and the model has no base")
+    pipe = DiffusionPipeline.from_pretrained(artifacts["base"])
+    pipe.load_lora_weights(path, weight_name="pytorch_lora_weights.safetensors")
+    return pipe
+
+
 class DiffusionImageModel(mlflow.pyfunc.PythonModel):
     """Prompts in, base64 PNGs out; the pipeline is loaded once per process."""
 
@@ -206,10 +220,8 @@ class DiffusionImageModel(mlflow.pyfunc.PythonModel):
             self.backend = "openvino"
             self.pipe.set_progress_bar_config(disable=True)
         else:
-            from diffusers import DiffusionPipeline
-
             path = context.artifacts["finetuned"]
-            self.pipe = DiffusionPipeline.from_pretrained(path)
+            self.pipe = _diffusers_pipeline(context.artifacts)
             self.pipe.set_progress_bar_config(disable=True)
             self.backend = "diffusers"
         log.info("loaded the %s pipeline from %s", self.backend, path)

@@ -8,6 +8,7 @@ date: nothing registered), the model versions, aliases and run-summary artifacts
 on Ctrl-C."""
 from __future__ import annotations
 
+import json
 import signal
 import subprocess
 import sys
@@ -146,7 +147,13 @@ def test_deployment_run_registers_a_model(tmp_path_factory: pytest.TempPathFacto
         assert train["resumed_from_step"] == killed_at and train["steps"] == params["train"]["max_train_steps"]
         gate = yaml.safe_load((root / "reports/evaluate.json").read_text())["gate"]["passed"]
         assert {a for a in v1.aliases} == ({"candidate", "champion"} if gate else {"candidate"})
-        assert v1.tags["dvc.md5.models/openvino"].endswith(".dir") and v1.tags["prefect_flow_run_id"]
+
+        def lineage_of(version):
+            path = mlflow.artifacts.download_artifacts(version.tags["lineage"], tracking_uri=uri)
+            return json.loads(Path(path).read_text())
+
+        lineage = lineage_of(v1)
+        assert lineage["outputs"]["models/openvino"].endswith(".dir") and v1.tags["prefect_flow_run_id"]
         parent = client.get_run(v1.run_id)  # the model is logged in the flow's parent run
         assert parent.data.tags["pipeline"] == "finetune" and parent.info.status == "FINISHED"
         finished_before_kill = ["skipped"] * 3  # base, ingest, class_images: recorded in dvc.lock
@@ -168,7 +175,7 @@ def test_deployment_run_registers_a_model(tmp_path_factory: pytest.TempPathFacto
         # Same model, same scores: it does not beat the champion, so champion stays where it was.
         assert "champion" not in v2.aliases
         assert v2.tags["champion.decision"].startswith("not promoted")
-        assert v2.tags["champion.candidate_score"] == v1.tags["metric.dino"]
+        assert lineage_of(v2)["champion"]["champion.candidate_score"] == v1.tags["metric.dino"]
 
         # The nightly deployment with nothing changed: up to date in seconds, no version 3.
         nightly, nightly_s = _deployment_run(root, run_env, "finetune/nightly")

@@ -95,6 +95,32 @@ def test_report_has_metrics_gate_and_details(run):
     assert report["generation"]["call_shape"]["batch_size"] == 2
 
 
+def test_report_carries_the_protocol_its_scores_were_measured_under(run):
+    protocol = run["report"]["protocol"]
+    assert len(protocol["id"]) == 12 and protocol["calibrated"] is False
+    assert protocol["uncalibrated_reason"].startswith(
+        "uncalibrated scores: builtin:tiny-clip and builtin:tiny-dino have random (seeded) weights")
+    settings = protocol["settings"]
+    assert settings["clip"] == {"name": "builtin:tiny-clip", "seed": 0}
+    assert settings["prompts"] == run["report"]["prompts"]
+    assert settings["precision"] == run["report"]["generation"]["precision"]
+    assert settings["backend"] == "openvino-static" and settings["base_backend"] == "pytorch"
+    assert (settings["seed"], settings["num_inference_steps"]) == (0, 2)
+
+
+def test_a_no_op_fine_tune_fails_a_gate_that_asks_for_a_gain(run):
+    """Controlled input: the 'fine-tune' is the base itself (its export), so nothing was learned.
+    A gate with a real gain threshold (README's for real encoders: min_gain_clip_i 0.02) fails it."""
+    from tasks.evaluate.config import GateConfig
+
+    metrics = run["report"]["metrics"]
+    assert abs(metrics["gain_dino"]) < 0.02 and abs(metrics["gain_clip_i"]) < 0.02
+    verdict = M.gate(metrics, GateConfig(min_gain_clip_i=0.02, min_gain_dino=0.02).model_dump())
+    assert not verdict["passed"]
+    assert not verdict["checks"]["gain_clip_i"]["passed"]
+    assert not verdict["checks"]["gain_dino"]["passed"]
+
+
 def test_gate_records_each_check_and_fails_when_one_fails(run):
     gate = run["report"]["gate"]
     assert gate["passed"] is False  # the registration step reads this key
@@ -136,6 +162,10 @@ def test_mlflow_run_has_metrics_and_artifacts(run):
     clip_i = run["report"]["metrics"]["clip_i"]
     assert logged.data.metrics["clip_i"] == pytest.approx(clip_i, abs=1e-6)
     assert logged.data.tags["gate.passed"] == "false"
+    # The protocol the scores were measured under, and that the built-in encoders' are noise.
+    assert logged.data.tags["protocol"] == run["report"]["protocol"]["id"]
+    assert logged.data.tags["protocol.calibrated"] == "false"
+    assert "random (seeded) weights" in logged.data.tags["protocol.note"]
     client = mlflow.MlflowClient(tracking_uri=run["mlflow_uri"])
     names = {a.path for a in client.list_artifacts(logged.info.run_id, "evaluate")}
     assert {"evaluate/grid.png", "evaluate/grid_base.png", "evaluate/per_prompt.csv",

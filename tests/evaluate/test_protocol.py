@@ -77,3 +77,35 @@ def test_heldout_with_pytorch_backend(tmp_path_factory, tmp_path):
     # Base = the same PyTorch model, same seeds: identical images, identical scores.
     assert metrics["base_heldout_fd"] == pytest.approx(metrics["heldout_fd"], abs=1e-6)
     assert metrics["drift_dino"] == pytest.approx(1.0, abs=1e-6)
+
+
+def _protocol(**changes):
+    from tasks.evaluate.protocol import describe
+
+    cfg = EvaluateConfig(**{"prompt_set": "object", "max_prompts": 2, **changes.pop("cfg", {})})
+    args = dict(prompts=["a"], clip_texts=["b"], backend="openvino-static",
+                precision={"unet": "bf16"}, shape={"height": 64}, instance="i1", heldout=None,
+                base_backend="pytorch")
+    return describe(cfg, **{**args, **changes})
+
+
+def test_the_protocol_id_changes_with_everything_that_changes_a_score():
+    same = _protocol()
+    assert _protocol()["id"] == same["id"]
+    for change in ({"cfg": {"clip_model": "openai/clip-vit-large-patch14", "clip_revision": "r1"}},
+                   {"cfg": {"dino_revision": "x", "dino_model": "facebook/dino-vits16"}},
+                   {"cfg": {"encoder_seed": 1}}, {"cfg": {"seed": 1}},
+                   {"cfg": {"num_inference_steps": 20}}, {"cfg": {"guidance_scale": 5.0}},
+                   {"cfg": {"images_per_prompt": 4}}, {"prompts": ["c"]}, {"clip_texts": ["d"]},
+                   {"precision": {"unet": "f32"}}, {"backend": "pytorch"}, {"shape": {"height": 512}},
+                   {"instance": "i2"}, {"heldout": "h1"}):
+        assert _protocol(**change)["id"] != same["id"], change
+
+
+def test_only_trained_encoders_are_calibrated():
+    assert _protocol()["calibrated"] is False
+    assert "builtin:tiny-clip and builtin:tiny-dino" in _protocol()["uncalibrated_reason"]
+    real = _protocol(cfg={"clip_model": "/models/clip", "dino_model": "/models/dino"})
+    assert real["calibrated"] is True and real["uncalibrated_reason"] is None
+    half = _protocol(cfg={"clip_model": "/models/clip"})
+    assert half["calibrated"] is False and "builtin:tiny-dino has random" in half["uncalibrated_reason"]

@@ -11,6 +11,7 @@ import pytest
 import yaml
 
 from flows.changes import detect_changes, lineage_of_workspace, unwatched_sources
+from tasks.register.lineage import fingerprint
 
 INGEST = "import pathlib, shutil; shutil.copytree('src', 'processed', dirs_exist_ok=True)"
 PARAMS = ("ingest:\n  sources:\n    - type: folder\n      path: src\n  resolution: 64\n"
@@ -32,12 +33,18 @@ def ws(tmp_path: Path) -> Path:
 
 
 def _register(root: Path, uri: str) -> str:
-    """A version of `toy` with the workspace's lineage tags, as tasks/register would tag it."""
+    """A version of `toy` with the workspace's lineage, as tasks/register leaves it: the
+    fingerprint tag, and lineage.json in its run."""
     client = mlflow.MlflowClient(tracking_uri=uri)
     if not client.search_registered_models("name='toy'"):
         client.create_registered_model("toy")
-    tags = {**lineage_of_workspace(root), "param.register.model_name": "toy", "git_commit": "x"}
-    return client.create_model_version("toy", source=str(root / "processed"), tags=tags).version
+    built_from = lineage_of_workspace(root)
+    run = client.create_run(client.get_experiment_by_name("Default").experiment_id)
+    client.log_dict(run.info.run_id, {"inputs": built_from}, "lineage.json")
+    tags = {"lineage.fingerprint": fingerprint(built_from), "git_commit": "x",
+            "lineage": f"runs:/{run.info.run_id}/lineage.json"}
+    return client.create_model_version("toy", source=str(root / "processed"), tags=tags,
+                                       run_id=run.info.run_id).version
 
 
 def _repro(root: Path) -> None:
@@ -67,6 +74,20 @@ def test_changes_against_the_last_registered_version(ws: Path, isolated_mlflow: 
 
     assert str(_register(ws, isolated_mlflow)) == "2"  # the newest version is the one compared with
     assert not detect_changes(ws, "toy", isolated_mlflow).changed
+
+
+def test_a_version_built_by_an_experiment_is_not_the_workspace_baseline(
+        ws: Path, isolated_mlflow: str) -> None:
+    """A flow run with overrides (a DVC experiment) registers a version the nightly must not
+    compare the workspace with: it was not built from the workspace's params.yaml."""
+    _register(ws, isolated_mlflow)
+    client = mlflow.MlflowClient(tracking_uri=isolated_mlflow)
+    client.create_model_version("toy", source=str(ws / "processed"), tags={
+        "dvc.experiment": "flow-x", "param.ingest.resolution": "128", "dvc.md5.processed": "y"})
+    changes = detect_changes(ws, "toy", isolated_mlflow)
+    assert not changes.changed and changes.compared_with == "toy v1"
+    with_exps = detect_changes(ws, "toy", isolated_mlflow, include_experiments=True)
+    assert with_exps.changed and with_exps.compared_with == "toy v2"
 
 
 def test_a_changed_param_is_a_change(ws: Path, isolated_mlflow: str) -> None:

@@ -3,6 +3,7 @@ against a real temporary Prefect server: order, skip reporting, parent/child run
 failures. The real pipeline under the real deployment is in tests/e2e/test_prefect_deployment.py."""
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -38,7 +39,8 @@ pathlib.Path(f"{name}.out").write_text(str(params["value"]))
 def toy(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     root = tmp_path / "toy"
     root.mkdir()
-    subprocess.run([sys.executable, "-m", "dvc", "init", "--no-scm", "-q"], cwd=root, check=True)
+    subprocess.run(["git", "init", "-q"], cwd=root, check=True)
+    subprocess.run([sys.executable, "-m", "dvc", "init", "-q"], cwd=root, check=True)
     (root / "stage.py").write_text(STAGE_CODE)
     stages = {
         name: {"cmd": f"python stage.py {name}", "deps": ["stage.py"], "params": [name],
@@ -49,9 +51,24 @@ def toy(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     (root / "dvc.yaml").write_text(yaml.safe_dump({"stages": stages}, sort_keys=False))
     (root / "params.yaml").write_text("second:\n  value: 1  # kept\n  fail: false\n  kill_once: false\n"
                                       "first:\n  value: 2\nregister:\n  model_name: toy\n")
+    (root / ".gitignore").write_text("*.attempts\n*.killed\n")
+    _git(root, "add", "-A")
+    _git(root, "-c", "user.name=t", "-c", "user.email=t@example.com", "commit", "-q", "-m", "toy")
     monkeypatch.setattr(finetune_module, "REPO", root)  # the flow runs in this repo instead
     monkeypatch.setenv("PYTHONPATH", str(REPO))  # the toy stages import tasks.common
     return root
+
+
+def _git(root: Path, *args: str) -> str:
+    return subprocess.run(["git", *args], cwd=root, check=True, capture_output=True,
+                          text=True).stdout
+
+
+def _set_params(root: Path, section: str, **values) -> None:
+    """Edit the toy's params.yaml the way a person would (not an override)."""
+    params = yaml.safe_load((root / "params.yaml").read_text())
+    params[section].update(values)
+    (root / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
 
 
 def _runs(parent_id: str) -> list:
@@ -60,10 +77,9 @@ def _runs(parent_id: str) -> list:
 
 
 def test_runs_stages_in_order_then_skips_them(prefect_server, toy: Path) -> None:
-    first = finetune_module.finetune(overrides={"first.value": 5}, register=False)
+    _set_params(toy, "first", value=5)
+    first = finetune_module.finetune(register=False)
     assert [(s["stage"], s["status"]) for s in first["stages"]] == [("second", "ran"), ("first", "ran")]
-    assert "value: 1  # kept" in (toy / "params.yaml").read_text()
-    assert yaml.safe_load((toy / "params.yaml").read_text())["first"]["value"] == 5
 
     client = mlflow.MlflowClient()
     parent = client.get_run(first["mlflow_run_id"])
@@ -72,6 +88,7 @@ def test_runs_stages_in_order_then_skips_them(prefect_server, toy: Path) -> None
     assert parent.data.params["first.value"] == "5"  # the params used, after overrides
     assert {a.path for a in client.list_artifacts(parent.info.run_id)} >= {
         "params.yaml", "dvc.lock", "overrides.json"}
+    assert parent.data.tags["overrides"] == "{}" and "dvc.experiment" not in parent.data.tags
     children = _runs(parent.info.run_id)
     assert sorted(r.data.tags["stage"] for r in children) == ["first", "second"]
     assert {r.data.metrics["value"] for r in children} == {1.0, 5.0}
@@ -95,18 +112,90 @@ def test_runs_stages_in_order_then_skips_them(prefect_server, toy: Path) -> None
     assert "skipped by DVC: unchanged" in by_name["second"].message
 
 
-def test_unknown_override_fails_before_anything_runs(prefect_server, toy: Path) -> None:
-    before = (toy / "params.yaml").read_text()
+def test_bad_overrides_fail_before_anything_runs(prefect_server, toy: Path) -> None:
+    (toy / "params.yaml").chmod(0o664)
+    before, mode = (toy / "params.yaml").read_bytes(), (toy / "params.yaml").stat().st_mode
     with pytest.raises(UserError, match="override 'first.valu'"):
         finetune_module.finetune(overrides={"first.valu": 3}, register=False)
-    assert (toy / "params.yaml").read_text() == before
+    # A value the stage's typed config refuses (register is read by RegisterConfig).
+    with pytest.raises(UserError, match=r"register.model_name: String should match") as err:
+        finetune_module.finetune(overrides={"first.value": 4, "register.model_name": "no spaces"},
+                                 register=False)
+    assert "with overrides register.model_name='no spaces'" in str(err.value)
+    assert (toy / "params.yaml").read_bytes() == before
+    assert (toy / "params.yaml").stat().st_mode == mode
     assert not (toy / "second.out").exists()
     assert mlflow.search_runs(search_all_experiments=True, output_format="list") == []
 
 
-def test_failing_stage_fails_the_flow_and_the_parent_run(prefect_server, toy: Path) -> None:
-    with pytest.raises(StageFailed, match="stage 'second' failed") as err:
+def _experiments(root: Path) -> dict[str, dict]:
+    """`dvc exp show --json`: experiment name -> its params.yaml params."""
+    out = subprocess.run([sys.executable, "-m", "dvc", "exp", "show", "--json"], cwd=root,
+                         check=True, capture_output=True, text=True).stdout
+    found = {}
+    for baseline in json.loads(out):
+        for exp in baseline.get("experiments") or []:
+            for rev in exp.get("revs") or []:
+                params = rev["data"]["params"]["params.yaml"]["data"]
+                found[rev["name"]] = params
+    return found
+
+
+def _snapshot(root: Path) -> dict[str, tuple[bytes, int]]:
+    """Content and mode of every file git does not track, and of params.yaml."""
+    files = [root / "params.yaml"] + [
+        p for p in root.rglob("*")
+        if p.is_file() and ".git" not in p.parts and ".dvc" not in p.parts]
+    return {str(p.relative_to(root)): (p.read_bytes(), p.stat().st_mode) for p in files}
+
+
+def test_overrides_run_as_a_dvc_experiment_and_leave_the_workspace_alone(
+        prefect_server, toy: Path) -> None:
+    (toy / "params.yaml").chmod(0o664)
+    plain = finetune_module.finetune(register=False)  # the workspace has outputs and dvc.lock
+    assert [s["status"] for s in plain["stages"]] == ["ran", "ran"]
+    before, status = _snapshot(toy), _git(toy, "status", "--porcelain")
+    assert "dvc.lock" in before and "first.out" in before
+
+    result = finetune_module.finetune(overrides={"first.value": 5}, register=False)
+    # Carried over from the workspace, 'second' is unchanged: only 'first' reruns.
+    assert [(s["stage"], s["status"]) for s in result["stages"]] == [("second", "skipped"),
+                                                                      ("first", "ran")]
+    name = result["dvc_experiment"]
+    # The workspace is as it was: every file, dvc.lock and params.yaml included, content and mode.
+    assert _snapshot(toy) == before
+    assert _git(toy, "status", "--porcelain") == status
+    assert _git(toy, "worktree", "list").count("\n") == 1  # the experiment's worktree is gone
+    assert subprocess.run([sys.executable, "-m", "dvc", "status", "--json"], cwd=toy,
+                          capture_output=True, text=True, check=True).stdout.strip() == "{}"
+    # DVC lists the experiment with the overridden value; the run records it.
+    assert _experiments(toy)[name]["first"]["value"] == 5
+    parent = mlflow.MlflowClient().get_run(result["mlflow_run_id"])
+    assert parent.data.tags["dvc.experiment"] == name
+    assert json.loads(parent.data.tags["overrides"]) == {"first.value": 5}
+    assert parent.data.params["first.value"] == "5"
+    assert {r.data.metrics["value"] for r in _runs(parent.info.run_id)} == {5.0}
+
+    # The next plain run uses the tracked params.yaml: nothing to do.
+    again = finetune_module.finetune(register=False)
+    assert [s["status"] for s in again["stages"]] == ["skipped", "skipped"]
+    assert (toy / "first.out").read_text() == "2"
+
+
+def test_a_failed_experiment_leaves_no_trace(prefect_server, toy: Path) -> None:
+    before = (toy / "params.yaml").read_bytes()
+    with pytest.raises(StageFailed, match="stage 'second' failed"):
         finetune_module.finetune(overrides={"second.fail": True}, register=False)
+    assert (toy / "params.yaml").read_bytes() == before
+    assert _experiments(toy) == {}
+    assert _git(toy, "status", "--porcelain") == ""
+    assert _git(toy, "worktree", "list").count("\n") == 1
+
+
+def test_failing_stage_fails_the_flow_and_the_parent_run(prefect_server, toy: Path) -> None:
+    _set_params(toy, "second", fail=True)
+    with pytest.raises(StageFailed, match="stage 'second' failed") as err:
+        finetune_module.finetune(register=False)
     assert "error: params.yaml: second.fail is set" in str(err.value)
     assert (toy / "second.attempts").read_text() == "x"  # a config error is not retried
     (parent,) = mlflow.search_runs(search_all_experiments=True, output_format="list",
@@ -130,6 +219,7 @@ def _artifact(flow_run_id) -> str:
 
 def test_only_if_changed_and_the_run_summary_artifact(prefect_server, toy: Path) -> None:
     from flows.changes import lineage_of_workspace
+    from tasks.register.lineage import fingerprint
 
     state = finetune_module.finetune(register=False, return_state=True)
     first = state.result()
@@ -140,7 +230,8 @@ def test_only_if_changed_and_the_run_summary_artifact(prefect_server, toy: Path)
     # What tasks/register would leave: a version whose lineage is this workspace's dvc.lock.
     client = mlflow.MlflowClient()
     client.create_registered_model("toy")
-    client.create_model_version("toy", source=str(toy), tags=lineage_of_workspace(toy))
+    client.create_model_version("toy", source=str(toy), tags={
+        "lineage.fingerprint": fingerprint(lineage_of_workspace(toy))})
     runs_before = len(mlflow.search_runs(search_all_experiments=True, output_format="list"))
 
     state = finetune_module.finetune(only_if_changed=True, return_state=True)
@@ -162,7 +253,8 @@ def test_a_killed_stage_is_retried_and_completes(prefect_server, toy: Path,
                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     fast = finetune_module.repro_stage.with_options(retry_delay_seconds=0)
     monkeypatch.setattr(finetune_module, "repro_stage", fast)
-    result = finetune_module.finetune(overrides={"second.kill_once": True}, register=False)
+    _set_params(toy, "second", kill_once=True)
+    result = finetune_module.finetune(register=False)
     assert [s["status"] for s in result["stages"]] == ["ran", "ran"]
     assert (toy / "second.attempts").read_text() == "xx"  # killed once (SIGKILL), then completed
     assert (toy / "second.out").read_text() == "1"

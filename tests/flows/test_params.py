@@ -1,4 +1,5 @@
-"""Overrides are written into params.yaml like `dvc exp run --set-param`; stage order is dvc.yaml's."""
+"""Overrides: validated against the stage configs without writing anything, written (into an
+experiment's copy of params.yaml) like `dvc exp run --set-param`; stage order is dvc.yaml's."""
 from __future__ import annotations
 
 import shutil
@@ -7,7 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from flows.params import apply_overrides, stage_names
+from flows.params import SECTION_CONFIGS, apply_overrides, section_config, stage_names, validate_overrides
 from tasks.common.errors import UserError
 from tests.conftest import REPO
 
@@ -110,3 +111,59 @@ def test_cli_reports_a_malformed_set_without_traceback() -> None:
                           timeout=120)
     assert proc.returncode == 2
     assert "expected KEY=VALUE" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_every_params_section_has_its_stage_config() -> None:
+    sections = yaml.safe_load((REPO / "params.yaml").read_text())
+    assert set(SECTION_CONFIGS) == set(sections)
+    for name, data in sections.items():
+        section_config(name).model_validate(data)  # the table names the class that reads it
+
+
+@pytest.mark.parametrize(("overrides", "expected"), [
+    ({"train.learning_rate": "abc"}, "train.learning_rate: Input should be a valid number"),
+    ({"train.max_train_steps": 0}, "train.max_train_steps: Input should be greater than"),
+    ({"export.compression.mode": "int3"}, "export.compression.mode: Input should be"),
+    ({"train.seed": 1, "base.model": 5}, "base.model: Input should be a valid string"),
+])
+def test_a_value_the_stage_config_refuses_fails_naming_the_key(
+        params: Path, overrides: dict, expected: str) -> None:
+    params.chmod(0o640)
+    before, mode = params.read_bytes(), params.stat().st_mode
+    with pytest.raises(UserError) as err:
+        validate_overrides(params, overrides)
+    assert expected in str(err.value)
+    assert params.read_bytes() == before and params.stat().st_mode == mode
+
+
+def test_valid_overrides_are_returned_and_nothing_is_written(params: Path) -> None:
+    before = params.read_bytes()
+    assert validate_overrides(params, {"train.max_train_steps": 5, "evaluate.seed": 3}) == {
+        "train.max_train_steps": 5, "evaluate.seed": 3}
+    assert params.read_bytes() == before
+    with pytest.raises(UserError, match="override 'train.learnig_rate'"):
+        validate_overrides(params, {"train.learnig_rate": 1e-4})
+
+
+def test_apply_keeps_the_file_mode(params: Path) -> None:
+    params.chmod(0o640)
+    apply_overrides(params, {"train.max_train_steps": 5})
+    assert params.stat().st_mode & 0o777 == 0o640
+
+
+def test_cli_bad_override_fails_at_once_and_leaves_params_yaml_alone() -> None:
+    """The issue's case: `--set train.learning_rate=abc` used to land in params.yaml (mode 0600)."""
+    import os
+    import subprocess
+    import sys
+
+    before, mode = (REPO / "params.yaml").read_bytes(), (REPO / "params.yaml").stat().st_mode
+    proc = subprocess.run([sys.executable, "-m", "flows.finetune", "--set",
+                           "train.learning_rate=abc"], cwd=REPO,
+                          env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "train.learning_rate: Input should be a valid number" in proc.stderr
+    assert "Running stage" not in proc.stdout + proc.stderr
+    assert (REPO / "params.yaml").read_bytes() == before
+    assert (REPO / "params.yaml").stat().st_mode == mode

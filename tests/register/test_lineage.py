@@ -7,7 +7,15 @@ from pathlib import Path
 import pytest
 
 from tasks.common.errors import UserError
-from tasks.register.lineage import describe, lineage_tags, read_evaluation, read_lock
+from tasks.register.lineage import (
+    describe,
+    fingerprint,
+    inputs,
+    lineage_record,
+    read_evaluation,
+    read_lock,
+    summary_tags,
+)
 from tests.register.conftest import DVC_LOCK, EVAL_FAIL, EVAL_PASS
 
 
@@ -43,18 +51,49 @@ def test_evaluation_gate(tmp_path: Path) -> None:
         read_evaluation(tmp_path / "missing.json")
 
 
-def test_tags_cover_commit_hashes_params_metrics_and_gate(tmp_path: Path) -> None:
+def test_a_few_tags_and_the_full_lineage_in_one_document(tmp_path: Path) -> None:
     (tmp_path / "dvc.lock").write_text(DVC_LOCK)
     (tmp_path / "e.json").write_text(json.dumps(EVAL_PASS))
     lock, ev = read_lock(tmp_path / "dvc.lock"), read_evaluation(tmp_path / "e.json")
-    tags = lineage_tags(lock, ev, {"register": {"model_name": "m"}}, "abc123")
-    assert tags["git_commit"] == "abc123"
-    assert tags["dvc.md5.models/finetuned"] == "22222222222222222222222222222222.dir"
-    assert tags["param.train.max_train_steps"] == "3"
-    assert tags["param.train.prompts"] == '["a", "b"]'
-    assert tags["param.register.model_name"] == "m"
-    assert tags["metric.clip_t"] == "0.21"
-    assert tags["gate.passed"] == "true" and tags["gate.checks.clip_t"] == "True"
-    assert all(isinstance(v, str) for v in tags.values())
-    text = describe(lock, ev, "abc123")
-    assert "dreambooth for 3 steps" in text and "the gate passed" in text and "clip_t=0.21" in text
+    tags = summary_tags(lock, ev, "abc123", "dino", {"dvc.experiment": "flow-x"})
+    assert tags == {"base": "?", "method": "dreambooth",
+                    "data": "11111111111111111111111111111111.dir", "git_commit": "abc123",
+                    "metric.dino": "0.4", "gate": "passed",
+                    "protocol": "unknown (the report has no protocol section)",
+                    "lineage.fingerprint": fingerprint(inputs(lock)), "dvc.experiment": "flow-x"}
+    record = lineage_record(lock, ev, {"register": {"model_name": "m"}}, "abc123")
+    json.dumps(record)  # one JSON document
+    assert record["git_commit"] == "abc123"
+    assert record["outputs"]["models/finetuned"] == "22222222222222222222222222222222.dir"
+    assert record["params"]["train"]["prompts"] == ["a", "b"]
+    assert record["params"]["register"] == {"model_name": "m"}
+    assert record["metrics"] == EVAL_PASS["metrics"] and record["gate"]["passed"] is True
+    assert record["inputs"]["param.train.max_train_steps"] == "3"
+    assert record["inputs"]["dvc.md5.data/processed"] == "11111111111111111111111111111111.dir"
+    assert not any(k.startswith("param.register.") for k in record["inputs"])
+    assert record["fingerprint"] == tags["lineage.fingerprint"]
+    text = describe(lock, ev, "abc123", "dino")
+    assert "dreambooth for 3 steps" in text and "the gate passed" in text and "dino=0.4" in text
+
+
+def test_the_fingerprint_follows_data_and_params_only(tmp_path: Path) -> None:
+    (tmp_path / "dvc.lock").write_text(DVC_LOCK)
+    lock = read_lock(tmp_path / "dvc.lock")
+    (tmp_path / "dvc.lock").write_text(DVC_LOCK.replace("max_train_steps: 3", "max_train_steps: 4"))
+    changed = read_lock(tmp_path / "dvc.lock")
+    assert fingerprint(inputs(lock)) == fingerprint(inputs(read_lock(tmp_path / "dvc.lock").__class__(
+        lock.hashes, {**lock.params, "register": {"model_name": "other"}})))
+    assert fingerprint(inputs(lock)) != fingerprint(inputs(changed))
+
+
+def test_an_uncalibrated_evaluation_says_so_in_tag_and_description(tmp_path: Path) -> None:
+    (tmp_path / "dvc.lock").write_text(DVC_LOCK)
+    report = {**EVAL_PASS, "protocol": {
+        "id": "0123abcd4567", "calibrated": False, "settings": {},
+        "uncalibrated_reason": "uncalibrated scores: builtin:tiny-clip have random weights"}}
+    (tmp_path / "e.json").write_text(json.dumps(report))
+    lock, ev = read_lock(tmp_path / "dvc.lock"), read_evaluation(tmp_path / "e.json")
+    assert summary_tags(lock, ev, "abc", "dino")["protocol"] == "0123abcd4567 (uncalibrated)"
+    text = describe(lock, ev, "abc", "dino")
+    assert text.startswith("Uncalibrated scores: builtin:tiny-clip have random weights. ")
+    assert lineage_record(lock, ev, {}, "abc")["protocol"]["id"] == "0123abcd4567"

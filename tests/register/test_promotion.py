@@ -53,3 +53,42 @@ def test_score_from_tags() -> None:
     assert score_from_tags({"metric.dino": "0.25"}, "dino") == 0.25
     assert score_from_tags({"metric.dino": "nan"}, "dino") is None
     assert score_from_tags({}, "dino") is None
+
+
+def _proto(dino: float, pid: str = "p1", calibrated: bool = True, passed: bool = True) -> Evaluation:
+    protocol = {"id": pid, "calibrated": calibrated,
+                "uncalibrated_reason": None if calibrated else "uncalibrated scores: builtin:tiny-clip"}
+    return Evaluation(metrics={"dino": dino}, passed=passed, protocol=protocol)
+
+
+def test_a_better_challenger_under_the_same_protocol_wins() -> None:
+    d = decide(_proto(0.6), "dino", "maximize", Champion("1", 0.5, protocol="p1"))
+    assert d.promote and d.reason.endswith("under protocol p1")
+    d = decide(_proto(0.4), "dino", "maximize", Champion("1", 0.5, protocol="p1"))
+    assert not d.promote
+
+
+def test_a_champion_scored_under_another_protocol_is_not_compared() -> None:
+    """Switching encoders lowers every score: the old champion's number is no yardstick."""
+    d = decide(_proto(0.3, pid="real"), "dino", "maximize", Champion("1", 0.9, protocol="tiny"))
+    assert not d.promote
+    assert ("champion v1 was scored under evaluation protocol tiny, this version under real; "
+            "the scores are not comparable until the champion is re-scored") in d.reason
+    assert d.tags()["champion.previous_protocol"] == "tiny"
+    d = decide(_proto(0.95, pid="real"), "dino", "maximize", Champion("1", 0.9, protocol=None))
+    assert not d.promote and "protocol unknown" in d.reason
+
+
+def test_uncalibrated_scores_promote_only_when_the_setting_says_so() -> None:
+    d = decide(_proto(0.9, calibrated=False), "dino", "maximize", None)
+    assert not d.promote and "uncalibrated" in d.reason and "promote_uncalibrated is false" in d.reason
+    d = decide(_proto(0.9, calibrated=False), "dino", "maximize", None, promote_uncalibrated=True)
+    assert d.promote and d.reason.endswith("on uncalibrated scores (register.promote_uncalibrated: true)")
+
+
+def test_protocol_from_tags() -> None:
+    from tasks.register.promotion import protocol_from_tags
+
+    assert protocol_from_tags({"protocol": "abc123 (uncalibrated)"}) == "abc123"
+    assert protocol_from_tags({"protocol": "unknown (the report has no protocol section)"}) is None
+    assert protocol_from_tags({}) is None

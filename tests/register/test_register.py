@@ -45,15 +45,23 @@ def test_cli_registers_version_with_lineage_and_both_aliases(registered: Path) -
     assert str(client.get_model_version_by_alias("sd-test", "candidate").version) == "1"
     commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=registered, capture_output=True,
                             text=True, check=True).stdout.strip()
-    assert mv.tags["git_commit"] == commit
-    assert mv.tags["dvc.md5.data/processed"] == "11111111111111111111111111111111.dir"
-    assert mv.tags["dvc.md5.models/finetuned"] == "22222222222222222222222222222222.dir"
-    assert mv.tags["dvc.md5.models/openvino"] == "33333333333333333333333333333333.dir"
-    assert mv.tags["param.train.max_train_steps"] == "3"
-    assert mv.tags["param.register.model_name"] == "sd-test"
-    assert mv.tags["metric.clip_t"] == "0.21" and mv.tags["gate.passed"] == "true"
+    # A few readable tags; the full lineage in one JSON document in the version's run.
+    assert set(mv.tags) == {"base", "method", "data", "git_commit", "metric.dino", "gate",
+                            "protocol", "lineage.fingerprint", "lineage", "champion.decision",
+                            "model.artifacts"}
+    assert mv.tags["git_commit"] == commit and mv.tags["method"] == "dreambooth"
+    assert mv.tags["data"] == "11111111111111111111111111111111.dir"
+    assert mv.tags["metric.dino"] == "0.4" and mv.tags["gate"] == "passed"
     assert mv.tags["champion.decision"].startswith("promoted")
     assert "dreambooth for 3 steps" in mv.description
+    lineage = mlflow.artifacts.load_dict(mv.tags["lineage"])
+    assert lineage["outputs"]["models/openvino"] == "33333333333333333333333333333333.dir"
+    assert lineage["params"]["train"]["max_train_steps"] == 3
+    assert lineage["params"]["register"]["model_name"] == "sd-test"
+    assert lineage["metrics"]["clip_t"] == 0.21 and lineage["gate"]["passed"] is True
+    assert lineage["champion"]["champion.promoted"] == "true"
+    assert lineage["model"] == {"name": "sd-test", "version": "1",
+                                "artifacts": ["finetuned", "openvino"]}
     # The CLI logs into a run of its own, named after it.
     run = client.get_run(mv.run_id)
     assert run.info.run_name == "register" and run.info.status == "FINISHED"
@@ -75,7 +83,7 @@ def test_failed_gate_moves_only_candidate(registered: Path) -> None:
     assert str(client.get_model_version_by_alias("sd-test", "champion").version) == "1"
     v2 = client.get_model_version("sd-test", "2")
     assert v2.run_id == run.info.run_id
-    assert v2.tags["gate.passed"] == "false" and v2.tags["champion.decision"].startswith("not promoted")
+    assert v2.tags["gate"] == "failed" and v2.tags["champion.decision"].startswith("not promoted")
 
 
 def test_champion_moves_only_to_a_better_candidate(registered: Path) -> None:
@@ -96,13 +104,15 @@ def test_champion_moves_only_to_a_better_candidate(registered: Path) -> None:
     assert v2.tags["champion.decision"] == (
         "not promoted: the gate passed but it does not beat the champion "
         "(dino=0.3 vs champion v1 dino=0.4, maximize)")
-    assert (v2.tags["champion.candidate_score"], v2.tags["champion.previous_score"]) == ("0.3", "0.4")
+    champion = mlflow.artifacts.load_dict(v2.tags["lineage"])["champion"]
+    assert (champion["champion.candidate_score"], champion["champion.previous_score"]) == ("0.3", "0.4")
     assert "Champion: not promoted" in v2.description
 
     assert register_with(0.45) == "3"
     v3 = client.get_model_version("sd-test", "3")
     assert sorted(v3.aliases) == ["candidate", "champion"]
-    assert v3.tags["champion.previous_version"] == "1" and v3.tags["champion.promoted"] == "true"
+    champion = mlflow.artifacts.load_dict(v3.tags["lineage"])["champion"]
+    assert champion["champion.previous_version"] == "1" and champion["champion.promoted"] == "true"
     assert v3.tags["champion.decision"].startswith("promoted: the gate passed and it beats")
 
 
@@ -187,3 +197,33 @@ def test_predict_refuses_bad_requests_before_generating(registered: Path) -> Non
     out = model.predict(["a", "b"], params={"num_inference_steps": 1, "num_images_per_prompt": 2, "seed": 5})
     assert out[["prompt", "seed"]].values.tolist() == [["a", 5], ["a", 6], ["b", 7], ["b", 8]]
     assert len(calls) == 4 and {c["num_inference_steps"] for c in calls} == {1}
+
+
+def test_a_champion_rescored_under_the_current_protocol_is_compared_on_that_score(
+        project: Path) -> None:
+    """v1 was scored under protocol 'old' (dino 0.9); v2 under 'new' (dino 0.4). Compared with
+    v1's old score v2 would lose; re-scored under 'new' v1 scores 0.3, and v2 wins."""
+    client = mlflow.MlflowClient()
+
+    def register_with(protocol: str, dino: float, rescore: dict | None = None):
+        report = {**EVAL_PASS, "metrics": {**EVAL_PASS["metrics"], "dino": dino},
+                  "protocol": {"id": protocol, "calibrated": True}}
+        (project / "reports/evaluate.json").write_text(json.dumps(report))
+        return register(project / "models/finetuned", project / "models/openvino",
+                        project / "reports/evaluate.json", project / "dvc.lock",
+                        project / "params.yaml", champion_rescore=rescore)
+
+    assert register_with("old", 0.9).champion_moved
+    without = register_with("new", 0.4)
+    assert not without.champion_moved and "not comparable until the champion is re-scored" in (
+        without.decision)
+    rescored = {"version": "1", "report": {"metrics": {"dino": 0.3}, "protocol": {"id": "new"},
+                                           "seconds_total": 12.5}}
+    result = register_with("new", 0.4, rescored)
+    assert result.champion_moved and result.version == "3"
+    assert result.decision == ("promoted: the gate passed and it beats the champion (dino=0.4 vs "
+                               "champion v1 dino=0.3, maximize) under protocol new")
+    v3 = client.get_model_version("sd-test", "3")
+    assert v3.tags["champion.rescored"] == (
+        "v1 re-scored under protocol new: dino=0.3 (was 0.9 under old; 12.5 s)")
+    assert client.get_model_version("sd-test", "1").tags["rescore.new"] == "dino=0.3"

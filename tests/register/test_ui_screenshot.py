@@ -1,6 +1,8 @@
-"""The MLflow UI's model page, served by the real `mlflow server` on loopback, shows the registered
-model and its aliases in headless Chromium (Debian's `chromium` package). The screenshot is kept as
-an artifact of the test run: .pytest_cache/d/screenshots/mlflow-model-page.png."""
+"""The MLflow UI, served by the real `mlflow server` on loopback, in headless Chromium (Debian's
+`chromium` package): the registered model's page shows its versions and aliases, and a version
+registered by tasks/register shows at a glance what it is (base, method, data hash, git commit,
+primary metric, gate, protocol and its calibration, the champion decision). Screenshots are kept as
+artifacts of the test run: .pytest_cache/d/screenshots/mlflow-*.png."""
 from __future__ import annotations
 
 import os
@@ -11,6 +13,10 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
+
+import html
+import json
+import re
 
 import mlflow
 import pytest
@@ -31,6 +37,84 @@ def _chromium(*args: str, timeout: float = 180) -> subprocess.CompletedProcess[s
         [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
          "--window-size=1400,900", "--virtual-time-budget=20000", *args],
         capture_output=True, text=True, timeout=timeout)
+
+
+def _visible_text(dom: str) -> str:
+    """The page's text as a reader sees it (tags, scripts and styles dropped)."""
+    dom = re.sub(r"(?is)<(script|style)[^>]*>.*?</\1>", " ", dom)
+    return re.sub(r"\s+", " ", html.unescape(re.sub(r"(?s)<[^>]+>", " ", dom)))
+
+
+class _Server:
+    def __init__(self, store: str, log: Path) -> None:
+        self.url = f"http://127.0.0.1:{free_port()}"
+        port = self.url.rsplit(":", 1)[1]
+        with open(log, "wb") as sink:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", port,
+                 "--workers", "1", "--backend-store-uri", store],
+                stdout=sink, stderr=subprocess.STDOUT, start_new_session=True)
+        for _ in range(300):
+            try:
+                with urllib.request.urlopen(f"{self.url}/health", timeout=5):
+                    return
+            except (urllib.error.URLError, OSError):
+                assert self.proc.poll() is None, log.read_text()[-3000:]
+                time.sleep(1)
+
+    def page(self, fragment: str, shot: Path) -> str:
+        """The page's visible text; its screenshot is written to `shot`."""
+        dom = _chromium("--dump-dom", f"{self.url}/#/{fragment}")
+        assert dom.returncode == 0, dom.stderr[-3000:]
+        taken = _chromium(f"--screenshot={shot}", f"{self.url}/#/{fragment}")
+        assert taken.returncode == 0 and shot.stat().st_size > 10_000, taken.stderr[-3000:]
+        assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        print(f"\nscreenshot of {fragment}: {shot}")
+        return _visible_text(dom.stdout)
+
+
+@pytest.mark.timeout(900)
+def test_a_registered_version_shows_what_it_is(project: Path, isolated_mlflow: str,
+                                               tmp_path: Path,
+                                               request: pytest.FixtureRequest) -> None:
+    """Registered by tasks/register from the tiny models, with an uncalibrated evaluation."""
+    from tasks.register.core import register
+
+    report = json.loads((project / "reports/evaluate.json").read_text())
+    report["protocol"] = {"id": "0a1b2c3d4e5f", "calibrated": False, "settings": {},
+                          "uncalibrated_reason": "uncalibrated scores: builtin:tiny-clip and "
+                          "builtin:tiny-dino have random (seeded) weights"}
+    (project / "reports/evaluate.json").write_text(json.dumps(report))
+    (project / "params.yaml").write_text("register:\n  model_name: sd-test\n"
+                                         "  promote_uncalibrated: true\n")
+    lock = (project / "dvc.lock").read_text()
+    (project / "dvc.lock").write_text(lock.replace("stages:\n", (
+        "stages:\n  base:\n    cmd: python -m tasks.base --out models/base\n    params:\n"
+        "      params.yaml:\n        base:\n          model: builtin:tiny-sd\n"), 1))
+    result = register(project / "models/finetuned", project / "models/openvino",
+                      project / "reports/evaluate.json", project / "dvc.lock",
+                      project / "params.yaml")
+    mv = mlflow.MlflowClient().get_model_version("sd-test", result.version)
+    assert len(mv.tags) <= 12, sorted(mv.tags)  # a few tags, not one per hash and parameter
+
+    server = _Server(isolated_mlflow, tmp_path / "server.log")
+    shots = Path(request.config.cache.mkdir("screenshots"))
+    try:
+        model_page = server.page("models/sd-test", shots / "mlflow-model-versions.png")
+        assert "Version 1" in model_page and "champion" in model_page
+        version_page = server.page(f"models/sd-test/versions/{result.version}",
+                                   shots / "mlflow-model-version.png")
+    finally:
+        stop_process_group(server.proc)
+    facts = {
+        "base": "builtin:tiny-sd fine-tuned with dreambooth", "method": "dreambooth", "data hash": "11111111111111111111111111111111.dir",
+        "git commit": mv.tags["git_commit"], "primary metric": "metric.dino", "score": "0.4",
+        "gate": "passed", "protocol": "0a1b2c3d4e5f (uncalibrated)",
+        "uncalibrated, in words": "Uncalibrated scores: builtin:tiny-clip and builtin:tiny-dino",
+        "champion decision": "promoted: the gate passed and there was no champion",
+    }
+    missing = [what for what, text in facts.items() if text not in version_page]
+    assert not missing, f"not visible on the version page: {missing}\n{version_page[:3000]}"
 
 
 @pytest.mark.timeout(600)

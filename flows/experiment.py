@@ -1,0 +1,182 @@
+"""Flow overrides as DVC experiments: the run happens in a workspace of its own.
+
+`dvc exp run --set-param` in the workspace would leave the overrides in the tracked params.yaml
+(and the outputs of the overridden run in models/), so every later run, the nightly one included,
+would inherit them; `dvc exp run --temp` leaves out the inputs git does not track (the subject
+folder, a persisted class-image folder, the `cache: false` reports), so it would redo work or fail.
+This module does what `--temp` does, with those inputs carried over:
+
+1. `git worktree add --detach` of HEAD under `.dvc/tmp/flow-exps/<name>` (git-ignored), sharing
+   the repository's refs and DVC cache (`dvc cache dir --local`);
+2. the workspace's uncommitted changes to tracked files, its untracked files that git does not
+   ignore, and every dep and out of dvc.yaml that git does not track are carried over: copied,
+   except the files of cached, non-persistent outputs, which are hard-linked when possible (DVC
+   deletes such an output before its stage runs and stages write outputs to a new folder, so a
+   link is never written through; dvc.lock, params.yaml, .gitignore, reports and persistent
+   outputs are written in place and are always copies);
+3. the overrides are written into the experiment's params.yaml only;
+4. after the stages ran, `dvc exp save --name <name>` records the experiment in the repository,
+   listed by `dvc exp show` and restorable with `dvc exp apply <name>`;
+5. the worktree is removed, success or failure. The workspace, params.yaml and dvc.lock included,
+   is left exactly as it was.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from flows.params import apply_overrides
+from tasks.common.errors import UserError
+
+EXPERIMENTS_DIR = Path(".dvc/tmp/flow-exps")
+
+
+def experiment_name(flow_run_id: str | None = None) -> str:
+    """A DVC experiment name: `flow-<UTC time>[-<flow run id prefix>]`."""
+    stamp = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
+    suffix = f"-{flow_run_id[:8]}" if flow_run_id else ""
+    return f"flow-{stamp}{suffix}"
+
+
+def _git(root: Path, *args: str, check: bool = True) -> str:
+    proc = subprocess.run(["git", *args], cwd=root, capture_output=True, text=True)
+    if check and proc.returncode != 0:
+        raise UserError(f"`git {' '.join(args)}` failed in {root}: {proc.stderr.strip()}")
+    return proc.stdout
+
+
+def _dvc(root: Path, *args: str) -> str:
+    from flows.dvc_stage import stage_env
+
+    proc = subprocess.run([sys.executable, "-m", "dvc", *args], cwd=root, env=stage_env(),
+                          capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise UserError(f"`dvc {' '.join(args)}` failed in {root}:\n"
+                        f"{(proc.stdout + proc.stderr).strip()[-2000:]}")
+    return proc.stdout
+
+
+def require_git(root: Path) -> None:
+    """Overrides run as DVC experiments, which live in git: say so before anything runs."""
+    inside = subprocess.run(["git", "rev-parse", "--verify", "-q", "HEAD"], cwd=root,
+                            capture_output=True, text=True)
+    if inside.returncode != 0:
+        raise UserError(
+            f"overrides run as DVC experiments, which need {root} to be a git repository with at "
+            "least one commit (git init && git add -A && git commit -m init); or change "
+            "params.yaml and run without overrides"
+        )
+    top = Path(_git(root, "rev-parse", "--show-toplevel").strip()).resolve()
+    if top != Path(root).resolve():
+        raise UserError(f"overrides run as DVC experiments from the git top level; {root} is "
+                        f"inside {top}: run the flow from a repository of its own")
+
+
+def _null_split(text: str) -> list[str]:
+    return [p for p in text.split("\0") if p]
+
+
+def _link_or_copy(src: str, dst: str) -> None:
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copy2(src, dst)
+
+
+def _carry(root: Path, dest: Path, rel: str, link: bool = False) -> None:
+    src, dst = root / rel, dest / rel
+    if dst.is_symlink() or dst.is_file():
+        dst.unlink()
+    elif dst.is_dir():
+        shutil.rmtree(dst)
+    if not (src.exists() or src.is_symlink()):
+        return  # deleted in the workspace: deleted in the experiment too
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    copy = _link_or_copy if link else shutil.copy2
+    if src.is_symlink():
+        os.symlink(os.readlink(src), dst)
+    elif src.is_dir():
+        shutil.copytree(src, dst, symlinks=True, copy_function=copy)
+    else:
+        copy(str(src), str(dst))
+
+
+def _pipeline_paths(root: Path) -> tuple[list[str], set[str]]:
+    """Every dep, out, metric and plot path of dvc.yaml's stages; and the linkable ones (cached,
+    non-persistent outs)."""
+    stages = (yaml.safe_load((root / "dvc.yaml").read_text()) or {}).get("stages") or {}
+    paths: list[str] = []
+    linkable: set[str] = set()
+    for stage in stages.values():
+        for kind in ("deps", "outs", "metrics", "plots"):
+            for entry in stage.get(kind) or []:
+                path = next(iter(entry)) if isinstance(entry, dict) else entry
+                opts = (entry[path] or {}) if isinstance(entry, dict) else {}
+                paths.append(str(path))
+                if (kind == "outs" and opts.get("cache", True) and not opts.get("persist", False)):
+                    linkable.add(str(path))
+    return list(dict.fromkeys(paths)), linkable
+
+
+def _untracked_by_git(root: Path, paths: list[str]) -> list[str]:
+    tracked = set(_null_split(_git(root, "ls-files", "-z")))
+    return [p for p in paths
+            if (root / p).exists() and p not in tracked
+            and not any(t.startswith(p.rstrip("/") + "/") for t in tracked)]
+
+
+def populate(root: Path, dest: Path) -> None:
+    """Make `dest` (a worktree of HEAD) hold what the workspace holds, for the pipeline's sake."""
+    changed = _null_split(_git(root, "diff", "--name-only", "-z", "HEAD"))
+    untracked = _null_split(_git(root, "ls-files", "--others", "--exclude-standard", "-z"))
+    for rel in [*changed, *untracked]:
+        _carry(root, dest, rel)
+    paths, linkable = _pipeline_paths(root)
+    for rel in _untracked_by_git(root, paths):
+        _carry(root, dest, rel, link=rel in linkable)
+    for local in (".dvc/config.local",):
+        if (root / local).is_file():
+            shutil.copy2(root / local, dest / local)
+    cache = _dvc(root, "cache", "dir").strip().splitlines()[-1]
+    _dvc(dest, "cache", "dir", "--local", str(Path(cache).resolve()))
+
+
+@contextmanager
+def experiment_workspace(root: Path, name: str,
+                         overrides: Mapping[str, Any]) -> Iterator[Path]:
+    """A throw-away worktree of `root` with `overrides` in its params.yaml; removed on exit."""
+    root = Path(root).resolve()
+    require_git(root)
+    dest = root / EXPERIMENTS_DIR / name
+    if dest.exists():
+        raise UserError(f"{dest} already exists: another experiment named '{name}' is running")
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    _git(root, "worktree", "add", "--detach", str(dest), "HEAD")
+    try:
+        populate(root, dest)
+        apply_overrides(dest / "params.yaml", overrides)
+        yield dest
+    finally:
+        _git(root, "worktree", "remove", "--force", str(dest), check=False)
+        shutil.rmtree(dest, ignore_errors=True)
+        _git(root, "worktree", "prune", check=False)
+
+
+def save_experiment(dest: Path, name: str) -> dict[str, str]:
+    """`dvc exp save --name <name>` in the experiment workspace; its name and commit."""
+    _dvc(dest, "exp", "save", "--name", name)
+    for line in _null_split(_git(dest, "for-each-ref", "--format=%(objectname) %(refname)",
+                                 "refs/exps").replace("\n", "\0")):
+        sha, _, ref = line.partition(" ")
+        if ref.endswith(f"/{name}") and not ref.startswith("refs/exps/exec/"):
+            return {"name": name, "rev": sha}
+    raise UserError(f"`dvc exp save` did not leave an experiment ref named '{name}'")

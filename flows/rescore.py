@@ -1,0 +1,77 @@
+"""Re-score the champion under the current evaluation protocol, in the same run.
+
+Promotion compares scores only under one protocol (tasks/register/promotion.py). When the champion
+was scored under another one (other encoders, prompts, precision...), the flow runs the evaluate
+stage's own command (dvc.yaml's `evaluate` cmd, with `--model` pointing at the champion's
+registered OpenVINO export and the outputs in a temporary folder) before registering, so the
+challenger and the champion are compared on the same yardstick. The evaluate run is logged as a
+child of the flow's run like any stage; the scores are recorded on both versions by tasks/register.
+"""
+from __future__ import annotations
+
+import json
+import shlex
+import subprocess
+import sys
+import tempfile
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from tasks.common.errors import UserError
+
+#: Arguments of the evaluate command that name where it writes (replaced by a temporary folder).
+_OUTPUT_ARGS = ("--out", "--report", "--metrics")
+
+
+def needs_rescore(champion_tags: Mapping[str, str] | None, report: Mapping[str, Any]) -> bool:
+    """True when a champion exists and its protocol differs from the current evaluation's."""
+    if champion_tags is None:
+        return False
+    current = (report.get("protocol") or {}).get("id")
+    theirs = (champion_tags.get("protocol") or "").split(" ")[0]
+    return bool(current) and theirs != current
+
+
+def evaluate_command(workdir: Path, model: Path, out: Path) -> list[str]:
+    """dvc.yaml's evaluate command with `--model model` and its outputs under `out`."""
+    stages = (yaml.safe_load((workdir / "dvc.yaml").read_text()) or {}).get("stages") or {}
+    if "evaluate" not in stages:
+        raise UserError(f"{workdir / 'dvc.yaml'} has no 'evaluate' stage to re-score with")
+    argv = shlex.split(str(stages["evaluate"]["cmd"]))
+    if argv[:1] == ["python"]:
+        argv[0] = sys.executable
+    for i, arg in enumerate(argv[:-1]):
+        if arg == "--model":
+            argv[i + 1] = str(model)
+        elif arg in _OUTPUT_ARGS:
+            argv[i + 1] = str(out / Path(argv[i + 1]).name)
+    return argv
+
+
+def rescore(workdir: Path, model_uri: str, env: Mapping[str, str]) -> dict[str, Any]:
+    """Run the evaluate stage on the registered model `model_uri`; its report and seconds."""
+    import time
+
+    import mlflow
+
+    from flows.dvc_stage import stage_env
+
+    with tempfile.TemporaryDirectory(prefix="rescore-") as tmp:
+        local = Path(mlflow.artifacts.download_artifacts(model_uri, dst_path=str(Path(tmp) / "m")))
+        openvino = local / "artifacts" / "openvino"
+        if not (openvino / "model_index.json").is_file():
+            raise UserError(f"{model_uri} has no OpenVINO export to re-score (artifacts/openvino)")
+        out = Path(tmp) / "out"
+        out.mkdir()
+        cmd = evaluate_command(workdir, openvino, out)
+        start = time.monotonic()
+        proc = subprocess.run(cmd, cwd=workdir, env=stage_env(env), capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise UserError(f"re-scoring {model_uri} failed (exit {proc.returncode}):\n"
+                            f"{(proc.stdout + proc.stderr)[-3000:]}")
+        report = json.loads((out / "evaluate.json").read_text())
+    report["seconds_total"] = round(time.monotonic() - start, 2)
+    return report

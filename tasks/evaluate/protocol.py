@@ -1,0 +1,77 @@
+"""The evaluation protocol: everything that changes a score, fingerprinted.
+
+Two scores can be compared only when they were measured the same way: the same encoders (ids and
+revisions, or built-in names and their seed), prompts and CLIP-T texts, seeds, images per prompt,
+steps, guidance, resolution, reference and held-out images, backend and precision. `describe`
+gathers those settings into the report's `protocol` section with a short `id` (a hash of them):
+equal ids, comparable scores. Promotion (tasks/register/promotion.py) compares a challenger with
+the champion only under the same id.
+
+`calibrated` is false when an encoder is a built-in one: their weights are random (seeded), so
+their scores say nothing about likeness or prompt fidelity; the report, the MLflow run and the
+registry say so in words.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any
+
+from PIL import Image
+
+from tasks.evaluate.config import EvaluateConfig
+
+BUILTIN = "builtin:"
+
+
+def images_hash(images: list[Image.Image]) -> str:
+    """A content hash of decoded images (size, mode and pixels), in order."""
+    h = hashlib.sha256()
+    for image in images:
+        h.update(f"{image.size}{image.mode}".encode())
+        h.update(image.tobytes())
+    return h.hexdigest()[:16]
+
+
+def _encoder(name: str, revision: str | None, seed: int) -> dict[str, Any]:
+    if name.startswith(BUILTIN):
+        return {"name": name, "seed": seed}
+    return {"name": name, "revision": revision}
+
+
+def uncalibrated_reason(cfg: EvaluateConfig) -> str | None:
+    """Why the scores are not calibrated (None: both encoders are trained ones)."""
+    builtin = [n for n in (cfg.clip_model, cfg.dino_model) if n.startswith(BUILTIN)]
+    if not builtin:
+        return None
+    verb = "have" if len(builtin) > 1 else "has"
+    return (f"uncalibrated scores: {' and '.join(builtin)} {verb} random (seeded) weights, so "
+            "CLIP-T, CLIP-I and DINO do not measure likeness here; set evaluate.clip_model and "
+            "evaluate.dino_model to trained encoders (README, 'Parameters') for meaningful scores")
+
+
+def describe(cfg: EvaluateConfig, *, prompts: list[str], clip_texts: list[str], backend: str,
+             precision: dict[str, str], shape: dict[str, Any], instance: str,
+             heldout: str | None, base_backend: str | None) -> dict[str, Any]:
+    """The report's `protocol` section: {id, calibrated, uncalibrated_reason, settings}."""
+    settings = {
+        "clip": _encoder(cfg.clip_model, cfg.clip_revision, cfg.encoder_seed),
+        "dino": _encoder(cfg.dino_model, cfg.dino_revision, cfg.encoder_seed),
+        "prompts": prompts,
+        "clip_t_texts": clip_texts,
+        "seed": cfg.seed,
+        "images_per_prompt": cfg.images_per_prompt,
+        "num_inference_steps": cfg.num_inference_steps,
+        "guidance_scale": cfg.guidance_scale,
+        "shape": shape,
+        "backend": backend,
+        "precision": precision,
+        "base_backend": base_backend,
+        "instance_images": instance,
+        "heldout_images": heldout,
+        "drift": cfg.drift.model_dump() if cfg.drift.enabled else None,
+    }
+    text = json.dumps(settings, sort_keys=True, separators=(",", ":"))
+    reason = uncalibrated_reason(cfg)
+    return {"id": hashlib.sha256(text.encode()).hexdigest()[:12], "calibrated": reason is None,
+            "uncalibrated_reason": reason, "settings": settings}

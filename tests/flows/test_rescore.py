@@ -1,0 +1,28 @@
+"""When to re-score the champion, and the evaluate command it is re-scored with (dvc.yaml's own)."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from flows.rescore import evaluate_command, needs_rescore
+from tests.conftest import REPO
+
+
+def test_a_champion_under_another_protocol_needs_a_rescore() -> None:
+    report = {"protocol": {"id": "new"}}
+    assert needs_rescore({"protocol": "old (calibrated)"}, report)
+    assert needs_rescore({}, report)  # registered before protocols were recorded
+    assert not needs_rescore({"protocol": "new (uncalibrated)"}, report)
+    assert not needs_rescore(None, report)  # no champion
+    assert not needs_rescore({"protocol": "old (calibrated)"}, {})  # a report without protocol
+
+
+def test_the_rescore_runs_dvc_yamls_evaluate_command_on_the_champion(tmp_path: Path) -> None:
+    argv = evaluate_command(REPO, Path("/m/openvino"), tmp_path)
+    assert argv[:3] == [sys.executable, "-m", "tasks.evaluate"]
+    args = dict(zip(argv[3::2], argv[4::2]))
+    assert args["--model"] == "/m/openvino"
+    assert args["--base"] == "models/base" and args["--instance-data"] == "data/processed"
+    assert args["--report"] == str(tmp_path / "evaluate.json")
+    assert args["--out"] == str(tmp_path / "evaluate")
+    assert args["--metrics"] == str(tmp_path / "evaluate_metrics.json")

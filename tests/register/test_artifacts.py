@@ -1,0 +1,125 @@
+"""Every train output reaches the registry: LoRA adapters saved without `fuse_lora` are registered
+with their base and load through the pyfunc; the method table says what each method leaves."""
+from __future__ import annotations
+
+import base64
+import io
+import shutil
+from pathlib import Path
+
+import mlflow
+import numpy as np
+import pytest
+from PIL import Image
+
+from tasks.common.errors import UserError
+from tasks.register.core import LORA_WEIGHTS, model_artifacts, register
+
+PROMPT = "a photo of sks toy"
+
+
+def _lora_adapters(base: Path, out: Path) -> None:
+    """Adapters in the train stage's format (diffusers LoRA file), with non-zero weights."""
+    import torch
+    from diffusers import StableDiffusionPipeline
+    from diffusers.utils import convert_state_dict_to_diffusers
+    from peft import LoraConfig
+    from peft.utils import get_peft_model_state_dict
+
+    pipe = StableDiffusionPipeline.from_pretrained(base)
+    torch.manual_seed(0)
+    pipe.unet.add_adapter(LoraConfig(r=4, lora_alpha=4, init_lora_weights=False,
+                                     target_modules=["to_q", "to_k", "to_v", "to_out.0"]))
+    layers = convert_state_dict_to_diffusers(get_peft_model_state_dict(pipe.unet))
+    StableDiffusionPipeline.save_lora_weights(out, unet_lora_layers=layers,
+                                              weight_name=LORA_WEIGHTS, safe_serialization=True)
+
+
+def _image(pipe) -> np.ndarray:
+    import torch
+
+    pipe.set_progress_bar_config(disable=True)
+    out = pipe(PROMPT, num_inference_steps=2, guidance_scale=7.5, height=64, width=64,
+               generator=torch.Generator("cpu").manual_seed(7), output_type="np")
+    return (out.images[0] * 255).round().astype(np.uint8)
+
+
+@pytest.fixture
+def adapters_project(project: Path) -> Path:
+    """The project with models/finetuned holding LoRA adapters only, and models/base."""
+    shutil.move(project / "models/finetuned", project / "models/base")
+    (project / "models/finetuned").mkdir()
+    _lora_adapters(project / "models/base", project / "models/finetuned")
+    return project
+
+
+def test_unfused_lora_registers_with_its_base_and_predicts_through_the_pyfunc(
+        adapters_project: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from diffusers import DiffusionPipeline
+
+    root = adapters_project
+    result = register(root / "models/finetuned", root / "models/openvino",
+                      root / "reports/evaluate.json", root / "dvc.lock", root / "params.yaml",
+                      base=root / "models/base")
+    version = mlflow.MlflowClient().get_model_version(result.name, result.version)
+    assert version.tags["model.artifacts"] == "lora_adapters+base"
+
+    monkeypatch.setenv("FINETUNE_PYFUNC_BACKEND", "diffusers")
+    model = mlflow.pyfunc.load_model(result.model_uri)
+    out = model.predict([PROMPT], params={"num_inference_steps": 2, "seed": 7})
+    got = np.asarray(Image.open(io.BytesIO(base64.b64decode(out["image"][0]))).convert("RGB"))
+
+    expected = DiffusionPipeline.from_pretrained(root / "models/base")
+    plain = _image(expected)
+    expected.load_lora_weights(root / "models/finetuned", weight_name=LORA_WEIGHTS)
+    assert np.array_equal(got, _image(expected))  # the adapters were applied to the base ...
+    assert not np.array_equal(got, plain)  # ... and they change the image
+
+
+def test_unfused_lora_without_base_is_refused_with_the_fix(adapters_project: Path) -> None:
+    root = adapters_project
+    with pytest.raises(UserError, match=r"LoRA adapters only .* pass --base models/base"):
+        register(root / "models/finetuned", root / "models/openvino",
+                 root / "reports/evaluate.json", root / "dvc.lock", root / "params.yaml")
+    assert mlflow.MlflowClient().search_registered_models() == []
+
+
+# What each train method leaves in models/finetuned (tasks/train/methods/*.py `save`), the same
+# for SD 1.x/2.x and SDXL; every export mode (compression none/int8/int4/hybrid/full_int8,
+# single_file) changes only models/openvino, which always holds an OpenVINO pipeline folder.
+METHOD_OUTPUTS = {
+    "dreambooth": ["model_index.json"],
+    "full": ["model_index.json"],
+    "textual_inversion": ["model_index.json", "learned_embeds.safetensors"],
+    "lora, fuse_lora: true": ["model_index.json", LORA_WEIGHTS],
+    "lora, fuse_lora: false": [LORA_WEIGHTS],
+}
+EXPECTED_ARTIFACTS = {
+    "dreambooth": {"finetuned", "openvino"},
+    "full": {"finetuned", "openvino"},
+    "textual_inversion": {"finetuned", "openvino"},
+    "lora, fuse_lora: true": {"finetuned", "openvino"},
+    "lora, fuse_lora: false": {"finetuned", "openvino", "base"},
+}
+
+
+@pytest.mark.parametrize("method", sorted(METHOD_OUTPUTS))
+def test_every_method_output_has_registrable_artifacts(tmp_path: Path, method: str) -> None:
+    finetuned, openvino, base = tmp_path / "finetuned", tmp_path / "openvino", tmp_path / "base"
+    for folder, files in ((finetuned, METHOD_OUTPUTS[method]), (openvino, ["model_index.json"]),
+                          (base, ["model_index.json"])):
+        folder.mkdir()
+        for name in files:
+            (folder / name).write_text("{}")
+    assert set(model_artifacts(finetuned, openvino, base)) == EXPECTED_ARTIFACTS[method]
+    if "base" not in EXPECTED_ARTIFACTS[method]:
+        assert set(model_artifacts(finetuned, openvino, None)) == EXPECTED_ARTIFACTS[method]
+
+
+def test_the_method_table_covers_every_method() -> None:
+    """A new train method must be added to the table (and, if it saves another layout, to
+    tasks/register/core.py model_artifacts)."""
+    from tasks.train.config import TrainConfig
+
+    methods = set(TrainConfig.model_fields["method"].annotation.__args__)
+    assert {m.split(",")[0] for m in METHOD_OUTPUTS} == methods
