@@ -152,13 +152,13 @@ OVERRIDES = [
 
 @pytest.mark.parametrize(("overrides", "error"), OVERRIDES, ids=[str(r[0])[:40] for r in OVERRIDES])
 def test_bad_flow_overrides_leave_params_yaml_as_it_was(overrides, error, tmp_path) -> None:
-    from flows.params import apply_overrides
+    from flows.params import validate_overrides
     from tasks.common.errors import UserError
 
     params = tmp_path / "params.yaml"
     params.write_bytes((REPO / "params.yaml").read_bytes())
     with pytest.raises(UserError, match=error):
-        apply_overrides(params, overrides)
+        validate_overrides(params, overrides)
     assert params.read_bytes() == (REPO / "params.yaml").read_bytes()
     assert _written(tmp_path) == {"params.yaml"}, "no temporary file left beside it"
 
