@@ -58,7 +58,7 @@ def download(repo_id: str, revision: str | None, dst: Path) -> None:
     if not _COMMIT.match(revision):
         log.warning("base.revision %r is not a commit hash: a branch or tag can move", revision)
     from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError, OfflineModeIsEnabled
+    from huggingface_hub.errors import GatedRepoError, HfHubHTTPError, LocalEntryNotFoundError, OfflineModeIsEnabled
 
     try:
         snapshot_download(
@@ -68,6 +68,11 @@ def download(repo_id: str, revision: str | None, dst: Path) -> None:
             allow_patterns=HUB_ALLOW_PATTERNS,
             ignore_patterns=HUB_IGNORE_PATTERNS,
         )
+    except GatedRepoError as err:
+        raise UserError(
+            f"{repo_id} is gated: accept its license on https://huggingface.co/{repo_id} with your account, then "
+            "give the download a token (export HF_TOKEN=hf_... , or run `hf auth login` once) and run again"
+        ) from err
     except (OfflineModeIsEnabled, LocalEntryNotFoundError, OSError, HfHubHTTPError) as err:
         raise UserError(
             f"could not download {repo_id}@{revision} from the Hugging Face Hub ({type(err).__name__}: "

@@ -226,6 +226,9 @@ class TrainConfig(StageConfig):
         for key, why in family.refused_options().items():
             if getattr(self, key) != defaults[key].default:
                 problems.append(f"train.{key}: {why}; remove it or set it to {defaults[key].default}")
+        if self.launcher == "xla" and not family.xla_tested:
+            problems.append(f"train.launcher: xla has been run for the UNet families (SD, SDXL) only, not for "
+                            f"{family.title}; use local, accelerate or mpirun")
         if family.objective != "flow_matching":
             flow_keys = ("weighting_scheme", "max_sequence_length")
             problems += [f"train.{k}: a flow-matching option (SD3, FLUX); {family.title} trains with DDPM noise, "

@@ -49,10 +49,17 @@ def even_instances(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_imagefolder(tmp_path_factory.mktemp("even") / "processed", 4, "a photo of sks toy", 7)
 
 
+@pytest.mark.parametrize("base_name, weights, extra", [
+    ("tiny_sd", UNET, {}),
+    ("tiny_flux", "transformer/diffusion_pytorch_model.safetensors", {"max_sequence_length": 16}),
+])
 def test_two_ranks_equal_one_rank_with_twice_the_batch(
-    tmp_path, tiny_sd, even_instances, class_dir, isolated_mlflow
+    request, tmp_path, base_name, weights, extra, even_instances, class_dir, isolated_mlflow
 ) -> None:
-    section = {**SETTINGS, "train_batch_size": 1, "checkpoints_dir": str(tmp_path / "ckpt"),
+    """Both objectives: DDPM (SD) and flow matching (FLUX)."""
+    tiny_sd = request.getfixturevalue(base_name)
+    settings = {**SETTINGS, **extra}
+    section = {**settings, "train_batch_size": 1, "checkpoints_dir": str(tmp_path / "ckpt"),
                "launcher": "mpirun", "launch": {"num_processes": 2, "threads_per_process": 1}}
     done = run_stage(tmp_path, section, (tiny_sd, even_instances, class_dir))
     assert done.returncode == 0, done.stderr[-4000:]
@@ -66,12 +73,12 @@ def test_two_ranks_equal_one_rank_with_twice_the_batch(
     assert {"random_states_0.pkl", "random_states_1.pkl"} <= {p.name for p in checkpoint.iterdir()}
 
     torch.set_num_threads(1)
-    single = TrainConfig(**{**SETTINGS, "train_batch_size": 2, "checkpoints_dir": tmp_path / "ckpt1"})
+    single = TrainConfig(**{**settings, "train_batch_size": 2, "checkpoints_dir": tmp_path / "ckpt1"})
     outcome = train(single, tiny_sd, even_instances, class_dir, tmp_path / "single")
     assert [h[1] for h in outcome.losses] == pytest.approx([h[1] for h in
                                                             _csv_losses(tmp_path / "loss.csv")], rel=1e-4)
-    two, one = load_file(tmp_path / "out" / UNET), load_file(tmp_path / "single" / UNET)
-    base = load_file(tiny_sd / UNET)
+    two, one = load_file(tmp_path / "out" / weights), load_file(tmp_path / "single" / weights)
+    base = load_file(tiny_sd / weights)
     moved = max(float((one[k] - base[k]).abs().max()) for k in one)
     worst = max(float((two[k] - one[k]).abs().max()) for k in one)
     assert moved > 1e-3, "the weights trained"

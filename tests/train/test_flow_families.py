@@ -103,6 +103,7 @@ def test_four_steps_equal_two_plus_resume_plus_two(tmp_path, tiny_flux, instance
     ("tiny_sd3", dict(snr_gamma=5.0), "train.snr_gamma"),
     ("tiny_flux", dict(prediction_type="v_prediction"), "train.prediction_type"),
     ("tiny_sd", dict(weighting_scheme="logit_normal"), "train.weighting_scheme"),
+    ("tiny_sd3", dict(launcher="xla"), "train.launcher"),
 ])
 def test_what_a_family_lacks_is_refused_before_loading(request, monkeypatch, tmp_path, instance_dir, base_name,
                                                         setting, key) -> None:

@@ -75,6 +75,8 @@ class ModelFamily:
     text_lora_targets: ClassVar[tuple[str, ...]] = ("q_proj", "k_proj", "v_proj", "out_proj")
     #: text encoders that train with train.text_encoder (T5 never does, as in diffusers' scripts)
     trainable_text_encoders: ClassVar[tuple[str, ...] | None] = None
+    #: train.launcher xla (PyTorch/XLA SPMD) has been run on this family's tiny model
+    xla_tested: ClassVar[bool] = True
     #: classifier-free guidance runs the denoiser on a doubled batch (FLUX.1's distilled guidance does not)
     guidance_in_batch: ClassVar[bool] = True
     #: keys of a textual-inversion embedding file per text encoder (None: one {token: rows} entry)

@@ -23,6 +23,7 @@ class FlowMatchingFamily(ModelFamily):
     lora_targets = ("to_k", "to_q", "to_v", "to_out.0")
     #: train.weighting_scheme when it is null (what diffusers' script for the family defaults to)
     default_weighting_scheme: ClassVar[str] = "none"
+    xla_tested = False  # the XLA back end's checkpointing and sharding were built and run for UNets
     #: T5 tokens per prompt when train.max_sequence_length is null
     default_max_sequence_length: ClassVar[int] = 77
     #: the T5 tokenizer's folder

@@ -50,7 +50,7 @@ class Flux(FlowMatchingFamily):
         img_ids = FluxPipeline._prepare_latent_image_ids(b, h // 2, w // 2, packed.device, packed.dtype)
         txt_ids = torch.zeros(hidden.shape[1], 3, device=packed.device, dtype=packed.dtype)
         guidance = None
-        if denoiser.config.guidance_embeds:
+        if getattr(denoiser, "module", denoiser).config.guidance_embeds:  # (DDP wraps it in .module)
             guidance = torch.full((b,), float(settings.guidance_scale), device=packed.device)
         pred = denoiser(hidden_states=packed, timestep=timesteps / 1000, guidance=guidance,
                         pooled_projections=pooled, encoder_hidden_states=hidden, txt_ids=txt_ids, img_ids=img_ids,
