@@ -47,27 +47,19 @@ def test_an_unknown_pipeline_is_refused_naming_the_supported_ones() -> None:
         families.from_index({"_class_name": "KandinskyPipeline"}, "base.model")
 
 
-def test_sd3_conditioning_has_the_pipelines_layout(tmp_path) -> None:
-    """Training's prompt encoding equals StableDiffusion3Pipeline.encode_prompt's (CLIP-L|CLIP-G padded, then T5)."""
-    path = families.build_tiny_pipeline("builtin:tiny-sd3", 0, tmp_path)
+@pytest.mark.parametrize("kind", ["builtin:tiny-sd3", "builtin:tiny-flux"])
+def test_conditioning_has_the_pipelines_layout(tmp_path, kind) -> None:
+    """Training's prompt encoding equals the pipeline's own encode_prompt (SD3: CLIP-L|CLIP-G padded,
+    then T5; FLUX: T5's sequence, CLIP's pooled output)."""
+    path = families.build_tiny_pipeline(kind, 0, tmp_path)
     family = families.detect(path)
     components = family.load_components(path)
     ids = family.tokenize(components, ["a photo of sks toy"], max_sequence_length=16)
+    prompts = ["a photo of sks toy"] * (len(family.text_encoder_names) - 1)  # prompt, prompt_2 (, prompt_3)
     with torch.no_grad():
         hidden, pooled = family.encode_prompt(components, ids)
         pipe = family.pipeline_class().from_pretrained(path)
-        ref, _, ref_pooled, _ = pipe.encode_prompt("a photo of sks toy", "a photo of sks toy", "a photo of sks toy",
-                                                    do_classifier_free_guidance=False, max_sequence_length=16)
-    assert torch.allclose(hidden, ref, atol=1e-5) and torch.allclose(pooled, ref_pooled, atol=1e-5)
-
-
-def test_flux_conditioning_has_the_pipelines_layout(tmp_path) -> None:
-    path = families.build_tiny_pipeline("builtin:tiny-flux", 0, tmp_path)
-    family = families.detect(path)
-    components = family.load_components(path)
-    ids = family.tokenize(components, ["a photo of sks toy"], max_sequence_length=16)
-    with torch.no_grad():
-        hidden, pooled = family.encode_prompt(components, ids)
-        pipe = family.pipeline_class().from_pretrained(path)
-        ref, ref_pooled, _ = pipe.encode_prompt("a photo of sks toy", "a photo of sks toy", max_sequence_length=16)
+        extra = {"do_classifier_free_guidance": False} if family.name == "sd3" else {}
+        out = pipe.encode_prompt("a photo of sks toy", *prompts, max_sequence_length=16, **extra)
+    ref, ref_pooled = (out[0], out[2]) if family.name == "sd3" else (out[0], out[1])
     assert torch.allclose(hidden, ref, atol=1e-5) and torch.allclose(pooled, ref_pooled, atol=1e-5)

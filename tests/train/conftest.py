@@ -21,18 +21,20 @@ def _one_torch_thread():
     torch.set_num_threads(before)
 
 
-@pytest.fixture(scope="session")
-def tiny_sd(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def _builtin(tmp_path_factory: pytest.TempPathFactory, name: str) -> Path:
     from tasks.common.families import build_tiny_pipeline
 
-    return build_tiny_pipeline("builtin:tiny-sd", 0, tmp_path_factory.mktemp("base") / "tiny-sd")
+    return build_tiny_pipeline(f"builtin:tiny-{name}", 0, tmp_path_factory.mktemp("base") / f"tiny-{name}")
+
+
+@pytest.fixture(scope="session")
+def tiny_sd(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _builtin(tmp_path_factory, "sd")
 
 
 @pytest.fixture(scope="session")
 def tiny_sdxl(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from tasks.common.families import build_tiny_pipeline
-
-    return build_tiny_pipeline("builtin:tiny-sdxl", 0, tmp_path_factory.mktemp("base") / "tiny-sdxl")
+    return _builtin(tmp_path_factory, "sdxl")
 
 
 @pytest.fixture(params=["sd", "sdxl"])
@@ -78,16 +80,12 @@ def class_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_sd3(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from tasks.common.families import build_tiny_pipeline
-
-    return build_tiny_pipeline("builtin:tiny-sd3", 0, tmp_path_factory.mktemp("base") / "tiny-sd3")
+    return _builtin(tmp_path_factory, "sd3")
 
 
 @pytest.fixture(scope="session")
 def tiny_flux(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from tasks.common.families import build_tiny_pipeline
-
-    return build_tiny_pipeline("builtin:tiny-flux", 0, tmp_path_factory.mktemp("base") / "tiny-flux")
+    return _builtin(tmp_path_factory, "flux")
 
 
 @pytest.fixture(params=["sd3", "flux"])

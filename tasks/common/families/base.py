@@ -135,8 +135,14 @@ class ModelFamily:
 
     @classmethod
     def noise_scheduler(cls, base: Path, prediction_type: str | None) -> Any:
-        """The scheduler training draws timesteps and noise levels from."""
-        raise NotImplementedError
+        """The scheduler training draws timesteps and noise levels from: DDPM with the base's betas
+        (the UNet families), optionally with another prediction target."""
+        from diffusers import DDPMScheduler
+
+        scheduler = DDPMScheduler.from_pretrained(base, subfolder="scheduler")
+        if prediction_type is not None:
+            scheduler.register_to_config(prediction_type=prediction_type)
+        return scheduler
 
     @classmethod
     def tokenize(cls, components: Components, prompts: list[str], max_sequence_length: int | None = None

@@ -6,7 +6,6 @@ v prediction, which the scheduler config carries.
 """
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 from tasks.common.families.base import Components, ModelFamily
@@ -28,10 +27,6 @@ class StableDiffusion(ModelFamily):
         name = index.get("_class_name", "")
         return name.startswith("StableDiffusion") and "XL" not in name and "3" not in name \
             and (index.get("text_encoder_2") or [None])[0] is None
-
-    @classmethod
-    def noise_scheduler(cls, base: Path, prediction_type: str | None) -> Any:
-        return ddpm_scheduler(base, prediction_type)
 
     @classmethod
     def encode_prompt(cls, components: Components, input_ids: list[Any], text_encoders: list[Any] | None = None
@@ -73,12 +68,3 @@ class StableDiffusion(ModelFamily):
             safety_checker=None, feature_extractor=None, requires_safety_checker=False,
         )
 
-
-def ddpm_scheduler(base: Path, prediction_type: str | None) -> Any:
-    """DDPM with the base's betas (what the UNet families train with), optionally another target."""
-    from diffusers import DDPMScheduler
-
-    scheduler = DDPMScheduler.from_pretrained(base, subfolder="scheduler")
-    if prediction_type is not None:
-        scheduler.register_to_config(prediction_type=prediction_type)
-    return scheduler

@@ -7,12 +7,10 @@ embeddings are shared in.
 """
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 from tasks.common.errors import UserError
 from tasks.common.families.base import Components, ModelFamily
-from tasks.common.families.sd import ddpm_scheduler
 from tasks.common.families.tiny import clip_text_config, clip_tokenizer, ddpm_kwargs, seeded, tiny_vae
 
 REFINER = ("an SDXL refiner (one OpenCLIP text encoder) has no supported original single-file layout here; "
@@ -33,10 +31,6 @@ class StableDiffusionXL(ModelFamily):
     def matches(cls, index: dict[str, Any]) -> bool:
         name = index.get("_class_name", "")
         return name.startswith("StableDiffusionXL")
-
-    @classmethod
-    def noise_scheduler(cls, base: Path, prediction_type: str | None) -> Any:
-        return ddpm_scheduler(base, prediction_type)
 
     @classmethod
     def encode_prompt(cls, components: Components, input_ids: list[Any], text_encoders: list[Any] | None = None
