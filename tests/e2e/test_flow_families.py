@@ -1,7 +1,7 @@
 """SD3 and FLUX end to end with the real `dvc`: `base.model: builtin:tiny-sd3` / `builtin:tiny-flux`
 and `train.method: lora`, then registration; every output is loaded by the family's own classes
 (diffusers' pipeline with `load_lora_weights`, optimum-intel's OpenVINO pipeline, the MLflow pyfunc
-in a second process). Small settings: the point is the chain, not the images."""
+in a second process and over HTTP with `mlflow models serve`). Small settings: the point is the chain, not the images."""
 from __future__ import annotations
 
 import json
@@ -89,3 +89,26 @@ def test_registered_and_predicts_from_another_process(pipeline) -> None:
                           env=e2e_env(root, MLFLOW_TRACKING_URI=f"sqlite:///{root / 'mlflow.db'}"))
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.split()[:2] == ["1", "iVBORw0K"], proc.stdout  # one row, a PNG
+
+
+def test_mlflow_models_serve_answers(pipeline, tmp_path) -> None:
+    """The registered version over HTTP (`mlflow models serve`), a good request and a bad one."""
+    from tests.e2e_util import free_port, stop_process_group
+    from tests.register.test_model_serving import _post, _wait_ready
+
+    _, root = pipeline
+    port, log = free_port(), tmp_path / "serve.log"
+    env = e2e_env(root, MLFLOW_TRACKING_URI=f"sqlite:///{root / 'mlflow.db'}")
+    with open(log, "w") as out:
+        proc = subprocess.Popen(["mlflow", "models", "serve", "-m", "models:/sd-finetuned@candidate", "--env-manager",
+                                 "local", "-h", "127.0.0.1", "-p", str(port)], cwd=root, env=env, stdout=out,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        _wait_ready(url, proc, log)
+        status, body = _post(url, {"inputs": ["a photo of sks toy"], "params": {"num_inference_steps": 2}})
+        assert status == 200 and body["predictions"][0]["image"].startswith("iVBORw0K"), body
+        status, body = _post(url, {"inputs": ["a"], "params": {"num_inference_steps": -3}})
+        assert status == 400 and "num_inference_steps: -3 is out of range" in body["message"], body
+    finally:
+        stop_process_group(proc)
