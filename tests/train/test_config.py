@@ -81,6 +81,7 @@ def test_shipped_params_are_valid_and_the_surface_is_frozen() -> None:
         "lr_scheduler", "lr_warmup_steps", "lr_num_cycles", "lr_power", "use_8bit_adam", "adam_beta1",
         "adam_beta2", "adam_weight_decay", "adam_epsilon", "max_grad_norm", "mixed_precision", "allow_tf32",
         "prediction_type", "snr_gamma", "noise_offset",
+        "weighting_scheme", "logit_mean", "logit_std", "mode_scale", "guidance_scale", "max_sequence_length",
         "use_ema", "ema_decay", "offload_ema", "ema_update_every",
         "cache_latents", "cache_text_encoder_outputs", "channels_last", "cpu_backend", "torch_compile", "xla",
         "checkpoints_dir", "checkpointing_steps", "checkpoints_total_limit", "keep_checkpoints_every_steps", "resume",
