@@ -8,6 +8,8 @@ Every training method's output is accepted, detected from the folder's contents:
   `model_index.json`): loaded onto the base pipeline (`--base`), the LoRA fused into the weights
   and the new tokens added to the tokenizers, then saved as a full pipeline and exported. OpenVINO
   has no LoRA or token loader of its own at run time, so the concept must be in the weights.
+
+Loading is tasks/common/finetuned.py's (the evaluate stage loads the fine-tune the same way).
 """
 from __future__ import annotations
 
