@@ -133,3 +133,24 @@ def test_only_trained_encoders_are_calibrated():
     assert real["calibrated"] is True and real["uncalibrated_reason"] is None
     half = _protocol(cfg={"clip_model": "/models/clip"})
     assert half["calibrated"] is False and "builtin:tiny-dino has random" in half["uncalibrated_reason"]
+
+
+def test_adapters_only_fine_tune_is_applied_to_the_base(tmp_path_factory, tmp_path):
+    """A LoRA-only train output (no model_index.json) is evaluated as base + adapters, in PyTorch
+    fp32 like the base: the LoRA changes the images, so the class images drift from the base's."""
+    from tests.export.adapters import write_adapters
+
+    base = tiny_pipeline(tmp_path_factory, "builtin:tiny-sd")
+    adapters = write_adapters(base, tmp_path / "lora", embeds=False)
+    data = write_subject_images(tmp_path / "instance", n=2)
+    cfg = EvaluateConfig(prompts=["a {identifier} {class_name}"], images_per_prompt=1,
+                         num_inference_steps=2)
+    with pytest.raises(UserError, match="adapters only"):
+        evaluate(adapters, None, data, cfg)
+    result = evaluate(adapters, base, data, cfg)
+    generation = result.report["generation"]
+    assert generation["finetuned"]["method"] == "lora" and generation["backend"] == "pytorch"
+    tuned = np.asarray(result.images[0][0], dtype=np.float64)
+    plain = np.asarray(result.base_images[0][0], dtype=np.float64)
+    assert np.abs(tuned - plain).max() > 0  # the adapters were applied
+    assert result.report["metrics"]["drift_dino"] < 1.0
