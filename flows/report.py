@@ -62,6 +62,13 @@ def markdown(summary: dict[str, Any], tracking_uri: str) -> str:
     if metrics:
         lines += ["", "## Metrics", "", "| metric | value |", "|---|---|"]
         lines += [f"| {k} | {_fmt(v)} |" for k, v in sorted(metrics.items())]
+    fidelity = evaluation.get("export_fidelity") or {}
+    if fidelity:  # apart from the metrics above (fine-tune and base both in PyTorch fp32)
+        lines += ["", f"## Export fidelity ({fidelity.get('backend')} vs the PyTorch fine-tune)",
+                  "", "| figure | value |", "|---|---|"]
+        lines += [f"| {k} | {_fmt(fidelity[k])} |" for k in
+                  ("psnr_mean", "psnr_min", "delta_clip_t", "delta_clip_i", "delta_dino")
+                  if k in fidelity]
     protocol = evaluation.get("protocol") or {}
     if protocol:
         lines += ["", f"Evaluation protocol `{protocol.get('id')}`"

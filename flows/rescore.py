@@ -3,7 +3,8 @@
 Promotion compares scores only under one protocol (tasks/register/promotion.py). When the champion
 was scored under another one (other encoders, prompts, precision...), the flow runs the evaluate
 stage's own command (dvc.yaml's `evaluate` cmd, with `--model` pointing at the champion's
-registered OpenVINO export and the outputs in a temporary folder) before registering, so the
+registered fine-tune, `--export` at its registered OpenVINO export, `--base` at its registered
+base when it was registered as adapters + base, and the outputs in a temporary folder) before registering, so the
 challenger and the champion are compared on the same yardstick. The evaluate run is logged as a
 child of the flow's run like any stage; the scores are recorded on both versions by tasks/register.
 """
@@ -35,8 +36,13 @@ def needs_rescore(champion_tags: Mapping[str, str] | None, report: Mapping[str, 
     return bool(current) and theirs != current
 
 
-def evaluate_command(workdir: Path, model: Path, out: Path) -> list[str]:
-    """dvc.yaml's evaluate command with `--model model` and its outputs under `out`."""
+#: The registered model's artifacts that replace the evaluate command's inputs.
+_INPUT_ARGS = {"--model": "finetuned", "--export": "openvino", "--base": "base"}
+
+
+def evaluate_command(workdir: Path, artifacts: Mapping[str, Path], out: Path) -> list[str]:
+    """dvc.yaml's evaluate command on the registered `artifacts` (finetuned, openvino, base when
+    registered) and its outputs under `out`; an input with no registered artifact is kept."""
     stages = (yaml.safe_load((workdir / "dvc.yaml").read_text()) or {}).get("stages") or {}
     if "evaluate" not in stages:
         raise UserError(f"{workdir / 'dvc.yaml'} has no 'evaluate' stage to re-score with")
@@ -44,8 +50,8 @@ def evaluate_command(workdir: Path, model: Path, out: Path) -> list[str]:
     if argv[:1] == ["python"]:
         argv[0] = sys.executable
     for i, arg in enumerate(argv[:-1]):
-        if arg == "--model":
-            argv[i + 1] = str(model)
+        if _INPUT_ARGS.get(arg) in artifacts:
+            argv[i + 1] = str(artifacts[_INPUT_ARGS[arg]])
         elif arg in _OUTPUT_ARGS:
             argv[i + 1] = str(out / Path(argv[i + 1]).name)
     return argv
@@ -61,12 +67,13 @@ def rescore(workdir: Path, model_uri: str, env: Mapping[str, str]) -> dict[str, 
 
     with tempfile.TemporaryDirectory(prefix="rescore-") as tmp:
         local = Path(mlflow.artifacts.download_artifacts(model_uri, dst_path=str(Path(tmp) / "m")))
-        openvino = local / "artifacts" / "openvino"
-        if not (openvino / "model_index.json").is_file():
-            raise UserError(f"{model_uri} has no OpenVINO export to re-score (artifacts/openvino)")
+        artifacts = {name: local / "artifacts" / name for name in _INPUT_ARGS.values()
+                     if (local / "artifacts" / name).is_dir()}
+        if "finetuned" not in artifacts:
+            raise UserError(f"{model_uri} has no fine-tuned model to re-score (artifacts/finetuned)")
         out = Path(tmp) / "out"
         out.mkdir()
-        cmd = evaluate_command(workdir, openvino, out)
+        cmd = evaluate_command(workdir, artifacts, out)
         start = time.monotonic()
         proc = subprocess.run(cmd, cwd=workdir, env=stage_env(env), capture_output=True, text=True)
         if proc.returncode != 0:

@@ -45,6 +45,12 @@ def summary(root: Path = Path(".")) -> str:
         gate = data.get("gate", {}).get("passed")
         lines.append(f"  Evaluation report  reports/evaluate.json (gate {'passed' if gate else 'failed'}; {metrics})")
         lines.append("  Evaluation grid    reports/evaluate/grid.png")
+        fidelity = data.get("export_fidelity")
+        if fidelity:  # the export against the PyTorch fine-tune: apart from the gains above
+            lines.append(f"  Export fidelity    {fidelity['backend']} vs PyTorch fp32 fine-tune: "
+                         f"PSNR mean {fidelity['psnr_mean']:.1f} dB, min {fidelity['psnr_min']:.1f}"
+                         f" dB; DINO {fidelity['delta_dino']:+.4f}, CLIP-I "
+                         f"{fidelity['delta_clip_i']:+.4f}, CLIP-T {fidelity['delta_clip_t']:+.4f}")
         protocol = data.get("protocol") or {}
         if protocol:
             lines.append(f"  Eval protocol      {protocol.get('id')} "

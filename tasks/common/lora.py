@@ -1,7 +1,8 @@
 """Fusing a diffusers LoRA file into a pipeline, for the outputs that need plain weights.
 
 Used by the train stage (`fuse_lora: true` writes the fused pipeline next to the adapters) and by
-the export stage (adapters are fused into the base before conversion).
+the export and evaluate stages (tasks/common/finetuned.py: adapters are fused into the base before
+conversion, and before generating with the fine-tune in PyTorch).
 
 transformers 5 works around one thing here: loading adapters into a text encoder adds a key
 renaming (`base_model.model.model.` -> `model.`) to the model's `_weight_conversions`, which

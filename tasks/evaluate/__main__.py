@@ -1,13 +1,16 @@
-"""python -m tasks.evaluate --model models/openvino --base models/base
+"""python -m tasks.evaluate --model models/finetuned --export models/openvino --base models/base
 --instance-data data/processed --out reports/evaluate --report reports/evaluate.json
 [--metrics reports/evaluate_metrics.json] [--heldout-data data/heldout]
 
-Generates the prompt list (the DreamBooth paper's object / live set, or custom) with the exported
-OpenVINO model (or, with `evaluate.backend: pytorch`, a diffusers --model) and, on the same
-seeds, the base model; scores CLIP-T, CLIP-I and DINO, language drift on class prompts and,
-for full fine-tunes, held-out CLIP-T and a Fréchet distance; applies the gate in params.yaml
-(`evaluate.gate`), and writes the report (DVC metrics), an optional flat metrics file, and a
-plots folder: grid.png, grid_base.png, per_prompt.csv.
+Generates the prompt list (the DreamBooth paper's object / live set, or custom) with the
+fine-tune (--model: a pipeline, or adapters applied to --base) and, on the same seeds and
+latents, the base model, both in PyTorch fp32, so the gains compare like with like; scores
+CLIP-T, CLIP-I and DINO, language drift on class prompts and, for full fine-tunes, held-out
+CLIP-T and a Fréchet distance. Apart from the gains, the OpenVINO export (--export) makes the
+same images and is compared with the PyTorch fine-tune (export fidelity: PSNR, metric deltas).
+Applies the gate in params.yaml (`evaluate.gate`), and writes the report (DVC metrics), an
+optional flat metrics file, and a plots folder: grid.png, grid_base.png, grid_export.png,
+per_prompt.csv.
 """
 from __future__ import annotations
 
@@ -37,6 +40,12 @@ def write_plots(result: Result, out: Path, images_per_prompt: int) -> dict[str, 
         make_grid([im for row in result.base_images for im in row], cols=images_per_prompt).save(
             paths["grid_base"]
         )
+    export = result.extra.get("export_images")
+    if export:
+        paths["grid_export"] = out / "grid_export.png"
+        make_grid([im for row in export for im in row], cols=images_per_prompt).save(
+            paths["grid_export"]
+        )
     with open(paths["csv"], "w", newline="", encoding="utf-8") as fh:
         writer = csv.DictWriter(fh, fieldnames=list(result.rows[0]))
         writer.writeheader()
@@ -45,22 +54,38 @@ def write_plots(result: Result, out: Path, images_per_prompt: int) -> dict[str, 
 
 
 def flat_metrics(report: dict) -> dict[str, float]:
-    """{metric: value} plus gate.passed (1/0) and gate.<check>.passed; nulls left out.
+    """{metric: value}, export_fidelity.<figure>, gate.passed (1/0) and gate.<check>.passed;
+    nulls left out.
 
     Flat and numeric only, so `dvc metrics diff` on it reads as one line per figure (the full
     report keeps prompts, encoders and the paper's table beside them).
     """
     flat = {k: v for k, v in report["metrics"].items() if v is not None}
+    flat.update(fidelity_metrics(report))
     flat["gate.passed"] = int(report["gate"]["passed"])
     for name, check in report["gate"]["checks"].items():
         flat[f"gate.{name}.passed"] = int(check["passed"])
     return flat
 
 
+def fidelity_metrics(report: dict) -> dict[str, float]:
+    """The export fidelity figures as export_fidelity.<name> (none when it was not measured)."""
+    section = report.get("export_fidelity") or {}
+    return {f"export_fidelity.{k}": v for k, v in section.items()
+            if isinstance(v, (int, float)) and not isinstance(v, bool)}
+
+
 @main_guard
 def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m tasks.evaluate", description=__doc__)
-    parser.add_argument("--model", type=Path, required=True, help="exported OpenVINO pipeline")
+    parser.add_argument(
+        "--model", type=Path, required=True,
+        help="the fine-tune: the train stage's output (a pipeline, or adapters for --base)",
+    )
+    parser.add_argument(
+        "--export", type=Path, default=None,
+        help="its OpenVINO export, compared with it apart from the gains (export fidelity)",
+    )
     parser.add_argument("--base", type=Path, required=True, help="base diffusers pipeline folder")
     parser.add_argument("--instance-data", type=Path, required=True, help="instance images folder")
     parser.add_argument("--out", type=Path, required=True, help="plots folder to write")
@@ -77,7 +102,8 @@ def main() -> None:
     args = parser.parse_args()
     cfg = load_config("evaluate", EvaluateConfig, args.params)
     with stage_run("evaluate", params=cfg.model_dump()) as run:
-        result = evaluate(args.model, args.base, args.instance_data, cfg, heldout=args.heldout_data)
+        result = evaluate(args.model, args.base, args.instance_data, cfg,
+                          heldout=args.heldout_data, export=args.export)
         with atomic_dir(args.out) as tmp:
             written = write_plots(result, tmp, cfg.images_per_prompt)
             run.log_artifact(tmp, "evaluate")
@@ -85,6 +111,7 @@ def main() -> None:
         if args.metrics is not None:
             write_json(args.metrics, flat_metrics(result.report))
         run.log_metrics({k: v for k, v in result.report["metrics"].items() if v is not None})
+        run.log_metrics(fidelity_metrics(result.report))
         run.log_metrics({f"seconds.{k}": v for k, v in result.report["seconds"].items()})
         run.log_table(result.rows, "evaluate/per_prompt_table.json")
         run.log_dict(result.report, "evaluate.json")

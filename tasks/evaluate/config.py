@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import string
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
@@ -28,6 +28,10 @@ class GateConfig(StageConfig):
         None, ge=-1.0, le=1.0, description="class images of fine-tuned vs base (1: no drift)"
     )
     min_drift_dino: float | None = Field(None, ge=-1.0, le=1.0)
+    min_export_psnr: float | None = Field(
+        None, ge=0.0, le=100.0,
+        description="export fidelity: lowest per-image PSNR (dB) of OpenVINO vs PyTorch fine-tune",
+    )
 
 
 class DriftConfig(StageConfig):
@@ -48,6 +52,19 @@ class DriftConfig(StageConfig):
     @classmethod
     def _templates(cls, prompts: list[str]) -> list[str]:
         return check_templates(prompts)
+
+
+class ExportFidelityConfig(StageConfig):
+    """Export fidelity: the OpenVINO export against the PyTorch fine-tune it was made from.
+
+    The first `max_prompts` prompts (null: all) go through the export (--export) from the same
+    seeds and latents as the PyTorch images; the report's `export_fidelity` section has the
+    per-image PSNR and the export's CLIP-T / CLIP-I / DINO beside the PyTorch ones (deltas). Kept
+    apart from the gains, which compare base and fine-tune on one backend and precision.
+    """
+
+    enabled: bool = True
+    max_prompts: int | None = Field(None, ge=1, description="first N prompts (null: all)")
 
 
 class HeldoutConfig(StageConfig):
@@ -73,16 +90,13 @@ class EvaluateConfig(StageConfig):
         default_factory=list, description="custom templates: {identifier}, {class_name}"
     )
     max_prompts: int | None = Field(None, ge=1, description="first N of the set (demo: short)")
-    backend: Literal["openvino", "pytorch"] = Field(
-        "openvino", description="openvino: --model is the export; pytorch: a diffusers folder"
-    )
     images_per_prompt: int = Field(2, ge=1, le=64)
     num_inference_steps: int = Field(10, ge=1, le=500)
     guidance_scale: float = Field(
         7.5, gt=1.0, description="> 1: a static OpenVINO export's UNet batch has the CFG branch"
     )
     seed: int = Field(0, ge=0, description="image j of each prompt starts from seed + j's latents")
-    compare_base: bool = Field(True, description="also generate with the base model (PyTorch)")
+    compare_base: bool = Field(True, description="also generate with the base model: gains")
     clip_model: str = Field("builtin:tiny-clip", min_length=1)
     clip_revision: str | None = Field(None, description="pinned commit for a hub clip_model")
     dino_model: str = Field("builtin:tiny-dino", min_length=1)
@@ -91,6 +105,18 @@ class EvaluateConfig(StageConfig):
     gate: GateConfig = Field(default_factory=GateConfig)
     drift: DriftConfig = Field(default_factory=DriftConfig)
     heldout: HeldoutConfig = Field(default_factory=HeldoutConfig)
+    export_fidelity: ExportFidelityConfig = Field(default_factory=ExportFidelityConfig)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_backend(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "backend" in data:
+            raise ValueError(
+                "evaluate.backend was removed: base and fine-tune are both generated in PyTorch "
+                "fp32 (like with like, for the gains) and the OpenVINO export is compared with the "
+                "PyTorch fine-tune in its own section (evaluate.export_fidelity); delete the key"
+            )
+        return data
 
     @field_validator("prompts")
     @classmethod
@@ -115,6 +141,8 @@ class EvaluateConfig(StageConfig):
         drift = [k for k in keys[3:] if getattr(self.gate, k) is not None]
         if drift and not self.drift.enabled:
             raise ValueError(f"gate.{drift[0]} needs drift.enabled: true")
+        if self.gate.min_export_psnr is not None and not self.export_fidelity.enabled:
+            raise ValueError("gate.min_export_psnr needs export_fidelity.enabled: true")
         return self
 
 

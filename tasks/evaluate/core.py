@@ -1,4 +1,4 @@
-"""Evaluate: generate with the exported model (and the base), score CLIP-T / CLIP-I / DINO, gate.
+"""Evaluate: fine-tune and base in PyTorch fp32 (gains), the export apart (fidelity); score, gate.
 
 Pure work: returns the report, the per-prompt rows and the grids; the CLI writes and logs them.
 """
@@ -17,6 +17,7 @@ from PIL import Image
 
 from tasks.common import families
 from tasks.common.errors import UserError
+from tasks.common.finetuned import load_finetuned
 from tasks.common.images import to_rgb
 from tasks.common.openvino_model import (
     StaticShape,
@@ -26,6 +27,7 @@ from tasks.common.openvino_model import (
 )
 from tasks.common.tiny_encoders import LoadedEncoder, load_clip, load_dino
 from tasks.evaluate import extra_metrics as X
+from tasks.evaluate import fidelity as F
 from tasks.evaluate import metrics as M
 from tasks.evaluate import protocol as P
 from tasks.evaluate.config import EvaluateConfig
@@ -89,10 +91,7 @@ def _load_base(path: Path) -> Any:
     from diffusers import DiffusionPipeline
 
     if not (Path(path) / "model_index.json").is_file():
-        raise UserError(
-            f"{path} is not a diffusers pipeline: run the base stage (dvc repro base); with "
-            "evaluate.backend pytorch, --model must be a diffusers folder too (models/finetuned)"
-        )
+        raise UserError(f"{path} is not a diffusers pipeline: run the base stage (dvc repro base)")
     return DiffusionPipeline.from_pretrained(path, torch_dtype=torch.float32)
 
 
@@ -123,79 +122,145 @@ def _scores(
     return overall, per_prompt
 
 
-def _load_model(model: Path, backend: str) -> tuple[Any, str, StaticShape]:
-    """(pipeline, backend label, call shape) for `evaluate.backend`."""
-    if backend == "pytorch":
-        pipe = _load_base(model)
-        return pipe, "pytorch", _default_shape(pipe)
-    pipe = load_ov_pipeline(model, static=True)
+@dataclass
+class _Jobs:
+    """What every model generates: the prompts, and the drift / held-out sets when enabled."""
+
+    main: dict[str, Any]
+    drift: dict[str, Any] | None
+    heldout: dict[str, Any] | None
+
+    def run(self, pipe: Any, who: str) -> dict[str, Any]:
+        out = {"main": generate(pipe, desc=who, **self.main)}
+        if self.drift:
+            out["drift"] = generate(pipe, desc=f"{who}: class prompts", **self.drift)
+        if self.heldout:
+            out["heldout"] = generate(pipe, desc=f"{who}: held-out captions", **self.heldout)
+        return out
+
+
+def _export_images(export: Path, prompts: list[str], cfg: EvaluateConfig) -> dict[str, Any]:
+    """The export's images of the fidelity prompts, with its call shape, backend and precision."""
+    if not (Path(export) / "model_index.json").is_file():
+        raise UserError(
+            f"{export} is not an exported OpenVINO pipeline: run the export stage (dvc repro "
+            "export), or set evaluate.export_fidelity.enabled: false"
+        )
+    pipe = load_ov_pipeline(export, static=True)
     shape = static_shape(pipe)
-    return pipe, "openvino-static" if shape else "openvino-dynamic", shape or _default_shape(pipe)
+    backend = "openvino-static" if shape else "openvino-dynamic"
+    shape = shape or _default_shape(pipe)
+    n = cfg.export_fidelity.max_prompts or len(prompts)
+    images, seconds = generate(
+        pipe, prompts[:n], shape, cfg.images_per_prompt, cfg.seed, cfg.num_inference_steps,
+        cfg.guidance_scale, desc=f"fine-tuned ({backend}, export fidelity)")
+    # what the export's openvino_runtime.json made OpenVINO compute in
+    return {"images": images, "seconds": seconds, "shape": shape, "backend": backend,
+            "precision": compiled_precisions(pipe)}
 
 
 def evaluate(model: Path, base: Path | None, instance_data: Path, cfg: EvaluateConfig,
-             heldout: Path | None = None) -> Result:
-    """Generate, score and gate; `base=None` (or compare_base false) skips the base model.
+             heldout: Path | None = None, export: Path | None = None) -> Result:
+    """Generate, score and gate. `model` is the fine-tune (a pipeline, or adapters for `base`);
+    it and the base run in PyTorch fp32 for the gains; `export` (OpenVINO), when given and
+    `export_fidelity` is enabled, is compared with the PyTorch fine-tune and sets the call shape.
 
-    `heldout`: captioned held-out images for `evaluate.heldout` (full fine-tunes)."""
+    `base=None` (or compare_base false) skips the base model; `heldout`: captioned held-out
+    images for `evaluate.heldout` (full fine-tunes)."""
     prompts, clip_texts = render_prompts(cfg)
     real_images = load_instance_images(instance_data)
     clip = load_clip(cfg.clip_model, cfg.encoder_seed, cfg.clip_revision, "evaluate.clip_model")
     dino = load_dino(cfg.dino_model, cfg.encoder_seed, cfg.dino_revision, "evaluate.dino_model")
+    with_base = cfg.compare_base and base is not None
+    if cfg.heldout.enabled and heldout is None:
+        raise UserError("evaluate.heldout.enabled needs --heldout-data (held-out captioned images)")
 
-    pipe, backend, shape = _load_model(model, cfg.backend)
-    # what the export's openvino_runtime.json made OpenVINO compute in (PyTorch: fp32)
-    precision = compiled_precisions(pipe) if backend != "pytorch" else {"all": "f32"}
-    n = cfg.images_per_prompt
-    log.info("generating %d x %d images with %s at %s", len(prompts), n, backend, shape)
+    exported = None
+    if cfg.export_fidelity.enabled and export is not None:
+        exported = _export_images(export, prompts, cfg)
+    pipe, _, source = load_finetuned(model, base)
+    shape = exported["shape"] if exported else _default_shape(pipe)
+    log.info("generating %d x %d images in PyTorch fp32 at %s", len(prompts),
+             cfg.images_per_prompt, shape)
     common = dict(shape=shape, seed=cfg.seed, num_inference_steps=cfg.num_inference_steps,
                   guidance_scale=cfg.guidance_scale)
-    gen_args = dict(prompts=prompts, images_per_prompt=cfg.images_per_prompt, **common)
-    with_base = cfg.compare_base and base is not None
-    drift_args = dict(
-        prompts=X.drift_prompts(cfg.drift.prompts, cfg.identifier, cfg.class_name),
-        images_per_prompt=cfg.drift.images_per_prompt, **common,
-    ) if cfg.drift.enabled and with_base else None
-    heldout_data = None
-    if cfg.heldout.enabled:
-        if heldout is None:
-            raise UserError(
-                "evaluate.heldout.enabled needs --heldout-data (held-out captioned images)"
-            )
-        heldout_data = X.load_heldout(heldout, cfg.heldout.max_images)
-        heldout_args = dict(prompts=heldout_data[0], images_per_prompt=1, **common)
-
-    def run_all(p: Any, who: str) -> dict[str, Any]:
-        out = {"main": generate(p, desc=f"{who}", **gen_args)}
-        if drift_args:
-            out["drift"] = generate(p, desc=f"{who}: class prompts", **drift_args)
-        if heldout_data is not None:
-            out["heldout"] = generate(p, desc=f"{who}: held-out captions", **heldout_args)
-        return out
-
-    tuned = run_all(pipe, f"fine-tuned ({backend})")
+    heldout_data = X.load_heldout(heldout, cfg.heldout.max_images) if cfg.heldout.enabled else None
+    jobs = _Jobs(
+        main=dict(prompts=prompts, images_per_prompt=cfg.images_per_prompt, **common),
+        drift=dict(prompts=X.drift_prompts(cfg.drift.prompts, cfg.identifier, cfg.class_name),
+                   images_per_prompt=cfg.drift.images_per_prompt, **common)
+        if cfg.drift.enabled and with_base else None,
+        heldout=dict(prompts=heldout_data[0], images_per_prompt=1, **common)
+        if heldout_data else None,
+    )
+    tuned = jobs.run(pipe, "fine-tuned (PyTorch fp32)")
     del pipe
-    images = tuned["main"][0]
     seconds = {"generate_finetuned": round(sum(v[1] for v in tuned.values()), 3)}
-
-    base_images, based = None, {}
+    based: dict[str, Any] = {}
     if with_base:
         base_pipe = _load_base(base)
-        based = run_all(base_pipe, "base (PyTorch)")
+        based = jobs.run(base_pipe, "base (PyTorch fp32)")
         del base_pipe
-        base_images = based["main"][0]
         seconds["generate_base"] = round(sum(v[1] for v in based.values()), 3)
+    if exported:
+        seconds["generate_export"] = round(exported["seconds"], 3)
 
     start = time.perf_counter()
-    text_emb = clip.embed_texts(clip_texts)
-    real_clip, real_dino = clip.embed_images(real_images), dino.embed_images(real_images)
-    overall, per_prompt = _scores(images, text_emb, clip, dino, real_clip, real_dino)
+    scorer = _Scorer(clip, dino, clip.embed_texts(clip_texts), real_images)
+    metrics, rows = _fine_tuning_metrics(scorer, prompts, clip_texts, tuned, based, heldout_data)
+    fidelity = None
+    if exported:
+        n = len(exported["images"])
+        fidelity = F.section(
+            exported["images"], tuned["main"][0][:n],
+            scorer.overall(exported["images"], n), scorer.overall(tuned["main"][0][:n], n),
+            exported["precision"], exported["backend"])
+    seconds["score"] = round(time.perf_counter() - start, 3)
+
+    gate_values = {**metrics, "export_psnr": fidelity["psnr_min"] if fidelity else None}
+    verdict = M.gate(gate_values, cfg.gate.model_dump())
+    report = _report(cfg, metrics, verdict, prompts, clip_texts, tuned["main"][0], real_images,
+                     shape, source, drift=jobs.drift, heldout=heldout_data, with_base=with_base,
+                     fidelity=fidelity, scorer_dims=(clip.embedding_dim, dino.embedding_dim))
+    report["seconds"] = seconds
+    log.info("CLIP-T %.3f, CLIP-I %.3f, DINO %.3f; gate %s; protocol %s", metrics["clip_t"],
+             metrics["clip_i"], metrics["dino"], "passed" if verdict["passed"] else "FAILED",
+             report["protocol"]["id"])
+    if fidelity:
+        log.info("export fidelity (%s vs PyTorch fp32): PSNR mean %.1f dB, min %.1f dB; "
+                 "DINO %+.4f", fidelity["backend"], fidelity["psnr_mean"], fidelity["psnr_min"],
+                 fidelity["delta_dino"])
+    if not report["protocol"]["calibrated"]:
+        log.warning("%s", report["protocol"]["uncalibrated_reason"])
+    return Result(report, rows, tuned["main"][0], based["main"][0] if based else None,
+                  {"export_images": exported["images"] if exported else None})
+
+
+class _Scorer:
+    """CLIP-T / CLIP-I / DINO of generated images against the prompts and the instance images."""
+
+    def __init__(self, clip: LoadedEncoder, dino: LoadedEncoder, texts: np.ndarray,
+                 real: list[Image.Image]) -> None:
+        self.clip, self.dino, self.texts = clip, dino, texts
+        self.real_clip, self.real_dino = clip.embed_images(real), dino.embed_images(real)
+
+    def scores(self, images: list[list[Image.Image]]) -> tuple[dict, list[dict]]:
+        return _scores(images, self.texts[: len(images)], self.clip, self.dino, self.real_clip,
+                       self.real_dino)
+
+    def overall(self, images: list[list[Image.Image]], n: int) -> dict[str, float]:
+        return self.scores(images[:n])[0]
+
+
+def _fine_tuning_metrics(scorer: _Scorer, prompts: list[str], clip_texts: list[str],
+                         tuned: dict[str, Any], based: dict[str, Any],
+                         heldout_data: Any) -> tuple[dict[str, float], list[dict[str, Any]]]:
+    """The fine-tune's scores, the base's and the gains (one backend and precision), per prompt."""
+    overall, per_prompt = scorer.scores(tuned["main"][0])
     metrics: dict[str, float] = dict(overall)
     base_per_prompt = None
-    if base_images is not None:
-        base_overall, base_per_prompt = _scores(
-            base_images, text_emb, clip, dino, real_clip, real_dino
-        )
+    if based:
+        base_overall, base_per_prompt = scorer.scores(based["main"][0])
         for name, value in base_overall.items():
             metrics[f"base_{name}"] = value
             metrics[f"gain_{name}"] = overall[name] - value
@@ -207,59 +272,48 @@ def evaluate(model: Path, base: Path | None, instance_data: Path, cfg: EvaluateC
             if base_per_prompt is not None:
                 row[f"{name}_base"] = round(base_per_prompt[p][name], 6)
         rows.append(row)
-    if drift_args:
-        metrics.update(X.drift_scores(tuned["drift"][0], based["drift"][0], clip, dino))
+    if "drift" in tuned:
+        metrics.update(X.drift_scores(tuned["drift"][0], based["drift"][0], scorer.clip,
+                                      scorer.dino))
     if heldout_data is not None:
         captions, real_heldout = heldout_data
-        metrics.update(X.heldout_scores(tuned["heldout"][0], captions, real_heldout, clip))
-        metrics["real_heldout_clip_t"] = X.heldout_reference(captions, real_heldout, clip)
-        if with_base:
-            metrics.update(X.heldout_scores(based["heldout"][0], captions, real_heldout, clip,
-                                            prefix="base_"))
-    metrics["real_clip_i"] = M.mean_self_cosine(real_clip)
-    metrics["real_dino"] = M.mean_self_cosine(real_dino)
-    seconds["score"] = round(time.perf_counter() - start, 3)
+        metrics.update(X.heldout_scores(tuned["heldout"][0], captions, real_heldout, scorer.clip))
+        metrics["real_heldout_clip_t"] = X.heldout_reference(captions, real_heldout, scorer.clip)
+        if based:
+            metrics.update(X.heldout_scores(based["heldout"][0], captions, real_heldout,
+                                            scorer.clip, prefix="base_"))
+    metrics["real_clip_i"] = M.mean_self_cosine(scorer.real_clip)
+    metrics["real_dino"] = M.mean_self_cosine(scorer.real_dino)
+    return metrics, rows
 
-    verdict = M.gate(metrics, cfg.gate.model_dump())
-    report = {
+
+def _report(cfg: EvaluateConfig, metrics: dict[str, float], verdict: dict[str, Any],
+            prompts: list[str], clip_texts: list[str], images: list[list[Image.Image]],
+            real_images: list[Image.Image], shape: StaticShape, source: dict[str, Any], *,
+            drift: dict[str, Any] | None, heldout: Any, with_base: bool,
+            fidelity: dict[str, Any] | None, scorer_dims: tuple[int, int]) -> dict[str, Any]:
+    precision = {"all": "f32"}
+    return {
         "metrics": {k: M._json_number(v) for k, v in metrics.items()},
         "gate": verdict,
+        "export_fidelity": fidelity,
         "prompts": prompts,
         "clip_t_texts": clip_texts,
-        "images": {
-            "per_prompt": cfg.images_per_prompt,
-            "generated": sum(map(len, images)),
-            "instance": len(real_images),
-            "height": shape.height,
-            "width": shape.width,
-        },
+        "images": {"per_prompt": cfg.images_per_prompt, "generated": sum(map(len, images)),
+                   "instance": len(real_images), "height": shape.height, "width": shape.width},
         "generation": {
-            "backend": backend,
-            "precision": precision,
-            "call_shape": shape.as_dict(),
-            "base_compared": base_images is not None,
-            "prompt_set": cfg.prompt_set,
-            "drift_prompts": drift_args["prompts"] if drift_args else [],
-            "heldout_images": len(heldout_data[0]) if heldout_data else 0,
+            "backend": "pytorch", "precision": precision, "finetuned": source,
+            "call_shape": shape.as_dict(), "base_compared": with_base,
+            "prompt_set": cfg.prompt_set, "drift_prompts": drift["prompts"] if drift else [],
+            "heldout_images": len(heldout[0]) if heldout else 0,
         },
-        "encoders": {"clip": cfg.clip_model, "dino": cfg.dino_model, "clip_dim": clip.embedding_dim,
-                     "dino_dim": dino.embedding_dim},
+        "encoders": {"clip": cfg.clip_model, "dino": cfg.dino_model,
+                     "clip_dim": scorer_dims[0], "dino_dim": scorer_dims[1]},
         "protocol": P.describe(
-            cfg, prompts=prompts, clip_texts=clip_texts, backend=backend, precision=precision,
+            cfg, prompts=prompts, clip_texts=clip_texts, backend="pytorch", precision=precision,
             shape=shape.as_dict(), instance=P.images_hash(real_images),
-            heldout=P.images_hash(heldout_data[1]) if heldout_data else None,
-            base_backend="pytorch" if base_images is not None else None),
-        "seconds": seconds,
+            heldout=P.images_hash(heldout[1]) if heldout else None,
+            base_backend="pytorch" if with_base else None,
+            export_fidelity=cfg.export_fidelity.max_prompts if fidelity else False),
         "reference_dreambooth_paper_table1": M.PAPER_TABLE1,
     }
-    log.info(
-        "CLIP-T %.3f, CLIP-I %.3f, DINO %.3f; gate %s; protocol %s",
-        metrics["clip_t"],
-        metrics["clip_i"],
-        metrics["dino"],
-        "passed" if verdict["passed"] else "FAILED",
-        report["protocol"]["id"],
-    )
-    if not report["protocol"]["calibrated"]:
-        log.warning("%s", report["protocol"]["uncalibrated_reason"])
-    return Result(report, rows, images, base_images)

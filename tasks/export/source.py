@@ -8,92 +8,25 @@ Every training method's output is accepted, detected from the folder's contents:
   `model_index.json`): loaded onto the base pipeline (`--base`), the LoRA fused into the weights
   and the new tokens added to the tokenizers, then saved as a full pipeline and exported. OpenVINO
   has no LoRA or token loader of its own at run time, so the concept must be in the weights.
+
+Loading is tasks/common/finetuned.py's (the evaluate stage loads the fine-tune the same way).
 """
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tasks.common.errors import UserError
-from tasks.common.lora import fuse_lora_file
+from tasks.common.finetuned import (  # noqa: F401  (re-exported: the export's names)
+    EMBEDS_NAME,
+    LORA_NAME,
+    SDXL_EMBED_KEYS,
+    SourceKind,
+    detect,
+    load_finetuned,
+)
 
 log = logging.getLogger(__name__)
-
-LORA_NAME = "pytorch_lora_weights.safetensors"
-EMBEDS_NAME = "learned_embeds.safetensors"
-#: Keys SDXL embedding files use for the two text encoders' rows.
-SDXL_EMBED_KEYS = ("clip_l", "clip_g")
-
-
-@dataclass(frozen=True)
-class SourceKind:
-    """What a train output folder holds."""
-
-    full_pipeline: bool
-    lora: Path | None
-    embeds: Path | None
-
-    @property
-    def method(self) -> str:
-        """'full_pipeline', 'lora', 'textual_inversion' or 'lora+textual_inversion'."""
-        if self.full_pipeline:
-            return "full_pipeline"
-        parts = [name for name, f in (("lora", self.lora), ("textual_inversion", self.embeds)) if f]
-        return "+".join(parts)
-
-
-def detect(src: Path) -> SourceKind:
-    """Classify `src`; a UserError names what was expected when it holds nothing exportable."""
-    src = Path(src)
-    if not src.is_dir():
-        raise UserError(
-            f"{src} does not exist: run the train stage first (dvc repro train) or pass --model "
-            "a diffusers pipeline folder"
-        )
-    lora = src / LORA_NAME if (src / LORA_NAME).is_file() else None
-    embeds = src / EMBEDS_NAME if (src / EMBEDS_NAME).is_file() else None
-    kind = SourceKind((src / "model_index.json").is_file(), lora, embeds)
-    if not (kind.full_pipeline or lora or embeds):
-        raise UserError(
-            f"{src} holds neither a pipeline (model_index.json) nor adapters ({LORA_NAME}, "
-            f"{EMBEDS_NAME}): pass the train stage's output folder"
-        )
-    return kind
-
-
-def _load_embeds(pipe: Any, path: Path, token: str | None) -> list[str]:
-    """Add the learned token(s) of `path` to the pipeline's tokenizer(s); returns the tokens."""
-    from safetensors.torch import load_file
-
-    state = load_file(path)
-    if set(SDXL_EMBED_KEYS) <= set(state):
-        if not token:
-            raise UserError(
-                f"{path} is an SDXL embedding (keys clip_l/clip_g) and does not carry its token: "
-                "set export.placeholder_token (the train stage's train.placeholder_token)"
-            )
-        if getattr(pipe, "text_encoder_2", None) is None:
-            raise UserError(f"{path} is an SDXL embedding but the base pipeline is not SDXL")
-        pipe.load_textual_inversion(
-            state["clip_l"], token=token, text_encoder=pipe.text_encoder, tokenizer=pipe.tokenizer
-        )
-        pipe.load_textual_inversion(
-            state["clip_g"], token=token, text_encoder=pipe.text_encoder_2,
-            tokenizer=pipe.tokenizer_2,
-        )
-        return [token]
-    if len(state) != 1:
-        raise UserError(
-            f"{path}: expected one {{token: embedding}} entry (SD) or clip_l/clip_g (SDXL), "
-            f"found keys {sorted(state)}"
-        )
-    name, rows = next(iter(state.items()))
-    name = token or name
-    # diffusers' loader names the extra rows of a multi-vector token <token>_1 ... itself.
-    pipe.load_textual_inversion({name: rows}, token=name)
-    return [name]
 
 
 def materialize(src: Path, base: Path | None, work: Path, token: str | None = None) -> tuple[
@@ -103,29 +36,10 @@ def materialize(src: Path, base: Path | None, work: Path, token: str | None = No
 
     Returns (pipeline folder, report section {method, base, lora, embeds, tokens}).
     """
-    kind = detect(src)
-    info: dict[str, Any] = {"method": kind.method}
-    if kind.full_pipeline:
-        return Path(src), info
-    if base is None or not (Path(base) / "model_index.json").is_file():
-        raise UserError(
-            f"{src} holds adapters only ({kind.method}); they are applied to the base pipeline, "
-            f"which was not found at {base}: pass --base models/base (run dvc repro base first)"
-        )
-    import torch
-    from diffusers import DiffusionPipeline
-
-    pipe = DiffusionPipeline.from_pretrained(base, torch_dtype=torch.float32)
-    info["base"] = str(base)
-    if kind.lora is not None:
-        # Fused into every component the file can have layers for (denoiser, text encoders), the
-        # adapter modules dropped: the saved weights are plain tensors with the LoRA inside.
-        fuse_lora_file(pipe, kind.lora)
-        info["lora"] = str(kind.lora)
-    if kind.embeds is not None:
-        info["tokens"] = _load_embeds(pipe, kind.embeds, token)
-        info["embeds"] = str(kind.embeds)
+    if detect(src).full_pipeline:
+        return Path(src), {"method": "full_pipeline"}
+    pipe, kind, info = load_finetuned(src, base, token)
     out = Path(work) / "merged-pipeline"
     pipe.save_pretrained(out, safe_serialization=True)
-    log.info("applied %s from %s to %s; merged pipeline at %s", kind.method, src, base, out)
+    log.info("merged pipeline (%s from %s on %s) at %s", kind.method, src, base, out)
     return out, info

@@ -26,8 +26,10 @@ SHAPE = {"batch_size": 2, "height": 64, "width": 64, "num_images_per_prompt": 1}
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory, migrated_mlflow_db):
-    """One CLI run: 3 prompts x 1 image through an export fixed at 2 images per call (so the last
-    call is padded), and the base; the gate has one threshold that holds and one that cannot."""
+    """One CLI run with the base fed in as the fine-tune (the right gains are exactly 0): 3 prompts
+    x 1 image in PyTorch fp32 for both, and its export, fixed at 2 images per call (so the last
+    call is padded), for the export fidelity; the gate has one threshold that holds and one that
+    cannot."""
     from tasks.evaluate.__main__ import main
 
     import shutil
@@ -54,7 +56,8 @@ def run(tmp_path_factory, migrated_mlflow_db):
     params.write_text(yaml.safe_dump({"evaluate": section}))
     out, report = work / "reports" / "evaluate", work / "reports" / "evaluate.json"
     argv = [
-        "python -m tasks.evaluate", "--model", str(model), "--base", str(base),
+        "python -m tasks.evaluate", "--model", str(base), "--export", str(model),
+        "--base", str(base),
         "--instance-data", str(data), "--out", str(out), "--report", str(report),
         "--params", str(params), "--metrics", str(work / "reports" / "evaluate_metrics.json"),
     ]
@@ -75,6 +78,7 @@ def run(tmp_path_factory, migrated_mlflow_db):
         mp.undo()
         reset_mlflow_globals()
     return {"out": out, "report": json.loads(report.read_text()), "data": data, "model": model,
+            "base": base,
             "flat": work / "reports" / "evaluate_metrics.json", "mlflow_uri": uri}
 
 
@@ -88,11 +92,15 @@ def test_report_has_metrics_gate_and_details(run):
     assert report["prompts"] == ["a sks toy in the jungle", "a red sks toy", "a toy"]
     expected = {"per_prompt": 1, "generated": 3, "instance": 4, "height": 64, "width": 64}
     assert report["images"] == expected
-    assert report["generation"]["backend"] == "openvino-static"
-    # The folder's openvino_runtime.json asks for f32, and that is what ran.
-    assert report["generation"]["precision"] == {
-        "text_encoder": "f32", "unet": "f32", "vae_decoder": "f32"}
+    # Fine-tune and base alike: PyTorch fp32, at the export's call shape.
+    assert report["generation"]["backend"] == "pytorch"
+    assert report["generation"]["precision"] == {"all": "f32"}
+    assert report["generation"]["finetuned"] == {"method": "full_pipeline"}
     assert report["generation"]["call_shape"]["batch_size"] == 2
+    # The export's openvino_runtime.json asks for f32, and that is what ran (fidelity section).
+    assert report["export_fidelity"]["backend"] == "openvino-static"
+    assert report["export_fidelity"]["precision"] == {
+        "text_encoder": "f32", "unet": "f32", "vae_decoder": "f32"}
 
 
 def test_report_carries_the_protocol_its_scores_were_measured_under(run):
@@ -104,17 +112,20 @@ def test_report_carries_the_protocol_its_scores_were_measured_under(run):
     assert settings["clip"] == {"name": "builtin:tiny-clip", "seed": 0}
     assert settings["prompts"] == run["report"]["prompts"]
     assert settings["precision"] == run["report"]["generation"]["precision"]
-    assert settings["backend"] == "openvino-static" and settings["base_backend"] == "pytorch"
+    assert settings["backend"] == settings["base_backend"] == "pytorch"
+    assert settings["precision"] == {"all": "f32"}
+    assert settings["export_fidelity"] == {"max_prompts": None}
     assert (settings["seed"], settings["num_inference_steps"]) == (0, 2)
 
 
 def test_a_no_op_fine_tune_fails_a_gate_that_asks_for_a_gain(run):
-    """Controlled input: the 'fine-tune' is the base itself (its export), so nothing was learned.
-    A gate with a real gain threshold (README's for real encoders: min_gain_clip_i 0.02) fails it."""
+    """Controlled input: the 'fine-tune' is the base itself, so nothing was learned: on one backend
+    and precision the gains are exactly 0, and a gate with a real gain threshold (README's for
+    real encoders: min_gain_clip_i 0.02) fails it."""
     from tasks.evaluate.config import GateConfig
 
     metrics = run["report"]["metrics"]
-    assert abs(metrics["gain_dino"]) < 0.02 and abs(metrics["gain_clip_i"]) < 0.02
+    assert metrics["gain_dino"] == metrics["gain_clip_i"] == metrics["gain_clip_t"] == 0.0
     verdict = M.gate(metrics, GateConfig(min_gain_clip_i=0.02, min_gain_dino=0.02).model_dump())
     assert not verdict["passed"]
     assert not verdict["checks"]["gain_clip_i"]["passed"]
@@ -130,13 +141,33 @@ def test_gate_records_each_check_and_fails_when_one_fails(run):
 
 
 def test_same_seeds_same_latents_for_finetuned_and_base(run):
-    """The export's source is the base here, so the two grids must match (same latents per image,
-    also through the padded static batch) up to OpenVINO-vs-PyTorch numerics."""
+    """The fine-tune is the base here: same latents per image, same backend, so the grids are
+    equal bit for bit; the export (also through the padded static batch) matches them up to
+    OpenVINO-vs-PyTorch numerics."""
     grid = np.asarray(Image.open(run["out"] / "grid.png"), dtype=np.float64)
     base = np.asarray(Image.open(run["out"] / "grid_base.png"), dtype=np.float64)
-    assert grid.shape == base.shape == (3 * 64, 64, 3)  # one row per prompt, one image each
-    assert np.abs(grid - base).max() <= 2  # 8-bit rounding
-    assert abs(run["report"]["metrics"]["gain_dino"]) < 1e-3
+    export = np.asarray(Image.open(run["out"] / "grid_export.png"), dtype=np.float64)
+    assert grid.shape == base.shape == export.shape == (3 * 64, 64, 3)  # a row per prompt
+    assert np.array_equal(grid, base)
+    assert np.abs(grid - export).max() <= 2  # 8-bit rounding
+
+
+def test_export_fidelity_is_reported_apart_from_the_gains(run):
+    """OpenVINO against the PyTorch fine-tune, same prompts and latents: its own section (PSNR and
+    the metric deltas), never in `metrics`, where the gains are exactly 0 whatever the export does."""
+    report = run["report"]
+    fidelity = report["export_fidelity"]
+    assert (fidelity["prompts"], fidelity["images"]) == (3, 3)
+    assert 40.0 < fidelity["psnr_min"] <= fidelity["psnr_mean"] <= 100.0
+    assert fidelity["max_abs_pixel_diff"] <= 2
+    for name in ("clip_t", "clip_i", "dino"):
+        assert fidelity[f"pytorch_{name}"] == pytest.approx(report["metrics"][name], abs=1e-6)
+        assert fidelity[f"delta_{name}"] == pytest.approx(
+            fidelity[name] - fidelity[f"pytorch_{name}"], abs=2e-6)
+        assert abs(fidelity[f"delta_{name}"]) < 1e-2
+    assert not any("export" in key or "psnr" in key for key in report["metrics"])
+    flat = json.loads(run["flat"].read_text())
+    assert flat["export_fidelity.psnr_min"] == fidelity["psnr_min"]
 
 
 def test_per_prompt_table(run):
@@ -168,7 +199,10 @@ def test_mlflow_run_has_metrics_and_artifacts(run):
     assert "random (seeded) weights" in logged.data.tags["protocol.note"]
     client = mlflow.MlflowClient(tracking_uri=run["mlflow_uri"])
     names = {a.path for a in client.list_artifacts(logged.info.run_id, "evaluate")}
-    assert {"evaluate/grid.png", "evaluate/grid_base.png", "evaluate/per_prompt.csv",
+    assert logged.data.metrics["export_fidelity.psnr_mean"] == pytest.approx(
+        run["report"]["export_fidelity"]["psnr_mean"], abs=1e-4)
+    assert {"evaluate/grid.png", "evaluate/grid_base.png", "evaluate/grid_export.png",
+            "evaluate/per_prompt.csv",
             "evaluate/per_prompt_table.json"} <= names
 
 
@@ -203,8 +237,9 @@ def test_without_base_there_are_no_base_scores(run, tmp_path):
 
     cfg = EvaluateConfig(prompts=["a {identifier} {class_name}"], images_per_prompt=2,
                          num_inference_steps=1, compare_base=False, gate={"min_clip_i": 0.0})
-    result = evaluate(run["model"], None, run["data"], cfg)
+    result = evaluate(run["base"], None, run["data"], cfg)
     assert result.base_images is None and len(result.images[0]) == 2
+    assert result.report["export_fidelity"] is None  # no --export given
     assert not any(k.startswith(("base_", "gain_")) for k in result.report["metrics"])
     assert list(result.rows[0]) == ["prompt", "clip_t_text", "clip_t", "clip_i", "dino"]
     assert result.report["gate"]["passed"] is True
@@ -220,14 +255,18 @@ def test_missing_inputs_are_user_errors(tmp_path):
     with pytest.raises(UserError, match="no instance images"):
         load_instance_images(tmp_path / "empty")
     data = write_subject_images(tmp_path / "data", n=1)
-    with pytest.raises(UserError, match="export stage"):
+    with pytest.raises(UserError, match="train stage"):
         evaluate(tmp_path / "no-model", None, data, EvaluateConfig(prompts=["x"]))
+    with pytest.raises(UserError, match="export stage"):
+        evaluate(tmp_path / "no-model", None, data, EvaluateConfig(prompts=["x"]),
+                 export=tmp_path / "no-export")
 
 
 def test_language_drift_of_the_same_model_is_none(run):
-    """The base here is the export's own source: class images agree (OpenVINO vs PyTorch fp32)."""
+    """The fine-tune is the base here: the class images are the same (one backend, precision)."""
     metrics = run["report"]["metrics"]
-    assert metrics["drift_clip_i"] > 0.999 and metrics["drift_dino"] > 0.999
+    assert metrics["drift_clip_i"] == pytest.approx(1.0, abs=1e-6)
+    assert metrics["drift_dino"] == pytest.approx(1.0, abs=1e-6)
     assert run["report"]["generation"]["drift_prompts"] == ["a photo of a toy"]
 
 

@@ -1,4 +1,4 @@
-"""The paper's prompt sets, held-out metrics with the PyTorch backend, drift/FD functions."""
+"""The paper's prompt sets, held-out metrics, drift/FD and PSNR functions, the protocol."""
 from __future__ import annotations
 
 import json
@@ -56,7 +56,7 @@ def test_frechet_distance_and_paired_cosine_known_values():
         M.paired_cosine(a, a[:5])
 
 
-def test_heldout_with_pytorch_backend(tmp_path_factory, tmp_path):
+def test_heldout_metrics(tmp_path_factory, tmp_path):
     model = tiny_pipeline(tmp_path_factory, "builtin:tiny-sd")
     data = write_subject_images(tmp_path / "instance", n=2)
     heldout = write_subject_images(tmp_path / "heldout", n=3)
@@ -65,7 +65,7 @@ def test_heldout_with_pytorch_backend(tmp_path_factory, tmp_path):
         row["text"] = ["a red disc", "a blue toy", "a toy on a table"][i]
     (heldout / "metadata.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     cfg = EvaluateConfig(prompts=["a {identifier} {class_name}"], images_per_prompt=1,
-                         num_inference_steps=2, backend="pytorch", heldout={"enabled": True})
+                         num_inference_steps=2, heldout={"enabled": True})
     with pytest.raises(UserError, match="--heldout-data"):
         evaluate(model, None, data, cfg)
     result = evaluate(model, model, data, cfg, heldout=heldout)
@@ -83,8 +83,8 @@ def _protocol(**changes):
     from tasks.evaluate.protocol import describe
 
     cfg = EvaluateConfig(**{"prompt_set": "object", "max_prompts": 2, **changes.pop("cfg", {})})
-    args = dict(prompts=["a"], clip_texts=["b"], backend="openvino-static",
-                precision={"unet": "bf16"}, shape={"height": 64}, instance="i1", heldout=None,
+    args = dict(prompts=["a"], clip_texts=["b"], backend="pytorch",
+                precision={"all": "f32"}, shape={"height": 64}, instance="i1", heldout=None,
                 base_backend="pytorch")
     return describe(cfg, **{**args, **changes})
 
@@ -97,9 +97,33 @@ def test_the_protocol_id_changes_with_everything_that_changes_a_score():
                    {"cfg": {"encoder_seed": 1}}, {"cfg": {"seed": 1}},
                    {"cfg": {"num_inference_steps": 20}}, {"cfg": {"guidance_scale": 5.0}},
                    {"cfg": {"images_per_prompt": 4}}, {"prompts": ["c"]}, {"clip_texts": ["d"]},
-                   {"precision": {"unet": "f32"}}, {"backend": "pytorch"}, {"shape": {"height": 512}},
-                   {"instance": "i2"}, {"heldout": "h1"}):
+                   {"precision": {"all": "bf16"}}, {"backend": "openvino-static"},
+                   {"base_backend": None}, {"shape": {"height": 512}},
+                   {"instance": "i2"}, {"heldout": "h1"}, {"export_fidelity": None},
+                   {"export_fidelity": 3}):
         assert _protocol(**change)["id"] != same["id"], change
+
+
+def test_psnr_known_values():
+    from PIL import Image
+
+    from tasks.evaluate.fidelity import PSNR_CAP, psnr
+
+    black = Image.new("RGB", (8, 8))
+    assert psnr(black, black) == PSNR_CAP  # identical: +inf, recorded at the cap
+    one = Image.new("RGB", (8, 8), (1, 1, 1))
+    assert psnr(black, one) == pytest.approx(20 * np.log10(255.0))  # MSE 1: 48.13 dB
+    assert psnr(black, Image.new("RGB", (8, 8), (255, 255, 255))) == pytest.approx(0.0)
+    with pytest.raises(ValueError, match="one size"):
+        psnr(black, Image.new("RGB", (4, 4)))
+
+
+def test_backend_is_gone_with_a_clear_error():
+    with pytest.raises(UserError, match="evaluate.backend was removed"):
+        parse_section("evaluate", {"prompt_set": "object", "backend": "openvino"}, EvaluateConfig)
+    with pytest.raises(UserError, match="needs export_fidelity.enabled"):
+        parse_section("evaluate", {"prompt_set": "object", "export_fidelity": {"enabled": False},
+                                   "gate": {"min_export_psnr": 30}}, EvaluateConfig)
 
 
 def test_only_trained_encoders_are_calibrated():
@@ -109,3 +133,24 @@ def test_only_trained_encoders_are_calibrated():
     assert real["calibrated"] is True and real["uncalibrated_reason"] is None
     half = _protocol(cfg={"clip_model": "/models/clip"})
     assert half["calibrated"] is False and "builtin:tiny-dino has random" in half["uncalibrated_reason"]
+
+
+def test_adapters_only_fine_tune_is_applied_to_the_base(tmp_path_factory, tmp_path):
+    """A LoRA-only train output (no model_index.json) is evaluated as base + adapters, in PyTorch
+    fp32 like the base: the LoRA changes the images, so the class images drift from the base's."""
+    from tests.export.adapters import write_adapters
+
+    base = tiny_pipeline(tmp_path_factory, "builtin:tiny-sd")
+    adapters = write_adapters(base, tmp_path / "lora", embeds=False)
+    data = write_subject_images(tmp_path / "instance", n=2)
+    cfg = EvaluateConfig(prompts=["a {identifier} {class_name}"], images_per_prompt=1,
+                         num_inference_steps=2)
+    with pytest.raises(UserError, match="adapters only"):
+        evaluate(adapters, None, data, cfg)
+    result = evaluate(adapters, base, data, cfg)
+    generation = result.report["generation"]
+    assert generation["finetuned"]["method"] == "lora" and generation["backend"] == "pytorch"
+    tuned = np.asarray(result.images[0][0], dtype=np.float64)
+    plain = np.asarray(result.base_images[0][0], dtype=np.float64)
+    assert np.abs(tuned - plain).max() > 0  # the adapters were applied
+    assert result.report["metrics"]["drift_dino"] < 1.0

@@ -24,6 +24,16 @@ def test_summary_links_the_run_and_the_version_on_a_tracking_server(
     assert "| dino | 0.9123 |" in page and "| train | ran | 12.5 |" in page
     assert "## Gate: passed (min_dino: ok)" in page
     assert "Champion: promoted: the gate passed and it beats the champion" in page
+    assert "Export fidelity" not in page  # not measured: no section
+
+
+def test_export_fidelity_has_its_own_section_apart_from_the_metrics() -> None:
+    evaluation = {**SUMMARY["evaluation"], "export_fidelity": {
+        "backend": "openvino-static", "psnr_mean": 41.5, "psnr_min": 38.25, "delta_dino": -0.0021}}
+    page = markdown({**SUMMARY, "evaluation": evaluation}, "sqlite:///x")
+    metrics, fidelity = page.split("## Export fidelity (openvino-static vs the PyTorch fine-tune)")
+    assert "| dino | 0.9123 |" in metrics and "psnr" not in metrics
+    assert "| psnr_min | 38.2500 |" in fidelity and "| delta_dino | -0.0021 |" in fidelity
 
 
 def test_local_store_points_at_make_mlflow_ui_and_failed_gate_stands_out(

@@ -1,0 +1,131 @@
+"""What the train stage left, loaded as one PyTorch pipeline: a full pipeline or base + adapters.
+
+Every training method's output is accepted, detected from the folder's contents:
+
+- a full pipeline (`model_index.json`: DreamBooth, full fine-tunes, textual inversion, LoRA saved
+  with `fuse_lora`): loaded as it is;
+- adapters only (`pytorch_lora_weights.safetensors` and/or `learned_embeds.safetensors`, no
+  `model_index.json`): the base pipeline is loaded, the LoRA fused into its weights and the new
+  tokens added to its tokenizers.
+
+Used by the export stage (which saves the result and converts it) and by the evaluate stage
+(which generates with it in PyTorch fp32, beside the base, for like-with-like gains).
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tasks.common.errors import UserError
+from tasks.common.lora import fuse_lora_file
+
+log = logging.getLogger(__name__)
+
+LORA_NAME = "pytorch_lora_weights.safetensors"
+EMBEDS_NAME = "learned_embeds.safetensors"
+#: Keys SDXL embedding files use for the two text encoders' rows.
+SDXL_EMBED_KEYS = ("clip_l", "clip_g")
+
+
+@dataclass(frozen=True)
+class SourceKind:
+    """What a train output folder holds."""
+
+    full_pipeline: bool
+    lora: Path | None
+    embeds: Path | None
+
+    @property
+    def method(self) -> str:
+        """'full_pipeline', 'lora', 'textual_inversion' or 'lora+textual_inversion'."""
+        if self.full_pipeline:
+            return "full_pipeline"
+        parts = [name for name, f in (("lora", self.lora), ("textual_inversion", self.embeds)) if f]
+        return "+".join(parts)
+
+
+def detect(src: Path) -> SourceKind:
+    """Classify `src`; a UserError names what was expected when it holds nothing loadable."""
+    src = Path(src)
+    if not src.is_dir():
+        raise UserError(
+            f"{src} does not exist: run the train stage first (dvc repro train) or pass a "
+            "diffusers pipeline folder"
+        )
+    lora = src / LORA_NAME if (src / LORA_NAME).is_file() else None
+    embeds = src / EMBEDS_NAME if (src / EMBEDS_NAME).is_file() else None
+    kind = SourceKind((src / "model_index.json").is_file(), lora, embeds)
+    if not (kind.full_pipeline or lora or embeds):
+        raise UserError(
+            f"{src} holds neither a pipeline (model_index.json) nor adapters ({LORA_NAME}, "
+            f"{EMBEDS_NAME}): pass the train stage's output folder"
+        )
+    return kind
+
+
+def load_embeds(pipe: Any, path: Path, token: str | None) -> list[str]:
+    """Add the learned token(s) of `path` to the pipeline's tokenizer(s); returns the tokens."""
+    from safetensors.torch import load_file
+
+    state = load_file(path)
+    if set(SDXL_EMBED_KEYS) <= set(state):
+        if not token:
+            raise UserError(
+                f"{path} is an SDXL embedding (keys clip_l/clip_g) and does not carry its token: "
+                "set export.placeholder_token (the train stage's train.placeholder_token)"
+            )
+        if getattr(pipe, "text_encoder_2", None) is None:
+            raise UserError(f"{path} is an SDXL embedding but the base pipeline is not SDXL")
+        pipe.load_textual_inversion(
+            state["clip_l"], token=token, text_encoder=pipe.text_encoder, tokenizer=pipe.tokenizer
+        )
+        pipe.load_textual_inversion(
+            state["clip_g"], token=token, text_encoder=pipe.text_encoder_2,
+            tokenizer=pipe.tokenizer_2,
+        )
+        return [token]
+    if len(state) != 1:
+        raise UserError(
+            f"{path}: expected one {{token: embedding}} entry (SD) or clip_l/clip_g (SDXL), "
+            f"found keys {sorted(state)}"
+        )
+    name, rows = next(iter(state.items()))
+    name = token or name
+    # diffusers' loader names the extra rows of a multi-vector token <token>_1 ... itself.
+    pipe.load_textual_inversion({name: rows}, token=name)
+    return [name]
+
+
+def load_finetuned(src: Path, base: Path | None, token: str | None = None) -> tuple[
+    Any, SourceKind, dict[str, Any]
+]:
+    """The fine-tuned pipeline in fp32: `src` itself, or the base with `src`'s adapters applied.
+
+    Returns (pipeline, what `src` held, report section {method, base, lora, embeds, tokens}).
+    """
+    import torch
+    from diffusers import DiffusionPipeline
+
+    kind = detect(src)
+    info: dict[str, Any] = {"method": kind.method}
+    if kind.full_pipeline:
+        return DiffusionPipeline.from_pretrained(src, torch_dtype=torch.float32), kind, info
+    if base is None or not (Path(base) / "model_index.json").is_file():
+        raise UserError(
+            f"{src} holds adapters only ({kind.method}); they are applied to the base pipeline, "
+            f"which was not found at {base}: pass --base models/base (run dvc repro base first)"
+        )
+    pipe = DiffusionPipeline.from_pretrained(base, torch_dtype=torch.float32)
+    info["base"] = str(base)
+    if kind.lora is not None:
+        # Fused into every component the file can have layers for (denoiser, text encoders), the
+        # adapter modules dropped: plain tensors with the LoRA inside.
+        fuse_lora_file(pipe, kind.lora)
+        info["lora"] = str(kind.lora)
+    if kind.embeds is not None:
+        info["tokens"] = load_embeds(pipe, kind.embeds, token)
+        info["embeds"] = str(kind.embeds)
+    log.info("applied %s from %s to %s", kind.method, src, base)
+    return pipe, kind, info
