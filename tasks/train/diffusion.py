@@ -14,10 +14,12 @@ the same RNG stream as without the cache, so caching changes speed, not the trai
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
+
+from tasks.common.families.base import ModelFamily
 
 
 class RowRandom:
@@ -41,16 +43,16 @@ def _sample(dist: Any, rand: "RowRandom | None") -> torch.Tensor:
     return dist.mean + dist.std * rand.randn(tuple(dist.mean.shape[1:]), dist.mean.device, dist.mean.dtype)
 
 
-def _scale(vae: torch.nn.Module, latents: torch.Tensor) -> torch.Tensor:
-    shift = getattr(vae.config, "shift_factor", None) or 0.0
-    return (latents - shift) * vae.config.scaling_factor
+#: (vae, posterior sample) -> the denoiser's latents: the family's `scale_latents`
+Scale = Callable[[torch.nn.Module, torch.Tensor], torch.Tensor]
 
 
-def encode_latents(vae: torch.nn.Module, pixels: torch.Tensor, rand: RowRandom | None = None) -> torch.Tensor:
-    """VAE posterior sample, shifted and scaled into the UNet's latent space (float32)."""
+def encode_latents(vae: torch.nn.Module, pixels: torch.Tensor, rand: RowRandom | None = None,
+                   scale: Scale = ModelFamily.scale_latents) -> torch.Tensor:
+    """VAE posterior sample, brought into the denoiser's latent space by `scale` (float32)."""
     param = next(vae.parameters())
     latents = _sample(vae.encode(pixels.to(param.device, param.dtype)).latent_dist, rand)
-    return _scale(vae, latents.float())
+    return scale(vae, latents.float())
 
 
 class LatentCache:
@@ -64,11 +66,11 @@ class LatentCache:
         self.hits = self.misses = 0
 
     def latents(self, vae: torch.nn.Module, pixels: torch.Tensor, keys: list[str | None],
-                rand: RowRandom | None = None) -> torch.Tensor:
+                rand: RowRandom | None = None, scale: Scale = ModelFamily.scale_latents) -> torch.Tensor:
         from diffusers.models.autoencoders.vae import DiagonalGaussianDistribution
 
         if any(k is None for k in keys):
-            return encode_latents(vae, pixels, rand)
+            return encode_latents(vae, pixels, rand, scale)
         param = next(vae.parameters())
         for i, key in enumerate(keys):
             if key in self.store:
@@ -78,7 +80,7 @@ class LatentCache:
             dist = vae.encode(pixels[i : i + 1].to(param.device, param.dtype)).latent_dist
             self.store[key] = dist.parameters.detach().float().cpu()
         stacked = torch.cat([self.store[k] for k in keys]).to(param.device)
-        return _scale(vae, _sample(DiagonalGaussianDistribution(stacked), rand))
+        return scale(vae, _sample(DiagonalGaussianDistribution(stacked), rand))
 
 
 class PromptCache:

@@ -22,13 +22,18 @@ def tree_hashes(root: Path) -> dict[str, str]:
     }
 
 
-@pytest.mark.parametrize("kind,fam,cls", [
-    ("builtin:tiny-sd", "sd", "StableDiffusionPipeline"),
-    ("builtin:tiny-sdxl", "sdxl", "StableDiffusionXLPipeline"),
-    ("builtin:tiny-sd3", "sd3", "StableDiffusion3Pipeline"),
-    ("builtin:tiny-flux", "flux", "FluxPipeline"),
+CLIP_WORDS = ["a</w>", "photo</w>", "of</w>", "sks</w>", "toy</w>"]  # the locally learned CLIP BPE
+QWEN_WORDS = ["a", "Ġphoto", "Ġof", "Ġsks", "Ġtoy"]  # byte-level BPE: a word's leading space is 'Ġ'
+
+
+@pytest.mark.parametrize("kind,fam,cls,words", [
+    ("builtin:tiny-sd", "sd", "StableDiffusionPipeline", CLIP_WORDS),
+    ("builtin:tiny-sdxl", "sdxl", "StableDiffusionXLPipeline", CLIP_WORDS),
+    ("builtin:tiny-sd3", "sd3", "StableDiffusion3Pipeline", CLIP_WORDS),
+    ("builtin:tiny-flux", "flux", "FluxPipeline", CLIP_WORDS),
+    ("builtin:tiny-flux2", "flux2", "Flux2KleinPipeline", QWEN_WORDS),
 ])
-def test_builtin_is_deterministic_and_loads(tmp_path: Path, kind: str, fam: str, cls: str) -> None:
+def test_builtin_is_deterministic_and_loads(tmp_path: Path, kind: str, fam: str, cls: str, words: list[str]) -> None:
     from diffusers import DiffusionPipeline
 
     info = resolve(kind, None, 0, tmp_path / "a")
@@ -41,8 +46,8 @@ def test_builtin_is_deterministic_and_loads(tmp_path: Path, kind: str, fam: str,
     assert any(name.endswith(".safetensors") for name in a)
     pipe = DiffusionPipeline.from_pretrained(tmp_path / "a")
     assert type(pipe).__name__ == cls
-    ids = pipe.tokenizer("a photo of sks toy").input_ids
-    assert pipe.tokenizer.convert_ids_to_tokens(ids)[1:-1] == ["a</w>", "photo</w>", "of</w>", "sks</w>", "toy</w>"]
+    ids = pipe.tokenizer("a photo of sks toy", add_special_tokens=False).input_ids
+    assert pipe.tokenizer.convert_ids_to_tokens(ids) == words
 
 
 def test_local_folder_is_copied(tmp_path: Path) -> None:

@@ -9,14 +9,15 @@ from tasks.common import families
 from tasks.common.errors import UserError
 
 
-@pytest.mark.parametrize("kind", ["builtin:tiny-sd3", "builtin:tiny-flux"])
-def test_builtins_are_recognised(tmp_path, kind) -> None:
+@pytest.mark.parametrize("kind, latent_channels", [("builtin:tiny-sd3", 16), ("builtin:tiny-flux", 16),
+                                                    ("builtin:tiny-flux2", 8)])
+def test_builtins_are_recognised(tmp_path, kind, latent_channels) -> None:
     """(Same seed, same bytes: tests/base/test_base.py, for every built-in.)"""
     family = families.BUILTINS[kind]
     a = families.build_tiny_pipeline(kind, 0, tmp_path / "a")
     assert families.detect(a) is family
     pipe = family.pipeline_class().from_pretrained(a)
-    assert pipe.vae.config.latent_channels == 16 and families.of_pipeline(pipe) is family
+    assert pipe.vae.config.latent_channels == latent_channels and families.of_pipeline(pipe) is family
 
 
 def test_the_t5_tokenizer_loads_with_transformers(tmp_path) -> None:
@@ -47,19 +48,23 @@ def test_an_unknown_pipeline_is_refused_naming_the_supported_ones() -> None:
         families.from_index({"_class_name": "KandinskyPipeline"}, "base.model")
 
 
-@pytest.mark.parametrize("kind", ["builtin:tiny-sd3", "builtin:tiny-flux"])
+@pytest.mark.parametrize("kind", ["builtin:tiny-sd3", "builtin:tiny-flux", "builtin:tiny-flux2"])
 def test_conditioning_has_the_pipelines_layout(tmp_path, kind) -> None:
     """Training's prompt encoding equals the pipeline's own encode_prompt (SD3: CLIP-L|CLIP-G padded,
-    then T5; FLUX: T5's sequence, CLIP's pooled output)."""
+    then T5; FLUX: T5's sequence, CLIP's pooled output; FLUX.2 klein: Qwen3's layers 9, 18, 27 of the
+    chat-templated prompt, nothing pooled), for a batch of prompts of different lengths."""
     path = families.build_tiny_pipeline(kind, 0, tmp_path)
     family = families.detect(path)
     components = family.load_components(path)
-    ids = family.tokenize(components, ["a photo of sks toy"], max_sequence_length=16)
-    prompts = ["a photo of sks toy"] * (len(family.text_encoder_names) - 1)  # prompt, prompt_2 (, prompt_3)
+    prompts = ["a photo of sks toy", "a red cube on the beach"]
+    ids = family.tokenize(components, prompts, max_sequence_length=32)
+    more = [prompts] * (len(family.text_encoder_names) - 1)  # prompt_2 (, prompt_3)
     with torch.no_grad():
         hidden, pooled = family.encode_prompt(components, ids)
         pipe = family.pipeline_class().from_pretrained(path)
         extra = {"do_classifier_free_guidance": False} if family.name == "sd3" else {}
-        out = pipe.encode_prompt("a photo of sks toy", *prompts, max_sequence_length=16, **extra)
-    ref, ref_pooled = (out[0], out[2]) if family.name == "sd3" else (out[0], out[1])
-    assert torch.allclose(hidden, ref, atol=1e-5) and torch.allclose(pooled, ref_pooled, atol=1e-5)
+        out = pipe.encode_prompt(prompts, *more, max_sequence_length=32, **extra)
+    pooled_at = {"sd3": 2, "flux": 1, "flux2": None}[family.name]  # where encode_prompt returns it
+    ref, ref_pooled = out[0], None if pooled_at is None else out[pooled_at]
+    assert hidden.shape == ref.shape and torch.allclose(hidden, ref, atol=1e-5)
+    assert (pooled is None) if ref_pooled is None else torch.allclose(pooled, ref_pooled, atol=1e-5)

@@ -15,12 +15,13 @@ from typing import Any
 from tasks.common.errors import UserError
 from tasks.common.families.base import Components, ModelFamily
 from tasks.common.families.flux import Flux
+from tasks.common.families.flux2 import Flux2Klein
 from tasks.common.families.sd import StableDiffusion
 from tasks.common.families.sd3 import StableDiffusion3
 from tasks.common.families.sdxl import StableDiffusionXL
 
 #: Every family, in the order detection tries them (the more specific first).
-FAMILIES: tuple[type[ModelFamily], ...] = (StableDiffusionXL, StableDiffusion3, StableDiffusion, Flux)
+FAMILIES: tuple[type[ModelFamily], ...] = (StableDiffusionXL, StableDiffusion3, StableDiffusion, Flux, Flux2Klein)
 #: `base.model` values of the built-in tiny models.
 BUILTINS: dict[str, type[ModelFamily]] = {f.builtin: f for f in FAMILIES}
 
@@ -78,5 +79,5 @@ def build_tiny_pipeline(kind: str, seed: int, out: Path) -> Path:
 
 
 __all__ = ["BUILTINS", "FAMILIES", "Components", "ModelFamily", "StableDiffusion", "StableDiffusionXL",
-           "StableDiffusion3", "Flux", "build_tiny_pipeline", "by_name", "detect",
+           "StableDiffusion3", "Flux", "Flux2Klein", "build_tiny_pipeline", "by_name", "detect",
            "from_index", "of_pipeline", "read_index", "supported"]

@@ -145,6 +145,13 @@ class ModelFamily:
         return scheduler
 
     @classmethod
+    def scale_latents(cls, vae: Any, latents: Any) -> Any:
+        """A VAE posterior sample in the denoiser's latent space (training's x_0): shifted and scaled
+        by the VAE config's shift_factor and scaling_factor, which the pipeline undoes before decoding."""
+        shift = getattr(vae.config, "shift_factor", None) or 0.0
+        return (latents - shift) * vae.config.scaling_factor
+
+    @classmethod
     def tokenize(cls, components: Components, prompts: list[str], max_sequence_length: int | None = None
                  ) -> list[Any]:
         """Token ids per tokenizer, padded/truncated to each tokenizer's max length (CLIP: 77)."""

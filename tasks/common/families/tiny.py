@@ -1,5 +1,5 @@
-"""Pieces the families' built-in tiny models share: a locally learned CLIP BPE tokenizer, toy
-CLIP text encoder configs, a toy VAE, seeding.
+"""Pieces the families' built-in tiny models share: locally learned CLIP, T5 and Qwen tokenizers, toy
+text encoder configs (CLIP, T5, Qwen3), a toy VAE, seeding.
 
 The tiny models are real diffusers/transformers classes at toy sizes, with weights drawn from a
 seed: the same seed gives the same bytes. Images they make are noise; everything around them
@@ -29,9 +29,10 @@ def _byte_unicode() -> dict[int, str]:
     return bytes_to_unicode()
 
 
-def _learn_merges(words: list[str], num_merges: int) -> list[tuple[str, str]]:
-    """Plain BPE over the corpus words, CLIP-style (last symbol of a word carries '</w>')."""
-    vocab = Counter(tuple(w[:-1]) + (w[-1] + "</w>",) for w in words)
+def _learn_merges(words: list[str], num_merges: int, end: str = "</w>") -> list[tuple[str, str]]:
+    """Plain BPE over the corpus words; the last symbol of a word carries `end` (CLIP: '</w>',
+    byte-level BPE as GPT-2/Qwen: nothing, the word's leading space is its own 'Ġ' symbol)."""
+    vocab = Counter(tuple(w[:-1]) + (w[-1] + end,) for w in words)
     merges: list[tuple[str, str]] = []
     for _ in range(num_merges):
         pairs: Counter[tuple[str, str]] = Counter()
@@ -177,3 +178,48 @@ def t5_config(vocab_size: int, d_model: int = 32):
                     relative_attention_num_buckets=8, dropout_rate=0.0, feed_forward_proj="gated-gelu",
                     is_encoder_decoder=False, use_cache=False, pad_token_id=0, eos_token_id=1,
                     decoder_start_token_id=0)
+
+
+# Qwen3's chat template, cut to what a text-to-image pipeline renders: user turns, then the assistant's
+# opening (with the empty thinking block when enable_thinking is false, as Qwen3's own template writes it).
+_QWEN_CHAT_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
+    "{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}"
+    "{%- endif %}"
+)
+
+
+def qwen_tokenizer(max_length: int = 512):
+    """A byte-level BPE tokenizer over the corpus, as Qwen2/Qwen3's: the 256 byte symbols, merges
+    learned from the corpus words with their leading space ('Ġ'), then `<|endoftext|>` (padding),
+    `<|im_start|>`, `<|im_end|>` (end of a turn) and `<think>`, `</think>`, with a Qwen3-style chat
+    template. Saved and read back with `Qwen2TokenizerFast.from_pretrained`, as a pipeline loads it."""
+    import tempfile
+
+    from tokenizers import AddedToken
+    from transformers import Qwen2TokenizerFast
+
+    words = ["Ġ" + w for w in _CORPUS.split()] + ["user", "assistant"]  # the template's roles, after a newline
+    merges = _learn_merges(words, _NUM_MERGES, end="")
+    tokens = list(_byte_unicode().values()) + ["".join(pair) for pair in merges]
+    vocab = {tok: i for i, tok in enumerate(dict.fromkeys(tokens))}
+    tok = Qwen2TokenizerFast(vocab=vocab, merges=merges, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                             unk_token=None, additional_special_tokens=["<|im_start|>", "<|im_end|>"],
+                             chat_template=_QWEN_CHAT_TEMPLATE, model_max_length=max_length)
+    tok.add_tokens([AddedToken("<think>", special=False), AddedToken("</think>", special=False)])
+    with tempfile.TemporaryDirectory() as tmp:
+        tok.save_pretrained(tmp)
+        return Qwen2TokenizerFast.from_pretrained(tmp)
+
+
+def qwen3_config(vocab_size: int, pad_token_id: int, num_hidden_layers: int = 2, hidden_size: int = 16):
+    """A Qwen3 decoder config at toy width (2 query heads of 8, one key/value head)."""
+    from transformers import Qwen3Config
+
+    return Qwen3Config(vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=2 * hidden_size,
+                       num_hidden_layers=num_hidden_layers, num_attention_heads=2, num_key_value_heads=1, head_dim=8,
+                       max_position_embeddings=1024, tie_word_embeddings=True, pad_token_id=pad_token_id,
+                       use_cache=False)

@@ -200,10 +200,11 @@ class TrainingMethod:
         c, cfg = self.components, self.cfg
         rand = RowRandom(batch["noise_seeds"]) if "noise_seeds" in batch else None  # per example, any rank
         with torch.no_grad():
+            scale = c.family.scale_latents
             if self.latent_cache is not None:
-                latents = self.latent_cache.latents(modules["vae"], batch["pixels"], batch["latent_keys"], rand)
+                latents = self.latent_cache.latents(modules["vae"], batch["pixels"], batch["latent_keys"], rand, scale)
             else:
-                latents = encode_latents(modules["vae"], batch["pixels"], rand)
+                latents = encode_latents(modules["vae"], batch["pixels"], rand, scale)
         noised = self.objective.noise(latents, rand)
         family = c.family
         encoders = [modules[n] for n in c.text_encoder_names()]

@@ -58,12 +58,11 @@ class LoRA(TrainingMethod):
 
     def save(self, base: Path, out_dir: Path, trained: dict[str, torch.nn.Module]) -> None:
         from diffusers import DiffusionPipeline
-        from diffusers.utils import convert_state_dict_to_diffusers
         from peft.utils import get_peft_model_state_dict
 
         layers: dict[str, Any] = {}
         for name, module in trained.items():
-            layers[f"{name}_lora_layers"] = convert_state_dict_to_diffusers(get_peft_model_state_dict(module))
+            layers[f"{name}_lora_layers"] = _diffusers_keys(get_peft_model_state_dict(module))
             # peft keeps target_modules as a set: sort it, or the file's bytes vary with the hash seed.
             config = module.peft_config["default"].to_dict()
             meta = {k: sorted(v) if isinstance(v, set) else v for k, v in config.items()}
@@ -85,3 +84,19 @@ class LoRA(TrainingMethod):
         pipe = DiffusionPipeline.from_pretrained(base)
         pipe.load_lora_weights(out_dir, weight_name=WEIGHT_NAME)
         return pipe
+
+
+def _diffusers_keys(state: dict[str, Any]) -> dict[str, Any]:
+    """peft's adapter keys in diffusers' names, where diffusers has a name for every one of them.
+
+    diffusers renames only the attention projections it knows (to_q, q_proj, ...); other targets
+    (FLUX.2's fused `to_qkv_mlp_proj`) keep peft's `lora_A`/`lora_B`, and a file half in each
+    format loads wrong: the loader picks the format from the first key and drops the other half.
+    Such a module's keys stay all in peft's format, which every diffusers LoRA loader reads.
+    """
+    from diffusers.utils import convert_state_dict_to_diffusers
+
+    converted = convert_state_dict_to_diffusers(state)
+    if any(".lora_A." in k or ".lora_B." in k for k in converted):
+        return state
+    return converted

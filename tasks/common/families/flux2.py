@@ -1,0 +1,140 @@
+"""FLUX.2 [klein]: a FLUX.2 double/single-stream transformer over patchified 2x2 latents, one Qwen3
+text encoder.
+
+Conditioning (as Flux2KleinPipeline.encode_prompt builds it): the prompt goes through Qwen3's chat
+template (a user turn, the assistant's opening, thinking off), padded to `max_sequence_length`; the
+hidden states of layers 9, 18 and 27 side by side are the sequence; there is no pooled vector.
+Latents: the VAE's sample cut into 2x2 patches (4 x the VAE's channels) and normalised by the VAE's
+batch-norm running statistics; the transformer sees them packed into tokens with (t, h, w, l)
+position ids, takes timesteps / 1000, and (klein) no guidance input: classifier-free guidance is
+a second, separate call on the undistilled base models, and none at all on the step-distilled
+ones. No text-encoder training, as diffusers' train_dreambooth_lora_flux2_klein.py: the pipeline's
+LoRA loader has no Qwen3 part.
+"""
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+from tasks.common.families.flow import FlowMatchingFamily, flow_scheduler
+from tasks.common.families.tiny import qwen3_config, qwen_tokenizer, seeded
+
+#: LoRA targets of diffusers' klein script: the double-stream blocks' attention projections, the
+#: single-stream blocks' fused qkv+mlp input and their output, named per block (a double-stream block's
+#: `attn.to_out` is a ModuleList, so no suffix covers both); 24 covers klein 4B (20) and 9B (24).
+_LORA_TARGETS = ("to_k", "to_q", "to_v", "to_out.0", "to_qkv_mlp_proj",
+                 *(f"single_transformer_blocks.{i}.attn.to_out" for i in range(24)))
+
+
+class Flux2Klein(FlowMatchingFamily):
+    name = "flux2"
+    title = "FLUX.2 [klein]"
+    builtin = "builtin:tiny-flux2"
+    pipeline_class_names = ("Flux2KleinPipeline",)
+    ov_pipeline_class_name = "OVFlux2KleinPipeline"
+    lora_targets = _LORA_TARGETS
+    trainable_text_encoders = ()
+    guidance_in_batch = False  # the unconditional branch is a separate call
+    default_weighting_scheme = "none"  # train_dreambooth_lora_flux2_klein.py's default
+    default_max_sequence_length = 512  # Flux2KleinPipeline's
+    #: Qwen3 hidden states that make the conditioning (Flux2KleinPipeline's text_encoder_out_layers)
+    text_encoder_out_layers: ClassVar[tuple[int, ...]] = (9, 18, 27)
+
+    @classmethod
+    def refused_options(cls) -> dict[str, str]:
+        return {**super().refused_options(),
+                "train_text_encoder": f"{cls.title} trains the transformer only (its LoRA loader has no Qwen3 part)"}
+
+    @classmethod
+    def tokenize(cls, components: Any, prompts: list[str], max_sequence_length: int | None = None) -> list[Any]:
+        """Each prompt as a chat turn (Qwen3's template, thinking off), padded to `max_sequence_length`."""
+        tok = components.tokenizers[0]
+        texts = [tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True,
+                                         enable_thinking=False) for p in prompts]
+        length = max_sequence_length or cls.default_max_sequence_length
+        return [tok(texts, padding="max_length", max_length=length, truncation=True, return_tensors="pt").input_ids]
+
+    @classmethod
+    def encode_prompt(cls, components: Any, input_ids: list[Any], text_encoders: list[Any] | None = None
+                      ) -> tuple[Any, Any]:
+        import torch
+
+        (qwen,) = text_encoders or components.text_encoders
+        ids = input_ids[0].to(next(qwen.parameters()).device)
+        mask = (ids != components.tokenizers[0].pad_token_id).long()  # the template never holds the pad token
+        out = qwen(input_ids=ids, attention_mask=mask, output_hidden_states=True, use_cache=False)
+        hidden = torch.stack([out.hidden_states[k] for k in cls.text_encoder_out_layers], dim=1)
+        b, n, length, width = hidden.shape
+        return hidden.permute(0, 2, 1, 3).reshape(b, length, n * width), None
+
+    @classmethod
+    def scale_latents(cls, vae: Any, latents: Any) -> Any:
+        """2x2 patches, then the VAE's batch-norm statistics (Flux2KleinPipeline._encode_vae_image's)."""
+        import torch
+        from diffusers import Flux2KleinPipeline
+
+        patches = Flux2KleinPipeline._patchify_latents(latents)
+        mean = vae.bn.running_mean.view(1, -1, 1, 1).to(patches.device, patches.dtype)
+        std = torch.sqrt(vae.bn.running_var.view(1, -1, 1, 1) + vae.config.batch_norm_eps).to(patches.device,
+                                                                                              patches.dtype)
+        return (patches - mean) / std
+
+    @classmethod
+    def predict(cls, denoiser: Any, noisy_latents: Any, timesteps: Any, hidden: Any, pooled: Any,
+                batch: dict[str, Any], settings: Any) -> Any:
+        from diffusers import Flux2KleinPipeline
+
+        b, c, h, w = noisy_latents.shape
+        packed = Flux2KleinPipeline._pack_latents(noisy_latents)  # (b, h*w, c), row-major
+        img_ids = Flux2KleinPipeline._prepare_latent_ids(noisy_latents).to(packed.device)
+        txt_ids = Flux2KleinPipeline._prepare_text_ids(hidden).to(packed.device)
+        guidance = None
+        if getattr(denoiser, "module", denoiser).config.guidance_embeds:  # (DDP wraps it in .module)
+            import torch
+
+            guidance = torch.full((b,), float(settings.guidance_scale), device=packed.device)
+        pred = denoiser(hidden_states=packed, timestep=timesteps / 1000, guidance=guidance,
+                        encoder_hidden_states=hidden, txt_ids=txt_ids, img_ids=img_ids, return_dict=False)[0]
+        return pred[:, : h * w].permute(0, 2, 1).reshape(b, c, h, w)
+
+    @classmethod
+    def latent_shape(cls, pipe: Any, height: int, width: int) -> tuple[int, ...]:
+        """Patchified, not packed: (4 x the VAE's channels, h/2, w/2); the pipeline packs `latents` itself."""
+        vsf = int(pipe.vae_scale_factor)
+        return (int(pipe.transformer.config["in_channels"]), height // vsf // 2, width // vsf // 2)
+
+    @classmethod
+    def native_size(cls, pipe: Any) -> int:
+        return int(pipe.default_sample_size) * int(pipe.vae_scale_factor)
+
+    @classmethod
+    def build_tiny(cls, seed: int) -> Any:
+        """A 28-layer Qwen3 16 wide (layer 27 must exist), one double- and one single-stream block,
+        an 8-channel VAE; step-distilled like FLUX.2-klein-4B (no classifier-free guidance)."""
+        from diffusers import AutoencoderKLFlux2, Flux2KleinPipeline, Flux2Transformer2DModel
+        from transformers import Qwen3ForCausalLM
+
+        tokenizer = qwen_tokenizer(max_length=512)
+        transformer = seeded(seed, lambda: Flux2Transformer2DModel(
+            patch_size=1, in_channels=32, num_layers=1, num_single_layers=1, attention_head_dim=16,
+            num_attention_heads=2, joint_attention_dim=48, timestep_guidance_channels=32, axes_dims_rope=(4, 4, 4, 4),
+            guidance_embeds=False,
+        ))
+        vae = seeded(seed + 1, lambda: _with_latent_statistics(AutoencoderKLFlux2(
+            block_out_channels=(32, 64), down_block_types=("DownEncoderBlock2D",) * 2,
+            up_block_types=("UpDecoderBlock2D",) * 2, latent_channels=8, layers_per_block=1, sample_size=64,
+        )))
+        text_encoder = seeded(seed + 2, lambda: Qwen3ForCausalLM(
+            qwen3_config(len(tokenizer), tokenizer.pad_token_id, num_hidden_layers=28)))
+        return Flux2KleinPipeline(scheduler=flow_scheduler(shift=3.0, dynamic=True), vae=vae, text_encoder=text_encoder,
+                                  tokenizer=tokenizer, transformer=transformer, is_distilled=True)
+
+
+def _with_latent_statistics(vae: Any) -> Any:
+    """Batch-norm statistics away from (0, 1), drawn from the same seed, so that the normalisation
+    training and the pipelines apply is not the identity (a real VAE's are not)."""
+    import torch
+
+    with torch.no_grad():
+        vae.bn.running_mean.copy_(0.2 * torch.randn_like(vae.bn.running_mean))
+        vae.bn.running_var.copy_(torch.empty_like(vae.bn.running_var).uniform_(0.5, 2.0))
+    return vae
