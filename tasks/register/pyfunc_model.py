@@ -240,7 +240,7 @@ class DiffusionImageModel(mlflow.pyfunc.PythonModel):
         import torch
 
         image = self.pipe(
-            prompt,
+            prompt=prompt,  # by name: FLUX.2 klein's first positional argument is an input image
             num_inference_steps=settings["num_inference_steps"],
             guidance_scale=settings["guidance_scale"],
             height=settings["height"],

@@ -1,4 +1,4 @@
-"""SD3 and FLUX end to end with the real `dvc`: `base.model: builtin:tiny-sd3` / `builtin:tiny-flux`
+"""SD3, FLUX.1 and FLUX.2 klein end to end with the real `dvc`: `base.model: builtin:tiny-<family>`
 and `train.method: lora`, then registration; every output is loaded by the family's own classes
 (diffusers' pipeline with `load_lora_weights`, optimum-intel's OpenVINO pipeline, the MLflow pyfunc
 in a second process and over HTTP with `mlflow models serve`). Small settings: the point is the chain, not the images."""
@@ -26,9 +26,13 @@ SMALL = {
 
 
 def small_params(root: Path, builtin: str) -> None:
+    from tasks.common.families import BUILTINS
+
     params = yaml.safe_load((root / "params.yaml").read_text())
     params["base"]["model"] = builtin
-    for section, values in SMALL.items():
+    with_text = bool(BUILTINS[builtin].trainable_text_encoders)  # FLUX.2 klein trains no text encoder
+    small = {**SMALL, "train": {**SMALL["train"], "train_text_encoder": with_text}}
+    for section, values in small.items():
         for key, value in values.items():
             if isinstance(value, dict):
                 params[section][key].update(value)
@@ -37,7 +41,7 @@ def small_params(root: Path, builtin: str) -> None:
     (root / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
 
 
-@pytest.fixture(scope="module", params=["sd3", "flux"])
+@pytest.fixture(scope="module", params=["sd3", "flux", "flux2"])
 def pipeline(request, tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Path]:
     root = copy_repo(tmp_path_factory.mktemp(f"{request.param}-e2e"))
     small_params(root, f"builtin:tiny-{request.param}")
@@ -53,10 +57,10 @@ def pipeline(request, tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Pa
 
 def test_the_lora_loads_with_the_family_pipeline(pipeline) -> None:
     import torch
-    from diffusers import FluxPipeline, StableDiffusion3Pipeline
+    from diffusers import Flux2KleinPipeline, FluxPipeline, StableDiffusion3Pipeline
 
     name, root = pipeline
-    cls = {"sd3": StableDiffusion3Pipeline, "flux": FluxPipeline}[name]
+    cls = {"sd3": StableDiffusion3Pipeline, "flux": FluxPipeline, "flux2": Flux2KleinPipeline}[name]
     pipe = cls.from_pretrained(root / "models/base")
     before = {k: v.clone() for k, v in pipe.transformer.state_dict().items() if "to_q" in k}
     pipe.load_lora_weights(root / "models/finetuned")
@@ -68,14 +72,14 @@ def test_the_lora_loads_with_the_family_pipeline(pipeline) -> None:
 
 
 def test_the_export_loads_with_optimum_intel_and_generates(pipeline) -> None:
-    from optimum.intel import OVFluxPipeline, OVStableDiffusion3Pipeline
+    from optimum.intel import OVFlux2KleinPipeline, OVFluxPipeline, OVStableDiffusion3Pipeline
 
     name, root = pipeline
-    cls = {"sd3": OVStableDiffusion3Pipeline, "flux": OVFluxPipeline}[name]
+    cls = {"sd3": OVStableDiffusion3Pipeline, "flux": OVFluxPipeline, "flux2": OVFlux2KleinPipeline}[name]
     report = json.loads((root / "reports/export.json").read_text())
     assert report["pipeline_class"] == cls.__name__ and report["parity"]["passed"]
     pipe = cls.from_pretrained(root / "models/openvino", dynamic_shapes=False)
-    image = pipe("a photo of sks toy", num_inference_steps=2, height=64, width=64).images[0]
+    image = pipe(prompt="a photo of sks toy", num_inference_steps=2, height=64, width=64).images[0]
     assert image.size == (64, 64)
 
 
