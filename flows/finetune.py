@@ -35,6 +35,7 @@ from tasks.common.tracking import (
     experiment_name,
     flatten,
     git_commit,
+    server_answers,
     tracking_uri,
     wait_for_server,
 )
@@ -103,17 +104,30 @@ def register_model(root: str, parent_run_id: str, flow_run_id: str | None,
                    tags: dict[str, Any] | None = None,
                    champion_rescore: dict[str, Any] | None = None) -> dict[str, Any]:
     """Register the pyfunc (pipeline + OpenVINO export) in the parent run; move the aliases."""
+    from mlflow.exceptions import MlflowException
+
     from tasks.register.core import register
 
     base = Path(root)
     extra = dict(tags or {})  # the version's run is the parent run: no tag needed for it
     if flow_run_id:
         extra["prefect_flow_run_id"] = flow_run_id
-    result = register(
-        base / FINETUNED, base / OPENVINO, base / EVALUATION,
-        lock=base / "dvc.lock", params=base / "params.yaml", run_id=parent_run_id, extra_tags=extra,
-        base=base / BASE, champion_rescore=champion_rescore,
-    )
+    try:
+        result = register(
+            base / FINETUNED, base / OPENVINO, base / EVALUATION, lock=base / "dvc.lock",
+            params=base / "params.yaml", run_id=parent_run_id, extra_tags=extra,
+            base=base / BASE, champion_rescore=champion_rescore,
+        )
+    except MlflowException as err:
+        uri = tracking_uri(base)
+        if not uri.startswith(("http://", "https://")) or server_answers(uri):
+            raise
+        raise UserError(
+            f"registration stopped: the MLflow tracking server {uri} stopped answering "
+            f"({str(err)[:300]}). Nothing was registered (a version is created in one request, "
+            "after its files and lineage are stored). Restart the server (infra/README.md) and "
+            "run the flow again: the finished stages are skipped"
+        ) from None
     get_run_logger().info(
         "registered %s version %s, aliases %s",
         result.name, result.version, ", ".join(result.aliases),
@@ -169,6 +183,8 @@ def parent_run(root: Path, flow_run_id: str | None) -> Iterator[ParentRun]:
     try:
         yield ParentRun(client, run.info.run_id)
     except BaseException as err:
+        if uri.startswith(("http://", "https://")) and not server_answers(uri):
+            raise  # the lost server is the failure: the run stays RUNNING there
         client.set_tag(run.info.run_id, "error", str(err)[:5000])
         client.set_terminated(run.info.run_id, "FAILED")
         raise
