@@ -4,8 +4,8 @@ in for MinIO), with two clones of the repository as two machines and the real pi
 settings:
 
 1. Machine A, as a team sets it up: the data folder tracked with `dvc add`, a default DVC remote;
-   compose's worker command starts a process worker there, `prefect deploy --all` deploys, and
-   `prefect deployment run finetune/main` runs the pipeline. The MLflow server is killed while
+   compose's worker command (`python -m flows.serve --attach`) deploys prefect.yaml and starts a
+   process worker there, and `prefect deployment run finetune/main` runs the pipeline. The MLflow server is killed while
    the registration uploads the model: the run fails with a message naming the server, and
    PostgreSQL holds no model version and no alias.
 2. The server restarted on the same database, the deployment runs again: every stage is skipped,
@@ -93,8 +93,10 @@ def team_setup(root: Path, remote: Path) -> str:
 
 
 def worker_env(root: Path, api: str, uri: str) -> dict[str, str]:
-    """compose's worker environment, with this stack's addresses and the short retry budget."""
-    env = e2e_env(root, **{k: str(v) for k, v in COMPOSE["services"]["worker"]["environment"].items()})
+    """compose's worker environment (less the MinIO credentials), with this stack's addresses and
+    the short retry budget."""
+    compose = COMPOSE["services"]["worker"]["environment"]
+    env = e2e_env(root, **{k: str(v) for k, v in compose.items() if "${" not in str(v)})
     env.update(PREFECT_API_URL=api, MLFLOW_TRACKING_URI=uri, PREFECT_CLI_PROMPT="false",
                PREFECT_WORKER_QUERY_SECONDS="2", **SHORT_RETRIES)
     env.pop("PREFECT_UI_API_URL", None)
@@ -145,10 +147,9 @@ def team(postgres: Postgres, prefect_on_postgres: str,
     team = Team(postgres, a, remote, model, prefect_on_postgres, env, home, port, server, log)
     try:
         deadline = time.monotonic() + 300
-        while "started!" not in log.read_text():
+        while "started!" not in log.read_text():  # flows.serve deployed, then started the worker
             assert worker.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
             time.sleep(1)
-        run(a, sys.executable, "-m", "prefect", "deploy", "--all", env=env)  # infra/README.md step 3
         team.timings["set-up"] = time.monotonic() - start
         yield team
     finally:
