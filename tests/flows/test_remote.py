@@ -1,7 +1,8 @@
 """Two machines sharing one DVC remote, as two clones of the toy project (tests/flows/conftest.py)
 and a local-directory remote: the flow on machine A pushes what it produced; on machine B (a new
 clone, an empty cache) the flow pulls what it needs and runs nothing. Inputs another clone could
-not get, and a push that fails, stop the flow with the fix. The real pipeline on the team stack:
+not get, and a push that fails, stop the flow with the fix; a run with overrides (a DVC
+experiment in a worktree of its own) pushes too. The real pipeline on the team stack:
 tests/infra/test_team_stack.py."""
 from __future__ import annotations
 
@@ -127,3 +128,17 @@ def test_a_failed_push_fails_the_run(prefect_server, toy: Path, tmp_path: Path) 
     (parent,) = mlflow.search_runs(search_all_experiments=True, output_format="list",
                                    filter_string="tags.pipeline = 'finetune'")
     assert parent.info.status == "FAILED" and REMOTE_TAG not in parent.data.tags
+
+
+def test_an_experiment_pushes_its_outputs_too(prefect_server, toy: Path, tmp_path: Path) -> None:
+    """Overrides run in a worktree of their own (flows/experiment.py); what they produce reaches
+    the remote all the same, so the version they register can name it."""
+    import hashlib
+
+    remote = tmp_path / "remote"
+    team_toy(toy, remote)
+    result = finetune_module.finetune(overrides={"first.value": 5}, register=False)
+    assert result["dvc_experiment"] and result["dvc_remote"] == f"team {remote}"
+    md5 = hashlib.md5(b"5").hexdigest()  # the experiment's first.out
+    assert (remote / "files/md5" / md5[:2] / md5[2:]).is_file()
+    assert not (toy / "first.out").exists()  # the workspace is left alone
