@@ -5,7 +5,9 @@ seconds and register nothing. "Changed" is decided from what DVC and the registr
 never from timestamps:
 
 1. `dvc status`: any stage whose code, data (new, edited or deleted files in a dependency folder,
-   e.g. an ingest source folder), parameters or outputs differ from dvc.lock.
+   e.g. an ingest source folder), parameters or outputs differ from dvc.lock. With a DVC remote
+   (flows/remote.py), outputs and deps that are only missing here (a new clone, an empty cache)
+   are not changes: the run pulls them, as `dvc repro --allow-missing` would skip them.
 2. Every local folder source in `ingest.sources` must be a dependency of a stage in dvc.yaml;
    otherwise DVC cannot see its new files, so it counts as changed (and says why).
 3. dvc.lock against the last registered version's lineage (its `lineage.fingerprint` tag, a hash
@@ -47,12 +49,12 @@ class Changes:
         return "changed: " + "; ".join(self.reasons)
 
 
-def dvc_status(root: Path) -> dict[str, Any]:
-    """`dvc status --json` in `root`: {} when every stage matches dvc.lock."""
+def dvc_status(root: Path, targets: tuple[str, ...] = ()) -> dict[str, Any]:
+    """`dvc status --json [targets]` in `root`: {} when every stage matches dvc.lock."""
     from flows.dvc_stage import stage_env
 
     proc = subprocess.run(
-        [sys.executable, "-m", "dvc", "status", "--json"], cwd=root, env=stage_env(),
+        [sys.executable, "-m", "dvc", "status", "--json", *targets], cwd=root, env=stage_env(),
         capture_output=True, text=True,
     )
     if proc.returncode != 0:
@@ -62,18 +64,25 @@ def dvc_status(root: Path) -> dict[str, Any]:
     return json.loads(text[text.index("{"):]) if "{" in text else {}
 
 
-def _status_reasons(status: dict[str, Any]) -> list[str]:
+def _status_reasons(status: dict[str, Any], allow_missing: bool = False) -> list[str]:
+    from flows.remote import MISSING
+
     reasons = []
     for stage, entries in status.items():
         parts = []
         for entry in entries:
             if isinstance(entry, dict):
                 for kind, what in entry.items():  # {"changed deps": {"data/x": "modified"}}
+                    if allow_missing and isinstance(what, dict):
+                        what = {k: v for k, v in what.items() if v not in MISSING}
+                        if not what:
+                            continue
                     items = ", ".join(f"{k} {v}" for k, v in what.items()) if isinstance(what, dict) else what
                     parts.append(f"{kind}: {items}")
             else:
                 parts.append(str(entry))
-        reasons.append(f"stage '{stage}': " + "; ".join(parts))
+        if parts:
+            reasons.append(f"stage '{stage}': " + "; ".join(parts))
     return reasons
 
 
@@ -147,10 +156,11 @@ def _diff(now: dict[str, str], then: dict[str, str]) -> list[str]:
 
 
 def detect_changes(root: Path, model_name: str, tracking_uri: str,
-                   include_experiments: bool = False) -> Changes:
+                   include_experiments: bool = False, allow_missing: bool = False) -> Changes:
     """Compare the workspace (dvc status, dvc.lock, sources) with the last registered version
-    (with `include_experiments`, one registered from a DVC experiment counts too)."""
-    reasons = _status_reasons(dvc_status(root))
+    (with `include_experiments`, one registered from a DVC experiment counts too; with
+    `allow_missing`, data only missing here is no change)."""
+    reasons = _status_reasons(dvc_status(root), allow_missing)
     reasons += [f"source folder {p} is not a dependency of any stage in dvc.yaml, so DVC cannot "
                 "tell whether it has new files (add it to the ingest stage's deps)"
                 for p in unwatched_sources(root)]

@@ -20,11 +20,17 @@ from typing import Any, Literal
 
 #: ran: DVC executed the command. skipped: nothing changed since dvc.lock.
 #: restored: DVC found this exact run in its run-cache and checked the outputs out instead.
-Status = Literal["ran", "skipped", "restored"]
+#: pulled (`repro(..., pull=True)`): nothing changed but the outputs were missing here, and DVC
+#: pulled them from the remote.
+Status = Literal["ran", "skipped", "restored", "pulled"]
 
 _RAN = re.compile(r"Running stage '(?P<stage>[^']+)'")
 _SKIPPED = re.compile(r"Stage '(?P<stage>[^']+)' didn't change, skipping")
 _RESTORED = re.compile(r"Stage '(?P<stage>[^']+)' is cached - skipping run")
+#: `dvc repro --pull` on a stage whose outputs are missing; when the pull fails ("Unable to pull
+#: data"), DVC goes on to restore or run the stage, and that later verdict counts.
+_PULLED = re.compile(r"Pulling data for stage: '(?P<stage>[^']+)'")
+_VERDICTS = ((_RAN, "ran"), (_RESTORED, "restored"), (_PULLED, "pulled"), (_SKIPPED, "skipped"))
 #: DVC's error when the stage's command died: "failed to run: <cmd>, exited with -9". The command
 #: is DVC's child, so DVC itself exits 255; the signal is only in this line. When the command runs
 #: under a shell that does not exec it, the shell reports 128+N instead (137 SIGKILL, 143 SIGTERM,
@@ -97,9 +103,10 @@ class StageFailed(RuntimeError):
 
 
 def classify(stage: str, lines: list[str]) -> Status:
-    """What DVC did with `stage`, from its log lines (`dvc repro` prints one verdict per stage)."""
-    for line in lines:
-        for pattern, status in ((_RAN, "ran"), (_RESTORED, "restored"), (_SKIPPED, "skipped")):
+    """What DVC did with `stage`, from its log lines: the first of ran, restored, pulled,
+    skipped that they show (a failed pull is followed by a restore or a run)."""
+    for pattern, status in _VERDICTS:
+        for line in lines:
             m = pattern.search(line)
             if m and m.group("stage") == stage:
                 return status  # type: ignore[return-value]
@@ -127,9 +134,15 @@ def repro(
     root: Path,
     env: Mapping[str, str] | None = None,
     log: Callable[[str], None] = print,
+    pull: bool = False,
 ) -> StageResult:
-    """Run `dvc repro --single-item <stage>` in `root`, streaming each output line to `log`."""
-    cmd = [sys.executable, "-m", "dvc", "repro", "--single-item", stage]
+    """Run `dvc repro --single-item <stage>` in `root`, streaming each output line to `log`.
+
+    pull: `--pull`, with a default DVC remote (flows/remote.py): an unchanged stage whose outputs
+    are missing here gets them from the remote; a changed one pulls its missing deps and the
+    remote's run-cache, and is restored when a machine ran it with the same inputs."""
+    cmd = [sys.executable, "-m", "dvc", "repro", "--single-item", *(["--pull"] if pull else []),
+           stage]
     start = time.monotonic()
     seen: list[str] = []
     tail: deque[str] = deque(maxlen=ERROR_TAIL_LINES)
@@ -151,7 +164,7 @@ def repro(
                 continue
             log(line)
             tail.append(line)
-            if _RAN.search(line) or _SKIPPED.search(line) or _RESTORED.search(line):
+            if any(pattern.search(line) for pattern, _ in _VERDICTS):
                 seen.append(line)
         returncode = proc.wait()
     if returncode != 0:

@@ -3,7 +3,7 @@
 `dvc exp run --set-param` in the workspace would leave the overrides in the tracked params.yaml
 (and the outputs of the overridden run in models/), so every later run, the nightly one included,
 would inherit them; `dvc exp run --temp` leaves out the inputs git does not track (the subject
-folder, a persisted class-image folder, the `cache: false` reports), so it would redo work or fail.
+folder, a persisted class-image folder), so it would redo work or fail.
 This module does what `--temp` does, with those inputs carried over:
 
 1. `git worktree add --detach` of HEAD under `.dvc/tmp/flow-exps/<name>` (git-ignored), sharing

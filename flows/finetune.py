@@ -13,9 +13,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Iterator
-from contextlib import contextmanager
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -24,17 +21,17 @@ from prefect import flow, get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 from prefect.states import Completed, State
 
-from flows import dvc_stage, experiment, report
+from flows import dvc_stage, experiment, remote as dvc_remote, report
 from flows.changes import detect_changes
 from flows.params import stage_names, validate_overrides
+from flows.parent_run import ParentRun, parent_run
 from flows.workspace import workspace_lock
 from tasks.common.config import load_config
 from tasks.common.errors import UserError, main_guard
 from tasks.common.tracking import (
     PARENT_ENV,
     experiment_name,
-    flatten,
-    git_commit,
+    server_answers,
     tracking_uri,
     wait_for_server,
 )
@@ -78,20 +75,22 @@ def _retry_when_killed(task: Any, task_run: Any, state: State) -> bool:
     retry_condition_fn=_retry_when_killed,
     cache_policy=NO_CACHE,  # DVC is the cache: it skips the stage when nothing changed
 )
-def repro_stage(stage: str, root: str, parent_run_id: str, tracking: str | None = None) -> State:
-    """`dvc repro --single-item <stage>` in `root`; Completed when it ran, `Skipped` when DVC
-    skipped it. The stage logs to `tracking` (default: `root`'s tracking store)."""
+def repro_stage(stage: str, root: str, parent_run_id: str, tracking: str | None = None,
+                pull: bool = False) -> State:
+    """`dvc repro --single-item [--pull] <stage>` in `root`; Completed when it ran, `Skipped` when
+    DVC skipped it. The stage logs to `tracking` (default: `root`'s tracking store)."""
     logger = get_run_logger()
     env = {
         PARENT_ENV: parent_run_id,
         "MLFLOW_TRACKING_URI": tracking or tracking_uri(Path(root)),
         "MLFLOW_EXPERIMENT_NAME": experiment_name(),
     }
-    result = dvc_stage.repro(stage, Path(root), env, log=logger.info)
+    result = dvc_stage.repro(stage, Path(root), env, log=logger.info, pull=pull)
     data = result.as_dict()
     if result.status == "ran":
         return Completed(message=f"stage '{stage}' ran ({result.seconds} s)", data=data)
-    why = "unchanged" if result.status == "skipped" else "restored from DVC's run-cache"
+    why = {"skipped": "unchanged", "restored": "restored from DVC's run-cache",
+           "pulled": "unchanged, outputs pulled from the DVC remote"}[result.status]
     logger.info("stage '%s' skipped by DVC: %s", stage, why)
     return Completed(name="Skipped", message=f"stage '{stage}' skipped by DVC: {why}", data=data)
 
@@ -101,76 +100,36 @@ def register_model(root: str, parent_run_id: str, flow_run_id: str | None,
                    tags: dict[str, Any] | None = None,
                    champion_rescore: dict[str, Any] | None = None) -> dict[str, Any]:
     """Register the pyfunc (pipeline + OpenVINO export) in the parent run; move the aliases."""
+    from mlflow.exceptions import MlflowException
+
     from tasks.register.core import register
 
     base = Path(root)
     extra = dict(tags or {})  # the version's run is the parent run: no tag needed for it
     if flow_run_id:
         extra["prefect_flow_run_id"] = flow_run_id
-    result = register(
-        base / FINETUNED, base / OPENVINO, base / EVALUATION,
-        lock=base / "dvc.lock", params=base / "params.yaml", run_id=parent_run_id, extra_tags=extra,
-        base=base / BASE, champion_rescore=champion_rescore,
-    )
+    try:
+        result = register(
+            base / FINETUNED, base / OPENVINO, base / EVALUATION, lock=base / "dvc.lock",
+            params=base / "params.yaml", run_id=parent_run_id, extra_tags=extra,
+            base=base / BASE, champion_rescore=champion_rescore,
+        )
+    except MlflowException as err:
+        uri = tracking_uri(base)
+        if not uri.startswith(("http://", "https://")) or server_answers(uri):
+            raise
+        raise UserError(
+            f"registration stopped: the MLflow tracking server {uri} stopped answering "
+            f"({str(err)[:300]}). Nothing was registered (a version is created in one request, "
+            "after its files and lineage are stored). Restart the server (infra/README.md) and "
+            "run the flow again: the finished stages are skipped"
+        ) from None
     get_run_logger().info(
         "registered %s version %s, aliases %s",
         result.name, result.version, ", ".join(result.aliases),
     )
     return {"name": result.name, "version": result.version, "aliases": list(result.aliases),
             "decision": result.decision}
-
-
-class ParentRun:
-    """The pipeline run's MLflow record, written through an explicit client (thread-safe: Prefect
-    may run tasks in other threads, where MLflow's fluent "active run" would not be set)."""
-
-    def __init__(self, client: Any, run_id: str) -> None:
-        self.client = client
-        self.run_id = run_id
-
-    def log_params(self, params: dict[str, Any]) -> None:
-        from mlflow.entities import Param
-
-        items = [Param(k, "" if v is None else str(v)[:6000]) for k, v in flatten(params).items()]
-        for i in range(0, len(items), 100):  # MLflow caps a batch at 100 params
-            self.client.log_batch(self.run_id, params=items[i : i + 100])
-
-    def set_tags(self, tags: dict[str, Any]) -> None:
-        for key, value in tags.items():
-            self.client.set_tag(self.run_id, key, str(value))
-
-    def log_artifact(self, path: Path) -> None:
-        if path.is_file():
-            self.client.log_artifact(self.run_id, str(path))
-
-    def log_dict(self, data: dict[str, Any], name: str) -> None:
-        self.client.log_dict(self.run_id, data, name)
-
-
-@contextmanager
-def parent_run(root: Path, flow_run_id: str | None) -> Iterator[ParentRun]:
-    """Open the parent run (FINISHED on success, FAILED if the body raises)."""
-    import mlflow
-
-    uri = tracking_uri(root)
-    mlflow.set_tracking_uri(uri)  # configure(), rooted at the repo rather than the cwd
-    experiment = mlflow.set_experiment(experiment_name())
-    client = mlflow.MlflowClient(uri)
-    tags = {"pipeline": "finetune"}
-    if flow_run_id:
-        tags["prefect.flow_run_id"] = flow_run_id
-    commit = git_commit(root)
-    if commit:
-        tags["mlflow.source.git.commit"] = commit
-    name = f"finetune-{datetime.now().strftime('%Y%m%d-%H%M%S')}"
-    run = client.create_run(experiment.experiment_id, run_name=name, tags=tags)
-    try:
-        yield ParentRun(client, run.info.run_id)
-    except BaseException as err:
-        client.set_tag(run.info.run_id, "error", str(err)[:5000])
-        client.set_terminated(run.info.run_id, "FAILED")
-        raise
-    client.set_terminated(run.info.run_id, "FINISHED")
 
 
 def _flow_run_id() -> str | None:
@@ -227,18 +186,21 @@ def _run(root: Path, stages: list[str], applied: dict[str, Any], register: bool,
 def _run_if_changed(root: Path, workdir: Path, stages: list[str], applied: dict[str, Any],
                     register: bool, only_if_changed: bool, flow_run_id: str | None,
                     experiment_name: str | None = None) -> dict[str, Any]:
-    """`only_if_changed`: compare `workdir` with the last registered version first."""
+    """`only_if_changed`: compare `workdir` with the last registered version first. With a
+    default DVC remote, the inputs are checked and pulled first (flows/remote.py)."""
+    remote = dvc_remote.prepare(workdir, log=get_run_logger().info)
     changes = None
     if only_if_changed:
         model_name = load_config("register", RegisterConfig, workdir / "params.yaml").model_name
         changes = detect_changes(workdir, model_name, tracking_uri(root),
-                                 include_experiments=experiment_name is not None)
+                                 include_experiments=experiment_name is not None,
+                                 allow_missing=remote is not None)
         get_run_logger().info("only_if_changed: %s", changes.summary())
         if not changes.changed:
             return {"up_to_date": True, "changes": changes.summary(), "stages": [],
                     "registered": None, "mlflow_run_id": None}
     summary = _run_pipeline(root, workdir, stages, applied, register, flow_run_id,
-                            experiment_name)
+                            experiment_name, remote)
     if changes is not None:
         summary["changes"] = changes.summary()
     return summary
@@ -246,21 +208,26 @@ def _run_if_changed(root: Path, workdir: Path, stages: list[str], applied: dict[
 
 def _run_pipeline(root: Path, workdir: Path, stages: list[str], applied: dict[str, Any],
                   register: bool, flow_run_id: str | None,
-                  experiment_name: str | None = None) -> dict[str, Any]:
+                  experiment_name: str | None = None,
+                  remote: dvc_remote.Remote | None = None) -> dict[str, Any]:
     """The stages in order in `workdir` under one MLflow parent run (recorded in `root`'s
-    tracking store), then, for an experiment, `dvc exp save`, then the registration."""
+    tracking store), then, for an experiment, `dvc exp save`, then `dvc push` to the default
+    remote (a failed push registers nothing), then the registration."""
     logger = get_run_logger()
     with parent_run(root, flow_run_id) as parent:
         logger.info("MLflow parent run %s in %s", parent.run_id, tracking_uri(root))
         parent.log_dict(applied, "overrides.json")
         parent.set_tags({"overrides": json.dumps(applied, sort_keys=True)})
-        results = _stages(workdir, stages, parent, tracking_uri(root))
+        results = _stages(workdir, stages, parent, tracking_uri(root), pull=remote is not None)
         extra: dict[str, Any] = {}
         if experiment_name:
             saved = experiment.save_experiment(workdir, experiment_name)
             extra = {"dvc.experiment": saved["name"], "dvc.experiment.rev": saved["rev"],
                      "overrides": json.dumps(applied, sort_keys=True)}
-            parent.set_tags(extra)
+        if remote is not None:
+            dvc_remote.push(workdir, remote, log=logger.info)
+            extra[dvc_remote.REMOTE_TAG] = remote.describe()
+        parent.set_tags(extra)
         rescored = _rescore_champion(root, workdir, parent) if register else None
         registered = (register_model(str(workdir), parent.run_id, flow_run_id, extra, rescored)
                       if register else None)
@@ -270,6 +237,8 @@ def _run_pipeline(root: Path, workdir: Path, stages: list[str], applied: dict[st
                "stages": results, "registered": registered}
     if experiment_name:
         summary["dvc_experiment"] = extra["dvc.experiment"]
+    if remote is not None:
+        summary["dvc_remote"] = remote.describe()
     if (workdir / EVALUATION).is_file():  # read now: an experiment's workspace goes away
         summary["evaluation"] = json.loads((workdir / EVALUATION).read_text())
     return summary
@@ -310,13 +279,13 @@ def _rescore_champion(root: Path, workdir: Path, parent: ParentRun) -> dict[str,
 
 
 def _stages(workdir: Path, stages: list[str], parent: ParentRun,
-            tracking: str) -> list[dict[str, Any]]:
-    """Log the params used, then `dvc repro` each stage in order in `workdir`."""
+            tracking: str, pull: bool = False) -> list[dict[str, Any]]:
+    """Log the params used, then `dvc repro` (`--pull`) each stage in order in `workdir`."""
     parent.log_artifact(workdir / "params.yaml")
     parent.log_params(yaml.safe_load((workdir / "params.yaml").read_text()) or {})
     results = []
     for stage in stages:
-        state = repro_stage(stage, str(workdir), parent.run_id, tracking)
+        state = repro_stage(stage, str(workdir), parent.run_id, tracking, pull)
         result = state.result()
         results.append(result)
         parent.set_tags({f"stage.{stage}": result["status"]})

@@ -2,6 +2,8 @@
 in the foreground.
 
     python -m flows.serve          # 127.0.0.1:4200, or PREFECT_PORT
+    python -m flows.serve --attach # a team's server (PREFECT_API_URL): deployments and worker only;
+                                   # infra/compose.yaml's worker runs this
 
 Runs the real programs: `prefect server start`, `prefect work-pool create`, `prefect deploy --all`
 (every deployment in prefect.yaml) and `prefect worker start`. Prefect's state lives in `.prefect/` in the repository
@@ -10,6 +12,7 @@ then the server. The server's own log goes to `.prefect/server.log`; flow runs l
 """
 from __future__ import annotations
 
+import argparse
 import logging
 import os
 import signal
@@ -48,7 +51,7 @@ MAX_WORKER_RESTARTS = 5
 class Served:
     api_url: str
     pool: str
-    server: subprocess.Popen
+    server: subprocess.Popen | None  # None: attached to a server run elsewhere
     worker: subprocess.Popen
     seconds_to_ready: float
     _start_worker: Callable[[], subprocess.Popen] = field(repr=False)
@@ -124,10 +127,11 @@ def _tail(path: Path, lines: int = 30) -> str:
         return "(no log)"
 
 
-def wait_healthy(api_url: str, server: subprocess.Popen, log_path: Path, timeout: float) -> None:
+def wait_healthy(api_url: str, server: subprocess.Popen | None, log_path: Path,
+                 timeout: float) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if server.poll() is not None:
+        if server is not None and server.poll() is not None:
             raise UserError(
                 f"prefect server exited with code {server.returncode} while starting; "
                 f"its log ({log_path}) ends with:\n{_tail(log_path)}"
@@ -176,7 +180,6 @@ def serving(root: Path = REPO, port: int = DEFAULT_PORT, env: Mapping[str, str] 
     penv = prefect_env(root, api_url, env)
     home = Path(penv["PREFECT_HOME"])
     home.mkdir(parents=True, exist_ok=True)
-    pool = work_pool_name(root)
     start = time.monotonic()
     server_log = home / "server.log"
     with open(server_log, "ab") as sink:
@@ -189,30 +192,7 @@ def serving(root: Path = REPO, port: int = DEFAULT_PORT, env: Mapping[str, str] 
         log.info("starting the Prefect server on %s (log: %s)", api_url, server_log)
         wait_healthy(api_url, server, server_log, SERVER_START_TIMEOUT_S)
         log.info("server healthy after %.1f s", time.monotonic() - start)
-        _run(_prefect("work-pool", "create", pool, "--type", "process", "--overwrite"), penv, root,
-             f"work pool '{pool}'")
-        # One flow run at a time from this pool: a nightly run and a manual one queue up instead
-        # of the second being refused by the workspace lock (flows/workspace.py).
-        _run(_prefect("work-pool", "set-concurrency-limit", pool, str(POOL_CONCURRENCY)), penv,
-             root, f"work pool '{pool}' concurrency limit {POOL_CONCURRENCY}")
-        _run(_prefect("deploy", "--all"), penv, root, "prefect deploy --all")
-
-        def recover() -> None:
-            try:
-                crash_orphans(api_url, pool, penv.get("MLFLOW_TRACKING_URI") or tracking_uri(root))
-            except Exception as err:  # never keep the server from serving; say what is left open
-                log.warning("could not close the runs a dead worker left open: %s", err)
-
-        def start_worker() -> subprocess.Popen:
-            return subprocess.Popen(
-                _prefect("worker", "start", "--pool", pool, "--type", "process"),
-                env=penv, cwd=root, stdout=worker_output,
-                stderr=subprocess.STDOUT if worker_output else None, start_new_session=True,
-            )
-
-        recover()  # runs left open by a worker of an earlier `make serve` that died with it
-        served = Served(api_url, pool, server, start_worker(), round(time.monotonic() - start, 1),
-                        start_worker, recover)
+        served = _deploy_and_work(root, api_url, penv, server, start, worker_output)
         yield served
     finally:
         if served is not None:
@@ -220,18 +200,103 @@ def serving(root: Path = REPO, port: int = DEFAULT_PORT, env: Mapping[str, str] 
         stop(server, "server")
 
 
+@contextmanager
+def attached(root: Path = REPO, env: Mapping[str, str] = os.environ,
+             worker_output: int | None = None) -> Iterator[Served]:
+    """The same on a server run elsewhere (PREFECT_API_URL: a team's, infra/compose.yaml): pool,
+    deployments and worker; the worker stopped on exit."""
+    api_url = env.get("PREFECT_API_URL", "").rstrip("/")
+    if not api_url.startswith(("http://", "https://")):
+        raise UserError("--attach runs the worker for a Prefect server started elsewhere: set "
+                        "PREFECT_API_URL to its API, e.g. PREFECT_API_URL=http://127.0.0.1:4200/api "
+                        "(without --attach, this command starts a server of its own)")
+    penv = prefect_env(root, api_url, env)
+    start = time.monotonic()
+    log.info("waiting for the Prefect server at %s", api_url)
+    wait_healthy(api_url, None, Path("(the server's own log)"), SERVER_START_TIMEOUT_S)
+    served = _deploy_and_work(root, api_url, penv, None, start, worker_output)
+    try:
+        yield served
+    finally:
+        stop(served.worker, "worker")
+
+
+def _deploy_and_work(root: Path, api_url: str, penv: dict[str, str],
+                     server: subprocess.Popen | None, start: float,
+                     worker_output: int | None) -> Served:
+    """The work pool (one run at a time), `prefect deploy --all`, runs a dead worker left open
+    closed, and the worker started."""
+    pool = work_pool_name(root)
+    _run(_prefect("work-pool", "create", pool, "--type", "process", "--overwrite"), penv, root,
+         f"work pool '{pool}'")
+    # One flow run at a time from this pool: a nightly run and a manual one queue up instead
+    # of the second being refused by the workspace lock (flows/workspace.py).
+    _run(_prefect("work-pool", "set-concurrency-limit", pool, str(POOL_CONCURRENCY)), penv,
+         root, f"work pool '{pool}' concurrency limit {POOL_CONCURRENCY}")
+    _run(_prefect("deploy", "--all"), penv, root, "prefect deploy --all")
+
+    def recover() -> None:
+        try:
+            crash_orphans(api_url, pool, penv.get("MLFLOW_TRACKING_URI") or tracking_uri(root))
+        except Exception as err:  # never keep the server from serving; say what is left open
+            log.warning("could not close the runs a dead worker left open: %s", err)
+
+    def start_worker() -> subprocess.Popen:
+        return subprocess.Popen(
+            _prefect("worker", "start", "--pool", pool, "--type", "process"),
+            env=penv, cwd=root, stdout=worker_output,
+            stderr=subprocess.STDOUT if worker_output else None, start_new_session=True,
+        )
+
+    recover()  # runs left open by a worker of an earlier `make serve` that died with it
+    return Served(api_url, pool, server, start_worker(), round(time.monotonic() - start, 1),
+                  start_worker, recover)
+
+
 def _raise_keyboard_interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt
 
 
+def _watch(served: Served) -> None:
+    """Until Ctrl-C: stop when the server dies; restart a dead worker (closing what it left open)."""
+    while True:
+        if served.server is not None and served.server.poll() is not None:
+            home = Path(os.environ.get("PREFECT_HOME", REPO / ".prefect"))
+            raise UserError(f"the Prefect server exited (code {served.server.returncode}); "
+                            f"stopping. Its log: {home / 'server.log'}")
+        code = served.worker.poll()
+        if code is not None:
+            if served.restarts >= MAX_WORKER_RESTARTS:
+                raise UserError(f"the Prefect worker exited (code {code}) after {served.restarts} "
+                                "restarts; stopping. Its output is above.")
+            print(f"the Prefect worker exited (code {code}); restarting it "
+                  f"({served.restarts + 1} of {MAX_WORKER_RESTARTS})", flush=True)
+            served.restart_worker()
+            print("worker restarted; a run it left open is marked Crashed: run the "
+                  "deployment again to resume (finished stages are skipped, training "
+                  "continues from its last checkpoint)", flush=True)
+        time.sleep(1)
+
+
 @main_guard
 def main() -> None:
-    port = port_from_env()
+    parser = argparse.ArgumentParser(prog="python -m flows.serve", description=__doc__.split("\n")[0])
+    parser.add_argument("--attach", action="store_true",
+                        help="use the Prefect server at PREFECT_API_URL instead of starting one")
+    args = parser.parse_args()
     # Ctrl-C and SIGTERM both stop cleanly; set explicitly, since a shell that starts us in the
     # background (`make serve &`) leaves SIGINT ignored, and Python then never raises on it.
     signal.signal(signal.SIGINT, _raise_keyboard_interrupt)
     signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
     try:
+        if args.attach:
+            with attached(REPO) as served:
+                print(f"\nworker on pool '{served.pool}' of the Prefect server {served.api_url}, "
+                      f"deployments finetune/{DEPLOYMENT} and finetune/nightly; ready in "
+                      f"{served.seconds_to_ready} s. Ctrl-C (SIGTERM) stops the worker.\n",
+                      flush=True)
+                _watch(served)
+        port = port_from_env()
         with serving(REPO, port) as served:
             print(
                 f"\nPrefect server {served.api_url} (UI http://{HOST}:{port}), deployment "
@@ -244,24 +309,9 @@ def main() -> None:
                 "Ctrl-C here stops the worker and the server.\n",
                 flush=True,
             )
-            while True:
-                if served.server.poll() is not None:
-                    raise UserError(f"the Prefect server exited (code {served.server.returncode}); "
-                                    f"stopping. Its log: {Path(os.environ.get('PREFECT_HOME', REPO / '.prefect')) / 'server.log'}")
-                code = served.worker.poll()
-                if code is not None:
-                    if served.restarts >= MAX_WORKER_RESTARTS:
-                        raise UserError(f"the Prefect worker exited (code {code}) after {served.restarts} "
-                                        "restarts; stopping. Its output is above.")
-                    print(f"the Prefect worker exited (code {code}); restarting it "
-                          f"({served.restarts + 1} of {MAX_WORKER_RESTARTS})", flush=True)
-                    served.restart_worker()
-                    print("worker restarted; a run it left open is marked Crashed: run the "
-                          "deployment again to resume (finished stages are skipped, training "
-                          "continues from its last checkpoint)", flush=True)
-                time.sleep(1)
+            _watch(served)
     except KeyboardInterrupt:
-        print("stopped the worker and the server", flush=True)
+        print("stopped the worker" + ("" if args.attach else " and the server"), flush=True)
 
 
 if __name__ == "__main__":

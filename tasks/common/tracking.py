@@ -220,7 +220,7 @@ def lost_server(err: Exception, stage: str, run_id: str | None) -> None:
     from tasks.common.errors import UserError
 
     uri = tracking_uri()
-    if run_id is None or not uri.startswith(("http://", "https://")) or _answers(uri):
+    if run_id is None or not uri.startswith(("http://", "https://")) or server_answers(uri):
         return
     first = err.__context__
     before = f" The stage had failed first: {type(first).__name__}: {first}." if (
@@ -234,7 +234,8 @@ def lost_server(err: Exception, stage: str, run_id: str | None) -> None:
     ) from None
 
 
-def _answers(uri: str) -> bool:
+def server_answers(uri: str) -> bool:
+    """True when the MLflow server at `uri` answers its /health within 3 s."""
     try:
         with urllib.request.urlopen(f"{uri.rstrip('/')}/health", timeout=3) as resp:
             return resp.status == 200

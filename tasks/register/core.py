@@ -138,6 +138,23 @@ def model_artifacts(finetuned: Path, openvino: Path, base: Path | None) -> dict[
     return {**artifacts, "base": str(base)}
 
 
+def create_version(client: Any, model_name: str, info: Any, run_id: str, tags: dict[str, str],
+                   description: str) -> str:
+    """The commit point of a registration: one request creates the version with its description
+    and every tag, after the model files and lineage.json are stored. A server lost before it
+    leaves no version; one lost after it, a complete version that no alias points to yet."""
+    from mlflow.exceptions import MlflowException
+
+    try:
+        client.create_registered_model(model_name)
+    except MlflowException as err:
+        if err.error_code not in ("RESOURCE_ALREADY_EXISTS", "ALREADY_EXISTS"):
+            raise
+    mv = client.create_model_version(model_name, source=info.model_uri, run_id=run_id, tags=tags,
+                                     description=description, model_id=info.model_id)
+    return str(mv.version)
+
+
 def register_model(
     *,
     model_name: str,
@@ -157,6 +174,7 @@ def register_model(
 ) -> Registered:
     """Log the pyfunc in run `run_id`, register a version of `model_name`, tag it, set aliases."""
     import mlflow
+    from mlflow.exceptions import MlflowException
     from mlflow.models import Model
 
     artifacts = model_artifacts(finetuned, openvino, base)
@@ -175,32 +193,34 @@ def register_model(
         artifacts=artifacts,
         signature=signature(),
         pip_requirements=pip_requirements(),
-        registered_model_name=model_name,
         metadata={"lineage": tags},
     )
-    version = str(info.registered_model_version)
-    # Decided after this version exists, against the champion of that moment.
     champion = current_champion(client, model_name, primary_metric)
     champion, rescored = _rescored(client, model_name, champion, champion_rescore, primary_metric)
     decision = decide(evaluation, primary_metric, primary_metric_goal, champion,
                       promote_uncalibrated)
     promote, reason = decision.promote, decision.reason
     description = f"{describe(lock, evaluation, git_commit, primary_metric)} Champion: {reason}."
-    client.update_model_version(model_name, version, description=description)
-    record.update(champion=decision.tags(), model={"name": model_name, "version": version,
+    record.update(champion=decision.tags(), model={"name": model_name, "source": info.model_uri,
                                                    "artifacts": sorted(artifacts)})
     client.log_dict(run_id, record, LINEAGE_ARTIFACT)
     tags["lineage"] = f"runs:/{run_id}/{LINEAGE_ARTIFACT}"
     tags["champion.decision"] = reason
     if rescored:
         tags["champion.rescored"] = rescored
-    for key, value in tags.items():
-        client.set_model_version_tag(model_name, version, key, value)
-    client.set_registered_model_alias(model_name, CANDIDATE, version)
-    aliases = [CANDIDATE]
-    if promote:
-        client.set_registered_model_alias(model_name, CHAMPION, version)
-        aliases.append(CHAMPION)
+    version = create_version(client, model_name, info, run_id, tags, description)
+    aliases = [CANDIDATE, CHAMPION] if promote else [CANDIDATE]
+    try:
+        for alias in aliases:
+            client.set_registered_model_alias(model_name, alias, version)
+    except MlflowException as err:
+        raise UserError(
+            f"{model_name} version {version} is registered, complete with its tags and lineage, "
+            f"but the aliases did not all move to it ({', '.join(aliases)}; {err}). They still "
+            f"point to the versions they pointed to. Once the server answers, move them: "
+            f"MlflowClient().set_registered_model_alias('{model_name}', '<alias>', {version}), or "
+            "run again"
+        ) from None
     log.info("registered %s version %s with aliases %s (%s)", model_name, version, aliases, reason)
     return Registered(
         name=model_name,

@@ -127,3 +127,14 @@ def test_classify_reads_only_the_named_stage() -> None:
     assert classify("ingest", lines) == "ran"
     with pytest.raises(RuntimeError, match="no verdict for stage 'train'"):
         classify("train", lines)
+
+
+def test_classify_a_pull_and_what_follows_a_failed_one() -> None:
+    """`dvc repro --pull`'s lines (DVC 3.67): a pull that worked is the verdict; after one that
+    failed, DVC restores the stage from its run-cache or runs it, and that counts."""
+    pulled = ["Pulling data for stage: 'train'", "Data and pipelines are up to date."]
+    assert classify("train", pulled) == "pulled"
+    failed = ["Pulling data for stage: 'train'", "Unable to pull data for stage: 'train'"]
+    assert classify("train", [*failed, "Running stage 'train':"]) == "ran"
+    assert classify("train", [*failed, "Stage 'train' is cached - skipping run, checking out "
+                                       "outputs"]) == "restored"

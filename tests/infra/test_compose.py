@@ -24,7 +24,8 @@ IMAGE_ENV = {
     "minio": {"MINIO_ROOT_USER", "MINIO_ROOT_PASSWORD"},
     "minio-init": {"MINIO_ROOT_USER", "MINIO_ROOT_PASSWORD"},
 }
-BOTO_ENV = {"AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"}
+# botocore's (MLflow's S3 client, and DVC's S3 remote through s3fs): credentials and the endpoint.
+BOTO_ENV = {"AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_ENDPOINT_URL_S3"}
 
 
 def _lock_version(package: str) -> str:
@@ -64,7 +65,7 @@ def test_the_team_services_are_all_there() -> None:
     assert SERVICES["worker"]["environment"]["MLFLOW_TRACKING_URI"] == "http://mlflow:5000"
 
 
-@pytest.mark.parametrize("service", ["mlflow", "prefect-server", "worker"])
+@pytest.mark.parametrize("service", ["mlflow", "prefect-server"])
 def test_command_flags_exist_in_the_installed_clis(service: str) -> None:
     found = invocations(SERVICES[service]["command"])
     assert found, f"{service}: no mlflow/prefect command found"
@@ -77,6 +78,14 @@ def test_command_flags_exist_in_the_installed_clis(service: str) -> None:
         for flag in (w.split("=")[0] for w in words[first_flag:] if w.startswith("--")):
             assert re.search(rf"(?<![\w-]){re.escape(flag)}(?![\w-])", text), \
                 f"{service}: `{' '.join(words[:first_flag])}` has no {flag}"
+
+
+def test_the_worker_runs_make_serves_machinery_on_the_team_server() -> None:
+    """One source for the pool, its limit, the deployments and the worker: flows/serve.py, which
+    `make serve` runs with a server of its own and compose's worker with --attach."""
+    assert shlex.split(SERVICES["worker"]["command"]) == ["python", "-m", "flows.serve", "--attach"]
+    assert "--attach" in subprocess.run([sys.executable, "-m", "flows.serve", "--help"], cwd=REPO,
+                                        capture_output=True, text=True, check=True).stdout
 
 
 def test_environment_variables_are_read_by_their_programs() -> None:

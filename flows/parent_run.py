@@ -1,0 +1,65 @@
+"""The pipeline run's MLflow record: one parent run per flow run, the stages' runs its children."""
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from tasks.common.tracking import experiment_name, flatten, git_commit, server_answers, tracking_uri
+
+
+class ParentRun:
+    """The pipeline run's MLflow record, written through an explicit client (thread-safe: Prefect
+    may run tasks in other threads, where MLflow's fluent "active run" would not be set)."""
+
+    def __init__(self, client: Any, run_id: str) -> None:
+        self.client = client
+        self.run_id = run_id
+
+    def log_params(self, params: dict[str, Any]) -> None:
+        from mlflow.entities import Param
+
+        items = [Param(k, "" if v is None else str(v)[:6000]) for k, v in flatten(params).items()]
+        for i in range(0, len(items), 100):  # MLflow caps a batch at 100 params
+            self.client.log_batch(self.run_id, params=items[i : i + 100])
+
+    def set_tags(self, tags: dict[str, Any]) -> None:
+        for key, value in tags.items():
+            self.client.set_tag(self.run_id, key, str(value))
+
+    def log_artifact(self, path: Path) -> None:
+        if path.is_file():
+            self.client.log_artifact(self.run_id, str(path))
+
+    def log_dict(self, data: dict[str, Any], name: str) -> None:
+        self.client.log_dict(self.run_id, data, name)
+
+
+@contextmanager
+def parent_run(root: Path, flow_run_id: str | None) -> Iterator[ParentRun]:
+    """Open the parent run (FINISHED on success, FAILED if the body raises)."""
+    import mlflow
+
+    uri = tracking_uri(root)
+    mlflow.set_tracking_uri(uri)  # configure(), rooted at the repo rather than the cwd
+    experiment = mlflow.set_experiment(experiment_name())
+    client = mlflow.MlflowClient(uri)
+    tags = {"pipeline": "finetune"}
+    if flow_run_id:
+        tags["prefect.flow_run_id"] = flow_run_id
+    commit = git_commit(root)
+    if commit:
+        tags["mlflow.source.git.commit"] = commit
+    name = f"finetune-{datetime.now().strftime('%Y%m%d-%H%M%S')}"
+    run = client.create_run(experiment.experiment_id, run_name=name, tags=tags)
+    try:
+        yield ParentRun(client, run.info.run_id)
+    except BaseException as err:
+        if uri.startswith(("http://", "https://")) and not server_answers(uri):
+            raise  # the lost server is the failure: the run stays RUNNING there
+        client.set_tag(run.info.run_id, "error", str(err)[:5000])
+        client.set_terminated(run.info.run_id, "FAILED")
+        raise
+    client.set_terminated(run.info.run_id, "FINISHED")

@@ -1,0 +1,222 @@
+"""The team's DVC remote: what a flow run pulls before its stages and pushes after them.
+
+With a default DVC remote (`dvc remote add -d <name> <url>`, committed in .dvc/config), the
+workspace is one of several machines that share data and models through it:
+
+- `check_shared`, before anything runs: every input of dvc.yaml's stages that lies in the
+  repository must be versioned, by git or by DVC (a `.dvc` file, a stage's output), or a clone on
+  another machine would not have it (the usual case: `ingest.data_dir`, which the team tracks with
+  `dvc add`); and a `.dvc`-tracked folder must not hold changes its `.dvc` file does not record
+  (they would train here and be missing everywhere else).
+- `pull_sources`: the `.dvc`-tracked inputs missing here (a new clone, an empty cache) are pulled.
+  The stages' own outputs are pulled stage by stage by `dvc repro --pull` (flows/dvc_stage.py):
+  an unchanged stage's outputs come from the remote instead of being recomputed, and a stage run
+  elsewhere with the same inputs is restored from the run-cache.
+- `push`, after the stages: `dvc push --run-cache` sends every output of dvc.lock, the
+  `.dvc`-tracked inputs and the run-cache, so the registered model version can name the remote
+  where its data lives (tag `dvc.remote`).
+
+Without a default remote none of this happens: one machine, its own cache.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from urllib.parse import urlsplit, urlunsplit
+
+from tasks.common.errors import UserError
+
+#: The model version tag (and parent run tag) naming the remote that holds the version's data.
+REMOTE_TAG = "dvc.remote"
+#: `dvc status` verdicts that only say "not here": what a pull brings back.
+MISSING = frozenset({"deleted", "not in cache"})
+#: Lines of DVC's output quoted when a pull or push fails.
+TAIL_CHARS = 2000
+
+
+@dataclass(frozen=True)
+class Remote:
+    name: str
+    url: str  # without credentials
+
+    def describe(self) -> str:
+        """`<name> <url>`: the value of the `dvc.remote` tag."""
+        return f"{self.name} {self.url}"
+
+
+def _without_credentials(url: str) -> str:
+    parts = urlsplit(url)
+    if parts.username is None and parts.password is None:
+        return url
+    host = parts.hostname or ""
+    netloc = f"{host}:{parts.port}" if parts.port else host
+    return urlunsplit(parts._replace(netloc=netloc))
+
+
+def default_remote(root: Path) -> Remote | None:
+    """The workspace's default DVC remote (.dvc/config, config.local), or None."""
+    from dvc.repo import Repo
+
+    with Repo(str(root)) as repo:
+        config = repo.config
+        name = config["core"].get("remote")
+        if not name:
+            return None
+        remote = config["remote"].get(name)
+        if remote is None:
+            raise UserError(f"{root}/.dvc/config names '{name}' as the default DVC remote, but no "
+                            f"remote '{name}' is defined: `dvc remote add -d {name} <url>`")
+        return Remote(name, _without_credentials(str(remote["url"])))
+
+
+def _dvc(root: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    from flows.dvc_stage import stage_env
+
+    return subprocess.run([sys.executable, "-m", "dvc", *args], cwd=root, env=stage_env(),
+                          capture_output=True, text=True)
+
+
+def _tail(proc: subprocess.CompletedProcess[str]) -> str:
+    return (proc.stdout + proc.stderr).strip()[-TAIL_CHARS:]
+
+
+def _inside(path: str, folder: str) -> bool:
+    return path == folder or path.startswith(folder.rstrip("/") + "/")
+
+
+@dataclass(frozen=True)
+class Inputs:
+    """dvc.yaml's inputs as DVC sees them (paths relative to the repository root)."""
+
+    deps: list[str]      # every stage's deps inside the repository
+    outside: list[str]   # deps outside it (absolute paths: shared storage, not the remote)
+    outs: list[str]      # every output: stages' and `.dvc` files'
+    sources: list[str]   # the `.dvc` files
+
+
+def pipeline_inputs(root: Path) -> Inputs:
+    from dvc.repo import Repo
+
+    deps: list[str] = []
+    outside: list[str] = []
+    outs: list[str] = []
+    sources: list[str] = []
+    with Repo(str(root)) as repo:
+        top = repo.root_dir
+        for stage in repo.index.stages:
+            if stage.is_data_source:
+                sources.append(os.path.relpath(stage.path, top))
+            for out in stage.outs:
+                outs.append(os.path.relpath(out.fs_path, top))
+            for dep in stage.deps:
+                if dep.protocol != "local":
+                    continue  # a URL: DVC reads it from there on every machine
+                if dep.is_in_repo:
+                    deps.append(os.path.relpath(dep.fs_path, top))
+                else:
+                    outside.append(dep.fs_path)
+    return Inputs(sorted(set(deps)), sorted(set(outside)), sorted(set(outs)), sorted(sources))
+
+
+def _git_tracks(root: Path, path: str) -> bool:
+    proc = subprocess.run(["git", "ls-files", "--", path], cwd=root, capture_output=True,
+                          text=True)
+    return proc.returncode == 0 and bool(proc.stdout.strip())
+
+
+def unshared_inputs(root: Path, inputs: Inputs) -> list[str]:
+    """Inputs in the repository that neither git nor DVC versions: no clone has them."""
+    return [dep for dep in inputs.deps
+            if not any(_inside(dep, out) for out in inputs.outs) and not _git_tracks(root, dep)]
+
+
+def _status(root: Path, targets: list[str]) -> dict[str, dict[str, str]]:
+    """`dvc status` of `targets`: {dvc file: {path: verdict}} for the changed ones."""
+    from flows.changes import dvc_status
+
+    found: dict[str, dict[str, str]] = {}
+    for target, entries in dvc_status(root, tuple(targets)).items():
+        for entry in entries:
+            if isinstance(entry, dict):
+                for what in entry.values():
+                    if isinstance(what, dict):
+                        found.setdefault(target, {}).update(what)
+    return found
+
+
+def check_shared(root: Path, remote: Remote, inputs: Inputs) -> None:
+    """Fail, naming the path and the fix, when a clone elsewhere could not get an input."""
+    unshared = unshared_inputs(root, inputs)
+    if unshared:
+        first = unshared[0]
+        raise UserError(
+            f"with a DVC remote ('{remote.name}'), every input of dvc.yaml must be versioned, but "
+            f"{', '.join(unshared)} is tracked by neither git nor DVC: another machine's clone "
+            f"would not have it. Track it with DVC (the flow then pushes it to '{remote.name}'): "
+            f"dvc add {first} && git add {first}.dvc && git commit -m 'track {first}'; or "
+            "remove the default remote to run on this machine only (dvc remote default --unset)"
+        )
+    status = _status(root, inputs.sources) if inputs.sources else {}
+    edited = {target: paths for target, paths in status.items()
+              if any(v not in MISSING for v in paths.values())}
+    if edited:
+        target, paths = next(iter(edited.items()))
+        folder = next(iter(paths))
+        raise UserError(
+            f"{folder} has changes that {target} does not record ({', '.join(f'{p} {v}' for p, v in paths.items())}): "
+            f"other machines would not get them. Record them first: dvc add {folder} && git "
+            f"commit {target} -m 'update {folder}' (the flow then pushes them to "
+            f"'{remote.name}'); or undo them: dvc checkout {target}"
+        )
+
+
+def pull_sources(root: Path, remote: Remote, inputs: Inputs,
+                 log: Callable[[str], None] = print) -> list[str]:
+    """`dvc pull` the `.dvc`-tracked inputs that are missing here; the ones pulled."""
+    missing = sorted(_status(root, inputs.sources)) if inputs.sources else []
+    if not missing:
+        return []
+    log(f"pulling {', '.join(missing)} from DVC remote {remote.describe()}")
+    proc = _dvc(root, "pull", *missing)
+    if proc.returncode != 0:
+        raise UserError(
+            f"`dvc pull {' '.join(missing)}` from DVC remote {remote.describe()} failed: the "
+            "machine that last ran `dvc add` on it must also push it (`dvc push`, or a flow run "
+            f"there); check the remote's credentials (.dvc/config.local) and reach.\n{_tail(proc)}"
+        )
+    return missing
+
+
+def prepare(root: Path, log: Callable[[str], None] = print) -> Remote | None:
+    """Before a run: the default remote (None: none), the inputs checked, the missing `.dvc`
+    inputs pulled."""
+    remote = default_remote(root)
+    if remote is None:
+        return None
+    inputs = pipeline_inputs(root)
+    check_shared(root, remote, inputs)
+    if inputs.outside:
+        log(f"inputs outside the repository, not carried by DVC remote '{remote.name}' (every "
+            f"machine needs them at the same path): {', '.join(inputs.outside)}")
+    pull_sources(root, remote, inputs, log)
+    return remote
+
+
+def push(root: Path, remote: Remote, log: Callable[[str], None] = print) -> str:
+    """`dvc push --run-cache`: every output of dvc.lock, the `.dvc` inputs and the run-cache."""
+    log(f"pushing the pipeline's data and models to DVC remote {remote.describe()}")
+    proc = _dvc(root, "push", "--run-cache")
+    if proc.returncode != 0:
+        raise UserError(
+            f"`dvc push` to DVC remote {remote.describe()} failed, so nothing was registered: "
+            "the outputs are in this machine's DVC cache only. Fix the remote (reach, "
+            "credentials in .dvc/config.local) and run again: the finished stages are skipped."
+            f"\n{_tail(proc)}"
+        )
+    summary = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else "pushed"
+    log(f"dvc push: {summary}")
+    return summary

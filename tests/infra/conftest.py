@@ -1,0 +1,84 @@
+"""The team stack's fixtures (one PostgreSQL per test module): tests/infra/stack.py starts them."""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.e2e_util import e2e_env, free_port, stop_process_group
+from tests.infra.stack import (
+    INFRA,
+    NO_POSTGRES,
+    USER,
+    Postgres,
+    compose_command,
+    debian_postgres_bin,
+    needs_psycopg2,
+    start_mlflow,
+    wait_healthy,
+)
+
+
+@pytest.fixture(scope="module")
+def postgres() -> Iterator[Postgres]:
+    bindir = debian_postgres_bin()
+    if bindir is None:
+        pytest.skip(NO_POSTGRES)
+    # Not under pytest's tmp_path: that is private to this user, and the server may run as
+    # `postgres`.
+    root = Path(tempfile.mkdtemp(prefix="finetune-pg-"))
+    if os.geteuid() == 0:
+        shutil.chown(root, "postgres", "postgres")
+    pg = Postgres(bindir, root, free_port())
+    try:
+        subprocess.run(pg._as_owner(str(bindir / "initdb"), "-D", str(pg.data), "-U", USER,
+                                    "--auth=trust", "-E", "UTF8", "--no-locale", "--no-sync"),
+                       check=True, capture_output=True, timeout=120)
+        pg.ctl("start")
+        subprocess.run([str(bindir / "psql"), "-h", "127.0.0.1", "-p", str(pg.port), "-U", USER,
+                        "-d", "postgres", "-v", "ON_ERROR_STOP=1", "-q",
+                        "-f", str(INFRA / "postgres/init.sql")], check=True, capture_output=True)
+        yield pg
+    finally:
+        if (pg.data / "postmaster.pid").exists():
+            pg.ctl("stop")
+        shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def prefect_on_postgres(
+    postgres: Postgres, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[str]:
+    home = tmp_path_factory.mktemp("prefect-server")
+    port = free_port()
+    env = e2e_env(home, PREFECT_API_DATABASE_CONNECTION_URL=postgres.url("asyncpg", "prefect"))
+    env["PREFECT_HOME"] = str(home)
+    command = compose_command("prefect-server", host="127.0.0.1", port=str(port))
+    log = (home / "server.log").open("w")
+    proc = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    try:
+        wait_healthy(f"http://127.0.0.1:{port}/api/health", proc)
+        yield f"http://127.0.0.1:{port}/api"
+    finally:
+        stop_process_group(proc)
+        log.close()
+
+
+@pytest.fixture(scope="module")
+def mlflow_on_postgres(
+    postgres: Postgres, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[str, Path]]:
+    needs_psycopg2()
+    home = tmp_path_factory.mktemp("mlflow-server")
+    port = free_port()
+    proc = start_mlflow(postgres, home, port)
+    try:
+        yield f"http://127.0.0.1:{port}", home / "artifacts"
+    finally:
+        stop_process_group(proc)
