@@ -169,3 +169,21 @@ def test_textual_inversion_overfits_a_fixed_batch(tiny_base, one_image) -> None:
         losses.append(loss.item())
     assert all(b < a for a, b in zip(losses, losses[1:])), losses
     assert losses[-1] < losses[0] - 1e-3, losses
+
+
+def test_fused_lora_keeps_the_precision_the_base_is_stored_in(tmp_path, tiny_sd, one_image) -> None:
+    """A bf16 base (as SD3.5 and FLUX.1 are published) gives a bf16 fused pipeline, not a float32 one at
+    twice the size on disk and in memory; the adapters themselves stay float32."""
+    from diffusers import DiffusionPipeline
+
+    from tasks.common.families import stored_dtypes
+
+    base = tmp_path / "base-bf16"
+    DiffusionPipeline.from_pretrained(tiny_sd, torch_dtype=torch.bfloat16).save_pretrained(base)
+    assert set(stored_dtypes(base).values()) == {torch.bfloat16}
+    out = tmp_path / "out"
+    train(cfg(tmp_path, method="lora", max_train_steps=2, fuse_lora=True, mixed_precision="bf16"), base, one_image, None, out)
+    assert set(stored_dtypes(out).values()) == {torch.bfloat16}
+    assert all(w.dtype == torch.float32 for w in load_file(out / "pytorch_lora_weights.safetensors").values())
+    assert not tensors_equal(out / UNET, base / UNET), "the adapters are fused in"
+    assert stored_dtypes(tiny_sd) == {"text_encoder": torch.float32, "unet": torch.float32, "vae": torch.float32}

@@ -57,6 +57,26 @@ def read_index(path: Path) -> dict[str, Any]:
     return json.loads(index.read_text())
 
 
+def stored_dtypes(path: Path) -> dict[str, Any]:
+    """The torch dtype each component's weights are stored in (from the first floating-point tensor
+    of its safetensors files; components without any are left out), e.g. for loading a pipeline in
+    the precision it was published in instead of diffusers' default float32."""
+    import torch
+    from safetensors import safe_open
+
+    names = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
+    dtypes: dict[str, Any] = {}
+    for name, spec in read_index(path).items():
+        files = sorted((Path(path) / name).glob("*.safetensors")) if isinstance(spec, list) else []
+        for file in files[:1]:
+            with safe_open(file, "pt") as fh:
+                found = (fh.get_slice(key).get_dtype() for key in fh.keys())
+                dtype = next((names[d] for d in found if d in names), None)
+            if dtype is not None:
+                dtypes[name] = dtype
+    return dtypes
+
+
 def detect(path: Path) -> type[ModelFamily]:
     """The family of a diffusers or OpenVINO pipeline folder."""
     return from_index(read_index(path), str(path))
@@ -80,4 +100,4 @@ def build_tiny_pipeline(kind: str, seed: int, out: Path) -> Path:
 
 __all__ = ["BUILTINS", "FAMILIES", "Components", "ModelFamily", "StableDiffusion", "StableDiffusionXL",
            "StableDiffusion3", "Flux", "Flux2Klein", "build_tiny_pipeline", "by_name", "detect",
-           "from_index", "of_pipeline", "read_index", "supported"]
+           "from_index", "of_pipeline", "read_index", "stored_dtypes", "supported"]

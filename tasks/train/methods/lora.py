@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from tasks.common import families
 from tasks.common.lora import fuse_lora_file
 from tasks.train.methods.base import TrainingMethod
 
@@ -71,7 +72,8 @@ class LoRA(TrainingMethod):
         log.info("saved LoRA weights (%s, rank %d) to %s", ", ".join(sorted(trained)), self.cfg.rank,
                  out_dir / WEIGHT_NAME)
         if self.cfg.fuse_lora:
-            pipe = DiffusionPipeline.from_pretrained(base)
+            # In the precision the base is stored in (a bf16 SD3.5 stays bf16, not float32 at twice the size).
+            pipe = DiffusionPipeline.from_pretrained(base, torch_dtype=families.stored_dtypes(base))
             fuse_lora_file(pipe, out_dir / WEIGHT_NAME, self.components.family.lora_components(list(trained)))
             pipe.save_pretrained(out_dir, safe_serialization=True)
             log.info("saved the base pipeline with the LoRA fused in to %s", out_dir)
