@@ -15,7 +15,7 @@ export DO_NOT_TRACK ?= 1
 # A local flow run starts a temporary Prefect server; on a busy 2-core machine it needs more than 20 s.
 export PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS ?= 120
 
-.PHONY: help install data demo test test-fast serve lock side-envs lock-side-envs mlflow-ui clean
+.PHONY: help install data demo test test-fast serve lock side-envs bench-env lock-side-envs mlflow-ui clean
 
 help:
 	@echo "make demo       set up, then run the whole pipeline offline on the built-in tiny model"
@@ -24,6 +24,7 @@ help:
 	@echo "make mlflow-ui  MLflow UI on 127.0.0.1:5000 over ./mlflow.db"
 	@echo "make lock       re-resolve requirements.in into requirements.lock and requirements-torch.lock"
 	@echo "make side-envs  build .venv-xla (torch_xla) and .venv-ipex (Intel Extension for PyTorch) for their tests"
+	@echo "make bench-env  build .venv-bench (torchvision, for diffusers' example scripts in benchmarks/)"
 
 # The Python that pyproject.toml's requires-python allows (tests/test_install.py keeps them in step).
 PYTHON_NEEDED := 3.11
@@ -89,6 +90,19 @@ SIDE_ENVS_NEED_GB ?= 13
 	@touch $@
 
 side-envs: $(SIDE_ENVS:%=.venv-%/.installed)
+
+# The benchmarks' environment (benchmarks/README.md): the project's pins plus torch's PyPI build and
+# torchvision, so diffusers' own example scripts run beside our stages under the same torch 2.13.
+# Not used by the tests; torchvision stays out of .venv.
+.venv-bench/.installed: requirements-bench.lock requirements.lock pyproject.toml $(STAMP)
+	@start=$$(date +%s); \
+	rm -rf .venv-bench && $(BIN)/uv venv --quiet --python $(PYTHON) .venv-bench && \
+	$(BIN)/uv pip install --quiet --python .venv-bench/bin/python --no-deps -r requirements.lock -r requirements-bench.lock && \
+	$(BIN)/uv pip install --quiet --python .venv-bench/bin/python --no-deps -e . && \
+	echo ".venv-bench took $$(( $$(date +%s) - start )) s"
+	@touch $@
+
+bench-env: .venv-bench/.installed
 
 # Re-resolve a side lock: the pair with its own dependencies on top of requirements.lock; the
 # lines that differ from it become requirements-<name>.lock.
