@@ -91,7 +91,7 @@ SIDE_ENVS_NEED_GB ?= 13
 
 side-envs: $(SIDE_ENVS:%=.venv-%/.installed)
 
-# The benchmarks' environment (benchmarks/README.md): the project's pins plus torch's PyPI build and
+# The benchmarks' environment (benchmarks/sd35/README.md): the project's pins plus torch's PyPI build and
 # torchvision, so diffusers' own example scripts run beside our stages under the same torch 2.13.
 # Not used by the tests; torchvision stays out of .venv.
 .venv-bench/.installed: requirements-bench.lock requirements.lock pyproject.toml $(STAMP)

@@ -182,7 +182,8 @@ def test_fused_lora_keeps_the_precision_the_base_is_stored_in(tmp_path, tiny_sd,
     DiffusionPipeline.from_pretrained(tiny_sd, torch_dtype=torch.bfloat16).save_pretrained(base)
     assert set(stored_dtypes(base).values()) == {torch.bfloat16}
     out = tmp_path / "out"
-    train(cfg(tmp_path, method="lora", max_train_steps=2, fuse_lora=True, mixed_precision="bf16"), base, one_image, None, out)
+    config = cfg(tmp_path, method="lora", max_train_steps=2, fuse_lora=True, mixed_precision="bf16")
+    train(config, base, one_image, None, out)
     assert set(stored_dtypes(out).values()) == {torch.bfloat16}
     assert all(w.dtype == torch.float32 for w in load_file(out / "pytorch_lora_weights.safetensors").values())
     assert not tensors_equal(out / UNET, base / UNET), "the adapters are fused in"
