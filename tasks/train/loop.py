@@ -9,6 +9,11 @@ reporting each step to callbacks.
 Never lose progress: SIGTERM/SIGINT finish the current step, save a checkpoint and stop; any other
 exception saves the state of the last completed step before it propagates; a non-finite loss or
 gradient stops the run before it poisons the weights and keeps the last good checkpoint.
+
+The checkpoint that is best, not the last: with a `judge` (selection.py) every checkpoint's
+validation images are scored before it is saved (the scores travel in the checkpoint), the best
+healthy one so far is kept out of pruning, and with `select_checkpoint: best` a divergence ends
+the run instead of failing it (core.py then writes the best checkpoint).
 """
 from __future__ import annotations
 
@@ -219,12 +224,13 @@ def run_loop(  # noqa: C901 - one loop, read top to bottom, on purpose
                     checkpoint_now = checkpoints is not None and (
                         state.step % cfg.checkpointing_steps == 0
                         or (judge is not None and cfg.select_checkpoint == "best" and state.step >= cfg.max_train_steps))
+                    if checkpoint_now:
+                        _check_weights(params, state.step, float(lr), checkpoints)  # only good ones are saved
                     if validate is not None and (cfg.validation_steps and state.step % cfg.validation_steps == 0
                                                  or checkpoint_now and judge is not None):
                         with ema.swapped_in() if ema is not None else nullcontext():
                             entry.validation = validate(state.step, live)
                     if checkpoint_now:
-                        _check_weights(params, state.step, float(lr), checkpoints)  # only good ones are saved
                         if judge is not None and accelerator.is_main_process:  # scored before saving: kept in it
                             state.scores.append(judge.score(state.step, entry.validation or {}, mean_loss))
                             _protect_best(checkpoints, judge, state)
