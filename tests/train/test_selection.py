@@ -14,6 +14,7 @@ from tasks.train.config import TrainConfig
 from tasks.train.core import train
 from tasks.train.loop import TrainingDiverged
 from tasks.train.methods.dreambooth import DreamBooth
+from tasks.train.methods.lora import LoRA
 from tasks.train.selection import (NEAR_BLACK_MEAN, NEAR_UNIFORM_STD, WeightsNeverMoved, best_record,
                                    collapse_reason, image_collapse)
 
@@ -94,7 +95,7 @@ def test_a_diverging_run_outputs_its_best_healthy_checkpoint(tmp_path, tiny_sd, 
     assert not (tmp_path / "o2").exists()
 
 
-def _black_samples_from_step(step: int, monkeypatch: pytest.MonkeyPatch) -> None:
+def _black_samples_from_step(step: int, monkeypatch: pytest.MonkeyPatch, method: type = DreamBooth) -> None:
     """Late collapse: from `step` on the samples are black while the loss stays finite. The tiny model's
     random VAE decodes any latent to texture, so the fault is injected into its decoder (frozen, used
     only for images), where a collapsing model's output would show it."""
@@ -105,7 +106,7 @@ def _black_samples_from_step(step: int, monkeypatch: pytest.MonkeyPatch) -> None
             with torch.no_grad():
                 self.components.vae.decoder.conv_out.bias.fill_(-1e3)
 
-    monkeypatch.setattr(DreamBooth, "after_step", after_step)
+    monkeypatch.setattr(method, "after_step", after_step)
 
 
 def test_collapsed_checkpoints_are_never_chosen(tmp_path, tiny_sd, instance_dir, monkeypatch) -> None:
@@ -131,6 +132,24 @@ def test_collapsed_checkpoints_are_never_chosen(tmp_path, tiny_sd, instance_dir,
         train(TrainConfig(**scored_last, checkpoints_dir=tmp_path / "last"), tiny_sd, instance_dir, None,
               tmp_path / "o2")
     assert not (tmp_path / "o2").exists()
+
+
+def test_lora_on_sdxl_writes_the_best_checkpoints_adapters(tmp_path, tiny_sdxl, instance_dir, monkeypatch) -> None:
+    """The best checkpoint's adapters (not the last step's) go to --out, for LoRA on SDXL too."""
+    _black_samples_from_step(3, monkeypatch, LoRA)
+    cfg = TrainConfig(**TINY, method="lora", max_train_steps=4, learning_rate=1e-2, checkpointing_steps=2,
+                      select_checkpoint="best", checkpoints_dir=tmp_path / "ck")
+    outcome = train(cfg, tiny_sdxl, instance_dir, None, tmp_path / "out")
+    assert [r["collapsed"] for r in outcome.report()["checkpoints"]] == [False, True]
+    assert outcome.report()["selected_checkpoint"]["step"] == 2
+
+    def sums(tensors: dict[str, torch.Tensor]) -> list[float]:
+        return sorted(round(float(t.double().sum()), 5) for t in tensors.values())
+
+    chosen = load_file(outcome.checkpoint_dir / "checkpoint-2" / "trainable_unet.safetensors")
+    last = load_file(outcome.checkpoint_dir / "checkpoint-4" / "trainable_unet.safetensors")
+    written = load_file(tmp_path / "out" / "pytorch_lora_weights.safetensors")
+    assert sums(written) == sums(chosen) != sums(last)
 
 
 def test_weights_that_never_moved_fail_the_stage(tmp_path, tiny_sd, instance_dir) -> None:
