@@ -138,9 +138,14 @@ def train(
         seconds=result.seconds, total_seconds=time.perf_counter() - start, images=result.images, weights=weights,
         validation=images, resumed_from=result.resumed_from, checkpoint_dir=checkpoints.run_dir,
         peak_memory_mb=peak,
-        checkpoints=[{**r, "path": str(checkpoints.run_dir / f"checkpoint-{r['step']}")} for r in result.state.scores],
+        checkpoints=[_on_disk(r, checkpoints.run_dir / f"checkpoint-{r['step']}") for r in result.state.scores],
         selected=selected,
     )
+
+
+def _on_disk(record: dict[str, Any], path: Path) -> dict[str, Any]:
+    """A checkpoint's record for the report: its folder, and whether pruning has kept it."""
+    return {**record, "path": str(path), "kept": path.is_dir()}
 
 
 def _select_output(cfg: TrainConfig, result: Any, checkpoints: CheckpointManager) -> dict[str, Any]:

@@ -125,6 +125,7 @@ def test_collapsed_checkpoints_are_never_chosen(tmp_path, tiny_sd, instance_dir,
     assert outcome.report()["selected_checkpoint"]["step"] == best["step"]
     kept = sorted(p.name for p in outcome.checkpoint_dir.glob("checkpoint-*"))
     assert kept == sorted({f"checkpoint-{best['step']}", "checkpoint-8"}), "the best is kept beyond the limit"
+    assert [scored[s]["kept"] for s in (2, 4, 6, 8)] == [s in (best["step"], 8) for s in (2, 4, 6, 8)]
 
     with pytest.raises(UserError, match=rf"last step \(8\) collapsed.*near-black.*best healthy checkpoint is step "
                                         rf"{best['step']}.*select_checkpoint: best"):
