@@ -4,7 +4,6 @@ Pure work: returns the report, the per-prompt rows and the grids; the CLI writes
 """
 from __future__ import annotations
 
-import json
 import logging
 import re
 import time
@@ -12,20 +11,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 from PIL import Image
 
 from tasks.common import families
 from tasks.common.errors import UserError
 from tasks.common.finetuned import load_finetuned
-from tasks.common.images import to_rgb
 from tasks.common.openvino_model import (
     StaticShape,
     compiled_precisions,
     load_ov_pipeline,
     static_shape,
 )
-from tasks.common.tiny_encoders import LoadedEncoder, load_clip, load_dino
+from tasks.common.scoring import Encoders, Scorer, load_instance_images
 from tasks.evaluate import extra_metrics as X
 from tasks.evaluate import fidelity as F
 from tasks.evaluate import metrics as M
@@ -35,9 +32,6 @@ from tasks.evaluate.generate import generate
 from tasks.evaluate.prompts import prompt_templates
 
 log = logging.getLogger(__name__)
-
-IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".webp", ".bmp"}
-
 
 @dataclass
 class Result:
@@ -60,26 +54,6 @@ def render_prompts(cfg: EvaluateConfig) -> tuple[list[str], list[str]]:
     return prompts, texts
 
 
-def load_instance_images(folder: Path) -> list[Image.Image]:
-    """The processed instance images: those listed in metadata.jsonl, else every image file."""
-    folder = Path(folder)
-    if not folder.is_dir():
-        raise UserError(f"{folder} does not exist: run the ingest stage first (dvc repro ingest)")
-    meta = folder / "metadata.jsonl"
-    if meta.is_file():
-        lines = [line for line in meta.read_text().splitlines() if line.strip()]
-        paths = [folder / json.loads(line)["file_name"] for line in lines]
-    else:
-        paths = sorted(p for p in folder.iterdir() if p.suffix.lower() in IMAGE_SUFFIXES)
-    if not paths:
-        raise UserError(f"{folder} holds no instance images; check the ingest stage's report")
-    images = []
-    for path in paths:
-        with Image.open(path) as im:
-            images.append(to_rgb(im).copy())
-    return images
-
-
 def _default_shape(pipe: Any) -> StaticShape:
     """For a dynamic pipeline: one prompt, one image per call, at the denoiser's native size."""
     size = families.of_pipeline(pipe).native_size(pipe)
@@ -93,33 +67,6 @@ def _load_base(path: Path) -> Any:
     if not (Path(path) / "model_index.json").is_file():
         raise UserError(f"{path} is not a diffusers pipeline: run the base stage (dvc repro base)")
     return DiffusionPipeline.from_pretrained(path, torch_dtype=torch.float32)
-
-
-def _scores(
-    images: list[list[Image.Image]],
-    texts: np.ndarray,
-    clip: LoadedEncoder,
-    dino: LoadedEncoder,
-    real_clip: np.ndarray,
-    real_dino: np.ndarray,
-) -> tuple[dict[str, float], list[dict[str, float]]]:
-    """Overall and per-prompt CLIP-T, CLIP-I, DINO of one model's images."""
-    flat = [im for row in images for im in row]
-    prompt_of = [p for p, row in enumerate(images) for _ in row]
-    clip_emb, dino_emb = clip.embed_images(flat), dino.embed_images(flat)
-    clip_t = M.clip_t_scores(texts, clip_emb, prompt_of)
-    clip_i = M.cosine_matrix(clip_emb, real_clip).mean(axis=1)  # per image, over the real images
-    dino = M.cosine_matrix(dino_emb, real_dino).mean(axis=1)
-    idx = np.asarray(prompt_of)
-    per_prompt = [
-        {"clip_t": float(clip_t[idx == p].mean()), "clip_i": float(clip_i[idx == p].mean()),
-         "dino": float(dino[idx == p].mean())}
-        for p in range(len(images))
-    ]
-    overall = {
-        "clip_t": float(clip_t.mean()), "clip_i": float(clip_i.mean()), "dino": float(dino.mean())
-    }
-    return overall, per_prompt
 
 
 @dataclass
@@ -169,8 +116,9 @@ def evaluate(model: Path, base: Path | None, instance_data: Path, cfg: EvaluateC
     images for `evaluate.heldout` (full fine-tunes)."""
     prompts, clip_texts = render_prompts(cfg)
     real_images = load_instance_images(instance_data)
-    clip = load_clip(cfg.clip_model, cfg.encoder_seed, cfg.clip_revision, "evaluate.clip_model")
-    dino = load_dino(cfg.dino_model, cfg.encoder_seed, cfg.dino_revision, "evaluate.dino_model")
+    encoders = Encoders.load(cfg.clip_model, cfg.dino_model, cfg.encoder_seed, cfg.clip_revision,
+                             cfg.dino_revision, key="evaluate")
+    clip, dino = encoders.clip, encoders.dino
     with_base = cfg.compare_base and base is not None
     if cfg.heldout.enabled and heldout is None:
         raise UserError("evaluate.heldout.enabled needs --heldout-data (held-out captioned images)")
@@ -206,7 +154,7 @@ def evaluate(model: Path, base: Path | None, instance_data: Path, cfg: EvaluateC
         seconds["generate_export"] = round(exported["seconds"], 3)
 
     start = time.perf_counter()
-    scorer = _Scorer(clip, dino, clip.embed_texts(clip_texts), real_images)
+    scorer = Scorer(clip, dino, clip.embed_texts(clip_texts), real_images)
     metrics, rows = _fine_tuning_metrics(scorer, prompts, clip_texts, tuned, based, heldout_data)
     fidelity = None
     if exported:
@@ -236,23 +184,7 @@ def evaluate(model: Path, base: Path | None, instance_data: Path, cfg: EvaluateC
                   {"export_images": exported["images"] if exported else None})
 
 
-class _Scorer:
-    """CLIP-T / CLIP-I / DINO of generated images against the prompts and the instance images."""
-
-    def __init__(self, clip: LoadedEncoder, dino: LoadedEncoder, texts: np.ndarray,
-                 real: list[Image.Image]) -> None:
-        self.clip, self.dino, self.texts = clip, dino, texts
-        self.real_clip, self.real_dino = clip.embed_images(real), dino.embed_images(real)
-
-    def scores(self, images: list[list[Image.Image]]) -> tuple[dict, list[dict]]:
-        return _scores(images, self.texts[: len(images)], self.clip, self.dino, self.real_clip,
-                       self.real_dino)
-
-    def overall(self, images: list[list[Image.Image]], n: int) -> dict[str, float]:
-        return self.scores(images[:n])[0]
-
-
-def _fine_tuning_metrics(scorer: _Scorer, prompts: list[str], clip_texts: list[str],
+def _fine_tuning_metrics(scorer: Scorer, prompts: list[str], clip_texts: list[str],
                          tuned: dict[str, Any], based: dict[str, Any],
                          heldout_data: Any) -> tuple[dict[str, float], list[dict[str, Any]]]:
     """The fine-tune's scores, the base's and the gains (one backend and precision), per prompt."""

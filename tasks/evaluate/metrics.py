@@ -15,6 +15,12 @@ from typing import Any, Mapping
 
 import numpy as np
 
+from tasks.common.scoring import clip_t_scores, cosine_matrix
+from tasks.common.scoring import unit_rows as _unit
+
+__all__ = ["clip_t_scores", "cosine_matrix", "frechet_distance", "gate", "mean_pairwise_cosine",
+           "mean_self_cosine", "paired_cosine"]
+
 # DreamBooth paper (Ruiz et al., CVPR 2023), Table 1, for reading our numbers beside theirs.
 # Their encoders: DINO ViT-S/16, CLIP ViT-B/32; 30 subjects, 25 prompts, 4 images per prompt.
 PAPER_TABLE1 = {
@@ -23,22 +29,6 @@ PAPER_TABLE1 = {
     "dreambooth_stable_diffusion": {"dino": 0.668, "clip_i": 0.803, "clip_t": 0.305},
     "textual_inversion_stable_diffusion": {"dino": 0.569, "clip_i": 0.780, "clip_t": 0.255},
 }
-
-
-def _unit(x: np.ndarray) -> np.ndarray:
-    x = np.asarray(x, dtype=np.float64)
-    if x.ndim != 2:
-        raise ValueError(f"expected a 2-D array of embeddings, got shape {x.shape}")
-    norm = np.linalg.norm(x, axis=1, keepdims=True)
-    return x / np.where(norm == 0, 1.0, norm)
-
-
-def cosine_matrix(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """(N, M) cosines between the rows of a (N, D) and b (M, D); rows are normalised here too."""
-    a, b = _unit(a), _unit(b)
-    if a.shape[1] != b.shape[1]:
-        raise ValueError(f"embedding sizes differ: {a.shape[1]} vs {b.shape[1]}")
-    return a @ b.T
 
 
 def mean_pairwise_cosine(generated: np.ndarray, real: np.ndarray) -> float:
@@ -55,14 +45,6 @@ def mean_self_cosine(real: np.ndarray) -> float:
         return float("nan")
     sims = cosine_matrix(real, real)
     return float((sims.sum() - np.trace(sims)) / (n * (n - 1)))
-
-
-def clip_t_scores(text: np.ndarray, images: np.ndarray, prompt_of_image: list[int]) -> np.ndarray:
-    """Per-image CLIP-T: cosine between image i and the text of its prompt `prompt_of_image[i]`."""
-    if len(prompt_of_image) != len(images):
-        raise ValueError("prompt_of_image needs one prompt index per image")
-    sims = cosine_matrix(images, text)
-    return sims[np.arange(len(images)), np.asarray(prompt_of_image, dtype=int)]
 
 
 def gate(

@@ -86,7 +86,8 @@ def read_lock(path: Path, required: tuple[str, ...] = KEY_OUTPUTS) -> Lock:
             if out.get("md5"):
                 hashes[str(out["path"])] = str(out["md5"])
         for section_values in (stage.get("params") or {}).values():  # {params.yaml: {base: {...}}}
-            params.update(section_values or {})
+            for key, value in (section_values or {}).items():
+                _set_dotted(params, key, value)  # single keys (train's `register.primary_metric`) nest
     missing = [p for p in required if p not in hashes]
     if missing:
         raise UserError(
@@ -94,6 +95,16 @@ def read_lock(path: Path, required: tuple[str, ...] = KEY_OUTPUTS) -> Lock:
             "run `dvc repro` first"
         )
     return Lock(hashes=hashes, params=params)
+
+
+def _set_dotted(params: dict[str, Any], key: str, value: Any) -> None:
+    """params[key] = value, where a dotted key (a stage tracking one key of another section) nests."""
+    *parents, last = str(key).split(".")
+    for part in parents:
+        if not isinstance(params.get(part), dict):
+            params[part] = {}
+        params = params[part]
+    params[last] = value
 
 
 def read_evaluation(path: Path) -> Evaluation:

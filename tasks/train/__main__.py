@@ -15,7 +15,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
-from tasks.common.config import load_config
+from tasks.common.config import load_config, read_params
 from tasks.common.distributed import failures_named, join
 from tasks.common.errors import main_guard
 from tasks.common.images import make_grid
@@ -68,6 +68,8 @@ def main() -> None:
     parser.add_argument("--params", type=Path, default=Path("params.yaml"))
     args = parser.parse_args()
     cfg = load_config("train", TrainConfig, args.params)
+    # checkpoint_scoring's null keys follow register.primary_metric(_goal) and evaluate's encoders
+    cfg = cfg.with_scoring_from(read_params(args.params))
     start("train", cfg.launcher, cfg.launch)  # under mpirun/accelerate: re-executes there and exits
     worker = join()  # this process's rank (0 of 1 when local)
     with failures_named(worker):
@@ -101,7 +103,11 @@ def _train(args: argparse.Namespace, cfg: TrainConfig, main_process: bool) -> No
             report = outcome.report()
             write_json(args.report, report)
             run.set_tags({"train.method": outcome.method, "train.family": outcome.family,
-                          "train.checkpoint_dir": str(outcome.checkpoint_dir)})
+                          "train.checkpoint_dir": str(outcome.checkpoint_dir),
+                          "train.selected_step": str(report["selected_checkpoint"]["step"])})
+            for record in report["checkpoints"]:
+                run.log_metrics({f"checkpoint_{k}": record[k] for k in ("clip_t", "clip_i", "dino")},
+                                step=record["step"])
             run.log_metrics({
                 "final_loss": report["final_loss"],
                 "train_seconds": report["seconds"],

@@ -68,15 +68,18 @@ class TrainState:
     batches_in_epoch: int = 0
     images: int = 0
     history: list[list[float]] = field(default_factory=list)  # [step, loss, lr] per step
+    scores: list[dict[str, Any]] = field(default_factory=list)  # one record per scored checkpoint (selection.py)
 
     def state_dict(self) -> dict[str, Any]:
         return {"step": self.step, "epoch": self.epoch, "batches_in_epoch": self.batches_in_epoch,
-                "images": self.images, "history": [list(h) for h in self.history]}
+                "images": self.images, "history": [list(h) for h in self.history],
+                "scores": [dict(r) for r in self.scores]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.step, self.epoch = int(state["step"]), int(state["epoch"])
         self.batches_in_epoch, self.images = int(state["batches_in_epoch"]), int(state["images"])
         self.history = [list(h) for h in state["history"]]
+        self.scores = [dict(r) for r in state.get("scores", [])]  # checkpoints written before scoring: none
 
 
 def trainable_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -137,6 +140,7 @@ class CheckpointManager:
         self.run_dir, self.total_limit, self.accelerator, self.info = Path(run_dir), total_limit, accelerator, info
         self.keep_every = keep_every
         self.last_saved: int | None = None
+        self.protected: int | None = None  # the best checkpoint's step: never pruned
         self.tracked: dict[str, Any] = {}
 
     @property
@@ -216,11 +220,31 @@ class CheckpointManager:
         self.last_saved = checkpoint_step(path)
         log.info("resumed from %s", path)
 
+    def protect(self, step: int | None) -> None:
+        """Keep checkpoint `step` (the best so far) out of pruning; the previous one becomes a rolling one."""
+        self.protected = step
+
+    def load_weights(self, path: Path, modules: dict[str, torch.nn.Module]) -> None:
+        """Put a checkpoint's trained weights (and EMA) into `modules`, leaving the loop's state alone."""
+        from safetensors.torch import load_file
+
+        checkpoint_files.verify(Path(path), self.key)
+        for name, module in modules.items():
+            state = load_file(str(Path(path) / f"trainable_{name}.safetensors"))
+            if set(state) != set(trainable_state(module)):
+                raise UserError(f"{path} does not hold the trained weights of {name}")
+            module.load_state_dict(state, strict=False)
+        if "ema" in self.tracked:
+            self.tracked["ema"].load_state_dict(checkpoint_files.load_state_dict(Path(path), "ema"))
+        log.info("output weights from %s", path)
+
     def _prune(self) -> None:
-        """Keep the newest `total_limit` rolling checkpoints, plus every `keep_every`-th step's for good."""
+        """Keep the newest `total_limit` rolling checkpoints, plus every `keep_every`-th step's for good
+        and the protected (best) one."""
         if self.total_limit is None:
             return
-        kept = (lambda p: (checkpoint_step(p) or 0) % self.keep_every == 0) if self.keep_every else (lambda p: False)
+        every = (lambda p: (checkpoint_step(p) or 0) % self.keep_every == 0) if self.keep_every else (lambda p: False)
+        kept = lambda p: every(p) or checkpoint_step(p) == self.protected  # noqa: E731
         rolling = [p for p in self.checkpoints() if not kept(p)]
         for old in rolling[: max(0, len(rolling) - self.total_limit)]:
             shutil.rmtree(old, ignore_errors=True)

@@ -25,6 +25,7 @@ from tasks.train.data import METADATA
 from tasks.train.loop import make_accelerator, run_loop
 from tasks.train.methods import METHODS
 from tasks.train.models import load_components
+from tasks.train.selection import CheckpointJudge, best_record
 from tasks.train.steplog import Callback, StepLog
 from tasks.train.validation import live_validator, output_validation
 
@@ -45,6 +46,8 @@ class TrainOutcome:
     resumed_from: int | None
     checkpoint_dir: Path | None
     peak_memory_mb: float
+    checkpoints: list[dict[str, Any]]  # one record per scored checkpoint (selection.py), with its folder
+    selected: dict[str, Any]  # what went to --out
 
     def report(self) -> dict[str, Any]:
         """reports/train.json (DVC metrics)."""
@@ -63,6 +66,8 @@ class TrainOutcome:
             "images_per_second": round(self.images / self.seconds, 3) if self.seconds > 0 and self.images else 0.0,
             "peak_memory_mb": round(self.peak_memory_mb, 1),
             "weights_sha256": self.weights,
+            "checkpoints": self.checkpoints,
+            "selected_checkpoint": self.selected,
         }
 
 
@@ -93,6 +98,7 @@ def train(
     if not (base / "model_index.json").is_file():
         raise UserError(f"{base} is not a diffusers pipeline folder: run the `base` stage first (dvc repro base)")
     cfg.check_family(families.detect(base))  # a method or option the family lacks: refused before any load
+    cfg = cfg.with_scoring_from(None)  # keys the CLI did not fill from params.yaml: their defaults
     _settings(cfg)
     accelerator = make_accelerator(cfg)
     set_seed(cfg.seed)
@@ -109,7 +115,10 @@ def train(
     method.bind(components)
     prompts = cfg.validation_prompts or method.validation_prompts()
     validate = live_validator(method, base, cfg, accelerator, prompts)
-    result = run_loop(method, dataset, cfg, accelerator, checkpoints, resume_from, callbacks, validate)
+    judge = CheckpointJudge(cfg.checkpoint_scoring, prompts, Path(data_dir)) if cfg.scores_checkpoints else None
+    result = run_loop(method, dataset, cfg, accelerator, checkpoints, resume_from, callbacks, validate, judge)
+    selected = _select_output(cfg, result, checkpoints)
+    result.anchor.check(result.params, cfg.method, result.state.step, result.last_lr)  # never an unmoved output
 
     images: dict[str, list[Image.Image]] = {}
     weights: dict[str, str] = {}
@@ -129,7 +138,47 @@ def train(
         seconds=result.seconds, total_seconds=time.perf_counter() - start, images=result.images, weights=weights,
         validation=images, resumed_from=result.resumed_from, checkpoint_dir=checkpoints.run_dir,
         peak_memory_mb=peak,
+        checkpoints=[_on_disk(r, checkpoints.run_dir / f"checkpoint-{r['step']}") for r in result.state.scores],
+        selected=selected,
     )
+
+
+def _on_disk(record: dict[str, Any], path: Path) -> dict[str, Any]:
+    """A checkpoint's record for the report: its folder, and whether pruning has kept it."""
+    return {**record, "path": str(path), "kept": path.is_dir()}
+
+
+def _select_output(cfg: TrainConfig, result: Any, checkpoints: CheckpointManager) -> dict[str, Any]:
+    """Put the chosen weights into the trained modules: the last step's, or the best healthy checkpoint's.
+
+    Never a collapsed one: with `last`, a scored last step that collapsed fails the stage, naming
+    the best healthy checkpoint instead.
+    """
+    scoring = cfg.checkpoint_scoring
+    records = result.state.scores
+    step = result.state.step
+    chosen: dict[str, Any] = {"select": cfg.select_checkpoint, "step": step, "stopped_early": result.stopped_early}
+    if records:
+        metric, goal = scoring.scored_metric(), str(scoring.goal)
+        best = best_record(records, metric, goal)
+        chosen.update(metric=metric, goal=goal, best_step=best["step"] if best else None)
+        if cfg.select_checkpoint == "best":
+            if best is None:
+                raise UserError("every scored checkpoint collapsed (" + "; ".join(
+                    f"step {r['step']}: {r['collapse_reason']}" for r in records) + "): nothing healthy to output. "
+                    "Lower train.learning_rate or raise lr_warmup_steps, and checkpoint more often "
+                    "(train.checkpointing_steps)")
+            if best["step"] != step or result.stopped_early:
+                checkpoints.load_weights(checkpoints.run_dir / f"checkpoint-{best['step']}", result.trained)
+            chosen.update(step=best["step"], value=best[metric])
+        last = records[-1]
+        if cfg.select_checkpoint == "last" and last["step"] == step and last["collapsed"]:
+            hint = f"the best healthy checkpoint is step {best['step']}: " if best else ""
+            raise UserError(f"the last step ({step}) collapsed ({last['collapse_reason']}), so it is not written to "
+                            f"--out; {hint}set train.select_checkpoint: best, or lower train.learning_rate")
+    log.info("output: %s checkpoint, step %d%s", cfg.select_checkpoint, chosen["step"],
+             f" ({chosen['metric']} {chosen['value']:.4f})" if "value" in chosen else "")
+    return chosen
 
 
 def write_loss_csv(path: Path, losses: list[list[float]]) -> None:

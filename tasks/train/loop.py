@@ -9,6 +9,11 @@ reporting each step to callbacks.
 Never lose progress: SIGTERM/SIGINT finish the current step, save a checkpoint and stop; any other
 exception saves the state of the last completed step before it propagates; a non-finite loss or
 gradient stops the run before it poisons the weights and keeps the last good checkpoint.
+
+The checkpoint that is best, not the last: with a `judge` (selection.py) every checkpoint's
+validation images are scored before it is saved (the scores travel in the checkpoint), the best
+healthy one so far is kept out of pruning, and with `select_checkpoint: best` a divergence ends
+the run instead of failing it (core.py then writes the best checkpoint).
 """
 from __future__ import annotations
 
@@ -34,6 +39,7 @@ from tasks.train.ema import Ema
 from tasks.train.interrupts import TrainingInterrupted, stop_on_signals
 from tasks.train.methods.base import TrainingMethod
 from tasks.train.optim import make_lr_scheduler, make_optimizer, weight_dtype
+from tasks.train.selection import CheckpointJudge, WeightsAnchor
 from tasks.train.steplog import Callback, RngSnapshot, StepLog, peak_memory_mb
 
 log = logging.getLogger(__name__)
@@ -54,6 +60,10 @@ class LoopResult:
     trained: dict[str, torch.nn.Module]  # unwrapped trained modules, for the method's save()
     resumed_from: int | None
     ema: Ema | None
+    params: list[torch.Tensor]  # the trainable tensors, in optimizer order
+    anchor: WeightsAnchor  # their values before step 1
+    last_lr: float = 0.0
+    stopped_early: str | None = None  # why training ended before max_train_steps (select best: divergence)
 
 
 def make_accelerator(cfg: TrainConfig) -> Any:
@@ -113,6 +123,7 @@ def run_loop(  # noqa: C901 - one loop, read top to bottom, on purpose
     resume_from: Path | None = None,
     callbacks: list[Callback] = (),  # type: ignore[assignment]
     validate: Validate | None = None,
+    judge: CheckpointJudge | None = None,
 ) -> LoopResult:
     """Train until `cfg.max_train_steps` optimizer steps; returns the history and the trained modules."""
     from accelerate import skip_first_batches
@@ -128,6 +139,7 @@ def run_loop(  # noqa: C901 - one loop, read top to bottom, on purpose
     optimizer = backend.prepare(method, optimizer)  # may switch the caches off (XLA)
     method.release_text_encoders()  # with the text cache on: embeddings in, encoders out
     params = [p for g in optimizer.param_groups for p in g["params"]]  # IPEX may have replaced them
+    anchor = WeightsAnchor(params)  # before any resume: the weights as the method set them up
     lr_scheduler = make_lr_scheduler(cfg, optimizer, n_proc)
     dataloader, sampler = build_dataloader(dataset, method, cfg)
     prepared = accelerator.prepare(*[modules[n] for n in trainable], optimizer, dataloader, lr_scheduler)
@@ -143,12 +155,14 @@ def run_loop(  # noqa: C901 - one loop, read top to bottom, on purpose
     if resume_from is not None and checkpoints is not None:
         checkpoints.load(resume_from)
         resumed_from = state.step
+        if judge is not None:
+            _protect_best(checkpoints, judge, state)
         if state.step > cfg.max_train_steps:
             log.warning("the checkpoint is at step %d, past train.max_train_steps %d: its weights are the output",
                         state.step, cfg.max_train_steps)
 
     history: list[StepLog] = []
-    start, run_images = time.perf_counter(), 0
+    start, run_images, lr, stopped = time.perf_counter(), 0, float("nan"), None
     micro_losses: list[torch.Tensor] = []
     extras: dict[str, list[float]] = {}
     step_images, step_start, data_seconds = 0, time.perf_counter(), 0.0
@@ -207,12 +221,20 @@ def run_loop(  # noqa: C901 - one loop, read top to bottom, on purpose
                                     step_images, data_seconds, peak_memory_mb(accelerator.device),
                                     {k: sum(v) / len(v) for k, v in extras.items()})
                     state.history.append([state.step, mean_loss, float(lr)])
-                    if checkpoints is not None and state.step % cfg.checkpointing_steps == 0:
+                    checkpoint_now = checkpoints is not None and (
+                        state.step % cfg.checkpointing_steps == 0
+                        or (judge is not None and cfg.select_checkpoint == "best" and state.step >= cfg.max_train_steps))
+                    if checkpoint_now:
                         _check_weights(params, state.step, float(lr), checkpoints)  # only good ones are saved
-                        entry.checkpoint = checkpoints.save(state.step)
-                    if validate is not None and cfg.validation_steps and state.step % cfg.validation_steps == 0:
+                    if validate is not None and (cfg.validation_steps and state.step % cfg.validation_steps == 0
+                                                 or checkpoint_now and judge is not None):
                         with ema.swapped_in() if ema is not None else nullcontext():
                             entry.validation = validate(state.step, live)
+                    if checkpoint_now:
+                        if judge is not None and accelerator.is_main_process:  # scored before saving: kept in it
+                            state.scores.append(judge.score(state.step, entry.validation or {}, mean_loss))
+                            _protect_best(checkpoints, judge, state)
+                        entry.checkpoint = checkpoints.save(state.step)
                     history.append(entry)
                     for callback in callbacks:
                         callback(entry)
@@ -233,7 +255,12 @@ def run_loop(  # noqa: C901 - one loop, read top to bottom, on purpose
                         break
                 else:
                     state.epoch, state.batches_in_epoch = state.epoch + 1, 0
-        except (TrainingDiverged, TrainingInterrupted):
+        except TrainingDiverged as err:
+            if judge is None or cfg.select_checkpoint != "best" or judge.best(state.scores) is None:
+                raise
+            stopped = str(err)
+            log.warning("training stopped early: %s; the best healthy checkpoint becomes the output", err)
+        except TrainingInterrupted:
             raise
         except Exception:
             if checkpoints is not None and state.step and checkpoints.last_saved != state.step:
@@ -252,7 +279,14 @@ def run_loop(  # noqa: C901 - one loop, read top to bottom, on purpose
     accelerator.wait_for_everyone()
     trained = {n: accelerator.unwrap_model(m) for n, m in wrapped.items()}
     backend.finish(trained)
-    return LoopResult(history, state, time.perf_counter() - start, run_images, trained, resumed_from, ema)
+    return LoopResult(history, state, time.perf_counter() - start, run_images, trained, resumed_from, ema, params,
+                      anchor, float(lr), stopped)
+
+
+def _protect_best(checkpoints: CheckpointManager | None, judge: CheckpointJudge, state: TrainState) -> None:
+    best = judge.best(state.scores)
+    if checkpoints is not None:
+        checkpoints.protect(best["step"] if best else None)
 
 
 def _save_unless_saved(checkpoints: CheckpointManager | None, step: int) -> Path | None:

@@ -97,3 +97,17 @@ def test_an_uncalibrated_evaluation_says_so_in_tag_and_description(tmp_path: Pat
     text = describe(lock, ev, "abc", "dino")
     assert text.startswith("Uncalibrated scores: builtin:tiny-clip have random weights. ")
     assert lineage_record(lock, ev, {}, "abc")["protocol"]["id"] == "0123abcd4567"
+
+
+def test_single_keys_a_stage_tracks_from_another_section_nest(tmp_path: Path) -> None:
+    """train tracks register.primary_metric and evaluate's encoders (its checkpoint scoring follows them)."""
+    (tmp_path / "dvc.lock").write_text(
+        "schema: '2.0'\nstages:\n  train:\n    cmd: x\n    params:\n      params.yaml:\n"
+        "        register.primary_metric: dino\n        evaluate.clip_model: builtin:tiny-clip\n"
+        "        train:\n          max_train_steps: 3\n"
+        "  evaluate:\n    cmd: y\n    params:\n      params.yaml:\n        evaluate:\n"
+        "          clip_model: builtin:tiny-clip\n          seed: 0\n")
+    lock = read_lock(tmp_path / "dvc.lock", required=())
+    assert lock.params == {"register": {"primary_metric": "dino"}, "train": {"max_train_steps": 3},
+                           "evaluate": {"clip_model": "builtin:tiny-clip", "seed": 0}}
+    assert set(inputs(lock)) == {"param.train.max_train_steps", "param.evaluate.clip_model", "param.evaluate.seed"}

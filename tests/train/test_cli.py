@@ -71,8 +71,11 @@ def test_sigterm_saves_a_checkpoint_and_the_next_run_resumes(
         p.name for p in checkpoints[0].iterdir()}
 
     # The same run, asked for two more steps (max_train_steps is not part of the run key), in process.
-    section.update(max_train_steps=stopped_at + 2, num_validation_images=2, validation_inference_steps=2)
-    params.write_text(yaml.safe_dump({"train": section}))
+    # select_checkpoint best: checkpoint_scoring follows the register's primary metric (gain_clip_i: ranked as clip_i)
+    section.update(max_train_steps=stopped_at + 2, num_validation_images=2, validation_inference_steps=2,
+                   select_checkpoint="best")
+    params.write_text(yaml.safe_dump({"train": section, "register": {"model_name": "m",
+                                                                     "primary_metric": "gain_clip_i"}}))
     monkeypatch.setenv("MLFLOW_ENABLE_SYSTEM_METRICS_LOGGING", "false")  # restored after the test
     monkeypatch.setenv("MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL", "10")
     monkeypatch.setattr(sys, "argv", ["python -m tasks.train", *argv])
@@ -87,6 +90,8 @@ def test_sigterm_saves_a_checkpoint_and_the_next_run_resumes(
         rows = list(csv.DictReader(fh))
     assert [int(r["step"]) for r in rows] == list(range(1, stopped_at + 3)), "the whole run's curve"
     assert float(rows[-1]["loss"]) == pytest.approx(data["final_loss"], rel=1e-5)
+    assert [r["step"] for r in data["checkpoints"]] == [stopped_at + 2], "the last step is scored with best"
+    assert data["selected_checkpoint"]["metric"] == "clip_i" and data["selected_checkpoint"]["step"] == stopped_at + 2
 
     runs = stage_runs(isolated_mlflow)
     assert [r.info.status for r in runs] == ["FINISHED", "FAILED"]  # newest first
@@ -94,7 +99,7 @@ def test_sigterm_saves_a_checkpoint_and_the_next_run_resumes(
     client = MlflowClient(tracking_uri=isolated_mlflow)
     steps = sorted(m.step for m in client.get_metric_history(runs[0].info.run_id, "loss"))
     assert steps and all(s % 2 == 0 or s == stopped_at + 2 for s in steps), "throttled to log_every_steps"
-    assert {"peak_memory_mb", "images_per_second", "grad_norm", "lr"} <= set(runs[0].data.metrics)
+    assert {"peak_memory_mb", "images_per_second", "grad_norm", "lr", "checkpoint_clip_i"} <= set(runs[0].data.metrics)
     assert any(k.startswith("system/") for k in runs[0].data.metrics), "MLflow system metrics are on"
     artifacts = {a.path for a in client.list_artifacts(runs[0].info.run_id)}
     assert {"train.json", "loss.csv", "validation_grid.png", "weights_sha256.json"} <= artifacts

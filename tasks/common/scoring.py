@@ -1,0 +1,121 @@
+"""Scoring generated images the evaluation protocol's way; shared by `evaluate` and `train`.
+
+- CLIP-T (prompt fidelity): cosine between a prompt's CLIP text embedding and the CLIP image
+  embedding of each image generated for it.
+- CLIP-I and DINO (subject fidelity): cosine of each generated image's CLIP resp. DINO image
+  embedding with every real instance image, averaged.
+
+`evaluate` scores the fine-tune and the base with this; `train` scores the validation images of
+each checkpoint with it to keep the best one. Embeddings are L2-normalised (N, D) arrays.
+"""
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from PIL import Image
+
+from tasks.common.errors import UserError
+from tasks.common.images import to_rgb
+from tasks.common.tiny_encoders import LoadedEncoder, load_clip, load_dino
+
+#: The metrics a set of generated images gets without a second model (base or export).
+IMAGE_METRICS = ("clip_t", "clip_i", "dino")
+IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".webp", ".bmp"}
+
+
+def unit_rows(x: np.ndarray) -> np.ndarray:
+    x = np.asarray(x, dtype=np.float64)
+    if x.ndim != 2:
+        raise ValueError(f"expected a 2-D array of embeddings, got shape {x.shape}")
+    norm = np.linalg.norm(x, axis=1, keepdims=True)
+    return x / np.where(norm == 0, 1.0, norm)
+
+
+def cosine_matrix(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """(N, M) cosines between the rows of a (N, D) and b (M, D); rows are normalised here too."""
+    a, b = unit_rows(a), unit_rows(b)
+    if a.shape[1] != b.shape[1]:
+        raise ValueError(f"embedding sizes differ: {a.shape[1]} vs {b.shape[1]}")
+    return a @ b.T
+
+
+def clip_t_scores(text: np.ndarray, images: np.ndarray, prompt_of_image: list[int]) -> np.ndarray:
+    """Per-image CLIP-T: cosine between image i and the text of its prompt `prompt_of_image[i]`."""
+    if len(prompt_of_image) != len(images):
+        raise ValueError("prompt_of_image needs one prompt index per image")
+    sims = cosine_matrix(images, text)
+    return sims[np.arange(len(images)), np.asarray(prompt_of_image, dtype=int)]
+
+
+def clip_t_text(prompt: str, identifier: str | None) -> str:
+    """What CLIP-T reads for `prompt`: the prompt without the rare-token identifier (it means
+    nothing to CLIP; the score is about following the context)."""
+    if identifier:
+        prompt = re.sub(rf"(?<!\w){re.escape(identifier)}(?!\w)", " ", prompt)
+    return re.sub(r"\s+", " ", prompt).strip()
+
+
+def load_instance_images(folder: Path) -> list[Image.Image]:
+    """The processed instance images: those listed in metadata.jsonl, else every image file."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise UserError(f"{folder} does not exist: run the ingest stage first (dvc repro ingest)")
+    meta = folder / "metadata.jsonl"
+    if meta.is_file():
+        lines = [line for line in meta.read_text().splitlines() if line.strip()]
+        paths = [folder / json.loads(line)["file_name"] for line in lines]
+    else:
+        paths = sorted(p for p in folder.iterdir() if p.suffix.lower() in IMAGE_SUFFIXES)
+    if not paths:
+        raise UserError(f"{folder} holds no instance images; check the ingest stage's report")
+    images = []
+    for path in paths:
+        with Image.open(path) as im:
+            images.append(to_rgb(im).copy())
+    return images
+
+
+@dataclass
+class Encoders:
+    clip: LoadedEncoder
+    dino: LoadedEncoder
+
+    @classmethod
+    def load(cls, clip_model: str, dino_model: str, seed: int = 0, clip_revision: str | None = None,
+             dino_revision: str | None = None, key: str = "evaluate") -> "Encoders":
+        """The two encoders by built-in name, folder or hub id; `key` names the params section in errors."""
+        return cls(load_clip(clip_model, seed, clip_revision, f"{key}.clip_model"),
+                   load_dino(dino_model, seed, dino_revision, f"{key}.dino_model"))
+
+
+class Scorer:
+    """CLIP-T / CLIP-I / DINO of generated images against prompt texts and the instance images."""
+
+    def __init__(self, clip: LoadedEncoder, dino: LoadedEncoder, texts: np.ndarray, real: list[Any]) -> None:
+        self.clip, self.dino, self.texts = clip, dino, texts
+        self.real_clip, self.real_dino = clip.embed_images(real), dino.embed_images(real)
+
+    def scores(self, images: list[list[Any]]) -> tuple[dict[str, float], list[dict[str, float]]]:
+        """Overall and per-prompt scores of images[p][j] (prompt p's j-th image)."""
+        flat = [im for row in images for im in row]
+        prompt_of = [p for p, row in enumerate(images) for _ in row]
+        clip_emb, dino_emb = self.clip.embed_images(flat), self.dino.embed_images(flat)
+        clip_t = clip_t_scores(self.texts[: len(images)], clip_emb, prompt_of)
+        clip_i = cosine_matrix(clip_emb, self.real_clip).mean(axis=1)  # per image, over the real images
+        dino = cosine_matrix(dino_emb, self.real_dino).mean(axis=1)
+        idx = np.asarray(prompt_of)
+        per_prompt = [
+            {"clip_t": float(clip_t[idx == p].mean()), "clip_i": float(clip_i[idx == p].mean()),
+             "dino": float(dino[idx == p].mean())}
+            for p in range(len(images))
+        ]
+        overall = {"clip_t": float(clip_t.mean()), "clip_i": float(clip_i.mean()), "dino": float(dino.mean())}
+        return overall, per_prompt
+
+    def overall(self, images: list[list[Any]], n: int) -> dict[str, float]:
+        return self.scores(images[:n])[0]
