@@ -8,7 +8,7 @@ import csv
 import logging
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +45,7 @@ class TrainOutcome:
     resumed_from: int | None
     checkpoint_dir: Path | None
     peak_memory_mb: float
+    buckets: dict[str, int] = field(default_factory=dict)  # instance images per 'HxW' bucket
 
     def report(self) -> dict[str, Any]:
         """reports/train.json (DVC metrics)."""
@@ -63,6 +64,7 @@ class TrainOutcome:
             "images_per_second": round(self.images / self.seconds, 3) if self.seconds > 0 and self.images else 0.0,
             "peak_memory_mb": round(self.peak_memory_mb, 1),
             "weights_sha256": self.weights,
+            **({"buckets": self.buckets} if self.buckets else {}),
         }
 
 
@@ -128,7 +130,7 @@ def train(
         method=cfg.method, family=components.family.name, history=result.history, losses=result.state.history,
         seconds=result.seconds, total_seconds=time.perf_counter() - start, images=result.images, weights=weights,
         validation=images, resumed_from=result.resumed_from, checkpoint_dir=checkpoints.run_dir,
-        peak_memory_mb=peak,
+        peak_memory_mb=peak, buckets=dataset.bucket_counts(),
     )
 
 

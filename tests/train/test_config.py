@@ -77,6 +77,7 @@ def test_shipped_params_are_valid_and_the_surface_is_frozen() -> None:
         "placeholder_token", "initializer_token", "num_vectors", "learnable_property",
         "rank", "lora_alpha", "lora_dropout", "fuse_lora",
         "resolution", "center_crop", "random_flip", "train_batch_size", "dataloader_num_workers",
+        "enable_bucket", "min_bucket_reso", "max_bucket_reso", "bucket_reso_steps", "aspect_ratio_buckets",
         "max_train_steps", "gradient_accumulation_steps", "gradient_checkpointing", "learning_rate", "scale_lr",
         "lr_scheduler", "lr_warmup_steps", "lr_num_cycles", "lr_power", "use_8bit_adam", "adam_beta1",
         "adam_beta2", "adam_weight_decay", "adam_epsilon", "max_grad_norm", "mixed_precision", "allow_tf32",

@@ -136,8 +136,13 @@ class TrainingMethod:
         log.info("%s data: %d instance images (prompts: %s)%s", self.name, len(instances),
                  f"column {self.caption_column!r}" if self.caption_column else repr(self.cfg.instance_prompt),
                  f", {len(classes)} class images" if classes else "")
-        return TrainDataset(instances, classes, self.prompt, self.cfg.class_prompt, self.cfg.resolution,
-                            self.cfg.center_crop, self.cfg.random_flip, self.cfg.seed)
+        dataset = TrainDataset(instances, classes, self.prompt, self.cfg.class_prompt, self.cfg.resolution,
+                               self.cfg.center_crop, self.cfg.random_flip, self.cfg.seed,
+                               self.cfg.buckets() if self.cfg.enable_bucket else None)
+        if dataset.buckets:
+            log.info("aspect-ratio buckets (height x width: instance images): %s",
+                     ", ".join(f"{k}: {v}" for k, v in dataset.bucket_counts().items()))
+        return dataset
 
     def collate(self, examples: list[dict[str, Any]]) -> dict[str, Any]:
         batch = collate(examples)
