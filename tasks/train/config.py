@@ -29,6 +29,7 @@ NOT_IN_RUN_KEY = frozenset({
     "checkpoints_dir", "resume",
     "validation_prompts", "num_validation_images", "validation_steps", "validation_inference_steps",
     "log_every_steps", "system_metrics_interval", "dataloader_num_workers", "cache_latents",
+    "cache_latents_to_disk", "latents_cache_dir",
     "cache_text_encoder_outputs", "fuse_lora", "xla",
     # How the processes were started does not change a step; how many there are does (the global
     # batch, the data each rank reads, one RNG file per rank in a checkpoint), so the run key
@@ -150,6 +151,13 @@ class TrainConfig(StageConfig):
     cache_text_encoder_outputs: bool = Field(
         True, description="encode each prompt once (off by itself when the text encoder trains or tags shuffle)"
     )
+    cache_latents_to_disk: bool = Field(
+        False, description="keep the latent cache in files under latents_cache_dir, reused by later runs and resumes "
+                           "(memory then does not grow with the dataset)"
+    )
+    latents_cache_dir: Path = Field(
+        Path(".cache/latents"), description="the disk latent cache: <this>/<VAE fingerprint>/<key hash> files"
+    )
     channels_last: bool = Field(False, description="channels-last memory format for the UNet and VAE")
     # --- back ends (tasks/train/README.md, "CPU and TPU back ends") ------------------------------
     cpu_backend: Literal["auto", "ipex", "native"] = Field(
@@ -219,6 +227,8 @@ class TrainConfig(StageConfig):
             return "lr_warmup_steps is larger than max_train_steps"
         if self.keep_checkpoints_every_steps and self.keep_checkpoints_every_steps % self.checkpointing_steps:
             return "keep_checkpoints_every_steps must be a multiple of checkpointing_steps"
+        if self.cache_latents_to_disk and not self.cache_latents:
+            return "cache_latents_to_disk needs cache_latents: true"
         if self.keep_tokens and not self.shuffle_tag_p:
             return "keep_tokens only matters with shuffle_tag_p > 0"
         if problem := self._bucket_problem():

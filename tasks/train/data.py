@@ -13,6 +13,8 @@ before it: resume is exact, and 2 ranks x batch b train as 1 rank x batch 2b.
 """
 from __future__ import annotations
 
+import hashlib
+import io
 import json
 import logging
 from dataclasses import dataclass, field
@@ -152,8 +154,8 @@ class TrainDataset(Dataset):
     """Instance images with per-method prompts, paired with class images and the class prompt.
 
     Indexed by (epoch, index) pairs from `EpochSampler` (or batches of them from the buckets'
-    sampler). Each example has a `latent_key` when its pixels are fixed: the same key means the
-    same pixels (same file, same target size, same crop, same flip). With `buckets`, an example's
+    sampler). Each example has a `latent_key` when its pixels are fixed (centre crop): the same
+    key means the same pixels (same file content, same target size, same flip). With `buckets`, an example's
     target is its instance image's bucket, and its class image is cropped to that bucket too (a
     batch must share one size).
     """
@@ -198,10 +200,12 @@ class TrainDataset(Dataset):
     def _load(self, kind: str, position: int, record: Record, rng: np.random.Generator,
               target: tuple[int, int]) -> dict[str, Any]:
         flip = bool(rng.random() < 0.5) if self.random_flip else False
-        with Image.open(record.path) as im:
+        data = record.path.read_bytes()
+        with Image.open(io.BytesIO(data)) as im:
             pixels, original, crop = prepare_image(im, target, self.center_crop, flip, rng)
-        size = f":{target[0]}x{target[1]}" if self.buckets else ""
-        key = f"{kind}:{position}:{int(flip)}{size}" if self.center_crop else None
+        # The key names the pixels: the file's content, the size it is cropped to, the flip.
+        key = (f"{hashlib.sha256(data).hexdigest()}:{target[0]}x{target[1]}:{int(flip)}"
+               if self.center_crop else None)
         return {"pixels": pixels, "original_size": original, "crop_top_left": crop, "target_size": target,
                 "latent_key": key}
 

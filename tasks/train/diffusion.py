@@ -58,11 +58,12 @@ def encode_latents(vae: torch.nn.Module, pixels: torch.Tensor, rand: RowRandom |
 class LatentCache:
     """Posterior parameters per `latent_key` (file + crop + flip), encoded one image at a time.
 
-    One image at a time, so a cached value never depends on which batch first needed it.
+    One image at a time, so a cached value never depends on which batch first needed it. `store`:
+    a dict (memory) by default, or any mapping such as tasks.train.latent_store.DiskLatentStore.
     """
 
-    def __init__(self) -> None:
-        self.store: dict[str, torch.Tensor] = {}
+    def __init__(self, store: Any = None) -> None:
+        self.store: Any = {} if store is None else store
         self.hits = self.misses = 0
 
     def latents(self, vae: torch.nn.Module, pixels: torch.Tensor, keys: list[str | None],
@@ -79,6 +80,7 @@ class LatentCache:
             self.misses += 1
             dist = vae.encode(pixels[i : i + 1].to(param.device, param.dtype)).latent_dist
             self.store[key] = dist.parameters.detach().float().cpu()
+        # (`misses` counts encodings: with a disk store, entries an earlier run wrote are hits)
         stacked = torch.cat([self.store[k] for k in keys]).to(param.device)
         return scale(vae, _sample(DiagonalGaussianDistribution(stacked), rand))
 

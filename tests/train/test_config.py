@@ -84,7 +84,7 @@ def test_shipped_params_are_valid_and_the_surface_is_frozen() -> None:
         "prediction_type", "snr_gamma", "noise_offset",
         "weighting_scheme", "logit_mean", "logit_std", "mode_scale", "guidance_scale", "max_sequence_length",
         "use_ema", "ema_decay", "offload_ema", "ema_update_every",
-        "cache_latents", "cache_text_encoder_outputs", "channels_last", "cpu_backend", "torch_compile", "xla",
+        "cache_latents", "cache_latents_to_disk", "latents_cache_dir", "cache_text_encoder_outputs", "channels_last", "cpu_backend", "torch_compile", "xla",
         "checkpoints_dir", "checkpointing_steps", "checkpoints_total_limit", "keep_checkpoints_every_steps", "resume",
         "validation_prompts", "num_validation_images", "validation_steps", "validation_inference_steps",
         "log_every_steps", "system_metrics_interval", "seed", "launcher", "launch",

@@ -160,7 +160,15 @@ class TrainingMethod:
     def setup_caches(self) -> None:
         """Cache what cannot change: latents of fixed crops, embeddings of a frozen text encoder."""
         trains_text = any(n.startswith("text_encoder") for n in self.trainable())
-        self.latent_cache = LatentCache() if self.cfg.cache_latents and self.cfg.center_crop else None
+        self.latent_cache = None
+        if self.cfg.cache_latents and self.cfg.center_crop:
+            store = None
+            if self.cfg.cache_latents_to_disk:
+                from tasks.train.latent_store import DiskLatentStore
+
+                store = DiskLatentStore(self.cfg.latents_cache_dir, self.components.modules["vae"])
+                log.info("latent cache on disk: %s", store.folder)
+            self.latent_cache = LatentCache(store)
         self.prompt_cache = (PromptCache() if self.cfg.cache_text_encoder_outputs and not trains_text
                              and not self.prompts_vary() else None)
         log.info("caching: latents %s, text embeddings %s",
