@@ -29,7 +29,7 @@ NOT_IN_RUN_KEY = frozenset({
     "checkpoints_dir", "resume",
     "validation_prompts", "num_validation_images", "validation_steps", "validation_inference_steps",
     "log_every_steps", "system_metrics_interval", "dataloader_num_workers", "cache_latents",
-    "cache_latents_to_disk", "latents_cache_dir",
+    "cache_latents_to_disk", "cache_text_encoder_outputs_to_disk", "disk_cache_dir",
     "cache_text_encoder_outputs", "fuse_lora", "xla",
     # How the processes were started does not change a step; how many there are does (the global
     # batch, the data each rank reads, one RNG file per rank in a checkpoint), so the run key
@@ -152,11 +152,14 @@ class TrainConfig(StageConfig):
         True, description="encode each prompt once (off by itself when the text encoder trains or tags shuffle)"
     )
     cache_latents_to_disk: bool = Field(
-        False, description="keep the latent cache in files under latents_cache_dir, reused by later runs and resumes "
+        False, description="keep the latent cache in files under disk_cache_dir, reused by later runs and resumes "
                            "(memory then does not grow with the dataset)"
     )
-    latents_cache_dir: Path = Field(
-        Path(".cache/latents"), description="the disk latent cache: <this>/<VAE fingerprint>/<key hash> files"
+    cache_text_encoder_outputs_to_disk: bool = Field(
+        False, description="keep the text embedding cache in files under disk_cache_dir, reused by later runs"
+    )
+    disk_cache_dir: Path = Field(
+        Path(".cache/encoded"), description="the disk caches: <this>/<VAE fingerprint>/ and <this>/text-<encoders>/"
     )
     channels_last: bool = Field(False, description="channels-last memory format for the UNet and VAE")
     # --- back ends (tasks/train/README.md, "CPU and TPU back ends") ------------------------------
@@ -229,6 +232,8 @@ class TrainConfig(StageConfig):
             return "keep_checkpoints_every_steps must be a multiple of checkpointing_steps"
         if self.cache_latents_to_disk and not self.cache_latents:
             return "cache_latents_to_disk needs cache_latents: true"
+        if self.cache_text_encoder_outputs_to_disk and not self.cache_text_encoder_outputs:
+            return "cache_text_encoder_outputs_to_disk needs cache_text_encoder_outputs: true"
         if self.keep_tokens and not self.shuffle_tag_p:
             return "keep_tokens only matters with shuffle_tag_p > 0"
         if problem := self._bucket_problem():

@@ -32,7 +32,7 @@ def _cfg(tmp_path: Path, name: str, **kw) -> TrainConfig:
 def test_a_changed_image_is_the_only_entry_encoded_again(tmp_path, tiny_sd) -> None:
     data = write_imagefolder(tmp_path / "data", 3, "a photo of sks toy", 21, size=(48, 40))
     cache = tmp_path / "latents"
-    disk = dict(cache_latents_to_disk=True, latents_cache_dir=cache)
+    disk = dict(cache_latents_to_disk=True, disk_cache_dir=cache)
     memory = train(_cfg(tmp_path, "m"), tiny_sd, data, None, tmp_path / "memory")
     first = train(_cfg(tmp_path, "a", **disk), tiny_sd, data, None, tmp_path / "a")
     before = _entries(cache)
@@ -56,6 +56,26 @@ def test_a_changed_image_is_the_only_entry_encoded_again(tmp_path, tiny_sd) -> N
     assert len(_entries(cache)) == 7, "another size (the bucket) is another entry per image"
 
 
+def test_text_embeddings_on_disk_per_caption(tmp_path, tiny_sdxl) -> None:
+    """Captions: one file per prompt (with SDXL's pooled embeds); a new caption adds only its file."""
+    rows = [{"caption": f"a photo of toy number {i}"} for i in range(3)]
+    data = write_imagefolder(tmp_path / "data", 3, "unused", 22, size=(32, 32), extra=rows)
+    cache = tmp_path / "encoded"
+    kw = dict(cache_text_encoder_outputs_to_disk=True, disk_cache_dir=cache, caption_column="caption")
+    memory = train(_cfg(tmp_path, "m", caption_column="caption"), tiny_sdxl, data, None, tmp_path / "memory")
+    train(_cfg(tmp_path, "a", **kw), tiny_sdxl, data, None, tmp_path / "a")
+    before = _entries(cache)
+    assert len(before) == 3 and all(p.parent.parent.name.startswith("text-") for p in before)
+    assert set(load_file(next(iter(before)))) == {"hidden", "pooled"}
+    again = train(_cfg(tmp_path, "b", **kw), tiny_sdxl, data, None, tmp_path / "b")
+    assert _entries(cache) == before and again.losses == memory.losses, "reused, and trains as from memory"
+    lines = (data / "metadata.jsonl").read_text().replace("number 2", "number 9")
+    (data / "metadata.jsonl").write_text(lines)
+    train(_cfg(tmp_path, "c", **kw), tiny_sdxl, data, None, tmp_path / "c")
+    after = _entries(cache)
+    assert len(after) == 4 and {p: after[p] for p in before} == before
+
+
 def test_the_vae_and_its_precision_name_the_folder(tmp_path) -> None:
     vae = torch.nn.Conv2d(3, 8, 3)
     fingerprint = vae_fingerprint(vae)
@@ -69,3 +89,5 @@ def test_the_vae_and_its_precision_name_the_folder(tmp_path) -> None:
 def test_disk_cache_needs_the_cache() -> None:
     with pytest.raises(ValidationError, match="cache_latents_to_disk needs cache_latents"):
         TrainConfig(cache_latents=False, cache_latents_to_disk=True)
+    with pytest.raises(ValidationError, match="cache_text_encoder_outputs_to_disk needs cache_text_encoder_outputs"):
+        TrainConfig(cache_text_encoder_outputs=False, cache_text_encoder_outputs_to_disk=True)
