@@ -130,3 +130,17 @@ def test_exact_resume_with_buckets(tmp_path, tiny_sd, mixed_dir, class_dir) -> N
     assert [h[1] for h in resumed.losses] == pytest.approx([h[1] for h in straight.losses], rel=1e-6)
     a, b = load_file(tmp_path / "straight" / UNET), load_file(tmp_path / "resumed" / UNET)
     assert all(torch.equal(a[k], b[k]) for k in a), "bit-identical weights"
+
+
+@pytest.mark.parametrize("method, extra", [
+    ("textual_inversion", dict(placeholder_token="<sks>", initializer_token="toy", instance_prompt="a photo of <sks>")),
+    ("full", dict(caption_column="text")),
+    ("lora", {}),
+])
+def test_every_method_trains_on_buckets(tmp_path, tiny_sd, mixed_dir, method, extra) -> None:
+    cfg = TrainConfig(**BUCKETS, **extra, method=method, with_prior_preservation=False, resolution=32,
+                      train_batch_size=2, max_train_steps=4, num_validation_images=0, system_metrics_interval=0,
+                      checkpoints_dir=tmp_path / "ckpt", resume="none")
+    outcome = train(cfg, tiny_sd, mixed_dir, None, tmp_path / "out")
+    assert outcome.report()["steps"] == 4 and all(math.isfinite(h[1]) for h in outcome.losses)
+    assert outcome.report()["buckets"] == {"24x40": 3, "32x32": 1, "40x24": 2}
