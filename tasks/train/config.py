@@ -29,6 +29,7 @@ NOT_IN_RUN_KEY = frozenset({
     "checkpoints_dir", "resume",
     "validation_prompts", "num_validation_images", "validation_steps", "validation_inference_steps",
     "log_every_steps", "system_metrics_interval", "dataloader_num_workers", "cache_latents",
+    "cache_latents_to_disk", "cache_text_encoder_outputs_to_disk", "disk_cache_dir",
     "cache_text_encoder_outputs", "fuse_lora", "xla",
     # How the processes were started does not change a step; how many there are does (the global
     # batch, the data each rank reads, one RNG file per rank in a checkpoint), so the run key
@@ -157,6 +158,16 @@ class TrainConfig(StageConfig):
     resolution: int = Field(64, ge=8, le=4096, multiple_of=8, description="training images are resized/cropped to this")
     center_crop: bool = Field(True, description="centre crop (false: random crop)")
     random_flip: bool = Field(False, description="flip images horizontally at random")
+    # --- aspect-ratio buckets (kohya sd-scripts' names; a fixed list as diffusers' aspect_ratio_buckets) ----
+    enable_bucket: bool = Field(False, description="train each image whole in the bucket nearest its aspect ratio")
+    min_bucket_reso: int | None = Field(None, ge=8, description="shortest bucket side; null: resolution / 2")
+    max_bucket_reso: int | None = Field(None, ge=8, description="longest bucket side; null: resolution x 2")
+    bucket_reso_steps: int | None = Field(
+        None, ge=8, multiple_of=8, description="bucket sides are multiples of this; null: 64 (8 below resolution 256)"
+    )
+    aspect_ratio_buckets: str | list[tuple[int, int]] | None = Field(
+        None, description="a fixed bucket list, 'h,w;h,w' or [[h, w], ...] (diffusers); replaces the kohya rule"
+    )
     train_batch_size: int = Field(2, ge=1, le=4096, description="instance images per device per step")
     dataloader_num_workers: int = Field(0, ge=0, le=64)
     # --- optimisation ----------------------------------------------------------------------------
@@ -205,6 +216,16 @@ class TrainConfig(StageConfig):
     cache_latents: bool = Field(True, description="encode each image once (off by itself with random crops)")
     cache_text_encoder_outputs: bool = Field(
         True, description="encode each prompt once (off by itself when the text encoder trains or tags shuffle)"
+    )
+    cache_latents_to_disk: bool = Field(
+        False, description="keep the latent cache in files under disk_cache_dir, reused by later runs and resumes "
+                           "(memory then does not grow with the dataset)"
+    )
+    cache_text_encoder_outputs_to_disk: bool = Field(
+        False, description="keep the text embedding cache in files under disk_cache_dir, reused by later runs"
+    )
+    disk_cache_dir: Path = Field(
+        Path(".cache/encoded"), description="the disk caches: <this>/<VAE fingerprint>/ and <this>/text-<encoders>/"
     )
     channels_last: bool = Field(False, description="channels-last memory format for the UNet and VAE")
     # --- back ends (tasks/train/README.md, "CPU and TPU back ends") ------------------------------
@@ -284,12 +305,51 @@ class TrainConfig(StageConfig):
         if self.scores_checkpoints and self.num_validation_images == 0:
             return ("select_checkpoint best and checkpoint_scoring need validation images to score: set "
                     "num_validation_images > 0, or select_checkpoint: last")
+        if self.cache_latents_to_disk and not self.cache_latents:
+            return "cache_latents_to_disk needs cache_latents: true"
+        if self.cache_text_encoder_outputs_to_disk and not self.cache_text_encoder_outputs:
+            return "cache_text_encoder_outputs_to_disk needs cache_text_encoder_outputs: true"
         if self.keep_tokens and not self.shuffle_tag_p:
             return "keep_tokens only matters with shuffle_tag_p > 0"
+        if problem := self._bucket_problem():
+            return problem
         if self.resume not in ("latest", "none") and not Path(self.resume).is_dir():
             return (f"resume: {self.resume!r} is not a checkpoint folder; use latest (the newest checkpoint "
                     "of this run, if any), none, or a checkpoint-<step> folder")
         return None
+
+    def _bucket_problem(self) -> str | None:
+        if not self.enable_bucket:
+            keys = ("min_bucket_reso", "max_bucket_reso", "bucket_reso_steps", "aspect_ratio_buckets")
+            if set_keys := [k for k in keys if getattr(self, k) is not None]:
+                return f"{', '.join(set_keys)} only matter with enable_bucket: true"
+            return None
+        try:
+            buckets = self.buckets()
+        except ValueError as err:
+            return f"aspect_ratio_buckets: {err} (write 'h,w;h,w' or a list of [h, w], sides multiples of 8)"
+        if bad := [b for b in buckets if b[0] % 8 or b[1] % 8 or min(b) < 8]:
+            return f"aspect_ratio_buckets: {bad} are not multiples of 8 (the VAE downsamples by 8)"
+        lo, hi, step = self.bucket_shape()
+        if self.aspect_ratio_buckets is None and not lo <= self.resolution <= hi:
+            return f"min_bucket_reso {lo} <= resolution {self.resolution} <= max_bucket_reso {hi} must hold"
+        if self.aspect_ratio_buckets is None and (lo % step or hi % step):
+            return f"min_bucket_reso {lo} and max_bucket_reso {hi} must be multiples of bucket_reso_steps {step}"
+        return None
+
+    def bucket_shape(self) -> tuple[int, int, int]:
+        """(min_bucket_reso, max_bucket_reso, bucket_reso_steps) with the defaults filled in."""
+        step = self.bucket_reso_steps or (64 if self.resolution >= 256 else 8)
+        lo = self.min_bucket_reso or max(step, self.resolution // 2 // step * step)
+        return lo, self.max_bucket_reso or self.resolution * 2, step
+
+    def buckets(self) -> list[tuple[int, int]]:
+        """The (height, width) buckets: the fixed list, or kohya's rule from the bucket options."""
+        from tasks.train.buckets import kohya_buckets, parse_buckets
+
+        if self.aspect_ratio_buckets is not None:
+            return parse_buckets(self.aspect_ratio_buckets)
+        return kohya_buckets(self.resolution, *self.bucket_shape())
 
     def check_family(self, family: Any) -> None:
         """Refuse, before any weights load, a method or option the base model's family does not have."""
@@ -304,6 +364,11 @@ class TrainConfig(StageConfig):
         if self.launcher == "xla" and not family.xla_tested:
             problems.append(f"train.launcher: xla has been run for the UNet families (SD, SDXL) only, not for "
                             f"{family.title}; use local, accelerate or mpirun")
+        if self.enable_bucket and (odd := [b for b in self.buckets() if b[0] % family.pixel_multiple
+                                           or b[1] % family.pixel_multiple]):
+            problems.append(f"train: buckets {odd[:4]} have sides that are not multiples of {family.pixel_multiple}, "
+                            f"which {family.title} needs; set bucket_reso_steps (and min/max_bucket_reso) to "
+                            f"multiples of {family.pixel_multiple}, or list such aspect_ratio_buckets")
         if family.objective != "flow_matching":
             flow_keys = ("weighting_scheme", "max_sequence_length")
             problems += [f"train.{k}: a flow-matching option (SD3, FLUX); {family.title} trains with DDPM noise, "

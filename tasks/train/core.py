@@ -8,7 +8,7 @@ import csv
 import logging
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +48,7 @@ class TrainOutcome:
     peak_memory_mb: float
     checkpoints: list[dict[str, Any]]  # one record per scored checkpoint (selection.py), with its folder
     selected: dict[str, Any]  # what went to --out
+    buckets: dict[str, int] = field(default_factory=dict)  # instance images per 'HxW' bucket
 
     def report(self) -> dict[str, Any]:
         """reports/train.json (DVC metrics)."""
@@ -68,6 +69,7 @@ class TrainOutcome:
             "weights_sha256": self.weights,
             "checkpoints": self.checkpoints,
             "selected_checkpoint": self.selected,
+            **({"buckets": self.buckets} if self.buckets else {}),
         }
 
 
@@ -137,7 +139,7 @@ def train(
         method=cfg.method, family=components.family.name, history=result.history, losses=result.state.history,
         seconds=result.seconds, total_seconds=time.perf_counter() - start, images=result.images, weights=weights,
         validation=images, resumed_from=result.resumed_from, checkpoint_dir=checkpoints.run_dir,
-        peak_memory_mb=peak,
+        peak_memory_mb=peak, buckets=dataset.bucket_counts(),
         checkpoints=[_on_disk(r, checkpoints.run_dir / f"checkpoint-{r['step']}") for r in result.state.scores],
         selected=selected,
     )

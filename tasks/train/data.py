@@ -13,6 +13,8 @@ before it: resume is exact, and 2 ranks x batch b train as 1 rank x batch 2b.
 """
 from __future__ import annotations
 
+import hashlib
+import io
 import json
 import logging
 from dataclasses import dataclass, field
@@ -41,6 +43,15 @@ class Record:
     tags: tuple[str, ...] = ()
     tag_separator: str = ", "
     score: float | None = None
+    size: tuple[int, int] | None = None  # (height, width) when the metadata has them (the ingest writes them)
+
+    def image_size(self) -> tuple[int, int]:
+        """(height, width) of the upright image: the metadata's, else read from the file's header."""
+        if self.size is not None:
+            return self.size
+        with Image.open(self.path) as im:
+            swap = im.getexif().get(0x0112, 1) in (5, 6, 7, 8)  # EXIF orientations that turn by 90 degrees
+            return (im.width, im.height) if swap else (im.height, im.width)
 
 
 def read_imagefolder(folder: Path, what: str, fix: str, caption_column: str = "text") -> list[Record]:
@@ -72,11 +83,16 @@ def read_imagefolder(folder: Path, what: str, fix: str, caption_column: str = "t
             tags = row.get("tags") or ()
             records.append(Record(
                 path, str(row.get(caption_column) or ""), tuple(str(t) for t in tags),
-                row.get("tag_separator") or ", ", row.get("score"),
+                row.get("tag_separator") or ", ", row.get("score"), _size(row),
             ))
     if not records:
         raise UserError(f"{what}: {folder} holds no images. {fix}")
     return records
+
+
+def _size(row: dict[str, Any]) -> tuple[int, int] | None:
+    height, width = row.get("height"), row.get("width")
+    return (int(height), int(width)) if isinstance(height, int) and isinstance(width, int) else None
 
 
 @dataclass(frozen=True)
@@ -103,24 +119,27 @@ class CaptionPolicy:
 
 
 def prepare_image(
-    image: Image.Image, resolution: int, center_crop: bool, flip: bool, rng: np.random.Generator | None = None
+    image: Image.Image, resolution: int | tuple[int, int], center_crop: bool, flip: bool,
+    rng: np.random.Generator | None = None,
 ) -> tuple[torch.Tensor, tuple[int, int], tuple[int, int]]:
-    """Resize (short side), crop square, optionally flip; -> (CHW tensor in [-1, 1], original (h, w), crop (top, left)).
+    """Resize to cover the target, crop it, optionally flip; -> (CHW in [-1, 1], original (h, w), crop (top, left)).
 
-    The original size and crop corner are what SDXL's micro-conditioning takes.
+    The target is a square side or a bucket's (height, width); the original size and crop corner
+    are what SDXL's micro-conditioning takes.
     """
+    th, tw = (resolution, resolution) if isinstance(resolution, int) else resolution
     image = to_rgb(apply_exif_orientation(image))
     original = (image.height, image.width)
-    scale = resolution / min(image.size)
-    size = (max(resolution, round(image.width * scale)), max(resolution, round(image.height * scale)))
+    scale = max(th / image.height, tw / image.width)
+    size = (max(tw, round(image.width * scale)), max(th, round(image.height * scale)))
     if size != image.size:
         image = image.resize(size, Image.Resampling.BILINEAR)
     if center_crop or rng is None:
-        top, left = (image.height - resolution) // 2, (image.width - resolution) // 2
+        top, left = (image.height - th) // 2, (image.width - tw) // 2
     else:
-        top = int(rng.integers(0, image.height - resolution + 1))
-        left = int(rng.integers(0, image.width - resolution + 1))
-    image = image.crop((left, top, left + resolution, top + resolution))
+        top = int(rng.integers(0, image.height - th + 1))
+        left = int(rng.integers(0, image.width - tw + 1))
+    image = image.crop((left, top, left + tw, top + th))
     if flip:
         image = image.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
     array = np.asarray(image, dtype=np.float32) / 127.5 - 1.0
@@ -134,8 +153,11 @@ PromptFn = Callable[[Record, np.random.Generator], str]
 class TrainDataset(Dataset):
     """Instance images with per-method prompts, paired with class images and the class prompt.
 
-    Indexed by (epoch, index) pairs from `EpochSampler`. `cache_keys` adds a `latent_key` per
-    image: the same key means the same pixels (same file, same crop, same flip).
+    Indexed by (epoch, index) pairs from `EpochSampler` (or batches of them from the buckets'
+    sampler). Each example has a `latent_key` when its pixels are fixed (centre crop): the same
+    key means the same pixels (same file content, same target size, same flip). With `buckets`, an example's
+    target is its instance image's bucket, and its class image is cropped to that bucket too (a
+    batch must share one size).
     """
 
     instances: list[Record]
@@ -146,20 +168,46 @@ class TrainDataset(Dataset):
     center_crop: bool = True
     random_flip: bool = False
     seed: int = 0
+    buckets: list[tuple[int, int]] | None = None  # (height, width); None: square `resolution`
     classes_: list[Record] = field(init=False)
+    bucket_of: list[int] = field(init=False)  # per instance image
 
     def __post_init__(self) -> None:
+        from tasks.train.buckets import assign
+
         self.classes_ = self.classes or []
+        self.bucket_of = assign([r.image_size() for r in self.instances], self.buckets) if self.buckets else []
+
+    def target(self, index: int) -> tuple[int, int]:
+        """(height, width) the example at `index` trains at."""
+        if not self.buckets:
+            return (self.resolution, self.resolution)
+        return self.buckets[self.bucket_of[index % len(self.instances)]]
+
+    def example_buckets(self) -> list[int]:
+        """The bucket of every example index (for the batch sampler)."""
+        return [self.bucket_of[i % len(self.instances)] for i in range(len(self))]
+
+    def bucket_counts(self) -> dict[str, int]:
+        """Instance images per bucket ('HxW' -> count); empty without buckets."""
+        from tasks.train.buckets import counts
+
+        return counts(self.buckets, self.bucket_of) if self.buckets else {}
 
     def __len__(self) -> int:
         return max(len(self.instances), len(self.classes_))
 
-    def _load(self, kind: str, position: int, record: Record, rng: np.random.Generator) -> dict[str, Any]:
+    def _load(self, kind: str, position: int, record: Record, rng: np.random.Generator,
+              target: tuple[int, int]) -> dict[str, Any]:
         flip = bool(rng.random() < 0.5) if self.random_flip else False
-        with Image.open(record.path) as im:
-            pixels, original, crop = prepare_image(im, self.resolution, self.center_crop, flip, rng)
-        key = f"{kind}:{position}:{int(flip)}" if self.center_crop else None
-        return {"pixels": pixels, "original_size": original, "crop_top_left": crop, "latent_key": key}
+        data = record.path.read_bytes()
+        with Image.open(io.BytesIO(data)) as im:
+            pixels, original, crop = prepare_image(im, target, self.center_crop, flip, rng)
+        # The key names the pixels: the file's content, the size it is cropped to, the flip.
+        key = (f"{hashlib.sha256(data).hexdigest()}:{target[0]}x{target[1]}:{int(flip)}"
+               if self.center_crop else None)
+        return {"pixels": pixels, "original_size": original, "crop_top_left": crop, "target_size": target,
+                "latent_key": key}
 
     def __getitem__(self, item: tuple[int, int]) -> dict[str, Any]:
         epoch, index = item
@@ -167,12 +215,12 @@ class TrainDataset(Dataset):
         # The diffusion noise of each image (posterior sample, noise, timestep) is seeded per example
         # too, so a batch of 2b on one rank and b on each of two ranks train alike.
         noise_seeds = np.random.SeedSequence([self.seed, epoch, index, 1]).generate_state(2)
-        i = index % len(self.instances)
-        example = {"instance": {**self._load("i", i, self.instances[i], rng), "noise_seed": int(noise_seeds[0])},
+        i, target = index % len(self.instances), self.target(index)
+        example = {"instance": {**self._load("i", i, self.instances[i], rng, target), "noise_seed": int(noise_seeds[0])},
                    "instance_prompt": self.prompt(self.instances[i], rng)}
         if self.classes_:
             c = index % len(self.classes_)
-            example["class"] = {**self._load("c", c, self.classes_[c], rng), "noise_seed": int(noise_seeds[1])}
+            example["class"] = {**self._load("c", c, self.classes_[c], rng, target), "noise_seed": int(noise_seeds[1])}
             example["class_prompt"] = self.class_prompt
         return example
 
@@ -212,5 +260,6 @@ def collate(examples: list[dict[str, Any]]) -> dict[str, Any]:
         "noise_seeds": [p["noise_seed"] for p in parts],
         "original_sizes": torch.tensor([p["original_size"] for p in parts], dtype=torch.long),
         "crops_top_left": torch.tensor([p["crop_top_left"] for p in parts], dtype=torch.long),
+        "target_sizes": torch.tensor([p["target_size"] for p in parts], dtype=torch.long),
         "num_instances": len(examples),
     }

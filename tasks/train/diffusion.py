@@ -58,11 +58,12 @@ def encode_latents(vae: torch.nn.Module, pixels: torch.Tensor, rand: RowRandom |
 class LatentCache:
     """Posterior parameters per `latent_key` (file + crop + flip), encoded one image at a time.
 
-    One image at a time, so a cached value never depends on which batch first needed it.
+    One image at a time, so a cached value never depends on which batch first needed it. `store`:
+    a dict (memory) by default, or any mapping such as tasks.train.latent_store.DiskLatentStore.
     """
 
-    def __init__(self) -> None:
-        self.store: dict[str, torch.Tensor] = {}
+    def __init__(self, store: Any = None) -> None:
+        self.store: Any = {} if store is None else store
         self.hits = self.misses = 0
 
     def latents(self, vae: torch.nn.Module, pixels: torch.Tensor, keys: list[str | None],
@@ -79,15 +80,19 @@ class LatentCache:
             self.misses += 1
             dist = vae.encode(pixels[i : i + 1].to(param.device, param.dtype)).latent_dist
             self.store[key] = dist.parameters.detach().float().cpu()
+        # (`misses` counts encodings: with a disk store, entries an earlier run wrote are hits)
         stacked = torch.cat([self.store[k] for k in keys]).to(param.device)
         return scale(vae, _sample(DiagonalGaussianDistribution(stacked), rand))
 
 
 class PromptCache:
-    """(hidden states, pooled embeds) per prompt string, encoded one prompt at a time."""
+    """(hidden states, pooled embeds) per prompt string, encoded one prompt at a time.
 
-    def __init__(self) -> None:
-        self.store: dict[str, tuple[torch.Tensor, torch.Tensor | None]] = {}
+    `store`: a dict (memory) by default, or a mapping such as latent_store.DiskPromptStore.
+    """
+
+    def __init__(self, store: Any = None) -> None:
+        self.store: Any = {} if store is None else store
         self.hits = self.misses = 0
         self.complete = False  # every prompt is in; the text encoders are gone
 
@@ -102,8 +107,9 @@ class PromptCache:
             self.misses += 1
             hidden, pooled = encode([ids[i : i + 1] for ids in input_ids])
             self.store[prompt] = (hidden.detach().cpu(), None if pooled is None else pooled.detach().cpu())
-        hidden = torch.cat([self.store[p][0] for p in prompts]).to(device)
-        pooled_parts = [self.store[p][1] for p in prompts]
+        entries = [self.store[p] for p in prompts]
+        hidden = torch.cat([e[0] for e in entries]).to(device)
+        pooled_parts = [e[1] for e in entries]
         pooled = None if pooled_parts[0] is None else torch.cat(pooled_parts).to(device)  # type: ignore[arg-type]
         return hidden, pooled
 

@@ -33,6 +33,7 @@ from tqdm import tqdm
 from tasks.common.errors import UserError
 from tasks.train.backend import choose_backend
 from tasks.train.checkpoints import CheckpointManager, TrainState, register_weight_hooks
+from tasks.train.buckets import BucketBatchSampler
 from tasks.train.config import TrainConfig
 from tasks.train.data import EpochSampler
 from tasks.train.ema import Ema
@@ -87,12 +88,18 @@ def make_accelerator(cfg: TrainConfig) -> Any:
     )
 
 
-def build_dataloader(dataset: Dataset, method: TrainingMethod, cfg: TrainConfig) -> tuple[DataLoader, EpochSampler]:
-    """Order from (seed, epoch); the loader's own generator keeps it off the global RNG."""
+def build_dataloader(dataset: Dataset, method: TrainingMethod, cfg: TrainConfig) -> tuple[DataLoader, Any]:
+    """Order from (seed, epoch); the loader's own generator keeps it off the global RNG.
+
+    With buckets, a batch sampler makes batches within one bucket (tasks/train/buckets.py).
+    """
+    common = {"collate_fn": method.collate, "num_workers": cfg.dataloader_num_workers,
+              "generator": torch.Generator().manual_seed(cfg.seed)}
+    if getattr(dataset, "buckets", None):
+        batches = BucketBatchSampler(dataset.example_buckets(), cfg.train_batch_size, cfg.seed)  # type: ignore
+        return DataLoader(dataset, batch_sampler=batches, **common), batches
     sampler = EpochSampler(len(dataset), cfg.seed)  # type: ignore[arg-type]
-    loader = DataLoader(dataset, batch_size=cfg.train_batch_size, sampler=sampler, collate_fn=method.collate,
-                        num_workers=cfg.dataloader_num_workers, generator=torch.Generator().manual_seed(cfg.seed))
-    return loader, sampler
+    return DataLoader(dataset, batch_size=cfg.train_batch_size, sampler=sampler, **common), sampler
 
 
 def _check_finite(value: float, what: str, step: int, lr: float, checkpoints: CheckpointManager | None) -> None:

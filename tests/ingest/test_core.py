@@ -50,6 +50,21 @@ def test_output_sizes_and_jpeg_output(tmp_path: Path) -> None:
     assert Image.open(tmp_path / "c" / source["file_name"]).format == "JPEG"
 
 
+def test_whole_images_carry_the_size_the_train_stage_buckets_by(tmp_path: Path) -> None:
+    """short_side keeps portrait and landscape whole; metadata.jsonl's width/height are the files'
+    (the train stage's bucketing reads them instead of opening every image)."""
+    from tasks.train.data import read_imagefolder
+
+    src = tmp_path / "src"
+    save(src / "tall.png", picture(3, (80, 120)), caption="tall")
+    save(src / "wide.png", picture(4, (120, 80)), caption="wide")
+    run = run_folder(src, tmp_path / "out", resolution=40, output_size="short_side")
+    records = {r.text: r for r in read_imagefolder(tmp_path / "out", "images", "")}
+    assert records["tall"].size == (60, 40) and records["wide"].size == (40, 60), "(height, width)"
+    for row in run.kept:
+        assert Image.open(tmp_path / "out" / row["file_name"]).size == (row["width"], row["height"])
+
+
 def test_jpeg_is_decoded_at_reduced_scale_with_the_same_result_size(tmp_path: Path) -> None:
     src = tmp_path / "src"
     save(src / "big.jpg", picture(2, (800, 600)), quality=90)

@@ -97,3 +97,18 @@ def tiny_flux2(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def flow_base(request: pytest.FixtureRequest) -> Path:
     """Each flow-matching transformer family in turn."""
     return request.getfixturevalue(f"tiny_{request.param}")
+
+
+@pytest.fixture(scope="session")
+def mixed_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """2 portrait (w 48 x h 80), 3 landscape (80 x 48) and 1 square image, the size in the metadata or not."""
+    folder = tmp_path_factory.mktemp("mixed") / "processed"
+    write_imagefolder(folder / "tall", 2, "", 10, size=(48, 80))
+    write_imagefolder(folder / "wide", 3, "", 11, size=(80, 48))
+    write_imagefolder(folder / "square", 1, "", 12, size=(64, 64))
+    with open(folder / "metadata.jsonl", "w") as fh:
+        for sub, n, (w, h) in (("tall", 2, (48, 80)), ("wide", 3, (80, 48)), ("square", 1, (64, 64))):
+            for i in range(n):
+                size = {"width": w, "height": h} if sub != "wide" else {}  # wide: read from the file
+                fh.write(json.dumps({"file_name": f"{sub}/img{i}.png", "text": "a photo of sks toy", **size}) + "\n")
+    return folder

@@ -2,6 +2,7 @@
 (seed, epoch, index), which is what makes resume exact and ranks agree without talking."""
 from __future__ import annotations
 
+import hashlib
 import json
 
 import numpy as np
@@ -76,7 +77,8 @@ def test_examples_depend_only_on_seed_epoch_and_index(instance_dir, class_dir) -
     assert a["instance"]["latent_key"] is None, "random crops are never cached"
     fixed = TrainDataset(instances, None, lambda r, rng: "p", "a toy", 32, random_flip=True, seed=3)
     keys = {fixed[(e, 0)]["instance"]["latent_key"] for e in range(8)}
-    assert keys == {"i:0:0", "i:0:1"}, "a centre crop is cached per file and flip"
+    digest = hashlib.sha256(instances[0].path.read_bytes()).hexdigest()
+    assert keys == {f"{digest}:32x32:0", f"{digest}:32x32:1"}, "a centre crop is cached per content, size and flip"
     batch = collate([ds[(0, 0)], ds[(0, 1)]])
     assert batch["pixels"].shape == (4, 3, 32, 32) and batch["num_instances"] == 2
     assert batch["prompts"][2:] == ["a toy", "a toy"] and batch["original_sizes"].shape == (4, 2)

@@ -151,3 +151,25 @@ def test_sigterm_reaches_every_rank_and_two_ranks_resume(tmp_path, tiny_sd, inst
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads((tmp_path / "train.json").read_text())
     assert report["resumed_from_step"] == stopped_at and report["steps"] == stopped_at + 2
+
+
+def test_two_ranks_resume_exactly_with_buckets(tmp_path, tiny_sd, mixed_dir, class_dir) -> None:
+    """Aspect-ratio buckets on 2 ranks: 2 steps, a resume, 2 more equal 4 straight steps bit for bit
+    (a constant LR: the stop is a smaller max_train_steps, which would reshape a decaying schedule)."""
+    section = {**SETTINGS, "max_train_steps": 4, "train_batch_size": 1, "lr_scheduler": "constant", "enable_bucket": True,
+               "min_bucket_reso": 16, "max_bucket_reso": 64, "bucket_reso_steps": 8,
+               "launcher": "mpirun", "launch": {"num_processes": 2, "threads_per_process": 1}}
+    inputs = (tiny_sd, mixed_dir, class_dir)
+    (tmp_path / "a").mkdir(), (tmp_path / "b").mkdir()
+    straight = run_stage(tmp_path / "a", {**section, "checkpoints_dir": str(tmp_path / "ckpt_a")}, inputs)
+    assert straight.returncode == 0, straight.stderr[-3000:]
+    resumable = {**section, "checkpoints_dir": str(tmp_path / "ckpt_b"), "resume": "latest"}
+    first = run_stage(tmp_path / "b", {**resumable, "max_train_steps": 2}, inputs)
+    assert first.returncode == 0, first.stderr[-3000:]
+    second = run_stage(tmp_path / "b", resumable, inputs)
+    assert second.returncode == 0, second.stderr[-3000:]
+    report = json.loads((tmp_path / "b" / "train.json").read_text())
+    assert report["resumed_from_step"] == 2 and report["buckets"] == {"24x40": 3, "32x32": 1, "40x24": 2}
+    assert _csv_losses(tmp_path / "b" / "loss.csv") == _csv_losses(tmp_path / "a" / "loss.csv")
+    a, b = load_file(tmp_path / "a" / "out" / UNET), load_file(tmp_path / "b" / "out" / UNET)
+    assert all(torch.equal(a[k], b[k]) for k in a), "bit-identical weights after the 2-rank resume"

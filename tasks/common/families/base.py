@@ -68,6 +68,8 @@ class ModelFamily:
     tokenizer_names: ClassVar[tuple[str, ...]] = ("tokenizer",)
     #: "ddpm" (noise or v prediction on a DDPM schedule) or "flow_matching" (rectified flow)
     objective: ClassVar[str] = "ddpm"
+    #: image sides must be multiples of this (the VAE's factor 8; x2 where latents are cut into 2x2 patches)
+    pixel_multiple: ClassVar[int] = 8
     #: training methods this family supports (train.method)
     methods: ClassVar[tuple[str, ...]] = ("dreambooth", "textual_inversion", "lora", "full")
     #: peft target modules of the denoiser's and the text encoders' attention projections

@@ -24,6 +24,7 @@ class FlowMatchingFamily(ModelFamily):
     #: train.weighting_scheme when it is null (what diffusers' script for the family defaults to)
     default_weighting_scheme: ClassVar[str] = "none"
     xla_tested = False  # the XLA back end's checkpointing and sharding were built and run for UNets
+    pixel_multiple = 16  # SD3's patch size 2, FLUX's 2x2 packing, FLUX.2's 2x2 patches: even latent sides
     #: T5 tokens per prompt when train.max_sequence_length is null
     default_max_sequence_length: ClassVar[int] = 77
     #: the T5 tokenizer's folder

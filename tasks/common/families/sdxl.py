@@ -49,7 +49,8 @@ class StableDiffusionXL(ModelFamily):
                 batch: dict[str, Any], settings: Any) -> Any:
         if pooled is None:
             raise RuntimeError("SDXL conditioning needs the pooled embeds of text_encoder_2")
-        time_ids = add_time_ids(batch["original_sizes"], batch["crops_top_left"], settings.resolution)
+        time_ids = add_time_ids(batch["original_sizes"], batch["crops_top_left"], settings.resolution,
+                                batch.get("target_sizes"))
         added = {"text_embeds": pooled, "time_ids": time_ids.to(hidden.device, hidden.dtype)}
         return denoiser(noisy_latents, timesteps, encoder_hidden_states=hidden, added_cond_kwargs=added,
                         return_dict=False)[0]
@@ -97,9 +98,14 @@ class StableDiffusionXL(ModelFamily):
         )
 
 
-def add_time_ids(original_sizes: Any, crops_top_left: Any, resolution: int) -> Any:
-    """SDXL micro-conditioning, one row per image: (orig_h, orig_w, crop_top, crop_left, h, w)."""
+def add_time_ids(original_sizes: Any, crops_top_left: Any, resolution: int, target_sizes: Any = None) -> Any:
+    """SDXL micro-conditioning, one row per image: (orig_h, orig_w, crop_top, crop_left, h, w).
+
+    `target_sizes` (rows of (h, w): the images' buckets); None: every image is resolution^2.
+    """
     import torch
 
-    target = torch.tensor([resolution, resolution], dtype=original_sizes.dtype, device=original_sizes.device)
-    return torch.cat([original_sizes, crops_top_left, target.expand_as(original_sizes)], dim=1)
+    if target_sizes is None:
+        target = torch.tensor([resolution, resolution], dtype=original_sizes.dtype, device=original_sizes.device)
+        target_sizes = target.expand_as(original_sizes)
+    return torch.cat([original_sizes, crops_top_left, target_sizes.to(original_sizes)], dim=1)

@@ -136,8 +136,13 @@ class TrainingMethod:
         log.info("%s data: %d instance images (prompts: %s)%s", self.name, len(instances),
                  f"column {self.caption_column!r}" if self.caption_column else repr(self.cfg.instance_prompt),
                  f", {len(classes)} class images" if classes else "")
-        return TrainDataset(instances, classes, self.prompt, self.cfg.class_prompt, self.cfg.resolution,
-                            self.cfg.center_crop, self.cfg.random_flip, self.cfg.seed)
+        dataset = TrainDataset(instances, classes, self.prompt, self.cfg.class_prompt, self.cfg.resolution,
+                               self.cfg.center_crop, self.cfg.random_flip, self.cfg.seed,
+                               self.cfg.buckets() if self.cfg.enable_bucket else None)
+        if dataset.buckets:
+            log.info("aspect-ratio buckets (height x width: instance images): %s",
+                     ", ".join(f"{k}: {v}" for k, v in dataset.bucket_counts().items()))
+        return dataset
 
     def collate(self, examples: list[dict[str, Any]]) -> dict[str, Any]:
         batch = collate(examples)
@@ -155,9 +160,25 @@ class TrainingMethod:
     def setup_caches(self) -> None:
         """Cache what cannot change: latents of fixed crops, embeddings of a frozen text encoder."""
         trains_text = any(n.startswith("text_encoder") for n in self.trainable())
-        self.latent_cache = LatentCache() if self.cfg.cache_latents and self.cfg.center_crop else None
-        self.prompt_cache = (PromptCache() if self.cfg.cache_text_encoder_outputs and not trains_text
-                             and not self.prompts_vary() else None)
+        self.latent_cache = None
+        if self.cfg.cache_latents and self.cfg.center_crop:
+            store = None
+            if self.cfg.cache_latents_to_disk:
+                from tasks.train.latent_store import DiskLatentStore
+
+                store = DiskLatentStore(self.cfg.disk_cache_dir, self.components.modules["vae"])
+                log.info("latent cache on disk: %s", store.folder)
+            self.latent_cache = LatentCache(store)
+        self.prompt_cache = None
+        if self.cfg.cache_text_encoder_outputs and not trains_text and not self.prompts_vary():
+            text_store = None
+            if self.cfg.cache_text_encoder_outputs_to_disk:
+                from tasks.train.latent_store import DiskPromptStore
+
+                c = self.components
+                text_store = DiskPromptStore(self.cfg.disk_cache_dir, c.text_encoders, c.family.name,
+                                             self.cfg.max_sequence_length)
+            self.prompt_cache = PromptCache(text_store)
         log.info("caching: latents %s, text embeddings %s",
                  "on" if self.latent_cache else "off" + (" (random crops)" if self.cfg.cache_latents else ""),
                  "on" if self.prompt_cache else "off" + (" (text encoder trains or tags shuffle)"
@@ -182,9 +203,11 @@ class TrainingMethod:
         c = self.components
         prompts = sorted(self.fixed_prompts())
         device = next(c.denoiser.parameters()).device
-        with torch.no_grad():
-            ids = c.family.tokenize(c, prompts, self.cfg.max_sequence_length)
-            self.prompt_cache.lookup(prompts, ids, lambda one: c.family.encode_prompt(c, one), device)
+        with torch.no_grad():  # in chunks: with the disk store, memory stays flat for any number of captions
+            for start in range(0, len(prompts), 64):
+                chunk = prompts[start : start + 64]
+                ids = c.family.tokenize(c, chunk, self.cfg.max_sequence_length)
+                self.prompt_cache.lookup(chunk, ids, lambda one: c.family.encode_prompt(c, one), device)
         names = c.text_encoder_names()
         for name in names:
             del c.modules[name]
