@@ -1,0 +1,59 @@
+"""Run a training script unchanged and record when each optimizer step ends, and its peak RSS.
+
+    python benchmarks/sd35/steptimer.py OUT.json SCRIPT.py [args...]
+    python benchmarks/sd35/steptimer.py OUT.json -m MODULE [args...]
+
+Registers torch's global optimizer-step hook (every optimizer, whatever script built it), then runs
+the script or module as __main__ in this process. At exit, OUT.json gets the step end times
+(perf_counter seconds), the peak RSS at each step's end and at exit, and the wall time. Our stage and diffusers' example
+scripts are timed by the same hook, so s/step means the same thing for both.
+"""
+from __future__ import annotations
+
+import atexit
+import json
+import resource
+import runpy
+import sys
+import time
+from pathlib import Path
+
+
+def _peak_rss_gb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 ** 2  # KiB on Linux
+
+
+def main() -> None:
+    out, target, *rest = sys.argv[1:]
+    start = time.perf_counter()
+    ends: list[float] = []
+    rss: list[float] = []
+
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
+    def step_end(*_: object) -> None:
+        ends.append(time.perf_counter())
+        rss.append(_peak_rss_gb())
+
+    register_optimizer_step_post_hook(step_end)
+
+    def write() -> None:
+        Path(out).write_text(json.dumps({
+            "step_ends": [t - start for t in ends],
+            "peak_rss_gb": _peak_rss_gb(),  # the whole process: loading, training, saving
+            "peak_rss_at_step_gb": rss,  # the peak so far, at the end of each step
+            "wall_seconds": time.perf_counter() - start,
+        }))
+
+    atexit.register(write)
+    if target == "-m":
+        module, *rest = rest
+        sys.argv = [module, *rest]
+        runpy.run_module(module, run_name="__main__", alter_sys=True)
+    else:
+        sys.argv = [target, *rest]
+        runpy.run_path(target, run_name="__main__")
+
+
+if __name__ == "__main__":
+    main()

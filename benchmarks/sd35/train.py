@@ -1,0 +1,154 @@
+"""SD3.5 Medium LoRA training steps: our train stage against diffusers' train_dreambooth_lora_sd3.py.
+
+    .venv/bin/python benchmarks/diffusers_scripts.py              # once: the reference scripts
+    make bench-env                                                 # once: .venv-bench (torchvision)
+    .venv-bench/bin/python -m benchmarks.sd35.train --runs 3      # appends to results_train.json
+    .venv-bench/bin/python -m benchmarks.sd35.train --table       # the README's table
+
+Both run in .venv-bench (the project's pins plus torch 2.13's PyPI build and torchvision 0.28,
+which diffusers' scripts import and the project's CPU build of torch cannot load), one after the
+other, each in its own process, on the same model folder (benchmarks/sd35/build.py), the same
+images, resolution, batch, precision, LoRA rank and targets, learning rate and number of steps.
+Both are timed by the same hook (benchmarks/sd35/steptimer.py): s/step is the median interval
+between optimizer steps after the warm-up steps; peak RSS is the process's, at the last step and
+at exit (loading, saving and the final pipeline included).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import yaml
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
+PROMPT = "a photo of sks toy"
+#: train_dreambooth_lora_sd3.py's --lora_layers spelled for our targets (SD3's: the image stream's
+#: attention projections), so both train the same adapters.
+LORA_LAYERS = "attn.to_k,attn.to_q,attn.to_v,attn.to_out.0"
+# Not passed to theirs: --cache_latents. With --mixed_precision bf16 the v0.39.0 script casts the
+# images to bf16 for its fp32 VAE and stops (RuntimeError: Input type (c10::BFloat16) and bias type
+# (float) should be the same); without it the VAE encodes each step's image (small at 256 px).
+
+
+def make_images(work: Path, n: int) -> tuple[Path, Path]:
+    """An imagefolder for our stage (images + metadata.jsonl) and the same images alone for theirs."""
+    sys.path.insert(0, str(ROOT))
+    from tests.train.conftest import write_imagefolder
+
+    ours = write_imagefolder(work / "instance", n, PROMPT, 0, size=(512, 512))
+    theirs = work / "instance-images"
+    theirs.mkdir(exist_ok=True)
+    for image in ours.glob("*.png"):
+        shutil.copy(image, theirs / image.name)
+    return ours, theirs
+
+
+def ours_command(base: Path, work: Path, data: Path, args: argparse.Namespace) -> list[str]:
+    train = dict(
+        method="lora", instance_prompt=PROMPT, with_prior_preservation=False, resolution=args.resolution,
+        train_batch_size=1, max_train_steps=args.steps, learning_rate=1e-4, mixed_precision="bf16", rank=args.rank,
+        checkpointing_steps=10 ** 6, validation_prompts=[], num_validation_images=0, validation_steps=0,
+        checkpoints_dir=str(work / "checkpoints"), resume="none", seed=0,
+    )
+    params = work / "params.yaml"
+    params.write_text(yaml.safe_dump({"train": train}))
+    (work / "empty-class").mkdir(exist_ok=True)
+    return ["-m", "tasks.train", "--base", str(base), "--data", str(data), "--class-data", str(work / "empty-class"),
+            "--out", str(work / "ours-out"), "--report", str(work / "ours-report.json"),
+            "--plot", str(work / "ours-loss.csv"), "--params", str(params)]
+
+
+def theirs_command(base: Path, work: Path, images: Path, args: argparse.Namespace) -> list[str]:
+    from benchmarks.diffusers_scripts import script
+
+    return [str(script("train_dreambooth_lora_sd3.py")), "--pretrained_model_name_or_path", str(base),
+            "--instance_data_dir", str(images), "--instance_prompt", PROMPT, "--output_dir", str(work / "theirs-out"),
+            "--resolution", str(args.resolution), "--center_crop", "--train_batch_size", "1",
+            "--max_train_steps", str(args.steps), "--learning_rate", "1e-4", "--lr_scheduler", "constant",
+            "--mixed_precision", "bf16", "--rank", str(args.rank), "--lora_layers", LORA_LAYERS,
+            "--checkpointing_steps", str(10 ** 6), "--seed", "0", "--report_to", "mlflow"]
+
+
+def timed(name: str, command: list[str], work: Path, warmup: int) -> dict:
+    out = work / f"{name}-timing.json"
+    env = {**os.environ, "MLFLOW_TRACKING_URI": f"sqlite:///{work / 'mlflow.db'}", "PYTHONPATH": str(ROOT)}
+    start = time.perf_counter()
+    proc = subprocess.run([sys.executable, str(HERE / "steptimer.py"), str(out), *command], cwd=work, env=env,
+                          capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise SystemExit(f"{name} failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
+    timing = json.loads(out.read_text())
+    ends = timing["step_ends"]
+    steps = [b - a for a, b in zip(ends, ends[1:])][warmup - 1:]  # intervals after the warm-up steps
+    return {"loop": name, "s_per_step": round(statistics.median(steps), 3), "steps_timed": len(steps),
+            "step_seconds": [round(s, 3) for s in steps], "first_step_end_s": round(ends[0], 1),
+            "peak_rss_train_gb": round(timing["peak_rss_at_step_gb"][-1], 2),
+            "peak_rss_gb": round(timing["peak_rss_gb"], 2), "wall_s": round(time.perf_counter() - start, 1),
+            "load_average": os.getloadavg()[0]}
+
+
+def table(results: list[dict]) -> str:
+    """Markdown: per loop, the median s/step over runs with its range, and the peak RSS range."""
+    rows = ["| loop | runs | s/step median (min-max over runs) | peak RSS at last step, GB | peak RSS at exit, GB |",
+            "|---|---|---|---|---|"]
+    for loop in ("ours", "theirs"):
+        cells = [r for r in results if r["loop"] == loop]
+        if not cells:
+            continue
+        s = [r["s_per_step"] for r in cells]
+        train_rss = [r["peak_rss_train_gb"] for r in cells]
+        exit_rss = [r["peak_rss_gb"] for r in cells]
+        rows.append(f"| {loop} | {len(cells)} | {statistics.median(s):.2f} ({min(s):.2f}-{max(s):.2f}) | "
+                    f"{min(train_rss):.1f}-{max(train_rss):.1f} | {min(exit_rss):.1f}-{max(exit_rss):.1f} |")
+    return "\n".join(rows)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--base", type=Path, default=ROOT / ".cache/bench/sd35-medium")
+    parser.add_argument("--work", type=Path, default=ROOT / ".cache/bench/sd35-train")
+    parser.add_argument("--resolution", type=int, default=256)
+    parser.add_argument("--rank", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=6, help="optimizer steps per run, warm-up included")
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--runs", type=int, default=1, help="ours then theirs, this many times")
+    parser.add_argument("--loops", nargs="+", default=["ours", "theirs"], choices=["ours", "theirs"])
+    parser.add_argument("--results", type=Path, default=HERE / "results_train.json")
+    parser.add_argument("--table", action="store_true", help="print the table of --results and exit")
+    args = parser.parse_args()
+    if args.table:
+        print(table(json.loads(args.results.read_text())))
+        return
+    args.base, args.work = args.base.resolve(), args.work.resolve()  # the runs' cwd is the work folder
+    if not (args.base / "model_index.json").is_file():
+        raise SystemExit(f"{args.base} is missing: run `.venv/bin/python -m benchmarks.sd35.build --out {args.base}`")
+    shutil.rmtree(args.work, ignore_errors=True)
+    args.work.mkdir(parents=True)
+    data, images = make_images(args.work, 4)
+    commands = {"ours": ours_command(args.base, args.work, data, args),
+                "theirs": theirs_command(args.base, args.work, images, args)}
+    results = json.loads(args.results.read_text()) if args.results.is_file() else []
+    for run in range(args.runs):
+        for loop in args.loops:
+            for leftover in ("ours-out", "theirs-out", "checkpoints"):
+                shutil.rmtree(args.work / leftover, ignore_errors=True)
+            row = {"run": run, "model": "sd3.5-medium", "method": "lora", "resolution": args.resolution,
+                   "batch": 1, "rank": args.rank, "precision": "bf16", "date": time.strftime("%Y-%m-%d"),
+                   "cpu": platform.processor() or platform.machine(), "threads": os.cpu_count(),
+                   **timed(loop, commands[loop], args.work, args.warmup)}
+            print(json.dumps(row), flush=True)
+            results.append(row)
+            args.results.write_text(json.dumps(results, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
