@@ -48,7 +48,7 @@ def build_tiny(dst: Path) -> Path:
     import mlflow
     from optimum.intel import OVStableDiffusionPipeline
 
-    from tasks.common.tiny_sd import build_tiny_pipeline
+    from tasks.common.families import build_tiny_pipeline
     from tasks.register.core import MODEL_CODE, pip_requirements
     from tasks.register.pyfunc_model import signature
 
