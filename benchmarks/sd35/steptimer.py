@@ -5,8 +5,8 @@
 
 Registers torch's global optimizer-step hook (every optimizer, whatever script built it), then runs
 the script or module as __main__ in this process. At exit, OUT.json gets the step end times
-(perf_counter seconds), the peak RSS at each step's end and at exit, and the wall time. Our stage and diffusers' example
-scripts are timed by the same hook, so s/step means the same thing for both.
+(perf_counter seconds), the peak RSS at each step's end and at exit, and the wall time. Our stage
+and diffusers' example scripts are timed by the same hook, so s/step means the same for both.
 """
 from __future__ import annotations
 

@@ -68,12 +68,13 @@ def stored_dtypes(path: Path) -> dict[str, Any]:
     dtypes: dict[str, Any] = {}
     for name, spec in read_index(path).items():
         files = sorted((Path(path) / name).glob("*.safetensors")) if isinstance(spec, list) else []
-        for file in files[:1]:
-            with safe_open(file, "pt") as fh:
-                found = (fh.get_slice(key).get_dtype() for key in fh.keys())
-                dtype = next((names[d] for d in found if d in names), None)
-            if dtype is not None:
-                dtypes[name] = dtype
+        if not files:
+            continue
+        with safe_open(files[0], "pt") as fh:
+            found = (fh.get_slice(key).get_dtype() for key in fh.keys())
+            dtype = next((names[d] for d in found if d in names), None)
+        if dtype is not None:
+            dtypes[name] = dtype
     return dtypes
 
 
