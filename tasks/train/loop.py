@@ -37,7 +37,7 @@ from tasks.train.buckets import BucketBatchSampler
 from tasks.train.config import TrainConfig
 from tasks.train.data import EpochSampler
 from tasks.train.ema import Ema
-from tasks.train.interrupts import TrainingInterrupted, stop_on_signals
+from tasks.train.interrupts import StopFlag, TrainingInterrupted, stop_on_signals
 from tasks.train.methods.base import TrainingMethod
 from tasks.train.optim import make_lr_scheduler, make_optimizer, weight_dtype
 from tasks.train.selection import CheckpointJudge, WeightsAnchor
@@ -223,7 +223,7 @@ def run_loop(  # noqa: C901 - one loop, read top to bottom, on purpose
                     if ema is not None:
                         ema.step(state.step)
                     snapshot = RngSnapshot.take(accelerator)  # the state after this step, whatever follows
-                    mean_loss = float(accelerator.reduce(torch.stack(micro_losses).mean(), reduction="mean"))
+                    mean_loss = _reduce_step(accelerator, micro_losses, stop)
                     entry = StepLog(state.step, mean_loss, float(lr), grad_norm, time.perf_counter() - step_start,
                                     step_images, data_seconds, peak_memory_mb(accelerator.device),
                                     {k: sum(v) / len(v) for k, v in extras.items()})
@@ -288,6 +288,22 @@ def run_loop(  # noqa: C901 - one loop, read top to bottom, on purpose
     backend.finish(trained)
     return LoopResult(history, state, time.perf_counter() - start, run_images, trained, resumed_from, ema, params,
                       anchor, float(lr), stopped)
+
+
+def _reduce_step(accelerator: Any, micro_losses: list[torch.Tensor], stop: StopFlag) -> float:
+    """The step's loss averaged over ranks, and the ranks' agreement to stop, in one collective.
+
+    A signal reaches the ranks at slightly different moments: one may see it after step N, another
+    only after step N + 1. Stopping on its own flag, a rank would save while the others train on
+    and wait for it forever. Every rank stops after the step in which any rank saw a signal.
+    """
+    mine = torch.stack([torch.stack(micro_losses).mean().float(),
+                        torch.tensor(float(stop.signum or 0), device=micro_losses[0].device)])
+    every = accelerator.gather(mine.reshape(1, 2)).reshape(-1, 2)
+    signum = int(every[:, 1].max())
+    if signum and not stop.requested:
+        stop.signum = signum  # seen by another rank first
+    return float(every[:, 0].mean())
 
 
 def _protect_best(checkpoints: CheckpointManager | None, judge: CheckpointJudge, state: TrainState) -> None:

@@ -11,6 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
 import yaml
@@ -39,6 +40,20 @@ def run_stage(tmp_path: Path, section: dict, inputs: tuple[Path, Path, Path], en
             "--plot", str(tmp_path / "loss.csv"), "--params", str(params)]
     return subprocess.run([sys.executable, "-m", "tasks.train", *argv], capture_output=True, text=True, cwd=tmp_path,
                           env={**os.environ, "PYTHONPATH": str(REPO), **(env or {})}, timeout=300)
+
+
+def _kill_tree(pid: int) -> None:
+    """The launcher and its mpirun ranks: a failed assertion leaves no rank training on."""
+    try:
+        root = psutil.Process(pid)
+        procs = [*root.children(recursive=True), root]
+    except psutil.NoSuchProcess:
+        return
+    for p in procs:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
 
 
 @pytest.fixture(scope="module")
@@ -140,7 +155,7 @@ def test_sigterm_reaches_every_rank_and_two_ranks_resume(tmp_path, tiny_sd, inst
         proc.send_signal(signal.SIGTERM)
         rest = proc.communicate(timeout=240)[1]
     finally:
-        proc.kill()
+        _kill_tree(proc.pid)
     assert proc.returncode == 128 + signal.SIGTERM, rest[-3000:]
     assert "error: stopped by SIGTERM, passed to every rank" in rest and rest.count("interrupted by SIGTERM") == 2
     (checkpoint,) = (tmp_path / "ckpt").glob("*/checkpoint-*")
@@ -151,6 +166,44 @@ def test_sigterm_reaches_every_rank_and_two_ranks_resume(tmp_path, tiny_sd, inst
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads((tmp_path / "train.json").read_text())
     assert report["resumed_from_step"] == stopped_at and report["steps"] == stopped_at + 2
+
+
+def test_a_signal_seen_by_one_rank_stops_every_rank_after_the_same_step(tmp_path, tiny_sd, instance_dir,
+                                                                        class_dir) -> None:
+    """SIGTERM sent to rank 1 alone (a scheduler that signals one node): rank 0 learns of it in the step's
+    collective and both stop after the same step with one checkpoint, instead of rank 1 saving alone
+    while rank 0 waits for it in the next step."""
+    section = {**SETTINGS, "max_train_steps": 100_000, "checkpointing_steps": 100_000, "train_batch_size": 1,
+               "checkpoints_dir": str(tmp_path / "ckpt"), "resume": "latest",
+               "launcher": "mpirun", "launch": {"num_processes": 2, "threads_per_process": 1}}
+    params = tmp_path / "params.yaml"
+    params.write_text(yaml.safe_dump({"train": section}))
+    argv = ["--base", str(tiny_sd), "--data", str(instance_dir), "--class-data", str(class_dir),
+            "--out", str(tmp_path / "out"), "--report", str(tmp_path / "train.json"),
+            "--plot", str(tmp_path / "loss.csv"), "--params", str(params)]
+    proc = subprocess.Popen([sys.executable, "-m", "tasks.train", *argv], stderr=subprocess.PIPE,
+                            stdout=subprocess.DEVNULL, text=True, cwd=tmp_path,
+                            env={**os.environ, "PYTHONPATH": str(REPO)})
+    try:
+        ready = 0
+        assert proc.stderr is not None
+        for line in proc.stderr:
+            ready += "SIGTERM/SIGINT save a checkpoint" in line
+            if ready == 2:
+                break
+        (rank1,) = [p for p in psutil.Process(proc.pid).children(recursive=True)
+                    if p.environ().get("OMPI_COMM_WORLD_RANK") == "1" and "tasks.train" in " ".join(p.cmdline())]
+        rank1.send_signal(signal.SIGTERM)
+        rest = proc.communicate(timeout=240)[1]
+    finally:
+        _kill_tree(proc.pid)
+    stops = [line.split("interrupted by SIGTERM after step ")[1].split(";")[0]
+             for line in rest.splitlines() if "interrupted by SIGTERM after step" in line]
+    assert len(stops) == 2 and stops[0] == stops[1], rest[-3000:]
+    assert proc.returncode != 0
+    (checkpoint,) = (tmp_path / "ckpt").glob("*/checkpoint-*")
+    assert checkpoint.name == f"checkpoint-{stops[0]}"
+    assert {"random_states_0.pkl", "random_states_1.pkl"} <= {p.name for p in checkpoint.iterdir()}
 
 
 def test_two_ranks_resume_exactly_with_buckets(tmp_path, tiny_sd, mixed_dir, class_dir) -> None:
