@@ -9,7 +9,7 @@ Both run in .venv-bench (the project's pins plus torch 2.13's PyPI build and tor
 which diffusers' scripts import and the project's CPU build of torch cannot load), one after the
 other, each in its own process, on the same model folder (benchmarks/sd35/build.py), the same
 images, resolution, batch, precision, LoRA rank and targets, learning rate and number of steps.
-Both are timed by the same hook (benchmarks/sd35/steptimer.py): s/step is the median interval
+Both are timed by the same hook (benchmarks/steptimer.py): s/step is the median interval
 between optimizer steps after the warm-up steps; peak RSS is the process's, at the last step and
 at exit (loading, saving and the final pipeline included).
 """
@@ -21,12 +21,13 @@ import os
 import platform
 import shutil
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import yaml
+
+from benchmarks.steptimer import timed
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
@@ -78,24 +79,6 @@ def theirs_command(base: Path, work: Path, images: Path, args: argparse.Namespac
             "--checkpointing_steps", str(10 ** 6), "--seed", "0", "--report_to", "mlflow"]
 
 
-def timed(name: str, command: list[str], work: Path, warmup: int) -> dict:
-    out = work / f"{name}-timing.json"
-    env = {**os.environ, "MLFLOW_TRACKING_URI": f"sqlite:///{work / 'mlflow.db'}", "PYTHONPATH": str(ROOT)}
-    start = time.perf_counter()
-    proc = subprocess.run([sys.executable, str(HERE / "steptimer.py"), str(out), *command], cwd=work, env=env,
-                          capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise SystemExit(f"{name} failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
-    timing = json.loads(out.read_text())
-    ends = timing["step_ends"]
-    steps = [b - a for a, b in zip(ends, ends[1:])][warmup - 1:]  # intervals after the warm-up steps
-    return {"loop": name, "s_per_step": round(statistics.median(steps), 3), "steps_timed": len(steps),
-            "step_seconds": [round(s, 3) for s in steps], "first_step_end_s": round(ends[0], 1),
-            "peak_rss_train_gb": round(timing["peak_rss_at_step_gb"][-1], 2),
-            "peak_rss_gb": round(timing["peak_rss_gb"], 2), "wall_s": round(time.perf_counter() - start, 1),
-            "load_average": os.getloadavg()[0]}
-
-
 def table(results: list[dict]) -> str:
     """Markdown: per loop, the median s/step over runs with its range, and the peak RSS range."""
     rows = ["| loop | runs | s/step median (min-max over runs) | peak RSS at last step, GB | peak RSS at exit, GB |",
@@ -137,6 +120,7 @@ def main() -> None:
     commands = {"ours": ours_command(args.base, args.work, data, args),
                 "theirs": theirs_command(args.base, args.work, images, args)}
     results = json.loads(args.results.read_text()) if args.results.is_file() else []
+    env = {"MLFLOW_TRACKING_URI": f"sqlite:///{args.work / 'mlflow.db'}", "PYTHONPATH": str(ROOT)}
     for run in range(args.runs):
         for loop in args.loops:
             for leftover in ("ours-out", "theirs-out", "checkpoints"):
@@ -144,7 +128,7 @@ def main() -> None:
             row = {"run": run, "model": "sd3.5-medium", "method": "lora", "resolution": args.resolution,
                    "batch": 1, "rank": args.rank, "precision": "bf16", "date": time.strftime("%Y-%m-%d"),
                    "cpu": platform.processor() or platform.machine(), "threads": os.cpu_count(),
-                   **timed(loop, commands[loop], args.work, args.warmup)}
+                   **timed(loop, commands[loop], args.work, args.warmup, env)}
             print(json.dumps(row), flush=True)
             results.append(row)
             args.results.write_text(json.dumps(results, indent=1) + "\n")

@@ -236,7 +236,7 @@ def main() -> None:
         "cpus": os.cpu_count(), "load_avg_at_end": [round(x, 2) for x in os.getloadavg()],
     }
     args.out.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"| clients | requests | errors | req/s | p50 s | p95 s | max s | RSS MB start / end / peak |")
+    print("| clients | requests | errors | req/s | p50 s | p95 s | max s | RSS MB start / end / peak |")
     print("|---|---|---|---|---|---|---|---|")
     for r in levels:
         print(f"| {r['clients']} | {r['requests']} | {r['errors']} | {r['requests_per_s']} | {r['p50_s']} | "

@@ -1,19 +1,23 @@
 """Run a training script unchanged and record when each optimizer step ends, and its peak RSS.
 
-    python benchmarks/sd35/steptimer.py OUT.json SCRIPT.py [args...]
-    python benchmarks/sd35/steptimer.py OUT.json -m MODULE [args...]
+    python benchmarks/steptimer.py OUT.json SCRIPT.py [args...]
+    python benchmarks/steptimer.py OUT.json -m MODULE [args...]
 
 Registers torch's global optimizer-step hook (every optimizer, whatever script built it), then runs
 the script or module as __main__ in this process. At exit, OUT.json gets the step end times
 (perf_counter seconds), the peak RSS at each step's end and at exit, and the wall time. Our stage
 and diffusers' example scripts are timed by the same hook, so s/step means the same for both.
+`timed()` runs a command this way from a benchmark and summarises what it recorded.
 """
 from __future__ import annotations
 
 import atexit
 import json
+import os
 import resource
 import runpy
+import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -53,6 +57,25 @@ def main() -> None:
     else:
         sys.argv = [target, *rest]
         runpy.run_path(target, run_name="__main__")
+
+
+def timed(name: str, command: list[str], work: Path, warmup: int, env: dict[str, str] | None = None) -> dict:
+    """Run `command` (python arguments) under this timer in `work`; s/step is the median interval
+    between optimizer steps after the first `warmup` steps."""
+    out = work / f"{name}-timing.json"
+    start = time.perf_counter()
+    proc = subprocess.run([sys.executable, __file__, str(out), *command], cwd=work, env={**os.environ, **(env or {})},
+                          capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise SystemExit(f"{name} failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
+    timing = json.loads(out.read_text())
+    ends = timing["step_ends"]
+    steps = [b - a for a, b in zip(ends, ends[1:])][warmup - 1:]  # intervals after the warm-up steps
+    return {"loop": name, "s_per_step": round(statistics.median(steps), 3), "steps_timed": len(steps),
+            "step_seconds": [round(s, 3) for s in steps], "first_step_end_s": round(ends[0], 1),
+            "peak_rss_train_gb": round(timing["peak_rss_at_step_gb"][-1], 2),
+            "peak_rss_gb": round(timing["peak_rss_gb"], 2), "wall_s": round(time.perf_counter() - start, 1),
+            "load_average": os.getloadavg()[0]}
 
 
 if __name__ == "__main__":

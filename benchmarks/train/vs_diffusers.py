@@ -1,0 +1,187 @@
+"""Our train stage against diffusers' own example scripts, method by method, on the SD 1.5 architecture.
+
+    .venv/bin/python benchmarks/diffusers_scripts.py          # once: the reference scripts (v0.39.0)
+    make bench-env                                             # once: .venv-bench (torchvision for theirs)
+    .venv-bench/bin/python -m benchmarks.train.vs_diffusers --resolutions 256 512 --runs 3
+    .venv-bench/bin/python -m benchmarks.train.vs_diffusers --table
+
+For each method, resolution and run: our stage (`python -m tasks.train`), then diffusers' script
+for that method, unchanged, each in its own process, on the same model folder (the SD 1.5
+architecture with seeded random weights, `benchmarks/export/sd15_random.py`), the same images,
+resolution, batch, precision, learning rate and number of steps. Both are timed by one
+optimizer-step hook (`benchmarks/steptimer.py`): s/step is the median interval between optimizer
+steps after the warm-up steps; peak RSS is the process's, at the last step and at exit (loading,
+saving and writing the output included). Their scripts get their fastest flags for this setting:
+bf16 mixed precision (they cast the frozen parts to bf16 themselves), precomputed text embeddings
+where the script offers it, `--set_grads_to_none`, and the foreach EMA update.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import yaml
+
+from benchmarks.steptimer import timed
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
+INSTANCE, CLASS = "a photo of sks toy", "a photo of a toy"
+TOKEN, INITIALIZER = "<sks>", "toy"
+
+
+class Method:
+    """One method's settings, shared by both sides, and the reference script that trains it."""
+
+    def __init__(self, name: str, script: str, lr: float, prior: bool, ours: dict, theirs: list[str]) -> None:
+        self.name, self.script, self.lr, self.prior = name, script, lr, prior
+        self.ours, self.theirs = ours, theirs
+
+
+PRIOR = ["--with_prior_preservation", "--num_class_images", "2", "--class_prompt", CLASS,
+         "--pre_compute_text_embeddings"]
+METHODS = {m.name: m for m in [
+    Method("dreambooth", "train_dreambooth.py", 5e-6, True, {}, [*PRIOR, "--set_grads_to_none"]),
+    Method("lora", "train_dreambooth_lora.py", 1e-4, True, {"rank": 4}, [*PRIOR, "--rank", "4"]),
+    Method("textual_inversion", "textual_inversion.py", 5e-3, False,
+           {"placeholder_token": TOKEN, "initializer_token": INITIALIZER, "num_vectors": 1},
+           ["--placeholder_token", TOKEN, "--initializer_token", INITIALIZER, "--learnable_property", "object",
+            "--num_vectors", "1", "--save_steps", str(10 ** 6)]),
+    Method("full", "train_text_to_image.py", 1e-5, False,
+           {"use_ema": True, "snr_gamma": 5.0, "caption_column": "text"},
+           ["--use_ema", "--foreach_ema", "--snr_gamma", "5.0", "--caption_column", "text"]),
+]}
+
+
+def make_images(work: Path) -> dict[str, Path]:
+    """2 instance and 2 class images at 512 px: imagefolders (images + metadata.jsonl with `text`)
+    for our stage and train_text_to_image.py, and the images alone for the DreamBooth and TI scripts."""
+    sys.path.insert(0, str(ROOT))
+    from tests.train.conftest import write_imagefolder
+
+    folders = {"instance": write_imagefolder(work / "instance", 2, INSTANCE, 0, size=(512, 512)),
+               "class": write_imagefolder(work / "class", 2, CLASS, 1, size=(512, 512))}
+    for name in ("instance", "class"):
+        bare = work / f"{name}-images"
+        bare.mkdir(exist_ok=True)
+        for image in folders[name].glob("*.png"):
+            shutil.copy(image, bare / image.name)
+        folders[f"{name}-images"] = bare
+    return folders
+
+
+def ours_command(method: Method, base: Path, work: Path, data: dict[str, Path], resolution: int, steps: int):
+    train = dict(
+        method=method.name, instance_prompt=INSTANCE, class_prompt=CLASS, with_prior_preservation=method.prior,
+        resolution=resolution, train_batch_size=1, max_train_steps=steps, learning_rate=method.lr,
+        lr_scheduler="constant", mixed_precision="bf16", checkpointing_steps=10 ** 6, validation_prompts=[],
+        num_validation_images=0, checkpoints_dir=str(work / "checkpoints"), resume="none", seed=0,
+        system_metrics_interval=0, **method.ours,
+    )
+    params = work / "params.yaml"
+    params.write_text(yaml.safe_dump({"train": train}))
+    return ["-m", "tasks.train", "--base", str(base), "--data", str(data["instance"]),
+            "--class-data", str(data["class"]), "--out", str(work / "ours-out"),
+            "--report", str(work / "ours-report.json"), "--plot", str(work / "ours-loss.csv"), "--params", str(params)]
+
+
+def theirs_command(method: Method, base: Path, work: Path, data: dict[str, Path], resolution: int, steps: int):
+    from benchmarks.diffusers_scripts import script
+
+    if method.name == "full":
+        inputs = ["--train_data_dir", str(data["instance"])]
+    elif method.name == "textual_inversion":
+        inputs = ["--train_data_dir", str(data["instance-images"])]
+    else:
+        inputs = ["--instance_data_dir", str(data["instance-images"]), "--instance_prompt", INSTANCE,
+                  "--class_data_dir", str(data["class-images"])]
+    return [str(script(method.script)), "--pretrained_model_name_or_path", str(base), *inputs,
+            "--output_dir", str(work / "theirs-out"), "--resolution", str(resolution), "--center_crop",
+            "--train_batch_size", "1", "--max_train_steps", str(steps), "--learning_rate", str(method.lr),
+            "--lr_scheduler", "constant", "--mixed_precision", "bf16", "--checkpointing_steps", str(10 ** 6),
+            "--seed", "0", "--report_to", "mlflow", *method.theirs]
+
+
+def run_pair(method: Method, base: Path, work: Path, data: dict[str, Path], args: argparse.Namespace,
+             resolution: int, run: int) -> list[dict]:
+    env = {"MLFLOW_TRACKING_URI": f"sqlite:///{work / 'mlflow.db'}", "PYTHONPATH": str(ROOT),
+           "HF_DATASETS_CACHE": str(work / "hf-datasets"), "HF_HUB_OFFLINE": "1"}
+    commands = {"ours": ours_command(method, base, work, data, resolution, args.steps),
+                "theirs": theirs_command(method, base, work, data, resolution, args.steps)}
+    rows = []
+    for loop in args.loops:
+        for leftover in ("ours-out", "theirs-out", "checkpoints", "hf-datasets"):
+            shutil.rmtree(work / leftover, ignore_errors=True)
+        row = {"run": run, "model": "sd15-arch", "method": method.name, "resolution": resolution, "batch": 1,
+               "images_per_step": 2 if method.prior else 1, "precision": "bf16", "date": time.strftime("%Y-%m-%d"),
+               "cpu": platform.processor() or platform.machine(), "threads": os.cpu_count(),
+               **timed(loop, commands[loop], work, args.warmup, env)}
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+    return rows
+
+
+def table(results: list[dict]) -> str:
+    """Markdown: per method and resolution, each side's median s/step over runs (min-max), the
+    speed-up (their median over ours) and peak RSS (training / at exit)."""
+    rows = ["| method | px | runs | theirs s/step | ours s/step | ours vs theirs | peak RSS theirs / ours, GB "
+            "(training) | at exit, GB |", "|---|---|---|---|---|---|---|---|"]
+    cells: dict[tuple, dict[str, list[dict]]] = {}
+    for r in results:
+        cells.setdefault((r["method"], r["resolution"]), {}).setdefault(r["loop"], []).append(r)
+    for (method, px), loops in cells.items():
+        if not {"ours", "theirs"} <= loops.keys():
+            continue
+        s = {k: [r["s_per_step"] for r in v] for k, v in loops.items()}
+        med = {k: statistics.median(v) for k, v in s.items()}
+        rss = {k: max(r["peak_rss_train_gb"] for r in v) for k, v in loops.items()}
+        exit_rss = {k: max(r["peak_rss_gb"] for r in v) for k, v in loops.items()}
+        rows.append(f"| {method} | {px} | {min(len(s['ours']), len(s['theirs']))} | "
+                    f"{med['theirs']:.2f} ({min(s['theirs']):.2f}-{max(s['theirs']):.2f}) | "
+                    f"{med['ours']:.2f} ({min(s['ours']):.2f}-{max(s['ours']):.2f}) | "
+                    f"{med['theirs'] / med['ours']:.2f}x | {rss['theirs']:.1f} / {rss['ours']:.1f} | "
+                    f"{exit_rss['theirs']:.1f} / {exit_rss['ours']:.1f} |")
+    return "\n".join(rows)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--base", type=Path, default=ROOT / ".cache/bench/sd15-arch")
+    parser.add_argument("--work", type=Path, default=ROOT / ".cache/bench/train-vs-diffusers")
+    parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
+    parser.add_argument("--resolutions", nargs="+", type=int, default=[256])
+    parser.add_argument("--steps", type=int, default=6, help="optimizer steps per run, warm-up included")
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--runs", type=int, default=1, help="ours then theirs, this many times per cell")
+    parser.add_argument("--loops", nargs="+", default=["ours", "theirs"], choices=["ours", "theirs"])
+    parser.add_argument("--results", type=Path, default=HERE / "results_vs_diffusers.json")
+    parser.add_argument("--table", action="store_true", help="print the table of --results and exit")
+    args = parser.parse_args()
+    if args.table:
+        print(table(json.loads(args.results.read_text())))
+        return
+    args.base, args.work = args.base.resolve(), args.work.resolve()  # the runs' cwd is the work folder
+    if not (args.base / "model_index.json").is_file():
+        raise SystemExit(f"{args.base} is missing: run `.venv/bin/python -c \"from benchmarks.export.sd15_random "
+                         f"import build_sd15; build_sd15('{args.base}')\"`")
+    shutil.rmtree(args.work, ignore_errors=True)
+    args.work.mkdir(parents=True)
+    data = make_images(args.work)
+    results = json.loads(args.results.read_text()) if args.results.is_file() else []
+    for run in range(args.runs):
+        for resolution in args.resolutions:
+            for name in args.methods:
+                results += run_pair(METHODS[name], args.base, args.work, data, args, resolution, run)
+                args.results.write_text(json.dumps(results, indent=1) + "\n")
+    print(table(results))
+
+
+if __name__ == "__main__":
+    main()
