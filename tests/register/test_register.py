@@ -14,7 +14,6 @@ import mlflow
 import pytest
 from PIL import Image
 
-from tasks.common.errors import UserError
 from tasks.register.core import register
 from tests.conftest import REPO
 from tests.register.conftest import EVAL_FAIL, EVAL_PASS

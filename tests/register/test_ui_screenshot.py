@@ -5,7 +5,6 @@ primary metric, gate, protocol and its calibration, the champion decision). Scre
 artifacts of the test run: .pytest_cache/d/screenshots/mlflow-*.png."""
 from __future__ import annotations
 
-import os
 import shutil
 import subprocess
 import sys

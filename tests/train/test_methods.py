@@ -156,6 +156,8 @@ def test_textual_inversion_overfits_a_fixed_batch(tiny_base, one_image) -> None:
     method.configure()
     method.place(torch.device("cpu"), torch.float32)
     method.setup_caches()
+    trained = [p.shape for g in method.param_groups() for p in g["params"]]
+    assert trained == [(1, e.config.hidden_size) for e in method.components.text_encoders], "placeholder rows only"
     optimizer = make_optimizer(config, method.param_groups(), config.learning_rate)
     batch = method.collate([dataset[(0, 0)]])
     losses = []
@@ -169,6 +171,23 @@ def test_textual_inversion_overfits_a_fixed_batch(tiny_base, one_image) -> None:
         losses.append(loss.item())
     assert all(b < a for a, b in zip(losses, losses[1:])), losses
     assert losses[-1] < losses[0] - 1e-3, losses
+
+
+def test_placeholder_embedding_reads_its_rows_and_merges_back() -> None:
+    """The training-time embedding gives what the merged plain one gives, and only `rows` get a gradient."""
+    from tasks.train.methods.textual_inversion import PlaceholderEmbedding
+
+    torch.manual_seed(0)
+    plain = torch.nn.Embedding(10, 4)
+    wrapped = PlaceholderEmbedding(plain, [8, 9])
+    with torch.no_grad():
+        wrapped.rows += 1.0
+    ids = torch.tensor([[1, 8, 3, 9, 9]])
+    out = wrapped(ids)
+    assert torch.equal(out, wrapped.merged()(ids))
+    assert torch.equal(out[0, 0], plain.weight[1]) and torch.equal(out[0, 1], plain.weight[8] + 1.0)
+    out.sum().backward()
+    assert wrapped.weight.grad is None and torch.equal(wrapped.rows.grad, torch.tensor([[1.0] * 4, [2.0] * 4]))
 
 
 def test_fused_lora_keeps_the_precision_the_base_is_stored_in(tmp_path, tiny_sd, one_image) -> None:
