@@ -48,12 +48,15 @@ log = logging.getLogger(__name__)
 LAUNCHERS = ("local", "accelerate", "mpirun", "xla")
 Launcher = Literal["local", "accelerate", "mpirun", "xla"]
 WORKER_ENV = "FINETUNE_LAUNCHED"  # set in every launched process: it never launches again
+PRELOADED_ENV = "FINETUNE_PRELOADED"  # set when a local run re-executed itself with the allocator
 MACHINE_RANK_ENV = "FINETUNE_MACHINE_RANK"  # accelerate across machines: this node's index
 FAILED = "finetune: rank"  # start of the line a failing worker prints (tasks.common.distributed)
 DEFAULT_PORT = 29500
 #: passed on to every rank when set here (Open MPI forwards only what `-x` names to other nodes)
 FORWARDED = ("PYTHONPATH", "MLFLOW_TRACKING_URI", "MLFLOW_EXPERIMENT_NAME", "FINETUNE_PARENT_RUN_ID",
              "FINETUNE_MLFLOW_WAIT_S", "HF_HOME", "HF_HUB_OFFLINE")
+#: tcmalloc reports every allocation over 1 GB on stderr; an SD model's weights make many
+ALLOCATOR_ENV = {"TCMALLOC_LARGE_ALLOC_REPORT_THRESHOLD": str(2 ** 40)}
 ALLOCATOR_LIBS = {
     "tcmalloc": ("libtcmalloc.so", "libtcmalloc.so.4", "libtcmalloc_minimal.so.4"),
     "jemalloc": ("libjemalloc.so", "libjemalloc.so.2"),
@@ -61,7 +64,8 @@ ALLOCATOR_LIBS = {
 
 
 class LaunchConfig(StageConfig):
-    """`<stage>.launch`: the topology and environment of a launched run (ignored by `local`)."""
+    """`<stage>.launch`: the topology and environment of a launched run (`local` uses only
+    `preload_allocator`)."""
 
     num_processes: int = Field(1, ge=1, le=65536, description="processes (ranks) in all")
     num_machines: int = Field(1, ge=1, le=4096, description="nodes; > 1 needs a hostfile (mpirun) or main_address")
@@ -73,7 +77,8 @@ class LaunchConfig(StageConfig):
     threads_per_process: int | None = Field(
         None, ge=1, description="OMP/MKL threads per rank; null: this machine's cores / ranks per node")
     preload_allocator: Literal["auto", "none", "tcmalloc", "jemalloc"] = Field(
-        "auto", description="LD_PRELOAD a faster malloc; auto: tcmalloc, else jemalloc, when installed")
+        "auto", description="LD_PRELOAD a malloc that keeps freed blocks for the next step (local runs too); "
+                            "auto: tcmalloc, else jemalloc, when installed")
     network_interface: str | None = Field(None, description="NIC between the nodes (e.g. ens786f1); null: any")
     oneccl_env_script: str | None = Field(
         "auto", description="sourced before mpirun; auto: oneCCL bindings' env/setvars.sh when installed; null: none")
@@ -195,21 +200,50 @@ def rank_env(launcher: str, launch: LaunchConfig, host: Host) -> dict[str, str]:
     env.update(MASTER_ADDR=address, MASTER_PORT=str(port))
     threads = launch.threads_per_process or max(1, host.cores // launch.per_node)
     env.update(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads), KMP_BLOCKTIME="1")
-    allocator = launch.preload_allocator
-    if allocator == "auto":
-        allocator = next((a for a in ("tcmalloc", "jemalloc") if a in host.allocators), "none")
-    if allocator != "none":
-        if allocator not in host.allocators:
-            raise UserError(f"launch.preload_allocator {allocator}: {' / '.join(ALLOCATOR_LIBS[allocator])} not "
-                            "found. Install it (apt-get install libgoogle-perftools4 | libjemalloc2, or conda "
-                            "install gperftools | jemalloc) or set preload_allocator: auto or none")
-        preload = [host.allocators[allocator], *filter(None, [os.environ.get("LD_PRELOAD")])]
-        env["LD_PRELOAD"] = ":".join(preload)
+    preload = allocator_preload(launch, host.allocators)
+    if preload is not None:
+        env.update({**ALLOCATOR_ENV, "LD_PRELOAD": preload})
     if launch.network_interface:
         nic = launch.network_interface
         env.update(I_MPI_HYDRA_IFACE=nic, GLOO_SOCKET_IFNAME=nic, NCCL_SOCKET_IFNAME=nic, CCL_SOCKET_IFNAME=nic)
     env.update(launch.env)
     return env
+
+
+def allocator_preload(launch: LaunchConfig, found: dict[str, str]) -> str | None:
+    """LD_PRELOAD with the allocator `launch.preload_allocator` names first (None: leave it as it is)."""
+    allocator = launch.preload_allocator
+    if allocator == "auto":
+        allocator = next((a for a in ("tcmalloc", "jemalloc") if a in found), "none")
+    if allocator == "none":
+        return None
+    if allocator not in found:
+        raise UserError(f"launch.preload_allocator {allocator}: {' / '.join(ALLOCATOR_LIBS[allocator])} not "
+                        "found. Install it (apt-get install libtcmalloc-minimal4 | libjemalloc2, or conda "
+                        "install gperftools | jemalloc) or set preload_allocator: auto or none")
+    return ":".join([found[allocator], *filter(None, [os.environ.get("LD_PRELOAD")])])
+
+
+def _preload_locally(stage: str, launch: LaunchConfig) -> None:
+    """A local run re-executes itself once with the allocator in LD_PRELOAD (it must be there
+    when the process starts). Each training step allocates the same large blocks again (autocast's
+    bf16 weight copies, gradients, activations); glibc returns every block over 32 MB to the kernel
+    when freed and faults it back in, zeroed, at the next step. tcmalloc keeps them for reuse."""
+    if os.environ.get(PRELOADED_ENV) or not _is_stage_program(stage):
+        return  # already re-executed, or called in-process (tests, notebooks): never replace that process
+    preload = allocator_preload(launch, _find_allocators())
+    if preload is None:
+        return
+    log.info("re-executing with LD_PRELOAD=%s (launch.preload_allocator %s)", preload, launch.preload_allocator)
+    sys.stdout.flush(), sys.stderr.flush()
+    os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]],
+              {**ALLOCATOR_ENV, **os.environ, "LD_PRELOAD": preload, PRELOADED_ENV: "1"})
+
+
+def _is_stage_program(stage: str) -> bool:
+    """True in `python -m tasks.<stage>` (what sys.orig_argv would start again)."""
+    main = Path(sys.argv[0]) if sys.argv and sys.argv[0] else None
+    return main is not None and main.name == "__main__.py" and main.parent.name == stage and bool(sys.orig_argv)
 
 
 def oneccl_script(launch: LaunchConfig, host: Host) -> str | None:
@@ -382,7 +416,10 @@ def launched() -> bool:
 def start(stage: str, launcher: str, launch: LaunchConfig, argv: list[str] | None = None) -> None:
     """Run the stage under `launcher`: returns at once in a worker or for `local`; sets PJRT's
     environment and returns for `xla`; otherwise runs the launcher and exits with its outcome."""
-    if launcher == "local" or launched():
+    if launched():
+        return
+    if launcher == "local":
+        _preload_locally(stage, launch)
         return
     if launcher == "xla":
         env = xla_env(launch)
