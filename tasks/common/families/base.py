@@ -47,6 +47,15 @@ class Components:
         allowed = self.family.trainable_text_encoders
         return [n for n in self.text_encoder_names() if allowed is None or n in allowed]
 
+    def keep_only(self, names: set[str] | list[str]) -> None:
+        """Drop every module not in `names` (after training: what the output no longer needs from
+        memory); family, tokenizers and scheduler stay. Kept text encoders keep their order."""
+        kept_encoders = [n for n in self.text_encoder_names() if n in names]
+        self.modules = {n: m for n, m in self.modules.items() if n in names}
+        self.text_encoders = [self.modules[n] for n in kept_encoders]
+        self.vae = self.modules.get("vae")
+        self.denoiser = self.modules.get(self.family.denoiser_name)
+
 
 class ModelFamily:
     """One model family. Subclasses set the class attributes and override what differs."""

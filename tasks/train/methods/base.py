@@ -1,8 +1,9 @@
 """The interface between a training method and the shared loop, with the shared behaviour.
 
 A method says what is trainable (`configure`, `trainable`), what prompt each instance image gets
-(`prompt`), what to do after an optimizer step (`after_step`) and how to save (`save`). Data,
-loss (noise, Min-SNR, prior preservation), caching and precision placement are shared here.
+(`prompt`), what to do after an optimizer step (`after_step`) and how to save (`save` from the
+trained modules, then `complete_output` from files once they have left memory). Data, loss (noise,
+Min-SNR, prior preservation), caching and precision placement are shared here.
 """
 from __future__ import annotations
 
@@ -261,7 +262,9 @@ class TrainingMethod:
         return pipeline_from_modules(base, self.components, modules)
 
     def save(self, base: Path, out_dir: Path, trained: dict[str, torch.nn.Module]) -> None:
-        """A complete pipeline folder: the trained modules plus the base's other parts, safetensors."""
+        """What the output needs from the trained modules: here a complete pipeline folder, the
+        trained modules plus the base's other parts, safetensors. Only the trained modules are still
+        in memory (the caller has released the rest); `complete_output` follows once they are gone."""
         # Only the trained modules come from memory; the frozen ones load from the base in their
         # stored precision (in memory they may be bf16).
         pipe = pipeline_from_modules(base, self.components, trained, keep_safety_checker=True)
@@ -272,6 +275,17 @@ class TrainingMethod:
             )
         pipe.save_pretrained(out_dir, safe_serialization=True)
         log.info("saved %s pipeline (%s trained) to %s", self.name, ", ".join(sorted(trained)), out_dir)
+
+    def complete_output(self, base: Path, out_dir: Path) -> None:
+        """What the output still needs once the trained modules have left memory (`release`): parts
+        made from the base and files already in `out_dir` alone (LoRA: the fused pipeline)."""
+
+    def release(self, keep: set[str] | list[str] = ()) -> None:
+        """After training: drop the caches and every module but those named in `keep`, so loading
+        the base again (saving, the fused pipeline, final validation) does not sit beside them."""
+        self.latent_cache = self.prompt_cache = None
+        if self._components is not None:
+            self._components.keep_only(set(keep))
 
     def load_output(self, out_dir: Path, base: Path) -> Any:
         """The saved output as a pipeline, through diffusers' own loaders (final validation)."""
