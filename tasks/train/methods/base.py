@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from tasks.common.errors import UserError
+from tasks.common.memory import release_memory
 from tasks.train.config import TrainConfig
 from tasks.train.data import CaptionPolicy, Record, TrainDataset, collate, read_imagefolder
 from tasks.train.diffusion import LatentCache, PromptCache, RowRandom, encode_latents
@@ -213,6 +214,7 @@ class TrainingMethod:
         for name in names:
             del c.modules[name]
         c.text_encoders = []
+        release_memory()
         self.prompt_cache.complete = True
         log.info("text embeddings of %d prompt(s) cached; %s released before the first step", len(prompts),
                  ", ".join(names))

@@ -109,6 +109,10 @@ class TextualInversion(TrainingMethod):
                 keep[ids] = False
                 weight[keep] = original[keep].to(weight.device, weight.dtype)
 
+    def release(self, keep: set[str] | list[str] = ()) -> None:
+        super().release(keep)
+        self.original = []  # the copies of the embedding matrices after_step restored from
+
     def prompt(self, record: Record, rng: np.random.Generator) -> str:
         return self.templates[int(rng.integers(len(self.templates)))].format(" ".join(self.tokens))
 
