@@ -20,12 +20,14 @@ from tasks.common.errors import UserError
 from tasks.common.fingerprint import weight_hashes
 from tasks.common.memory import release_memory
 from tasks.common.outputs import atomic_dir, atomic_file
+from tasks.train.backend import caches_on_host
 from tasks.train.checkpoints import CheckpointManager, run_key
 from tasks.train.config import TrainConfig
 from tasks.train.data import METADATA
 from tasks.train.loop import LoopResult, make_accelerator, run_loop
 from tasks.train.methods import METHODS, TrainingMethod
 from tasks.train.models import load_components
+from tasks.train.optim import weight_dtype
 from tasks.train.selection import CheckpointJudge, best_record
 from tasks.train.steplog import Callback, StepLog
 from tasks.train.validation import live_validator, output_validation
@@ -114,8 +116,11 @@ def train(
     checkpoints = CheckpointManager(Path(cfg.checkpoints_dir) / key, cfg.checkpoints_total_limit, accelerator, info,
                                     cfg.keep_checkpoints_every_steps)
     resume_from = checkpoints.resolve(cfg.resume)
-    components = load_components(base, cfg.prediction_type)
+    components = load_components(base, cfg.prediction_type, denoiser=False)
     method.bind(components)
+    if caches_on_host(accelerator):  # with the text cache on: prompts encoded, text encoders gone
+        method.encode_prompts_first(accelerator.device, weight_dtype(accelerator.mixed_precision))
+    components.load_denoiser(base)  # only now: never beside T5
     prompts = cfg.validation_prompts or method.validation_prompts()
     validate = live_validator(method, base, cfg, accelerator, prompts)
     judge = CheckpointJudge(cfg.checkpoint_scoring, prompts, Path(data_dir)) if cfg.scores_checkpoints else None

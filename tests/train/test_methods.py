@@ -203,15 +203,20 @@ def test_the_base_loads_for_the_output_with_training_let_go_of(tmp_path, tiny_sd
 
     import tasks.train.core as core
     import tasks.train.loop as loop
+    from tasks.common.families import Components
 
     refs: dict[str, weakref.ref] = {}
     real_components, real_optimizer, real_ema = core.load_components, loop.make_optimizer, loop.Ema
-    real_load = DiffusionPipeline.from_pretrained
+    real_load, real_denoiser = DiffusionPipeline.from_pretrained, Components.load_denoiser
 
     def load_components(*args, **kwargs):
         components = real_components(*args, **kwargs)
         refs.update({name: weakref.ref(module) for name, module in components.modules.items()})
         return components
+
+    def load_denoiser(self, base):
+        real_denoiser(self, base)
+        refs["unet"] = weakref.ref(self.denoiser)
 
     def make_optimizer(*args, **kwargs):
         optimizer = real_optimizer(*args, **kwargs)
@@ -231,6 +236,7 @@ def test_the_base_loads_for_the_output_with_training_let_go_of(tmp_path, tiny_sd
         return real_load(*args, **kwargs)
 
     monkeypatch.setattr(core, "load_components", load_components)
+    monkeypatch.setattr(Components, "load_denoiser", load_denoiser)
     monkeypatch.setattr(loop, "make_optimizer", make_optimizer)
     monkeypatch.setattr(loop, "Ema", Ema)
     monkeypatch.setattr(DiffusionPipeline, "from_pretrained", from_pretrained)
