@@ -80,7 +80,8 @@ def theirs_command(base: Path, work: Path, images: Path, args: argparse.Namespac
 
 def timed(name: str, command: list[str], work: Path, warmup: int, root: Path = ROOT) -> dict:
     out = work / f"{name}-timing.json"
-    env = {**os.environ, "MLFLOW_TRACKING_URI": f"sqlite:///{work / 'mlflow.db'}", "PYTHONPATH": str(root)}
+    env = {**os.environ, "MLFLOW_TRACKING_URI": f"sqlite:///{work / 'mlflow.db'}", "PYTHONPATH": str(root),
+           "STEPTIMER_MEMORY_LOG": str(work / f"{name}-memory.log")}  # RSS at each log record
     start = time.perf_counter()
     proc = subprocess.run([sys.executable, str(HERE / "steptimer.py"), str(out), *command], cwd=work, env=env,
                           capture_output=True, text=True)
