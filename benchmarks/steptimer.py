@@ -7,12 +7,14 @@ Registers torch's global optimizer-step hook (every optimizer, whatever script b
 the script or module as __main__ in this process. At exit, OUT.json gets the step end times
 (perf_counter seconds), the peak RSS at each step's end and at exit, and the wall time. Our stage
 and diffusers' example scripts are timed by the same hook, so s/step means the same for both.
+STEPTIMER_MEMORY_LOG=FILE also writes the current and peak RSS at every log record to FILE.
 `timed()` runs a command this way from a benchmark and summarises what it recorded.
 """
 from __future__ import annotations
 
 import atexit
 import json
+import logging
 import os
 import resource
 import runpy
@@ -25,6 +27,27 @@ from pathlib import Path
 
 def _peak_rss_gb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 ** 2  # KiB on Linux
+
+
+def _rss_gb() -> float:
+    with open("/proc/self/statm") as fh:
+        return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 1024 ** 3
+
+
+def _log_memory(path: str) -> None:
+    """The current and peak RSS with every log record the run makes, one line each, to `path`: where
+    in a run the memory goes. A record factory, so the run's own logging set-up is left alone."""
+    out = open(path, "w", encoding="utf-8")  # noqa: SIM115 - open for the process's life
+    make = logging.getLogRecordFactory()
+
+    def record(*args: object, **kwargs: object) -> logging.LogRecord:
+        rec = make(*args, **kwargs)
+        if rec.levelno >= logging.INFO:
+            out.write(f"rss {_rss_gb():6.2f} GB  peak {_peak_rss_gb():6.2f} GB  {rec.getMessage()[:160]}\n")
+            out.flush()
+        return rec
+
+    logging.setLogRecordFactory(record)
 
 
 def main() -> None:
@@ -40,6 +63,8 @@ def main() -> None:
         rss.append(_peak_rss_gb())
 
     register_optimizer_step_post_hook(step_end)
+    if os.environ.get("STEPTIMER_MEMORY_LOG"):
+        _log_memory(os.environ["STEPTIMER_MEMORY_LOG"])
 
     def write() -> None:
         Path(out).write_text(json.dumps({

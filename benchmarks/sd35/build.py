@@ -9,6 +9,7 @@ holds more than the largest part (T5-XXL, 9.5 GB). The tokenizers are the projec
 CLIP BPE and T5 Unigram tokenizers (their ids stay inside the real embedding tables).
 
     .venv/bin/python -m benchmarks.sd35.build --out .cache/bench/sd35-medium     # 16 GB on disk
+    .venv/bin/python -m benchmarks.sd35.build --out .cache/bench/sd35-8-6 --transformer-layers 8 --t5-layers 6
 """
 from __future__ import annotations
 
@@ -74,20 +75,29 @@ def _save(name: str, build: Callable[[], Any], out: Path, seed: int) -> tuple[st
     return result
 
 
-def build_sd35_medium(out: Path, seed: int = 0) -> dict[str, int]:
-    """Write the pipeline folder; returns parameters per component."""
+def build_sd35_medium(out: Path, seed: int = 0, transformer_layers: int | None = None,
+                      t5_layers: int | None = None) -> dict[str, int]:
+    """Write the pipeline folder; returns parameters per component. `transformer_layers` and
+    `t5_layers` cut the depth (same widths; the dual-attention layers stay the first 13/24 of them):
+    a smaller model with the same kinds of parts, for memory comparisons on a small machine."""
     from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel
     from transformers import CLIPTextConfig, CLIPTextModelWithProjection, T5Config, T5EncoderModel
 
     from tasks.common.families.tiny import clip_tokenizer, t5_tokenizer
 
+    transformer, t5 = dict(TRANSFORMER), dict(T5_XXL)
+    if transformer_layers is not None:
+        transformer.update(num_layers=transformer_layers,
+                           dual_attention_layers=tuple(range(transformer_layers * 13 // 24)))
+    if t5_layers is not None:
+        t5.update(num_layers=t5_layers)
     out.mkdir(parents=True, exist_ok=True)
     parts = {
-        "transformer": lambda: SD3Transformer2DModel(**TRANSFORMER),
+        "transformer": lambda: SD3Transformer2DModel(**transformer),
         "vae": lambda: AutoencoderKL(**VAE),
         "text_encoder": lambda: CLIPTextModelWithProjection(CLIPTextConfig(**CLIP_L)),
         "text_encoder_2": lambda: CLIPTextModelWithProjection(CLIPTextConfig(**CLIP_G)),
-        "text_encoder_3": lambda: T5EncoderModel(T5Config(**T5_XXL)),
+        "text_encoder_3": lambda: T5EncoderModel(T5Config(**t5)),
     }
     index: dict[str, Any] = {"_class_name": "StableDiffusion3Pipeline", "_diffusers_version": "0.39.0"}
     params = {}
@@ -110,12 +120,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=Path(".cache/bench/sd35-medium"))
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--transformer-layers", type=int, help="fewer transformer layers than the published 24")
+    parser.add_argument("--t5-layers", type=int, help="fewer T5 encoder layers than the published 24")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     if (args.out / "parameters.json").is_file():
         log.info("%s is built already", args.out)
         return
-    print(json.dumps(build_sd35_medium(args.out, args.seed), indent=2))
+    print(json.dumps(build_sd35_medium(args.out, args.seed, args.transformer_layers, args.t5_layers), indent=2))
 
 
 if __name__ == "__main__":

@@ -80,17 +80,17 @@ def theirs_command(base: Path, work: Path, images: Path, args: argparse.Namespac
 
 
 def table(results: list[dict]) -> str:
-    """Markdown: per loop, the median s/step over runs with its range, and the peak RSS range."""
+    """Markdown: per loop (and label), the median s/step over runs with its range, and the peak RSS range."""
     rows = ["| loop | runs | s/step median (min-max over runs) | peak RSS at last step, GB | peak RSS at exit, GB |",
             "|---|---|---|---|---|"]
-    for loop in ("ours", "theirs"):
-        cells = [r for r in results if r["loop"] == loop]
-        if not cells:
-            continue
+    groups = list(dict.fromkeys((r["loop"], r.get("label", "")) for r in results))  # in the order they were first run
+    for loop, label in sorted(groups, key=lambda g: g[0] != "ours"):
+        cells = [r for r in results if r["loop"] == loop and r.get("label", "") == label]
+        name = f"{loop} ({label})" if label else loop
         s = [r["s_per_step"] for r in cells]
         train_rss = [r["peak_rss_train_gb"] for r in cells]
         exit_rss = [r["peak_rss_gb"] for r in cells]
-        rows.append(f"| {loop} | {len(cells)} | {statistics.median(s):.2f} ({min(s):.2f}-{max(s):.2f}) | "
+        rows.append(f"| {name} | {len(cells)} | {statistics.median(s):.2f} ({min(s):.2f}-{max(s):.2f}) | "
                     f"{min(train_rss):.1f}-{max(train_rss):.1f} | {min(exit_rss):.1f}-{max(exit_rss):.1f} |")
     return "\n".join(rows)
 
@@ -107,6 +107,10 @@ def main() -> None:
     parser.add_argument("--loops", nargs="+", default=["ours", "theirs"], choices=["ours", "theirs"])
     parser.add_argument("--results", type=Path, default=HERE / "results_train.json")
     parser.add_argument("--table", action="store_true", help="print the table of --results and exit")
+    parser.add_argument("--model", default="sd3.5-medium", help="the model's name in the results")
+    parser.add_argument("--ours-root", type=Path, default=ROOT,
+                        help="the project tree whose train stage runs as ours (another commit's, for before/after)")
+    parser.add_argument("--label", default="", help="a note kept with each result (e.g. the commit of ours)")
     args = parser.parse_args()
     if args.table:
         print(table(json.loads(args.results.read_text())))
@@ -125,10 +129,13 @@ def main() -> None:
         for loop in args.loops:
             for leftover in ("ours-out", "theirs-out", "checkpoints"):
                 shutil.rmtree(args.work / leftover, ignore_errors=True)
-            row = {"run": run, "model": "sd3.5-medium", "method": "lora", "resolution": args.resolution,
+            row = {"run": run, "model": args.model, "method": "lora", "resolution": args.resolution,
                    "batch": 1, "rank": args.rank, "precision": "bf16", "date": time.strftime("%Y-%m-%d"),
                    "cpu": platform.processor() or platform.machine(), "threads": os.cpu_count(),
-                   **timed(loop, commands[loop], args.work, args.warmup, env)}
+                   **({"label": args.label} if args.label else {}),
+                   **timed(loop, commands[loop], args.work, args.warmup, {
+                       **env, "PYTHONPATH": str(args.ours_root.resolve() if loop == "ours" else ROOT),
+                       "STEPTIMER_MEMORY_LOG": str(args.work / f"{loop}-memory.log")})}  # RSS at each log record
             print(json.dumps(row), flush=True)
             results.append(row)
             args.results.write_text(json.dumps(results, indent=1) + "\n")

@@ -60,6 +60,13 @@ class Backend:
         """End of the loop, also on errors."""
 
 
+def caches_on_host(accelerator: Any) -> bool:
+    """False where the back end switches the latent and text caches off (XLA: XlaBackend.prepare)."""
+    from accelerate.utils import DistributedType
+
+    return accelerator.distributed_type != DistributedType.XLA
+
+
 def choose_backend(cfg: TrainConfig, accelerator: Any) -> Backend:
     """XLA when accelerate runs on torch_xla, CPU acceleration on a CPU, else the default."""
     from accelerate.utils import DistributedType

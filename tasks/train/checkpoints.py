@@ -151,6 +151,10 @@ class CheckpointManager:
         """Objects with state_dict/load_state_dict saved in every checkpoint (safetensors + JSON, by name)."""
         self.tracked.update(objects)
 
+    def untrack(self) -> None:
+        """After training: hold the tracked objects no more (the EMA's shadow weights can go)."""
+        self.tracked = {}
+
     def checkpoints(self) -> list[Path]:
         """Complete checkpoints, oldest first."""
         if not self.run_dir.is_dir():

@@ -18,13 +18,16 @@ from PIL import Image
 from tasks.common import families
 from tasks.common.errors import UserError
 from tasks.common.fingerprint import weight_hashes
+from tasks.common.memory import release_memory
 from tasks.common.outputs import atomic_dir, atomic_file
+from tasks.train.backend import caches_on_host
 from tasks.train.checkpoints import CheckpointManager, run_key
 from tasks.train.config import TrainConfig
 from tasks.train.data import METADATA
-from tasks.train.loop import make_accelerator, run_loop
-from tasks.train.methods import METHODS
+from tasks.train.loop import LoopResult, make_accelerator, run_loop
+from tasks.train.methods import METHODS, TrainingMethod
 from tasks.train.models import load_components
+from tasks.train.optim import weight_dtype
 from tasks.train.selection import CheckpointJudge, best_record
 from tasks.train.steplog import Callback, StepLog
 from tasks.train.validation import live_validator, output_validation
@@ -113,8 +116,11 @@ def train(
     checkpoints = CheckpointManager(Path(cfg.checkpoints_dir) / key, cfg.checkpoints_total_limit, accelerator, info,
                                     cfg.keep_checkpoints_every_steps)
     resume_from = checkpoints.resolve(cfg.resume)
-    components = load_components(base, cfg.prediction_type)
+    components = load_components(base, cfg.prediction_type, denoiser=False)
     method.bind(components)
+    if caches_on_host(accelerator):  # with the text cache on: prompts encoded, text encoders gone
+        method.encode_prompts_first(accelerator.device, weight_dtype(accelerator.mixed_precision))
+    components.load_denoiser(base)  # only now: never beside T5
     prompts = cfg.validation_prompts or method.validation_prompts()
     validate = live_validator(method, base, cfg, accelerator, prompts)
     judge = CheckpointJudge(cfg.checkpoint_scoring, prompts, Path(data_dir)) if cfg.scores_checkpoints else None
@@ -126,13 +132,17 @@ def train(
     weights: dict[str, str] = {}
     if result.ema is not None:
         result.ema.copy_to_params()  # the output is the EMA weights, as in train_text_to_image.py
-    for module in result.trained.values():
-        module.to(memory_format=torch.contiguous_format)  # safetensors stores contiguous tensors
+    del validate, judge  # the live validator and the scoring encoders are done
+    trained = _hand_over(result, method, accelerator, checkpoints)
     if accelerator.is_main_process:
         with atomic_dir(out_dir) as tmp:
-            method.save(base, tmp, result.trained)
+            method.save(base, tmp, trained)
+            _drop(trained, method)
+            method.complete_output(base, tmp)  # LoRA: loads the base to fuse into, with nothing beside it
             images = output_validation(method, tmp, base, cfg, prompts)
         weights = weight_hashes(Path(out_dir))
+    else:
+        _drop(trained, method)
     accelerator.wait_for_everyone()
     peak = max((h.peak_memory_mb for h in result.history), default=0.0)
     return TrainOutcome(
@@ -143,6 +153,28 @@ def train(
         checkpoints=[_on_disk(r, checkpoints.run_dir / f"checkpoint-{r['step']}") for r in result.state.scores],
         selected=selected,
     )
+
+
+def _hand_over(result: LoopResult, method: TrainingMethod, accelerator: Any, checkpoints: CheckpointManager
+               ) -> dict[str, torch.nn.Module]:
+    """The trained modules, with every other thing training held let go of first: the optimizer and
+    its state, accelerate's prepared objects, the EMA, the caches, the frozen modules. The output is
+    then written (and the base loaded again for it) without the training's memory beside it."""
+    trained, result.trained, result.ema, result.params = result.trained, {}, None, []
+    for module in trained.values():
+        module.to(memory_format=torch.contiguous_format)  # safetensors stores contiguous tensors
+    checkpoints.untrack()
+    accelerator.free_memory()  # prepared models, optimizer, LR scheduler, data loader
+    method.release(keep=set(trained))
+    release_memory()
+    return trained
+
+
+def _drop(trained: dict[str, torch.nn.Module], method: TrainingMethod) -> None:
+    """Let the trained modules go too (their part of the output is written)."""
+    trained.clear()
+    method.release()
+    release_memory()
 
 
 def _on_disk(record: dict[str, Any], path: Path) -> dict[str, Any]:

@@ -31,6 +31,7 @@ from torch.utils.data import DataLoader, Dataset
 from tqdm import tqdm
 
 from tasks.common.errors import UserError
+from tasks.common.memory import release_memory
 from tasks.train.backend import choose_backend
 from tasks.train.checkpoints import CheckpointManager, TrainState, register_weight_hooks
 from tasks.train.buckets import BucketBatchSampler
@@ -139,6 +140,7 @@ def run_loop(  # noqa: C901 - one loop, read top to bottom, on purpose
     trainable = method.trainable()
     modules = method.components.modules
     method.place(accelerator.device, weight_dtype(accelerator.mixed_precision))
+    release_memory()  # the float32 weights the cast replaced: back to the system before the text encoders run
     method.setup_caches()
     n_proc = accelerator.num_processes
     optimizer = make_optimizer(cfg, method.param_groups(), cfg.effective_learning_rate(n_proc))

@@ -15,12 +15,13 @@ from tasks.common.families import Components
 __all__ = ["Components", "load_components", "pipeline_from_modules"]
 
 
-def load_components(base: Path, prediction_type: str | None = None) -> Components:
-    """Every part of a base folder; the noise scheduler is the family's training schedule."""
+def load_components(base: Path, prediction_type: str | None = None, denoiser: bool = True) -> Components:
+    """Every part of a base folder; the noise scheduler is the family's training schedule.
+    `denoiser=False`: the denoiser's weights wait for `Components.load_denoiser`."""
     base = Path(base)
     if not (base / "model_index.json").is_file():
         raise UserError(f"{base} is not a diffusers pipeline folder (no model_index.json): run the `base` stage first")
-    return families.detect(base).load_components(base, prediction_type)
+    return families.detect(base).load_components(base, prediction_type, denoiser)
 
 
 def pipeline_from_modules(

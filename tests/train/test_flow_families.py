@@ -147,3 +147,40 @@ def test_text_encoders_leave_before_the_first_step(tmp_path, tiny_flux, instance
     assert torch.equal(hidden, expected[0]) and torch.equal(pooled, expected[1])
     with pytest.raises(RuntimeError, match="not in the text cache"):
         method.prompt_cache.lookup(["another prompt"], ids, None, torch.device("cpu"))
+
+
+def test_prompts_are_encoded_before_the_transformer_loads(tmp_path, tiny_sd3, one_image, monkeypatch) -> None:
+    """With the text cache on, the text encoders (T5 among them) have left memory when the transformer
+    is loaded, and the trained weights are those of the order where the transformer loads first."""
+    import gc
+    import weakref
+
+    import tasks.train.core as core
+    from tasks.common.families import Components
+
+    real_components, real_denoiser = core.load_components, Components.load_denoiser
+    encoders: dict[str, weakref.ref] = {}
+    alive_at_load: list[set[str]] = []
+
+    def load_components(*args, **kwargs):
+        components = real_components(*args, **kwargs)
+        encoders.update({n: weakref.ref(components.modules[n]) for n in components.text_encoder_names()})
+        return components
+
+    def load_denoiser(self, base):
+        gc.collect()
+        alive_at_load.append({n for n, ref in encoders.items() if ref() is not None})
+        real_denoiser(self, base)
+
+    monkeypatch.setattr(core, "load_components", load_components)
+    monkeypatch.setattr(Components, "load_denoiser", load_denoiser)
+    config = cfg(tmp_path, method="lora", max_train_steps=2, max_sequence_length=SEQ, fuse_lora=False,
+                 mixed_precision="bf16")
+    train(config, tiny_sd3, one_image, None, tmp_path / "first")
+    assert set(encoders) == {"text_encoder", "text_encoder_2", "text_encoder_3"}
+    assert alive_at_load == [set()], alive_at_load
+    monkeypatch.setattr(core, "caches_on_host", lambda accelerator: False)  # as under XLA: encoders stay
+    train(config, tiny_sd3, one_image, None, tmp_path / "late")
+    assert alive_at_load[1] == set(encoders), alive_at_load
+    weights = "pytorch_lora_weights.safetensors"
+    assert tensors_equal(tmp_path / "first" / weights, tmp_path / "late" / weights)

@@ -207,3 +207,61 @@ def test_fused_lora_keeps_the_precision_the_base_is_stored_in(tmp_path, tiny_sd,
     assert all(w.dtype == torch.float32 for w in load_file(out / "pytorch_lora_weights.safetensors").values())
     assert not tensors_equal(out / UNET, base / UNET), "the adapters are fused in"
     assert stored_dtypes(tiny_sd) == {"text_encoder": torch.float32, "unet": torch.float32, "vae": torch.float32}
+
+
+@pytest.mark.parametrize("method,alive", [("lora", set()), ("dreambooth", {"unet"})])
+def test_the_base_loads_for_the_output_with_training_let_go_of(tmp_path, tiny_sd, one_image, method, alive,
+                                                                monkeypatch) -> None:
+    """When the base is loaded again for the output (LoRA: the pipeline to fuse into; dreambooth: the
+    frozen parts of the saved pipeline), the optimizer, the EMA and every module training held are
+    gone but what is being saved: an SD3.5 base is 16 GB, it must not sit beside the training's."""
+    import gc
+    import weakref
+
+    from diffusers import DiffusionPipeline
+
+    import tasks.train.core as core
+    import tasks.train.loop as loop
+    from tasks.common.families import Components
+
+    refs: dict[str, weakref.ref] = {}
+    real_components, real_optimizer, real_ema = core.load_components, loop.make_optimizer, loop.Ema
+    real_load, real_denoiser = DiffusionPipeline.from_pretrained, Components.load_denoiser
+
+    def load_components(*args, **kwargs):
+        components = real_components(*args, **kwargs)
+        refs.update({name: weakref.ref(module) for name, module in components.modules.items()})
+        return components
+
+    def load_denoiser(self, base):
+        real_denoiser(self, base)
+        refs["unet"] = weakref.ref(self.denoiser)
+
+    def make_optimizer(*args, **kwargs):
+        optimizer = real_optimizer(*args, **kwargs)
+        refs["optimizer"] = weakref.ref(optimizer)
+        return optimizer
+
+    class Ema(real_ema):
+        def __init__(self, *args, **kwargs) -> None:
+            super().__init__(*args, **kwargs)
+            refs["ema"] = weakref.ref(self.model)
+
+    alive_at_load: list[set[str]] = []
+
+    def from_pretrained(*args, **kwargs):
+        gc.collect()
+        alive_at_load.append({name for name, ref in refs.items() if ref() is not None})
+        return real_load(*args, **kwargs)
+
+    monkeypatch.setattr(core, "load_components", load_components)
+    monkeypatch.setattr(Components, "load_denoiser", load_denoiser)
+    monkeypatch.setattr(loop, "make_optimizer", make_optimizer)
+    monkeypatch.setattr(loop, "Ema", Ema)
+    monkeypatch.setattr(DiffusionPipeline, "from_pretrained", from_pretrained)
+    config = cfg(tmp_path, method=method, max_train_steps=2, fuse_lora=True, use_ema=method == "dreambooth")
+    train(config, tiny_sd, one_image, None, tmp_path / "out")
+    assert {"unet", "vae", "text_encoder", "optimizer"} <= set(refs), refs
+    assert alive_at_load == [alive], alive_at_load
+    gc.collect()
+    assert not {name for name, ref in refs.items() if ref() is not None}, "all let go of once written"

@@ -31,14 +31,24 @@ class Components:
     tokenizers: list[Any]
     text_encoders: list[Any]
     vae: Any
-    denoiser: Any
+    denoiser: Any  # None until `load_denoiser` where it was loaded without (load_components(denoiser=False))
     noise_scheduler: Any
     modules: dict[str, Any] = field(default_factory=dict)
+    #: the denoiser's config.json (readable before its weights are loaded)
+    denoiser_config: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         f = self.family
-        self.modules = {f.denoiser_name: self.denoiser, "vae": self.vae,
+        self.modules = {**({f.denoiser_name: self.denoiser} if self.denoiser is not None else {}), "vae": self.vae,
                         **dict(zip(f.text_encoder_names, self.text_encoders))}
+        if self.denoiser is not None:
+            self.denoiser_config = dict(self.denoiser.config)
+
+    def load_denoiser(self, base: Path) -> None:
+        """Load the denoiser's weights now (after the prompts are encoded, the text encoders gone)."""
+        if self.denoiser is None:
+            self.denoiser = self.family.load_denoiser(base)
+            self.modules = {self.family.denoiser_name: self.denoiser, **self.modules}
 
     def text_encoder_names(self) -> list[str]:
         return list(self.family.text_encoder_names[: len(self.text_encoders)])
@@ -46,6 +56,15 @@ class Components:
     def trainable_text_encoder_names(self) -> list[str]:
         allowed = self.family.trainable_text_encoders
         return [n for n in self.text_encoder_names() if allowed is None or n in allowed]
+
+    def keep_only(self, names: set[str] | list[str]) -> None:
+        """Drop every module not in `names` (after training: what the output no longer needs from
+        memory); family, tokenizers and scheduler stay. Kept text encoders keep their order."""
+        kept_encoders = [n for n in self.text_encoder_names() if n in names]
+        self.modules = {n: m for n, m in self.modules.items() if n in names}
+        self.text_encoders = [self.modules[n] for n in kept_encoders]
+        self.vae = self.modules.get("vae")
+        self.denoiser = self.modules.get(self.family.denoiser_name)
 
 
 class ModelFamily:
@@ -111,8 +130,9 @@ class ModelFamily:
 
     # --- training parts --------------------------------------------------------------------------
     @classmethod
-    def load_components(cls, base: Path, prediction_type: str | None = None) -> Components:
-        """Every part of a base folder; text encoders and tokenizers in `text_encoder_names` order."""
+    def load_components(cls, base: Path, prediction_type: str | None = None, denoiser: bool = True) -> Components:
+        """Every part of a base folder; text encoders and tokenizers in `text_encoder_names` order.
+        `denoiser=False`: all but the denoiser's weights (`Components.load_denoiser` loads them later)."""
         import diffusers
         import transformers
 
@@ -125,10 +145,22 @@ class ModelFamily:
             tokenizers.append(getattr(transformers, index[tok_name][1]).from_pretrained(base, subfolder=tok_name))
             encoders.append(getattr(transformers, index[enc_name][1]).from_pretrained(base, subfolder=enc_name))
         vae = getattr(diffusers, index["vae"][1]).from_pretrained(base, subfolder="vae")
-        denoiser = getattr(diffusers, index[cls.denoiser_name][1]).from_pretrained(base, subfolder=cls.denoiser_name)
         scheduler = cls.noise_scheduler(base, prediction_type)
+        if not denoiser:
+            config = getattr(diffusers, index[cls.denoiser_name][1]).load_config(base, subfolder=cls.denoiser_name)
+            log.info("loaded %s base model from %s (%s objective; %s later)", cls.title, base, cls.objective,
+                     cls.denoiser_name)
+            return Components(cls, tokenizers, encoders, vae, None, scheduler, denoiser_config=dict(config))
         log.info("loaded %s base model from %s (%s objective)", cls.title, base, cls.objective)
-        return Components(cls, tokenizers, encoders, vae, denoiser, scheduler)
+        return Components(cls, tokenizers, encoders, vae, cls.load_denoiser(base), scheduler)
+
+    @classmethod
+    def load_denoiser(cls, base: Path) -> Any:
+        """The denoiser (UNet or transformer) of a base folder, in the precision diffusers loads it in."""
+        import diffusers
+
+        index = _index(Path(base))
+        return getattr(diffusers, index[cls.denoiser_name][1]).from_pretrained(base, subfolder=cls.denoiser_name)
 
     @classmethod
     def refused_options(cls) -> dict[str, str]:

@@ -44,7 +44,7 @@ class StableDiffusion3(FlowMatchingFamily):
             hidden.append(out.hidden_states[-2])
             pooled.append(out.text_embeds)
         clip = torch.cat(hidden, dim=-1)
-        t5_width = components.denoiser.config.joint_attention_dim
+        t5_width = components.denoiser_config["joint_attention_dim"]
         if len(encoders) > 2:
             t5 = encoders[2](input_ids[2].to(next(encoders[2].parameters()).device), return_dict=True)[0]
         else:  # no T5 in this base: zeros, as the pipeline does

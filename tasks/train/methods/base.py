@@ -1,8 +1,9 @@
 """The interface between a training method and the shared loop, with the shared behaviour.
 
 A method says what is trainable (`configure`, `trainable`), what prompt each instance image gets
-(`prompt`), what to do after an optimizer step (`after_step`) and how to save (`save`). Data,
-loss (noise, Min-SNR, prior preservation), caching and precision placement are shared here.
+(`prompt`), what to do after an optimizer step (`after_step`) and how to save (`save` from the
+trained modules, then `complete_output` from files once they have left memory). Data, loss (noise,
+Min-SNR, prior preservation), caching and precision placement are shared here.
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import numpy as np
 import torch
 
 from tasks.common.errors import UserError
+from tasks.common.memory import release_memory
 from tasks.train.config import TrainConfig
 from tasks.train.data import CaptionPolicy, Record, TrainDataset, collate, read_imagefolder
 from tasks.train.diffusion import LatentCache, PromptCache, RowRandom, encode_latents
@@ -85,12 +87,7 @@ class TrainingMethod:
         """Frozen modules in the low precision (they only run forward), trained ones in float32."""
         trainable = set(self.trainable())
         for name, module in self.components.modules.items():
-            # fp16 VAEs overflow (SDXL's notably); bf16 has fp32's range.
-            target = torch.float32 if name in trainable or (name == "vae" and dtype == torch.float16) else dtype
-            if target == torch.float32:
-                module.to(device)  # already fp32 (passing a dtype makes diffusers warn for nothing)
-            else:
-                module.to(device, dtype=target)
+            _put(module, name, device, dtype, name in trainable)
         if self.cfg.channels_last:
             for name in (self.components.family.denoiser_name, "vae"):
                 self.components.modules[name].to(memory_format=torch.channels_last)
@@ -157,9 +154,37 @@ class TrainingMethod:
         return [self.cfg.instance_prompt]
 
     # --- loss ----------------------------------------------------------------------------------
-    def setup_caches(self) -> None:
-        """Cache what cannot change: latents of fixed crops, embeddings of a frozen text encoder."""
+    def caches_prompts(self) -> bool:
+        """True when the text embeddings are cached: the option is on, no text encoder trains, and an
+        image's prompt cannot change between epochs."""
         trains_text = any(n.startswith("text_encoder") for n in self.trainable())
+        return self.cfg.cache_text_encoder_outputs and not trains_text and not self.prompts_vary()
+
+    def encode_prompts_first(self, device: torch.device, dtype: torch.dtype) -> None:
+        """Before the denoiser is loaded (core.py): with the text cache on, put the frozen text encoders
+        where `place` will put everything (device, training precision), encode every prompt training
+        can see and let them go. The largest text encoder (T5-XXL: 9.5 GB in bf16) and the denoiser
+        are then never in memory together."""
+        if not self.caches_prompts():
+            return
+        for name in self.components.text_encoder_names():
+            _put(self.components.modules[name], name, device, dtype, trainable=False)
+        self.prompt_cache = self._new_prompt_cache()
+        self.release_text_encoders(device)
+
+    def _new_prompt_cache(self) -> PromptCache:
+        text_store = None
+        if self.cfg.cache_text_encoder_outputs_to_disk:
+            from tasks.train.latent_store import DiskPromptStore
+
+            c = self.components
+            text_store = DiskPromptStore(self.cfg.disk_cache_dir, c.text_encoders, c.family.name,
+                                         self.cfg.max_sequence_length)
+        return PromptCache(text_store)
+
+    def setup_caches(self) -> None:
+        """Cache what cannot change: latents of fixed crops, embeddings of a frozen text encoder
+        (already complete where `encode_prompts_first` ran)."""
         self.latent_cache = None
         if self.cfg.cache_latents and self.cfg.center_crop:
             store = None
@@ -169,16 +194,8 @@ class TrainingMethod:
                 store = DiskLatentStore(self.cfg.disk_cache_dir, self.components.modules["vae"])
                 log.info("latent cache on disk: %s", store.folder)
             self.latent_cache = LatentCache(store)
-        self.prompt_cache = None
-        if self.cfg.cache_text_encoder_outputs and not trains_text and not self.prompts_vary():
-            text_store = None
-            if self.cfg.cache_text_encoder_outputs_to_disk:
-                from tasks.train.latent_store import DiskPromptStore
-
-                c = self.components
-                text_store = DiskPromptStore(self.cfg.disk_cache_dir, c.text_encoders, c.family.name,
-                                             self.cfg.max_sequence_length)
-            self.prompt_cache = PromptCache(text_store)
+        if self.prompt_cache is None or not self.prompt_cache.complete:
+            self.prompt_cache = self._new_prompt_cache() if self.caches_prompts() else None
         log.info("caching: latents %s, text embeddings %s",
                  "on" if self.latent_cache else "off" + (" (random crops)" if self.cfg.cache_latents else ""),
                  "on" if self.prompt_cache else "off" + (" (text encoder trains or tags shuffle)"
@@ -194,15 +211,16 @@ class TrainingMethod:
             prompts.add("")
         return prompts
 
-    def release_text_encoders(self) -> None:
+    def release_text_encoders(self, device: torch.device | None = None) -> None:
         """With the text cache on: encode every prompt training will see, then let the frozen text
         encoders go before the first step, as diffusers' SD3/FLUX scripts do (FLUX's T5-XXL alone is
-        9.5 GB in bf16). Validation images then load them from the base again."""
-        if self.prompt_cache is None:
+        9.5 GB in bf16). Validation images then load them from the base again. Nothing to do where
+        `encode_prompts_first` did it."""
+        if self.prompt_cache is None or self.prompt_cache.complete:
             return
         c = self.components
         prompts = sorted(self.fixed_prompts())
-        device = next(c.denoiser.parameters()).device
+        device = device or next(c.denoiser.parameters()).device
         with torch.no_grad():  # in chunks: with the disk store, memory stays flat for any number of captions
             for start in range(0, len(prompts), 64):
                 chunk = prompts[start : start + 64]
@@ -212,6 +230,7 @@ class TrainingMethod:
         for name in names:
             del c.modules[name]
         c.text_encoders = []
+        release_memory()
         self.prompt_cache.complete = True
         log.info("text embeddings of %d prompt(s) cached; %s released before the first step", len(prompts),
                  ", ".join(names))
@@ -261,7 +280,9 @@ class TrainingMethod:
         return pipeline_from_modules(base, self.components, modules)
 
     def save(self, base: Path, out_dir: Path, trained: dict[str, torch.nn.Module]) -> None:
-        """A complete pipeline folder: the trained modules plus the base's other parts, safetensors."""
+        """What the output needs from the trained modules: here a complete pipeline folder, the
+        trained modules plus the base's other parts, safetensors. Only the trained modules are still
+        in memory (the caller has released the rest); `complete_output` follows once they are gone."""
         # Only the trained modules come from memory; the frozen ones load from the base in their
         # stored precision (in memory they may be bf16).
         pipe = pipeline_from_modules(base, self.components, trained, keep_safety_checker=True)
@@ -273,8 +294,30 @@ class TrainingMethod:
         pipe.save_pretrained(out_dir, safe_serialization=True)
         log.info("saved %s pipeline (%s trained) to %s", self.name, ", ".join(sorted(trained)), out_dir)
 
+    def complete_output(self, base: Path, out_dir: Path) -> None:
+        """What the output still needs once the trained modules have left memory (`release`): parts
+        made from the base and files already in `out_dir` alone (LoRA: the fused pipeline)."""
+
+    def release(self, keep: set[str] | list[str] = ()) -> None:
+        """After training: drop the caches and every module but those named in `keep`, so loading
+        the base again (saving, the fused pipeline, final validation) does not sit beside them."""
+        self.latent_cache = self.prompt_cache = None
+        if self._components is not None:
+            self._components.keep_only(set(keep))
+
     def load_output(self, out_dir: Path, base: Path) -> Any:
         """The saved output as a pipeline, through diffusers' own loaders (final validation)."""
         from diffusers import DiffusionPipeline
 
         return DiffusionPipeline.from_pretrained(out_dir)
+
+
+def _put(module: torch.nn.Module, name: str, device: torch.device, dtype: torch.dtype, trainable: bool) -> None:
+    """One module where training runs it: frozen ones in the low precision (they only run forward),
+    trained ones in float32."""
+    # fp16 VAEs overflow (SDXL's notably); bf16 has fp32's range.
+    target = torch.float32 if trainable or (name == "vae" and dtype == torch.float16) else dtype
+    if target == torch.float32:
+        module.to(device)  # already fp32 (passing a dtype makes diffusers warn for nothing)
+    else:
+        module.to(device, dtype=target)

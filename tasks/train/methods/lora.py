@@ -16,6 +16,7 @@ import torch
 
 from tasks.common import families
 from tasks.common.lora import fuse_lora_file
+from tasks.train.config import TrainConfig
 from tasks.train.methods.base import TrainingMethod
 
 log = logging.getLogger(__name__)
@@ -25,6 +26,10 @@ WEIGHT_NAME = "pytorch_lora_weights.safetensors"
 
 class LoRA(TrainingMethod):
     name = "lora"
+
+    def __init__(self, cfg: TrainConfig) -> None:
+        super().__init__(cfg)
+        self.fused_components: list[str] = []  # the pipeline components the saved file has layers for
 
     def _config(self, targets: tuple[str, ...]) -> Any:
         from peft import LoraConfig
@@ -58,7 +63,7 @@ class LoRA(TrainingMethod):
                     param.data = param.data.to(dtype)
 
     def save(self, base: Path, out_dir: Path, trained: dict[str, torch.nn.Module]) -> None:
-        from diffusers import DiffusionPipeline
+        """The adapters of the trained modules, in diffusers' LoRA file."""
         from peft.utils import get_peft_model_state_dict
 
         layers: dict[str, Any] = {}
@@ -71,12 +76,20 @@ class LoRA(TrainingMethod):
         self.components.family.pipeline_class().save_lora_weights(out_dir, **layers, weight_name=WEIGHT_NAME, safe_serialization=True)
         log.info("saved LoRA weights (%s, rank %d) to %s", ", ".join(sorted(trained)), self.cfg.rank,
                  out_dir / WEIGHT_NAME)
-        if self.cfg.fuse_lora:
-            # In the precision the base is stored in (a bf16 SD3.5 stays bf16, not float32 at twice the size).
-            pipe = DiffusionPipeline.from_pretrained(base, torch_dtype=families.stored_dtypes(base))
-            fuse_lora_file(pipe, out_dir / WEIGHT_NAME, self.components.family.lora_components(list(trained)))
-            pipe.save_pretrained(out_dir, safe_serialization=True)
-            log.info("saved the base pipeline with the LoRA fused in to %s", out_dir)
+        self.fused_components = self.components.family.lora_components(list(trained))
+
+    def complete_output(self, base: Path, out_dir: Path) -> None:
+        """With `fuse_lora`: the base with the LoRA file fused in, loaded only now that the trained
+        model is gone (an SD3.5 base is 16 GB in bf16)."""
+        from diffusers import DiffusionPipeline
+
+        if not self.cfg.fuse_lora:
+            return
+        # In the precision the base is stored in (a bf16 SD3.5 stays bf16, not float32 at twice the size).
+        pipe = DiffusionPipeline.from_pretrained(base, torch_dtype=families.stored_dtypes(base))
+        fuse_lora_file(pipe, out_dir / WEIGHT_NAME, self.fused_components)
+        pipe.save_pretrained(out_dir, safe_serialization=True)
+        log.info("saved the base pipeline with the LoRA fused in to %s", out_dir)
 
     def load_output(self, out_dir: Path, base: Path) -> Any:
         from diffusers import DiffusionPipeline
