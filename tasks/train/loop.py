@@ -91,8 +91,11 @@ def make_accelerator(cfg: TrainConfig) -> Any:
 def build_dataloader(dataset: Dataset, method: TrainingMethod, cfg: TrainConfig) -> tuple[DataLoader, Any]:
     """Order from (seed, epoch); the loader's own generator keeps it off the global RNG.
 
-    With buckets, a batch sampler makes batches within one bucket (tasks/train/buckets.py).
+    With buckets, a batch sampler makes batches within one bucket (tasks/train/buckets.py). With
+    the disk latent cache, the dataset reads the latents it finds there instead of decoding.
     """
+    if hasattr(dataset, "read_latents_from"):  # after the back end chose the caches (XLA turns them off)
+        dataset.read_latents_from(method.disk_latents())
     common = {"collate_fn": method.collate, "num_workers": cfg.dataloader_num_workers,
               "generator": torch.Generator().manual_seed(cfg.seed)}
     if getattr(dataset, "buckets", None):
