@@ -93,7 +93,8 @@ class LatentCache:
             self.misses += 1
             dist = vae.encode(pixels[j : j + 1].to(param.device, param.dtype)).latent_dist
             entry = {"parameters": dist.parameters.detach().float().cpu(),
-                     "original_size": batch["original_sizes"][i].cpu(), "crop_top_left": batch["crops_top_left"][i].cpu()}
+                     "original_size": batch["original_sizes"][i].cpu(),
+                     "crop_top_left": batch["crops_top_left"][i].cpu()}
             self.store[key] = entry
             rows.append(entry["parameters"])
         # (`misses` counts encodings: with a disk store, entries an earlier run wrote are hits)

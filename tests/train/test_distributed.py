@@ -231,10 +231,10 @@ def test_two_ranks_resume_exactly_with_buckets(tmp_path, tiny_sd, mixed_dir, cla
 def test_two_ranks_select_the_best_checkpoint_of_a_diverging_run(tmp_path, tiny_sd, instance_dir, class_dir) -> None:
     """Rank 0 scores each checkpoint and every rank gets the record: when the loss turns NaN, both
     ranks stop (none fails on its own) and the best healthy checkpoint is the output."""
-    section = {**SETTINGS, "max_train_steps": 8, "learning_rate": 1.0, "lr_scheduler": "constant", "train_batch_size": 1,
-               "with_prior_preservation": False, "num_validation_images": 1, "validation_inference_steps": 2,
-               "select_checkpoint": "best", "checkpointing_steps": 2, "checkpoints_total_limit": 1,
-               "checkpoints_dir": str(tmp_path / "ckpt"),
+    section = {**SETTINGS, "max_train_steps": 8, "learning_rate": 1.0, "lr_scheduler": "constant",
+               "train_batch_size": 1, "with_prior_preservation": False, "num_validation_images": 1,
+               "validation_inference_steps": 2, "select_checkpoint": "best", "checkpointing_steps": 2,
+               "checkpoints_total_limit": 1, "checkpoints_dir": str(tmp_path / "ckpt"),
                "launcher": "mpirun", "launch": {"num_processes": 2, "threads_per_process": 1}}
     done = run_stage(tmp_path, section, (tiny_sd, instance_dir, class_dir))
     assert done.returncode == 0, done.stderr[-4000:]
