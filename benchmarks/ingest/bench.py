@@ -5,6 +5,8 @@
     throughput  512 and 1024 px JPEGs and PNGs -> 512 px: a plain one-process PIL loop next to
                 the stage's code (tasks.ingest.core.ingest) with 1 and 2 worker processes
     memory      peak RSS of the stage at 1k and 100k small images (main process and workers)
+    buckets     the same at 1k, 10k and 100k images of mixed sizes and aspect ratios, kept whole
+                for aspect-ratio bucketing (output_size short_side: no crop, width/height recorded)
     cache       a cold run over 10k small images, then a re-run after adding 10 images
 
 Generated inputs are kept under --work and reused by later runs (delete it to start over).
@@ -79,6 +81,26 @@ def make_small(folder: Path, n: int, start: int = 0) -> Path:
     return folder
 
 
+MIXED = [(64, 96), (96, 64), (80, 80), (64, 160), (160, 64), (120, 90), (72, 128), (128, 72)]  # (w, h)
+
+
+def make_mixed(folder: Path, n: int) -> Path:
+    """n distinct JPEGs (random 8x8 blocks, quality 90) of the MIXED sizes: portrait, landscape,
+    square, up to 2.5:1; 1,000 per sub-folder; reused if present."""
+    done = folder.with_name(f".{folder.name}.complete-{n}")  # beside: not an input
+    if done.exists():
+        return folder
+    rng = np.random.default_rng(n)
+    for i in range(n):
+        sub = folder / f"part_{i // 1000:03d}"
+        sub.mkdir(parents=True, exist_ok=True)
+        blocks = rng.integers(0, 256, (8, 8, 3), dtype=np.uint8)
+        size = MIXED[i % len(MIXED)]
+        Image.fromarray(blocks).resize(size, Image.Resampling.NEAREST).save(sub / f"{i:06d}.jpg", quality=90)
+    done.write_text("ok")
+    return folder
+
+
 def plain_loop(src: Path, out: Path, resolution: int, fmt: str) -> int:
     """What one writes without the stage: open, orient, RGB, resize, centre-crop, save; 1 process."""
     out.mkdir(parents=True, exist_ok=True)
@@ -101,7 +123,7 @@ def plain_loop(src: Path, out: Path, resolution: int, fmt: str) -> int:
 
 
 def run_stage(src: Path, out: Path, **params) -> tuple[float, object]:
-    cfg = IngestConfig.model_validate({"sources": [{"type": "folder", "path": str(src)}],
+    cfg = IngestConfig.model_validate({"data_dir": None, "sources": [{"type": "folder", "path": str(src)}],
                                        "cache_dir": None, **params})
     out.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
@@ -215,21 +237,24 @@ class Monitor:
         self._sample()
 
 
-def child_ingest(src: str, out: str, cache: str | None, workers: int) -> None:
+SMALL = {"resolution": 32, "min_side": 16}  # the memory and cache runs: 64 px squares to 32 px squares
+BUCKETED = {"resolution": 64, "min_side": 32, "output_size": "short_side"}  # kept whole, short side 64
+
+
+def child_ingest(src: str, out: str, cache: str | None, workers: int, params: dict) -> None:
     """Run in a fresh process so peak RSS belongs to this run only; prints one JSON line."""
-    params = {"resolution": 32, "min_side": 16, "workers": workers, "cache_dir": cache}
     with Monitor() as peak:
-        seconds, summary = run_stage(Path(src), Path(out), **params)
+        seconds, summary = run_stage(Path(src), Path(out), **params, workers=workers, cache_dir=cache)
     print(json.dumps({
         "seconds": seconds, "total": summary.total, "kept": summary.kept,
-        "cache_hits": summary.cache_hits,
+        "cache_hits": summary.cache_hits, "cpu_seconds": peak.cpu_seconds,
         "main_peak_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         "worker_peak_mib": peak.worker / 2**20, "all_peak_mib": peak.total / 2**20,
     }))
 
 
-def in_child(src: Path, out: Path, cache: Path | None = None, workers: int = 2) -> dict:
-    cmd = [sys.executable, __file__, "_child", str(src), str(out), str(cache or ""), str(workers)]
+def in_child(src: Path, out: Path, cache: Path | None = None, workers: int = 2, params: dict = SMALL) -> dict:
+    cmd = [sys.executable, __file__, "_child", str(src), str(out), str(cache or ""), str(workers), json.dumps(params)]
     proc = subprocess.run(cmd, capture_output=True, text=True, check=True,
                           env={**os.environ, "TQDM_DISABLE": "1"})
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -244,6 +269,28 @@ def memory(work: Path) -> list[str]:
         rows.append(f"| {n:,} | {r['seconds']:.1f} s | {r['total'] / r['seconds']:.0f} | "
                     f"{r['main_peak_mib']:.0f} MiB | {r['worker_peak_mib']:.0f} MiB | "
                     f"{r['all_peak_mib']:.0f} MiB |")
+        print(rows[-1], flush=True)
+    return rows
+
+
+def recorded_sizes(out: Path) -> tuple[int, int]:
+    """(rows with width and height in metadata.jsonl, distinct aspect ratios among them)."""
+    rows = [json.loads(line) for line in (out / "metadata.jsonl").read_text().splitlines() if line.strip()]
+    sized = [r for r in rows if isinstance(r.get("width"), int) and isinstance(r.get("height"), int)]
+    return len(sized), len({round(r["width"] / r["height"], 2) for r in sized})
+
+
+def buckets(work: Path, counts: list[int]) -> list[str]:
+    rows = ["| images (mixed JPEGs, kept whole) | time | img/s | CPU-ms/img | peak RSS main | peak RSS per worker "
+            "| peak RSS all processes | sizes recorded | aspect ratios |", "|---|---|---|---|---|---|---|---|---|"]
+    for n in counts:
+        src, out = make_mixed(work / f"mixed_{n}", n), work / f"out_mixed_{n}"
+        r = in_child(src, out, params=BUCKETED)
+        sized, ratios = recorded_sizes(out)
+        assert r["kept"] == n and sized == n, (r, sized)
+        rows.append(f"| {n:,} | {r['seconds']:.1f} s | {r['total'] / r['seconds']:.0f} | "
+                    f"{1000 * r['cpu_seconds'] / r['total']:.2f} | {r['main_peak_mib']:.0f} MiB | "
+                    f"{r['worker_peak_mib']:.0f} MiB | {r['all_peak_mib']:.0f} MiB | {sized:,} | {ratios} |")
         print(rows[-1], flush=True)
     return rows
 
@@ -273,13 +320,15 @@ def cache(work: Path) -> list[str]:
 
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "_child":
-        _, _, src, out, store, workers = sys.argv
-        child_ingest(src, out, store or None, int(workers))
+        _, _, src, out, store, workers, params = sys.argv
+        child_ingest(src, out, store or None, int(workers), json.loads(params))
         return
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("what", choices=["throughput", "memory", "cache", "all"])
+    parser.add_argument("what", choices=["throughput", "memory", "buckets", "cache", "all"])
     parser.add_argument("--work", type=Path, default=Path("/tmp/ingest-bench"))
     parser.add_argument("--n", type=int, default=600, help="images per throughput case")
+    parser.add_argument("--counts", type=int, nargs="+", default=[1_000, 10_000, 100_000],
+                        help="dataset sizes of the buckets run")
     args = parser.parse_args()
     os.environ.setdefault("TQDM_DISABLE", "1")
     import logging
@@ -293,6 +342,8 @@ def main() -> None:
         tables.append(throughput(args.work, args.n))
     if args.what in ("memory", "all"):
         tables.append(memory(args.work))
+    if args.what in ("buckets", "all"):
+        tables.append(buckets(args.work, args.counts))
     if args.what in ("cache", "all"):
         tables.append(cache(args.work))
     print("\n\n".join("\n".join(t) for t in tables))

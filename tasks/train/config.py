@@ -219,13 +219,14 @@ class TrainConfig(StageConfig):
     )
     cache_latents_to_disk: bool = Field(
         False, description="keep the latent cache in files under disk_cache_dir, reused by later runs and resumes "
-                           "(memory then does not grow with the dataset)"
+                           "(memory then does not grow with the dataset; a cached image is not decoded)"
     )
     cache_text_encoder_outputs_to_disk: bool = Field(
         False, description="keep the text embedding cache in files under disk_cache_dir, reused by later runs"
     )
     disk_cache_dir: Path = Field(
-        Path(".cache/encoded"), description="the disk caches: <this>/<VAE fingerprint>/ and <this>/text-<encoders>/"
+        Path(".cache/encoded"), description="the disk caches: <this>/<VAE fingerprint>/, <this>/text-<encoders>/ "
+                                            "and <this>/files/ (image hashes by file identity)"
     )
     channels_last: bool = Field(False, description="channels-last memory format for the UNet and VAE")
     # --- back ends (tasks/train/README.md, "CPU and TPU back ends") ------------------------------

@@ -123,7 +123,8 @@ def train(
     components.load_denoiser(base)  # only now: never beside T5
     prompts = cfg.validation_prompts or method.validation_prompts()
     validate = live_validator(method, base, cfg, accelerator, prompts)
-    judge = CheckpointJudge(cfg.checkpoint_scoring, prompts, Path(data_dir)) if cfg.scores_checkpoints else None
+    judge = (CheckpointJudge(cfg.checkpoint_scoring, prompts, Path(data_dir), accelerator.is_main_process)
+             if cfg.scores_checkpoints else None)  # rank 0 scores; the others receive its records
     result = run_loop(method, dataset, cfg, accelerator, checkpoints, resume_from, callbacks, validate, judge)
     selected = _select_output(cfg, result, checkpoints)
     result.anchor.check(result.params, cfg.method, result.state.step, result.last_lr)  # never an unmoved output

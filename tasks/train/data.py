@@ -155,9 +155,10 @@ class TrainDataset(Dataset):
 
     Indexed by (epoch, index) pairs from `EpochSampler` (or batches of them from the buckets'
     sampler). Each example has a `latent_key` when its pixels are fixed (centre crop): the same
-    key means the same pixels (same file content, same target size, same flip). With `buckets`, an example's
-    target is its instance image's bucket, and its class image is cropped to that bucket too (a
-    batch must share one size).
+    key means the same pixels (same file content, same target size, same flip); with a disk
+    latent store (`read_latents_from`) an example whose key is stored is read, not decoded. With
+    `buckets`, an example's target is its instance image's bucket, and its class image is
+    cropped to that bucket too (a batch must share one size).
     """
 
     instances: list[Record]
@@ -171,6 +172,7 @@ class TrainDataset(Dataset):
     buckets: list[tuple[int, int]] | None = None  # (height, width); None: square `resolution`
     classes_: list[Record] = field(init=False)
     bucket_of: list[int] = field(init=False)  # per instance image
+    latent_store: Any = field(default=None, init=False)  # a DiskLatentStore read instead of decoding
 
     def __post_init__(self) -> None:
         from tasks.train.buckets import assign
@@ -197,9 +199,27 @@ class TrainDataset(Dataset):
     def __len__(self) -> int:
         return max(len(self.instances), len(self.classes_))
 
+    def read_latents_from(self, store: Any) -> None:
+        """With a disk latent store (tasks/train/latent_store.py), an example whose latent is there
+        carries it (`latent`, with the stored crop geometry) and its image is not decoded."""
+        self.latent_store = store if self.center_crop else None
+
+    def _cached(self, record: Record, target: tuple[int, int], flip: bool) -> dict[str, Any] | None:
+        key = f"{self.latent_store.hashes.digest(record.path)}:{target[0]}x{target[1]}:{int(flip)}"
+        entry = self.latent_store.get(key)
+        if entry is None:
+            return None
+        return {"pixels": None, "latent": entry["parameters"], "latent_key": key, "target_size": target,
+                "original_size": tuple(entry["original_size"].tolist()),
+                "crop_top_left": tuple(entry["crop_top_left"].tolist())}
+
     def _load(self, kind: str, position: int, record: Record, rng: np.random.Generator,
               target: tuple[int, int]) -> dict[str, Any]:
         flip = bool(rng.random() < 0.5) if self.random_flip else False
+        if self.latent_store is not None:
+            cached = self._cached(record, target, flip)
+            if cached is not None:
+                return cached
         data = record.path.read_bytes()
         with Image.open(io.BytesIO(data)) as im:
             pixels, original, crop = prepare_image(im, target, self.center_crop, flip, rng)
@@ -247,14 +267,22 @@ class EpochSampler(Sampler):
 
 
 def collate(examples: list[dict[str, Any]]) -> dict[str, Any]:
-    """Stack a batch: instance images first, then class images (when present)."""
+    """Stack a batch: instance images first, then class images (when present).
+
+    `pixels` holds the decoded rows in order. When the data loader read rows from the disk latent
+    cache, `cached_latents` has their posterior parameters (None for the decoded rows).
+    """
     parts = [e["instance"] for e in examples]
     prompts = [e["instance_prompt"] for e in examples]
     if "class" in examples[0]:
         parts += [e["class"] for e in examples]
         prompts += [e["class_prompt"] for e in examples]
+    decoded = [p["pixels"] for p in parts if p["pixels"] is not None]
+    height, width = parts[0]["target_size"]
+    cached = {"cached_latents": [p.get("latent") for p in parts]} if len(decoded) < len(parts) else {}
     return {
-        "pixels": torch.stack([p["pixels"] for p in parts]),
+        "pixels": torch.stack(decoded) if decoded else torch.empty(0, 3, height, width),
+        **cached,
         "prompts": prompts,
         "latent_keys": [p["latent_key"] for p in parts],
         "noise_seeds": [p["noise_seed"] for p in parts],

@@ -59,29 +59,46 @@ class LatentCache:
     """Posterior parameters per `latent_key` (file + crop + flip), encoded one image at a time.
 
     One image at a time, so a cached value never depends on which batch first needed it. `store`:
-    a dict (memory) by default, or any mapping such as tasks.train.latent_store.DiskLatentStore.
+    a dict (memory) by default, or any mapping such as tasks.train.latent_store.DiskLatentStore;
+    an entry holds the parameters and the crop geometry ({"parameters", "original_size",
+    "crop_top_left"}). With a disk store the data loader reads the entries it finds itself and
+    leaves those images undecoded (`cached_latents` in the batch; `pixels` then holds only the
+    decoded rows, in order).
     """
 
     def __init__(self, store: Any = None) -> None:
         self.store: Any = {} if store is None else store
         self.hits = self.misses = 0
 
-    def latents(self, vae: torch.nn.Module, pixels: torch.Tensor, keys: list[str | None],
-                rand: RowRandom | None = None, scale: Scale = ModelFamily.scale_latents) -> torch.Tensor:
+    def latents(self, vae: torch.nn.Module, batch: dict[str, Any], rand: RowRandom | None = None,
+                scale: Scale = ModelFamily.scale_latents) -> torch.Tensor:
         from diffusers.models.autoencoders.vae import DiagonalGaussianDistribution
 
+        keys, pixels = batch["latent_keys"], batch["pixels"]
         if any(k is None for k in keys):
             return encode_latents(vae, pixels, rand, scale)
         param = next(vae.parameters())
+        given = batch.get("cached_latents") or [None] * len(keys)
+        rows, decoded = [], iter(range(pixels.shape[0]))
         for i, key in enumerate(keys):
+            if given[i] is not None:  # read by the data loader, the image left undecoded
+                self.hits += 1
+                rows.append(given[i])
+                continue
+            j = next(decoded)
             if key in self.store:
                 self.hits += 1
+                rows.append(self.store[key]["parameters"])
                 continue
             self.misses += 1
-            dist = vae.encode(pixels[i : i + 1].to(param.device, param.dtype)).latent_dist
-            self.store[key] = dist.parameters.detach().float().cpu()
+            dist = vae.encode(pixels[j : j + 1].to(param.device, param.dtype)).latent_dist
+            entry = {"parameters": dist.parameters.detach().float().cpu(),
+                     "original_size": batch["original_sizes"][i].cpu(),
+                     "crop_top_left": batch["crops_top_left"][i].cpu()}
+            self.store[key] = entry
+            rows.append(entry["parameters"])
         # (`misses` counts encodings: with a disk store, entries an earlier run wrote are hits)
-        stacked = torch.cat([self.store[k] for k in keys]).to(param.device)
+        stacked = torch.cat([r.to(param.device) for r in rows])
         return scale(vae, _sample(DiagonalGaussianDistribution(stacked), rand))
 
 

@@ -92,8 +92,11 @@ def make_accelerator(cfg: TrainConfig) -> Any:
 def build_dataloader(dataset: Dataset, method: TrainingMethod, cfg: TrainConfig) -> tuple[DataLoader, Any]:
     """Order from (seed, epoch); the loader's own generator keeps it off the global RNG.
 
-    With buckets, a batch sampler makes batches within one bucket (tasks/train/buckets.py).
+    With buckets, a batch sampler makes batches within one bucket (tasks/train/buckets.py). With
+    the disk latent cache, the dataset reads the latents it finds there instead of decoding.
     """
+    if hasattr(dataset, "read_latents_from"):  # after the back end chose the caches (XLA turns them off)
+        dataset.read_latents_from(method.disk_latents())
     common = {"collate_fn": method.collate, "num_workers": cfg.dataloader_num_workers,
               "generator": torch.Generator().manual_seed(cfg.seed)}
     if getattr(dataset, "buckets", None):
@@ -240,8 +243,8 @@ def run_loop(  # noqa: C901 - one loop, read top to bottom, on purpose
                         with ema.swapped_in() if ema is not None else nullcontext():
                             entry.validation = validate(state.step, live)
                     if checkpoint_now:
-                        if judge is not None and accelerator.is_main_process:  # scored before saving: kept in it
-                            state.scores.append(judge.score(state.step, entry.validation or {}, mean_loss))
+                        if judge is not None:  # scored before saving: kept in it
+                            state.scores.append(_scored_on_main(accelerator, judge, state.step, entry, mean_loss))
                             _protect_best(checkpoints, judge, state)
                         entry.checkpoint = checkpoints.save(state.step)
                     history.append(entry)
@@ -306,6 +309,17 @@ def _reduce_step(accelerator: Any, micro_losses: list[torch.Tensor], stop: StopF
     if signum and not stop.requested:
         stop.signum = signum  # seen by another rank first
     return float(every[:, 0].mean())
+
+
+def _scored_on_main(accelerator: Any, judge: CheckpointJudge, step: int, entry: StepLog, loss: float) -> dict:
+    """Rank 0 scores the checkpoint (it alone made the validation images); every rank gets the record,
+    so every rank keeps the same scores and takes the same decisions (stop on divergence, the best)."""
+    from accelerate.utils import broadcast_object_list
+
+    record = [judge.score(step, entry.validation or {}, loss) if accelerator.is_main_process else None]
+    if accelerator.num_processes > 1:
+        broadcast_object_list(record, from_process=0)
+    return record[0]
 
 
 def _protect_best(checkpoints: CheckpointManager | None, judge: CheckpointJudge, state: TrainState) -> None:

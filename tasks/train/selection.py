@@ -67,11 +67,19 @@ def collapse_reason(images: list[Image.Image], loss: float, scores: dict[str, fl
 
 
 class CheckpointJudge:
-    """Scores a checkpoint's validation images and picks the best healthy checkpoint."""
+    """Scores a checkpoint's validation images and picks the best healthy checkpoint.
 
-    def __init__(self, scoring: CheckpointScoringConfig, prompts: list[str], instance_dir: Path) -> None:
+    `scores`: False on the ranks other than 0, which make no validation images and receive the
+    records from rank 0 (loop.py), so they do not load the encoders at all.
+    """
+
+    def __init__(self, scoring: CheckpointScoringConfig, prompts: list[str], instance_dir: Path,
+                 scores: bool = True) -> None:
         self.metric, self.goal = scoring.scored_metric(), str(scoring.goal)
         self.prompts = list(prompts)
+        self.scorer: Scorer | None = None
+        if not scores:
+            return
         with torch.random.fork_rng():  # built-in encoders seed torch: the training RNG must not move
             encoders = Encoders.load(str(scoring.clip_model), str(scoring.dino_model), int(scoring.encoder_seed or 0),
                                      scoring.clip_revision, scoring.dino_revision, key="train.checkpoint_scoring")
@@ -80,6 +88,8 @@ class CheckpointJudge:
 
     def score(self, step: int, images: dict[str, list[Image.Image]], loss: float) -> dict[str, Any]:
         """The report's record of one checkpoint: step, loss, scores and whether it collapsed."""
+        if self.scorer is None:
+            raise RuntimeError("this judge was made without encoders (scores=False): only rank 0 scores")
         rows = [images.get(p, []) for p in self.prompts]
         overall = self.scorer.scores(rows)[0]
         flat = [im for row in rows for im in row]

@@ -226,3 +226,24 @@ def test_two_ranks_resume_exactly_with_buckets(tmp_path, tiny_sd, mixed_dir, cla
     assert _csv_losses(tmp_path / "b" / "loss.csv") == _csv_losses(tmp_path / "a" / "loss.csv")
     a, b = load_file(tmp_path / "a" / "out" / UNET), load_file(tmp_path / "b" / "out" / UNET)
     assert all(torch.equal(a[k], b[k]) for k in a), "bit-identical weights after the 2-rank resume"
+
+
+def test_two_ranks_select_the_best_checkpoint_of_a_diverging_run(tmp_path, tiny_sd, instance_dir, class_dir) -> None:
+    """Rank 0 scores each checkpoint and every rank gets the record: when the loss turns NaN, both
+    ranks stop (none fails on its own) and the best healthy checkpoint is the output."""
+    section = {**SETTINGS, "max_train_steps": 8, "learning_rate": 1.0, "lr_scheduler": "constant",
+               "train_batch_size": 1, "with_prior_preservation": False, "num_validation_images": 1,
+               "validation_inference_steps": 2, "select_checkpoint": "best", "checkpointing_steps": 2,
+               "checkpoints_total_limit": 1, "checkpoints_dir": str(tmp_path / "ckpt"),
+               "launcher": "mpirun", "launch": {"num_processes": 2, "threads_per_process": 1}}
+    done = run_stage(tmp_path, section, (tiny_sd, instance_dir, class_dir))
+    assert done.returncode == 0, done.stderr[-4000:]
+    report = json.loads((tmp_path / "train.json").read_text())
+    selected, scored = report["selected_checkpoint"], {r["step"]: r for r in report["checkpoints"]}
+    assert "loss became nan" in selected["stopped_early"] and scored and max(scored) < 8
+    best = max((r for r in scored.values() if not r["collapsed"]), key=lambda r: r[selected["metric"]])
+    assert selected["step"] == best["step"] and selected["select"] == "best"
+    saved = load_file(tmp_path / "out" / UNET)
+    assert best["kept"], "the best checkpoint is kept beyond checkpoints_total_limit"
+    chosen = load_file(Path(best["path"]) / "trainable_unet.safetensors")
+    assert all(torch.equal(saved[k], chosen[k]) for k in chosen), "the output is the chosen checkpoint's weights"

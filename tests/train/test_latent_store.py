@@ -3,6 +3,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import hashlib
+import os
+import time
+
 import numpy as np
 import pytest
 import torch
@@ -12,7 +16,7 @@ from safetensors.torch import load_file
 
 from tasks.train.config import TrainConfig
 from tasks.train.core import train
-from tasks.train.latent_store import DiskLatentStore, vae_fingerprint
+from tasks.train.latent_store import DiskLatentStore, FileHashes, vae_fingerprint
 from tests.train.conftest import write_imagefolder
 
 UNET = "unet/diffusion_pytorch_model.safetensors"
@@ -54,6 +58,47 @@ def test_a_changed_image_is_the_only_entry_encoded_again(tmp_path, tiny_sd) -> N
     bucketed = dict(enable_bucket=True, aspect_ratio_buckets="40,48;32,32")
     train(_cfg(tmp_path, "d", **disk, **bucketed), tiny_sd, data, None, tmp_path / "d")
     assert len(_entries(cache)) == 7, "another size (the bucket) is another entry per image"
+
+
+def test_an_image_whose_latent_is_cached_is_not_decoded(tmp_path, tiny_sdxl, monkeypatch) -> None:
+    """Every PIL open is counted: a run over a warm cache decodes nothing and trains exactly as the run
+    that decoded (SDXL: the stored original size and crop corner feed its conditioning); an edited
+    image is decoded again, alone."""
+    data = write_imagefolder(tmp_path / "data", 3, "a photo of sks toy", 23, size=(48, 40))  # cropped
+    disk = dict(cache_latents_to_disk=True, disk_cache_dir=tmp_path / "latents")
+    first = train(_cfg(tmp_path, "a", **disk), tiny_sdxl, data, None, tmp_path / "a")
+    opened: list[object] = []
+    real_open = Image.open
+    monkeypatch.setattr(Image, "open", lambda fp, *a, **kw: opened.append(fp) or real_open(fp, *a, **kw))
+    again = train(_cfg(tmp_path, "b", **disk), tiny_sdxl, data, None, tmp_path / "b")
+    assert opened == [], "no image is decoded when its latent is on disk"
+    assert again.losses == first.losses
+
+    pixels = np.asarray(real_open(data / "img2.png")).copy()
+    pixels[5, 5] = 255 - pixels[5, 5]
+    Image.fromarray(pixels).save(data / "img2.png")
+    train(_cfg(tmp_path, "c", **disk), tiny_sdxl, data, None, tmp_path / "c")
+    assert len(opened) == 1, f"only the edited image is decoded again, opened: {opened}"
+
+
+def test_file_hashes_follow_every_change(tmp_path, monkeypatch) -> None:
+    """A remembered hash is used only while the file is untouched: same size and a restored
+    modification time still count as a change (the change time moves)."""
+    path, hashes = tmp_path / "a.bin", FileHashes(tmp_path / "memo")
+    path.write_bytes(b"first")
+    assert hashes.digest(path) == hashlib.sha256(b"first").hexdigest()
+    assert not list((tmp_path / "memo").rglob("*")), "a file changed within 2 s is not remembered yet"
+
+    monkeypatch.setattr(FileHashes, "SETTLED_NS", 0)
+    hashes.digest(path)
+    (memo,) = [p for p in (tmp_path / "memo").rglob("*") if p.is_file()]
+    memo.write_text("f" * 64)
+    assert hashes.digest(path) == "f" * 64, "an untouched file's hash is read from the memo, not computed"
+    before = os.stat(path)
+    time.sleep(0.05)  # past the file system's clock tick
+    path.write_bytes(b"other")
+    os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))
+    assert hashes.digest(path) == hashlib.sha256(b"other").hexdigest()
 
 
 def test_text_embeddings_on_disk_per_caption(tmp_path, tiny_sdxl) -> None:

@@ -244,7 +244,7 @@ class TrainingMethod:
         with torch.no_grad():
             scale = c.family.scale_latents
             if self.latent_cache is not None:
-                latents = self.latent_cache.latents(modules["vae"], batch["pixels"], batch["latent_keys"], rand, scale)
+                latents = self.latent_cache.latents(modules["vae"], batch, rand, scale)
             else:
                 latents = encode_latents(modules["vae"], batch["pixels"], rand, scale)
         noised = self.objective.noise(latents, rand)
@@ -272,7 +272,12 @@ class TrainingMethod:
 
     def images_in(self, batch: dict[str, Any]) -> int:
         """Images one micro-batch pushes through the denoiser (for images/s)."""
-        return int(batch["pixels"].shape[0])
+        return len(batch["latent_keys"])
+
+    def disk_latents(self) -> Any:
+        """The disk latent store the data loader may read instead of decoding images (None: decode all)."""
+        store = self.latent_cache.store if self.latent_cache is not None else None
+        return store if hasattr(store, "hashes") else None
 
     # --- output ----------------------------------------------------------------------------------
     def live_pipeline(self, base: Path, modules: dict[str, torch.nn.Module]) -> Any:
