@@ -55,12 +55,14 @@ def main() -> None:
     start = time.perf_counter()
     ends: list[float] = []
     rss: list[float] = []
+    faults: list[int] = []  # minor page faults so far (blocks the kernel had to map and zero): load-independent
 
     from torch.optim.optimizer import register_optimizer_step_post_hook
 
     def step_end(*_: object) -> None:
         ends.append(time.perf_counter())
         rss.append(_peak_rss_gb())
+        faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt)
 
     register_optimizer_step_post_hook(step_end)
     if os.environ.get("STEPTIMER_MEMORY_LOG"):
@@ -71,6 +73,7 @@ def main() -> None:
             "step_ends": [t - start for t in ends],
             "peak_rss_gb": _peak_rss_gb(),  # the whole process: loading, training, saving
             "peak_rss_at_step_gb": rss,  # the peak so far, at the end of each step
+            "minor_faults_at_step": faults,
             "wall_seconds": time.perf_counter() - start,
         }))
 
@@ -96,10 +99,13 @@ def timed(name: str, command: list[str], work: Path, warmup: int, env: dict[str,
     timing = json.loads(out.read_text())
     ends = timing["step_ends"]
     steps = [b - a for a, b in zip(ends, ends[1:])][warmup - 1:]  # intervals after the warm-up steps
+    faults = timing.get("minor_faults_at_step", [])
+    step_faults = [b - a for a, b in zip(faults, faults[1:])][warmup - 1:]
     return {"loop": name, "s_per_step": round(statistics.median(steps), 3), "steps_timed": len(steps),
             "step_seconds": [round(s, 3) for s in steps], "first_step_end_s": round(ends[0], 1),
             "peak_rss_train_gb": round(timing["peak_rss_at_step_gb"][-1], 2),
             "peak_rss_gb": round(timing["peak_rss_gb"], 2), "wall_s": round(time.perf_counter() - start, 1),
+            "page_faults_per_step": int(statistics.median(step_faults)) if step_faults else None,
             "load_average": os.getloadavg()[0]}
 
 

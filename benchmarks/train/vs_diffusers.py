@@ -13,7 +13,10 @@ optimizer-step hook (`benchmarks/steptimer.py`): s/step is the median interval b
 steps after the warm-up steps; peak RSS is the process's, at the last step and at exit (loading,
 saving and writing the output included). Their scripts get their fastest flags for this setting:
 bf16 mixed precision (they cast the frozen parts to bf16 themselves), precomputed text embeddings
-where the script offers it, `--set_grads_to_none`, and the foreach EMA update.
+where the script offers it, `--set_grads_to_none`, and the foreach EMA update. Our stage preloads
+tcmalloc when it is installed (launch.preload_allocator); `--loops ... theirs-tcmalloc` runs their
+script with it too, to show what the allocator alone gives. Page faults per step (minor faults:
+memory the kernel had to map and zero) do not depend on the machine's load.
 """
 from __future__ import annotations
 
@@ -113,8 +116,10 @@ def run_pair(method: Method, base: Path, work: Path, data: dict[str, Path], args
              resolution: int, run: int) -> list[dict]:
     env = {"MLFLOW_TRACKING_URI": f"sqlite:///{work / 'mlflow.db'}", "PYTHONPATH": str(ROOT),
            "HF_DATASETS_CACHE": str(work / "hf-datasets"), "HF_HUB_OFFLINE": "1"}
+    theirs = theirs_command(method, base, work, data, resolution, args.steps)
     commands = {"ours": ours_command(method, base, work, data, resolution, args.steps),
-                "theirs": theirs_command(method, base, work, data, resolution, args.steps)}
+                "theirs": theirs, "theirs-tcmalloc": theirs}
+    extra = {"theirs-tcmalloc": {"LD_PRELOAD": tcmalloc(), "TCMALLOC_LARGE_ALLOC_REPORT_THRESHOLD": str(2 ** 40)}}
     rows = []
     for loop in args.loops:
         for leftover in ("ours-out", "theirs-out", "checkpoints", "hf-datasets"):
@@ -122,32 +127,41 @@ def run_pair(method: Method, base: Path, work: Path, data: dict[str, Path], args
         row = {"run": run, "model": "sd15-arch", "method": method.name, "resolution": resolution, "batch": 1,
                "images_per_step": 2 if method.prior else 1, "precision": "bf16", "date": time.strftime("%Y-%m-%d"),
                "cpu": platform.processor() or platform.machine(), "threads": os.cpu_count(),
-               **timed(loop, commands[loop], work, args.warmup, env)}
+               **timed(loop, commands[loop], work, args.warmup, {**env, **extra.get(loop, {})})}
         print(json.dumps(row), flush=True)
         rows.append(row)
     return rows
 
 
+def tcmalloc() -> str:
+    """The tcmalloc our stage preloads (launch.preload_allocator), for their script too."""
+    from tasks.common.launch import LaunchConfig, _find_allocators, allocator_preload
+
+    preload = allocator_preload(LaunchConfig(preload_allocator="tcmalloc"), _find_allocators())
+    assert preload is not None
+    return preload
+
+
 def table(results: list[dict]) -> str:
-    """Markdown: per method and resolution, each side's median s/step over runs (min-max), the
-    speed-up (their median over ours) and peak RSS (training / at exit)."""
-    rows = ["| method | px | runs | theirs s/step | ours s/step | ours vs theirs | peak RSS theirs / ours, GB "
-            "(training) | at exit, GB |", "|---|---|---|---|---|---|---|---|"]
+    """Markdown: per method, resolution and loop, the median s/step over runs (min-max), the speed-up
+    against their script (their median over this loop's), page faults per step, peak RSS."""
+    rows = ["| method | px | loop | runs | s/step median (min-max) | theirs / this | page faults per step "
+            "| peak RSS GB, training / at exit |", "|---|---|---|---|---|---|---|---|"]
     cells: dict[tuple, dict[str, list[dict]]] = {}
     for r in results:
         cells.setdefault((r["method"], r["resolution"]), {}).setdefault(r["loop"], []).append(r)
     for (method, px), loops in cells.items():
-        if not {"ours", "theirs"} <= loops.keys():
-            continue
-        s = {k: [r["s_per_step"] for r in v] for k, v in loops.items()}
-        med = {k: statistics.median(v) for k, v in s.items()}
-        rss = {k: max(r["peak_rss_train_gb"] for r in v) for k, v in loops.items()}
-        exit_rss = {k: max(r["peak_rss_gb"] for r in v) for k, v in loops.items()}
-        rows.append(f"| {method} | {px} | {min(len(s['ours']), len(s['theirs']))} | "
-                    f"{med['theirs']:.2f} ({min(s['theirs']):.2f}-{max(s['theirs']):.2f}) | "
-                    f"{med['ours']:.2f} ({min(s['ours']):.2f}-{max(s['ours']):.2f}) | "
-                    f"{med['theirs'] / med['ours']:.2f}x | {rss['theirs']:.1f} / {rss['ours']:.1f} | "
-                    f"{exit_rss['theirs']:.1f} / {exit_rss['ours']:.1f} |")
+        theirs = statistics.median(r["s_per_step"] for r in loops["theirs"]) if "theirs" in loops else None
+        for loop in ("theirs", "theirs-tcmalloc", "ours"):
+            if loop not in loops:
+                continue
+            s = [r["s_per_step"] for r in loops[loop]]
+            faults = [r["page_faults_per_step"] for r in loops[loop] if r.get("page_faults_per_step") is not None]
+            ratio = f"{theirs / statistics.median(s):.2f}x" if theirs else ""
+            rows.append(f"| {method} | {px} | {loop} | {len(s)} | "
+                        f"{statistics.median(s):.2f} ({min(s):.2f}-{max(s):.2f}) | {ratio} | {int(statistics.median(faults)) if faults else ''} | "
+                        f"{max(r['peak_rss_train_gb'] for r in loops[loop]):.1f} / "
+                        f"{max(r['peak_rss_gb'] for r in loops[loop]):.1f} |")
     return "\n".join(rows)
 
 
@@ -160,7 +174,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=6, help="optimizer steps per run, warm-up included")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--runs", type=int, default=1, help="ours then theirs, this many times per cell")
-    parser.add_argument("--loops", nargs="+", default=["ours", "theirs"], choices=["ours", "theirs"])
+    parser.add_argument("--loops", nargs="+", default=["ours", "theirs"], choices=["ours", "theirs", "theirs-tcmalloc"],
+                        help="theirs-tcmalloc: their script with the allocator our stage preloads")
     parser.add_argument("--results", type=Path, default=HERE / "results_vs_diffusers.json")
     parser.add_argument("--table", action="store_true", help="print the table of --results and exit")
     args = parser.parse_args()
