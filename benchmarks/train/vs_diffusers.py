@@ -158,8 +158,9 @@ def table(results: list[dict]) -> str:
             s = [r["s_per_step"] for r in loops[loop]]
             faults = [r["page_faults_per_step"] for r in loops[loop] if r.get("page_faults_per_step") is not None]
             ratio = f"{theirs / statistics.median(s):.2f}x" if theirs else ""
+            fault_cell = int(statistics.median(faults)) if faults else ""
             rows.append(f"| {method} | {px} | {loop} | {len(s)} | "
-                        f"{statistics.median(s):.2f} ({min(s):.2f}-{max(s):.2f}) | {ratio} | {int(statistics.median(faults)) if faults else ''} | "
+                        f"{statistics.median(s):.2f} ({min(s):.2f}-{max(s):.2f}) | {ratio} | {fault_cell} | "
                         f"{max(r['peak_rss_train_gb'] for r in loops[loop]):.1f} / "
                         f"{max(r['peak_rss_gb'] for r in loops[loop]):.1f} |")
     return "\n".join(rows)
