@@ -12,6 +12,7 @@ STEPTIMER_MEMORY_LOG=FILE also writes the current and peak RSS at every log reco
 """
 from __future__ import annotations
 
+import argparse
 import atexit
 import json
 import logging
@@ -85,6 +86,15 @@ def main() -> None:
     else:
         sys.argv = [target, *rest]
         runpy.run_path(target, run_name="__main__")
+
+
+def add_run_arguments(parser: argparse.ArgumentParser, results: Path) -> None:
+    """The options both side-by-side benchmarks share: steps, warm-up, runs, results file, table."""
+    parser.add_argument("--steps", type=int, default=6, help="optimizer steps per run, warm-up included")
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--runs", type=int, default=1, help="ours then theirs, this many times per cell")
+    parser.add_argument("--results", type=Path, default=results)
+    parser.add_argument("--table", action="store_true", help="print the table of --results and exit")
 
 
 def timed(name: str, command: list[str], work: Path, warmup: int, env: dict[str, str] | None = None) -> dict:

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import yaml
 
-from benchmarks.steptimer import timed
+from benchmarks.steptimer import add_run_arguments, timed
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
@@ -101,12 +101,8 @@ def main() -> None:
     parser.add_argument("--work", type=Path, default=ROOT / ".cache/bench/sd35-train")
     parser.add_argument("--resolution", type=int, default=256)
     parser.add_argument("--rank", type=int, default=4)
-    parser.add_argument("--steps", type=int, default=6, help="optimizer steps per run, warm-up included")
-    parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--runs", type=int, default=1, help="ours then theirs, this many times")
     parser.add_argument("--loops", nargs="+", default=["ours", "theirs"], choices=["ours", "theirs"])
-    parser.add_argument("--results", type=Path, default=HERE / "results_train.json")
-    parser.add_argument("--table", action="store_true", help="print the table of --results and exit")
+    add_run_arguments(parser, HERE / "results_train.json")
     parser.add_argument("--model", default="sd3.5-medium", help="the model's name in the results")
     parser.add_argument("--ours-root", type=Path, default=ROOT,
                         help="the project tree whose train stage runs as ours (another commit's, for before/after)")

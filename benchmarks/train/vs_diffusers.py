@@ -32,7 +32,7 @@ from pathlib import Path
 
 import yaml
 
-from benchmarks.steptimer import timed
+from benchmarks.steptimer import add_run_arguments, timed
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
@@ -172,13 +172,9 @@ def main() -> None:
     parser.add_argument("--work", type=Path, default=ROOT / ".cache/bench/train-vs-diffusers")
     parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
     parser.add_argument("--resolutions", nargs="+", type=int, default=[256])
-    parser.add_argument("--steps", type=int, default=6, help="optimizer steps per run, warm-up included")
-    parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--runs", type=int, default=1, help="ours then theirs, this many times per cell")
     parser.add_argument("--loops", nargs="+", default=["ours", "theirs"], choices=["ours", "theirs", "theirs-tcmalloc"],
                         help="theirs-tcmalloc: their script with the allocator our stage preloads")
-    parser.add_argument("--results", type=Path, default=HERE / "results_vs_diffusers.json")
-    parser.add_argument("--table", action="store_true", help="print the table of --results and exit")
+    add_run_arguments(parser, HERE / "results_vs_diffusers.json")
     args = parser.parse_args()
     if args.table:
         print(table(json.loads(args.results.read_text())))

@@ -31,15 +31,42 @@ SETTINGS = dict(max_train_steps=3, resolution=32, num_validation_images=0, learn
                 random_flip=True, checkpointing_steps=2, system_metrics_interval=0, resume="none", adam_epsilon=1e-4)
 
 
-def run_stage(tmp_path: Path, section: dict, inputs: tuple[Path, Path, Path], env: dict | None = None):
+def stage_command(tmp_path: Path, section: dict, inputs: tuple[Path, Path, Path]) -> list[str]:
+    """`python -m tasks.train` over `inputs` with `section` as params.yaml's train section."""
     tiny_sd, instance_dir, class_dir = inputs
     params = tmp_path / "params.yaml"
     params.write_text(yaml.safe_dump({"train": section}))
-    argv = ["--base", str(tiny_sd), "--data", str(instance_dir), "--class-data", str(class_dir),
-            "--out", str(tmp_path / "out"), "--report", str(tmp_path / "train.json"),
+    return [sys.executable, "-m", "tasks.train", "--base", str(tiny_sd), "--data", str(instance_dir),
+            "--class-data", str(class_dir), "--out", str(tmp_path / "out"), "--report", str(tmp_path / "train.json"),
             "--plot", str(tmp_path / "loss.csv"), "--params", str(params)]
-    return subprocess.run([sys.executable, "-m", "tasks.train", *argv], capture_output=True, text=True, cwd=tmp_path,
+
+
+def run_stage(tmp_path: Path, section: dict, inputs: tuple[Path, Path, Path], env: dict | None = None):
+    return subprocess.run(stage_command(tmp_path, section, inputs), capture_output=True, text=True, cwd=tmp_path,
                           env={**os.environ, "PYTHONPATH": str(REPO), **(env or {})}, timeout=300)
+
+
+#: two ranks training until signalled, a checkpoint folder to stop into
+ENDLESS = {**SETTINGS, "max_train_steps": 100_000, "checkpointing_steps": 100_000, "train_batch_size": 1,
+           "resume": "latest", "launcher": "mpirun", "launch": {"num_processes": 2, "threads_per_process": 1}}
+
+
+def start_until_both_ranks_train(tmp_path: Path, section: dict, inputs: tuple[Path, Path, Path]) -> subprocess.Popen:
+    """The stage under mpirun, returned once both ranks are in the loop with their signal handlers set."""
+    proc = subprocess.Popen(stage_command(tmp_path, section, inputs), stderr=subprocess.PIPE,
+                            stdout=subprocess.DEVNULL, text=True, cwd=tmp_path,
+                            env={**os.environ, "PYTHONPATH": str(REPO)})
+    try:
+        ready = 0
+        assert proc.stderr is not None
+        for line in proc.stderr:
+            ready += "SIGTERM/SIGINT save a checkpoint" in line
+            if ready == 2:
+                return proc
+        raise AssertionError("the stage ended before both ranks trained")
+    except BaseException:
+        _kill_tree(proc.pid)
+        raise
 
 
 def _kill_tree(pid: int) -> None:
@@ -134,24 +161,9 @@ def test_a_failing_rank_is_named(tmp_path, tiny_sd, instance_dir, class_dir, lau
 def test_sigterm_reaches_every_rank_and_two_ranks_resume(tmp_path, tiny_sd, instance_dir, class_dir) -> None:
     """SIGTERM to `python -m tasks.train` goes through mpirun to both ranks: they save one checkpoint
     together (each its RNG file), the stage exits 143, and the next 2-rank run continues from it."""
-    section = {**SETTINGS, "max_train_steps": 100_000, "checkpointing_steps": 100_000, "train_batch_size": 1,
-               "checkpoints_dir": str(tmp_path / "ckpt"), "resume": "latest",
-               "launcher": "mpirun", "launch": {"num_processes": 2, "threads_per_process": 1}}
-    params = tmp_path / "params.yaml"
-    params.write_text(yaml.safe_dump({"train": section}))
-    argv = ["--base", str(tiny_sd), "--data", str(instance_dir), "--class-data", str(class_dir),
-            "--out", str(tmp_path / "out"), "--report", str(tmp_path / "train.json"),
-            "--plot", str(tmp_path / "loss.csv"), "--params", str(params)]
-    proc = subprocess.Popen([sys.executable, "-m", "tasks.train", *argv], stderr=subprocess.PIPE,
-                            stdout=subprocess.DEVNULL, text=True, cwd=tmp_path,
-                            env={**os.environ, "PYTHONPATH": str(REPO)})
+    section = {**ENDLESS, "checkpoints_dir": str(tmp_path / "ckpt")}
+    proc = start_until_both_ranks_train(tmp_path, section, (tiny_sd, instance_dir, class_dir))
     try:
-        ready = 0
-        assert proc.stderr is not None
-        for line in proc.stderr:  # both ranks in the loop, their signal handlers installed
-            ready += "SIGTERM/SIGINT save a checkpoint" in line
-            if ready == 2:
-                break
         proc.send_signal(signal.SIGTERM)
         rest = proc.communicate(timeout=240)[1]
     finally:
@@ -173,24 +185,9 @@ def test_a_signal_seen_by_one_rank_stops_every_rank_after_the_same_step(tmp_path
     """SIGTERM sent to rank 1 alone (a scheduler that signals one node): rank 0 learns of it in the step's
     collective and both stop after the same step with one checkpoint, instead of rank 1 saving alone
     while rank 0 waits for it in the next step."""
-    section = {**SETTINGS, "max_train_steps": 100_000, "checkpointing_steps": 100_000, "train_batch_size": 1,
-               "checkpoints_dir": str(tmp_path / "ckpt"), "resume": "latest",
-               "launcher": "mpirun", "launch": {"num_processes": 2, "threads_per_process": 1}}
-    params = tmp_path / "params.yaml"
-    params.write_text(yaml.safe_dump({"train": section}))
-    argv = ["--base", str(tiny_sd), "--data", str(instance_dir), "--class-data", str(class_dir),
-            "--out", str(tmp_path / "out"), "--report", str(tmp_path / "train.json"),
-            "--plot", str(tmp_path / "loss.csv"), "--params", str(params)]
-    proc = subprocess.Popen([sys.executable, "-m", "tasks.train", *argv], stderr=subprocess.PIPE,
-                            stdout=subprocess.DEVNULL, text=True, cwd=tmp_path,
-                            env={**os.environ, "PYTHONPATH": str(REPO)})
+    proc = start_until_both_ranks_train(tmp_path, {**ENDLESS, "checkpoints_dir": str(tmp_path / "ckpt")},
+                                        (tiny_sd, instance_dir, class_dir))
     try:
-        ready = 0
-        assert proc.stderr is not None
-        for line in proc.stderr:
-            ready += "SIGTERM/SIGINT save a checkpoint" in line
-            if ready == 2:
-                break
         (rank1,) = [p for p in psutil.Process(proc.pid).children(recursive=True)
                     if p.environ().get("OMPI_COMM_WORLD_RANK") == "1" and "tasks.train" in " ".join(p.cmdline())]
         rank1.send_signal(signal.SIGTERM)

@@ -142,7 +142,7 @@ class TextualInversion(TrainingMethod):
 
     def learned_embeds(self, trained: dict[str, torch.nn.Module]) -> dict[str, torch.Tensor]:
         """The placeholder rows, keyed as the family's embedding files key them (`embedding_keys`)."""
-        rows = [_weight(trained[name])[ids].detach().float().cpu().contiguous()
+        rows = [_placeholder_rows(trained[name], ids).detach().float().cpu().contiguous()
                 for name, ids in zip(self.components.text_encoder_names(), self.token_ids)]
         keys = self.components.family.embedding_keys
         if keys is not None:
@@ -161,7 +161,7 @@ class TextualInversion(TrainingMethod):
         log.info("saved the learned embedding of %s to %s", self.cfg.placeholder_token, out_dir / EMBEDS_NAME)
 
 
-def _weight(encoder: torch.nn.Module) -> torch.Tensor:
-    """The encoder's token embedding matrix with the learned placeholder rows in it."""
+def _placeholder_rows(encoder: torch.nn.Module, ids: list[int]) -> torch.Tensor:
+    """The learned vectors of `ids`, from the training-time embedding or a plain (merged) one."""
     embedding = encoder.get_input_embeddings()
-    return embedding.merged().weight if isinstance(embedding, PlaceholderEmbedding) else embedding.weight
+    return embedding.rows if isinstance(embedding, PlaceholderEmbedding) else embedding.weight[ids]
