@@ -35,6 +35,14 @@ def _rss_gb() -> float:
         return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 1024 ** 3
 
 
+def _rss_parts_gb() -> str:
+    """Anonymous memory (the heap, tensors) and file pages (mapped weights files) of the RSS."""
+    with open("/proc/self/status") as fh:
+        parts = {k: int(v.split()[0]) / 1024 ** 2 for k, v in (line.split(":", 1) for line in fh)
+                 if k in ("RssAnon", "RssFile")}
+    return f"anon {parts.get('RssAnon', 0):5.2f} file {parts.get('RssFile', 0):5.2f}"
+
+
 def _log_memory(path: str) -> None:
     """The current and peak RSS with every log record the run makes, one line each, to `path`: where
     in a run the memory goes. A record factory, so the run's own logging set-up is left alone."""
@@ -44,7 +52,8 @@ def _log_memory(path: str) -> None:
     def record(*args: object, **kwargs: object) -> logging.LogRecord:
         rec = make(*args, **kwargs)
         if rec.levelno >= logging.INFO:
-            out.write(f"rss {_rss_gb():6.2f} GB  peak {_peak_rss_gb():6.2f} GB  {rec.getMessage()[:160]}\n")
+            out.write(f"rss {_rss_gb():6.2f} GB ({_rss_parts_gb()})  peak {_peak_rss_gb():6.2f} GB  "
+                      f"{rec.getMessage()[:160]}\n")
             out.flush()
         return rec
 

@@ -118,9 +118,10 @@ def train(
     resume_from = checkpoints.resolve(cfg.resume)
     components = load_components(base, cfg.prediction_type, denoiser=False)
     method.bind(components)
-    if caches_on_host(accelerator):  # with the text cache on: prompts encoded, text encoders gone
-        method.encode_prompts_first(accelerator.device, weight_dtype(accelerator.mixed_precision))
-    components.load_denoiser(base)  # only now: never beside T5
+    dtype = weight_dtype(accelerator.mixed_precision)
+    if caches_on_host(accelerator):  # frozen parts in low precision; with the text cache on, text encoders gone
+        method.place_frozen_first(accelerator.device, dtype)
+    components.load_denoiser(base, method.denoiser_load_dtype(dtype))  # only now: never beside T5
     prompts = cfg.validation_prompts or method.validation_prompts()
     validate = live_validator(method, base, cfg, accelerator, prompts)
     judge = (CheckpointJudge(cfg.checkpoint_scoring, prompts, Path(data_dir), accelerator.is_main_process)

@@ -1,11 +1,18 @@
-"""release_memory(): a dropped reference cycle gives its memory back when it is called."""
+"""release_memory(): a dropped reference cycle, and what the allocator keeps, go back to the system."""
 from __future__ import annotations
 
 import gc
+import json
+import os
+import subprocess
+import sys
 
 import numpy as np
+import pytest
 
+from tasks.common.launch import _find_allocators
 from tasks.common.memory import release_memory
+from tests.conftest import REPO
 
 
 def rss_mb() -> float:
@@ -37,3 +44,35 @@ def test_a_dropped_cycle_is_freed_by_release_memory():
         assert held - rss_mb() > 350
     finally:
         gc.enable()
+
+
+FREE_AND_RELEASE = """
+import json, sys
+import torch
+from tasks.common.memory import return_free_heap
+from tests.common.test_memory import rss_mb
+start = rss_mb()
+blocks = [torch.ones(64 * 2**20) for _ in range(4)]  # 4 x 256 MB, touched
+del blocks
+held = rss_mb()
+asked = return_free_heap()
+print(json.dumps({"start": start, "held": held, "released": rss_mb(), "asked": asked}))
+"""
+
+
+def test_freed_blocks_go_back_to_the_system_under_tcmalloc() -> None:
+    """tcmalloc keeps most freed blocks for reuse (the train stage runs under it); after the
+    training state is dropped, release_memory must make it give the GBs back, or the output is
+    written with them still resident. (jemalloc, the other choice, unmaps blocks this large itself.)"""
+    allocator = "tcmalloc"
+    found = _find_allocators()
+    if allocator not in found:
+        pytest.skip("tcmalloc is not installed: apt-get install libtcmalloc-minimal4 (.ci/run installs it)")
+    env = {**os.environ, "LD_PRELOAD": found[allocator], "PYTHONPATH": str(REPO),
+           "TCMALLOC_LARGE_ALLOC_REPORT_THRESHOLD": str(2**40)}
+    out = subprocess.run([sys.executable, "-c", FREE_AND_RELEASE], env=env, cwd=REPO, check=True,
+                         capture_output=True, text=True).stdout
+    mb = json.loads(out.splitlines()[-1])
+    assert allocator in mb["asked"]
+    assert mb["held"] - mb["start"] > 500, mb  # freed, yet kept by the allocator
+    assert mb["released"] - mb["start"] < 100, mb

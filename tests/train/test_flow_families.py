@@ -167,10 +167,10 @@ def test_prompts_are_encoded_before_the_transformer_loads(tmp_path, tiny_sd3, on
         encoders.update({n: weakref.ref(components.modules[n]) for n in components.text_encoder_names()})
         return components
 
-    def load_denoiser(self, base):
+    def load_denoiser(self, base, dtype=None):
         gc.collect()
         alive_at_load.append({n for n, ref in encoders.items() if ref() is not None})
-        real_denoiser(self, base)
+        real_denoiser(self, base, dtype)
 
     monkeypatch.setattr(core, "load_components", load_components)
     monkeypatch.setattr(Components, "load_denoiser", load_denoiser)

@@ -69,6 +69,13 @@ class TrainingMethod:
         c = self.components
         return [c.family.denoiser_name, *(c.trainable_text_encoder_names() if self.cfg.train_text_encoder else [])]
 
+    def denoiser_load_dtype(self, dtype: torch.dtype) -> torch.dtype | None:
+        """The precision to load the denoiser in: the training precision where its weights stay
+        frozen (`place` would cast them to it anyway; loading straight into it halves the load's
+        peak), None (as stored) where it trains."""
+        frozen = self.components.family.denoiser_name not in self.trainable()
+        return dtype if frozen and dtype != torch.float32 else None
+
     def configure(self) -> None:
         """Freeze everything, then unfreeze and switch to train mode what `trainable()` names."""
         names = set(self.trainable())
@@ -160,17 +167,22 @@ class TrainingMethod:
         trains_text = any(n.startswith("text_encoder") for n in self.trainable())
         return self.cfg.cache_text_encoder_outputs and not trains_text and not self.prompts_vary()
 
-    def encode_prompts_first(self, device: torch.device, dtype: torch.dtype) -> None:
-        """Before the denoiser is loaded (core.py): with the text cache on, put the frozen text encoders
-        where `place` will put everything (device, training precision), encode every prompt training
-        can see and let them go. The largest text encoder (T5-XXL: 9.5 GB in bf16) and the denoiser
-        are then never in memory together."""
-        if not self.caches_prompts():
-            return
-        for name in self.components.text_encoder_names():
-            _put(self.components.modules[name], name, device, dtype, trainable=False)
-        self.prompt_cache = self._new_prompt_cache()
-        self.release_text_encoders(device)
+    def place_frozen_first(self, device: torch.device, dtype: torch.dtype) -> None:
+        """Before the denoiser is loaded (core.py): the frozen parts already loaded (the VAE, the
+        text encoders that do not train) go where `place` will put them, in the training precision,
+        and their float32 weights back to the system. Loading and casting the denoiser is the
+        process's memory peak (the file's pages and the cast copy together), so nothing else should
+        be resident in float32 beside it. With the text cache on, the frozen text encoders then
+        encode every prompt training can see and go: the largest (T5-XXL, 9.5 GB in bf16) and the
+        denoiser are never in memory together."""
+        trainable = set(self.trainable())
+        for name, module in self.components.modules.items():
+            if name not in trainable:
+                _put(module, name, device, dtype, trainable=False)
+        release_memory()
+        if self.caches_prompts():
+            self.prompt_cache = self._new_prompt_cache()
+            self.release_text_encoders(device)
 
     def _new_prompt_cache(self) -> PromptCache:
         text_store = None
@@ -184,7 +196,7 @@ class TrainingMethod:
 
     def setup_caches(self) -> None:
         """Cache what cannot change: latents of fixed crops, embeddings of a frozen text encoder
-        (already complete where `encode_prompts_first` ran)."""
+        (already complete where `place_frozen_first` ran)."""
         self.latent_cache = None
         if self.cfg.cache_latents and self.cfg.center_crop:
             store = None
@@ -215,7 +227,7 @@ class TrainingMethod:
         """With the text cache on: encode every prompt training will see, then let the frozen text
         encoders go before the first step, as diffusers' SD3/FLUX scripts do (FLUX's T5-XXL alone is
         9.5 GB in bf16). Validation images then load them from the base again. Nothing to do where
-        `encode_prompts_first` did it."""
+        `place_frozen_first` did it."""
         if self.prompt_cache is None or self.prompt_cache.complete:
             return
         c = self.components

@@ -52,15 +52,20 @@ class LoRA(TrainingMethod):
                 c.modules[name].train()
         self._checkpointing()
 
+    def denoiser_load_dtype(self, dtype: torch.dtype) -> torch.dtype | None:
+        """The denoiser's own weights stay frozen: loaded straight into the training precision."""
+        return dtype if dtype != torch.float32 else None
+
     def place(self, device: torch.device, dtype: torch.dtype) -> None:
-        """Everything frozen in the low precision, including the base weights under the adapters."""
+        """Everything frozen in the low precision, including the base weights under the adapters;
+        the adapters in float32 (peft creates them in their base layer's precision, so on a base
+        loaded in bf16 they start in bf16, as in diffusers' scripts before `cast_training_params`)."""
         super().place(device, dtype)
         if dtype == torch.float32:
             return
         for name in self.trainable():
             for param in self.components.modules[name].parameters():
-                if not param.requires_grad:
-                    param.data = param.data.to(dtype)
+                param.data = param.data.to(torch.float32 if param.requires_grad else dtype)
 
     def save(self, base: Path, out_dir: Path, trained: dict[str, torch.nn.Module]) -> None:
         """The adapters of the trained modules, in diffusers' LoRA file."""

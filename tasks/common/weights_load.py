@@ -1,0 +1,71 @@
+"""Loading a diffusers model straight into a lower precision, a few tensors at a time.
+
+`from_pretrained(torch_dtype=...)` maps the whole safetensors file and casts from that mapping:
+every page of the file is resident beside the cast copy until the load ends. For SD 1.5's UNet
+(3.4 GB in float32) loaded into bf16 that is a 5.3 GB peak for a 1.7 GB result, and the peak of
+a LoRA or textual inversion run, whose denoiser is frozen. Opening the file again for every chunk
+of tensors lets each chunk's pages go once they are cast: 2.6 GB (measured in
+benchmarks/train/README.md). Same weights, same dtypes (tests/common/test_weights_load.py).
+
+Anything this reader does not cover exactly (no safetensors files, modules kept in float32, keys
+that do not match the model's) goes through `from_pretrained` as before.
+"""
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+
+log = logging.getLogger(__name__)
+
+CHUNK = 64  # tensors per mapping of the file: SD 1.5's UNet has 686, the largest 59 MB
+
+
+def load_in_dtype(cls: Any, base: Path, subfolder: str, dtype: torch.dtype) -> Any:
+    """`cls.from_pretrained(base, subfolder=subfolder, torch_dtype=dtype)`, with a lower peak."""
+    files = _safetensors_files(Path(base) / subfolder)
+    if dtype == torch.float32 or not files or getattr(cls, "_keep_in_fp32_modules", None):
+        return cls.from_pretrained(base, subfolder=subfolder, torch_dtype=dtype)
+    from accelerate import init_empty_weights
+    from safetensors import safe_open
+
+    with init_empty_weights():
+        model = cls.from_config(cls.load_config(base, subfolder=subfolder))
+    expected = set(model.state_dict())
+    keys: list[tuple[Path, str]] = []
+    for path in files:
+        with safe_open(path, "pt") as fh:
+            keys += [(path, k) for k in fh.keys()]
+    if {k for _, k in keys} != expected:  # renamed or missing keys: diffusers' loader knows what to do
+        log.info("%s: keys differ from the model's, loading with from_pretrained", subfolder)
+        return cls.from_pretrained(base, subfolder=subfolder, torch_dtype=dtype)
+    for start in range(0, len(keys), CHUNK):
+        _load_chunk(model, keys[start : start + CHUNK], dtype)
+    model.register_to_config(_name_or_path=base)  # as from_pretrained records it
+    return model.eval()
+
+
+def _load_chunk(model: torch.nn.Module, keys: list[tuple[Path, str]], dtype: torch.dtype) -> None:
+    """Cast one chunk of tensors into the model; the file's mapping closes (and its pages go) after."""
+    from accelerate.utils import set_module_tensor_to_device
+    from safetensors import safe_open
+
+    for path in dict.fromkeys(p for p, _ in keys):
+        with safe_open(path, "pt") as fh:
+            for _, key in (pk for pk in keys if pk[0] == path):
+                # integer buffers keep their dtype (accelerate casts floating-point values only)
+                set_module_tensor_to_device(model, key, "cpu", value=fh.get_tensor(key), dtype=dtype)
+
+
+def _safetensors_files(folder: Path) -> list[Path]:
+    """The model's weight files as from_pretrained reads them (one file, or the shards of an index)."""
+    single = folder / "diffusion_pytorch_model.safetensors"
+    if single.is_file():
+        return [single]
+    index = folder / "diffusion_pytorch_model.safetensors.index.json"
+    if index.is_file():
+        return [folder / name for name in dict.fromkeys(json.loads(index.read_text())["weight_map"].values())]
+    return []
