@@ -175,6 +175,8 @@ def main() -> None:
     parser.add_argument("--loops", nargs="+", default=["ours", "theirs"], choices=["ours", "theirs", "theirs-tcmalloc"],
                         help="theirs-tcmalloc: their script with the allocator our stage preloads")
     add_run_arguments(parser, HERE / "results_vs_diffusers.json")
+    parser.add_argument("--first-run", type=int, default=0,
+                        help="label of the first run: more runs of cells already in --results (they are appended)")
     args = parser.parse_args()
     if args.table:
         print(table(json.loads(args.results.read_text())))
@@ -187,7 +189,7 @@ def main() -> None:
     args.work.mkdir(parents=True)
     data = make_images(args.work)
     results = json.loads(args.results.read_text()) if args.results.is_file() else []
-    for run in range(args.runs):
+    for run in range(args.first_run, args.first_run + args.runs):
         for resolution in args.resolutions:
             for name in args.methods:
                 results += run_pair(METHODS[name], args.base, args.work, data, args, resolution, run)
