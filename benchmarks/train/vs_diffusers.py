@@ -80,13 +80,22 @@ def make_images(work: Path) -> dict[str, Path]:
     return folders
 
 
-def ours_command(method: Method, base: Path, work: Path, data: dict[str, Path], resolution: int, steps: int):
+#: our stage with one setting changed, to measure what it gives (issue 15's list): `ours-native` and
+#: `ours-ipex` are for the IPEX side environment (`.venv-ipex/bin/python -m benchmarks.train.vs_diffusers`),
+#: where `ours` would pick IPEX by itself; `ours-compile`'s first step includes the compilation.
+OURS_VARIANTS = {"ours": {}, "ours-native": {"cpu_backend": "native"}, "ours-ipex": {"cpu_backend": "ipex"},
+                 "ours-compile": {"torch_compile": True}}
+LOOPS = ["theirs", "theirs-tcmalloc", *OURS_VARIANTS]
+
+
+def ours_command(method: Method, base: Path, work: Path, data: dict[str, Path], resolution: int, steps: int,
+                 variant: str = "ours"):
     train = dict(
         method=method.name, instance_prompt=INSTANCE, class_prompt=CLASS, with_prior_preservation=method.prior,
         resolution=resolution, train_batch_size=1, max_train_steps=steps, learning_rate=method.lr,
         lr_scheduler="constant", mixed_precision="bf16", checkpointing_steps=10 ** 6, validation_prompts=[],
         num_validation_images=0, checkpoints_dir=str(work / "checkpoints"), resume="none", seed=0,
-        system_metrics_interval=0, **method.ours,
+        system_metrics_interval=0, **method.ours, **OURS_VARIANTS[variant],
     )
     params = work / "params.yaml"
     params.write_text(yaml.safe_dump({"train": train}))
@@ -116,18 +125,19 @@ def run_pair(method: Method, base: Path, work: Path, data: dict[str, Path], args
              resolution: int, run: int) -> list[dict]:
     env = {"MLFLOW_TRACKING_URI": f"sqlite:///{work / 'mlflow.db'}", "PYTHONPATH": str(ROOT),
            "HF_DATASETS_CACHE": str(work / "hf-datasets"), "HF_HUB_OFFLINE": "1"}
-    theirs = theirs_command(method, base, work, data, resolution, args.steps)
-    commands = {"ours": ours_command(method, base, work, data, resolution, args.steps),
-                "theirs": theirs, "theirs-tcmalloc": theirs}
     extra = {"theirs-tcmalloc": {"LD_PRELOAD": tcmalloc(), "TCMALLOC_LARGE_ALLOC_REPORT_THRESHOLD": str(2 ** 40)}}
     rows = []
     for loop in args.loops:
         for leftover in ("ours-out", "theirs-out", "checkpoints", "hf-datasets"):
             shutil.rmtree(work / leftover, ignore_errors=True)
+        if loop in OURS_VARIANTS:  # writes this variant's params.yaml
+            command = ours_command(method, base, work, data, resolution, args.steps, loop)
+        else:
+            command = theirs_command(method, base, work, data, resolution, args.steps)
         row = {"run": run, "model": "sd15-arch", "method": method.name, "resolution": resolution, "batch": 1,
                "images_per_step": 2 if method.prior else 1, "precision": "bf16", "date": time.strftime("%Y-%m-%d"),
                "cpu": platform.processor() or platform.machine(), "threads": os.cpu_count(),
-               **timed(loop, commands[loop], work, args.warmup, {**env, **extra.get(loop, {})})}
+               **timed(loop, command, work, args.warmup, {**env, **extra.get(loop, {})})}
         print(json.dumps(row), flush=True)
         rows.append(row)
     return rows
@@ -152,7 +162,7 @@ def table(results: list[dict]) -> str:
         cells.setdefault((r["method"], r["resolution"]), {}).setdefault(r["loop"], []).append(r)
     for (method, px), loops in cells.items():
         theirs = statistics.median(r["s_per_step"] for r in loops["theirs"]) if "theirs" in loops else None
-        for loop in ("theirs", "theirs-tcmalloc", "ours"):
+        for loop in LOOPS:
             if loop not in loops:
                 continue
             s = [r["s_per_step"] for r in loops[loop]]
@@ -172,8 +182,9 @@ def main() -> None:
     parser.add_argument("--work", type=Path, default=ROOT / ".cache/bench/train-vs-diffusers")
     parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
     parser.add_argument("--resolutions", nargs="+", type=int, default=[256])
-    parser.add_argument("--loops", nargs="+", default=["ours", "theirs"], choices=["ours", "theirs", "theirs-tcmalloc"],
-                        help="theirs-tcmalloc: their script with the allocator our stage preloads")
+    parser.add_argument("--loops", nargs="+", default=["ours", "theirs"], choices=LOOPS,
+                        help="theirs-tcmalloc: their script with the allocator our stage preloads; ours-*: "
+                             "our stage with one setting changed (OURS_VARIANTS)")
     add_run_arguments(parser, HERE / "results_vs_diffusers.json")
     parser.add_argument("--first-run", type=int, default=0,
                         help="label of the first run: more runs of cells already in --results (they are appended)")
