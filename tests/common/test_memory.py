@@ -68,13 +68,13 @@ def test_freed_blocks_go_back_to_the_system_under_tcmalloc() -> None:
     found = _find_allocators()
     if allocator not in found:
         pytest.skip("tcmalloc is not installed: apt-get install libtcmalloc-minimal4 (.ci/run installs it)")
-    # tcmalloc also gives a free span back by itself now and then as pages are freed (its release
-    # rate), and the four freed blocks merge into one span when they are adjacent: whether that
-    # happens inside this snippet depends on the allocation history before it (on CI it once gave
-    # back all four). Release rate 0 turns that off, so what comes back is
-    # what return_free_heap asked for.
+    # tcmalloc also gives free spans back by itself: now and then as pages are freed (its release
+    # rate; the four freed blocks merge into one span when they are adjacent, so one release can
+    # return them all, depending on the allocation history before this snippet), and at once with
+    # aggressive decommit. On CI all four once came back by themselves. With both off, what comes
+    # back is what return_free_heap asked for.
     env = {**os.environ, **ALLOCATOR_ENV, "LD_PRELOAD": found[allocator], "PYTHONPATH": str(REPO),
-           "TCMALLOC_RELEASE_RATE": "0"}
+           "TCMALLOC_RELEASE_RATE": "0", "TCMALLOC_AGGRESSIVE_DECOMMIT": "false"}
     out = subprocess.run([sys.executable, "-c", FREE_AND_RELEASE], env=env, cwd=REPO, check=True,
                          capture_output=True, text=True).stdout
     mb = json.loads(out.splitlines()[-1])
