@@ -13,7 +13,10 @@ from flows.dvc_stage import StageFailed, classify, repro
 
 MAKE = "import sys, pathlib; pathlib.Path('out.txt').write_text(sys.prefix + open('in.txt').read())"
 BROKEN = "import sys; print('reading params'); sys.exit('error: params.yaml: train.seed: bad value')"
-KILLED = "import os, signal; print('step 3'); os.kill(os.getpid(), signal.SIG{}); print('unreachable')"
+# A shell that starts a job in the background makes it ignore SIGINT, and an ignored signal stays
+# ignored across exec: the stage puts back the default action first (SIGKILL has no other).
+KILLED = ("import os, signal; print('step 3'); s = signal.SIG{}; "
+          "s == signal.SIGKILL or signal.signal(s, signal.SIG_DFL); os.kill(os.getpid(), s); print('unreachable')")
 # Waits for a file named `go` (iter(f, True) calls f until it returns True), then writes its output.
 SLOW = ("import os, time; [time.sleep(0.2) for _ in iter(lambda: os.path.exists('go'), True)]; "
         "open('slow.txt', 'w').write('done')")
