@@ -42,12 +42,12 @@ from pydantic import Field
 
 from tasks.common.config import StageConfig
 from tasks.common.errors import UserError
+from tasks.common.stop_signals import OPEN_MPI, WORKER_ENV, relay
 
 log = logging.getLogger(__name__)
 
 LAUNCHERS = ("local", "accelerate", "mpirun", "xla")
 Launcher = Literal["local", "accelerate", "mpirun", "xla"]
-WORKER_ENV = "FINETUNE_LAUNCHED"  # set in every launched process: it never launches again
 PRELOADED_ENV = "FINETUNE_PRELOADED"  # set when a local run re-executed itself with the allocator
 MACHINE_RANK_ENV = "FINETUNE_MACHINE_RANK"  # accelerate across machines: this node's index
 FAILED = "finetune: rank"  # start of the line a failing worker prints (tasks.common.distributed)
@@ -133,6 +133,7 @@ class LaunchPlan:
     cmd: list[str]
     env: dict[str, str] = field(default_factory=dict)
     source: str | None = None  # a script sourced before the command (oneCCL)
+    stop_as: dict[int, int] = field(default_factory=dict)  # how the first SIGTERM/SIGINT is passed on
 
     def shell(self) -> str:
         assignments = [f"{k}={shlex.quote(v)}" for k, v in sorted(self.env.items())]
@@ -256,9 +257,14 @@ def oneccl_script(launch: LaunchConfig, host: Host) -> str | None:
     return launch.oneccl_env_script
 
 
+def mpi_flavor(launch: LaunchConfig, host: Host) -> str | None:
+    """openmpi | hydra: `launch.mpi`, or what `mpirun --version` says (None: no mpirun)."""
+    return host.mpi_flavor if launch.mpi == "auto" else launch.mpi
+
+
 def mpirun_command(launch: LaunchConfig, host: Host, env: dict[str, str], program: list[str]) -> list[str]:
     """`mpirun` in the syntax of the installed MPI (or `launch.mpi`), forwarding `env` to every rank."""
-    flavor = host.mpi_flavor if launch.mpi == "auto" else launch.mpi
+    flavor = mpi_flavor(launch, host)
     if flavor is None:
         raise UserError("launcher mpirun: no mpirun on PATH. Install Open MPI (apt-get install openmpi-bin) or "
                         "Intel MPI (pip install impi_rt), or set the launcher to local")
@@ -302,11 +308,16 @@ def accelerate_command(launch: LaunchConfig, env: dict[str, str], program: list[
 
 def plan(stage: str, launcher: str, launch: LaunchConfig, argv: list[str], host: Host | None = None) -> LaunchPlan:
     """The command that runs `python -m tasks.<stage> argv` under `launcher` (mpirun | accelerate)."""
+    return plan_program(launcher, launch, [sys.executable, "-m", f"tasks.{stage}", *argv], host)
+
+
+def plan_program(launcher: str, launch: LaunchConfig, program: list[str], host: Host | None = None) -> LaunchPlan:
+    """The command that runs `program` (python and its arguments) under `launcher`."""
     host = host or Host.detect()
     env = rank_env(launcher, launch, host)
-    program = [sys.executable, "-m", f"tasks.{stage}", *argv]
     if launcher == "mpirun":
-        return LaunchPlan(mpirun_command(launch, host, env, program), env, oneccl_script(launch, host))
+        stop_as = OPEN_MPI if mpi_flavor(launch, host) == "openmpi" else {}
+        return LaunchPlan(mpirun_command(launch, host, env, program), env, oneccl_script(launch, host), stop_as)
     if launcher == "accelerate":
         return LaunchPlan(accelerate_command(launch, env, program), env)
     raise ValueError(f"launcher {launcher!r} starts no new process")
@@ -355,26 +366,11 @@ def failed_rank(text: str) -> tuple[int | None, str]:
     return None, ""
 
 
-def _forward_signals(proc: subprocess.Popen) -> list[int]:
-    """SIGTERM (and SIGINT not sent by the terminal, which already reached the ranks) go to the launcher,
-    which passes them to every rank: training saves a checkpoint and stops. Returns the signals seen."""
-    seen: list[int] = []
-
-    def forward(signum: int, _frame: object) -> None:
-        seen.append(signum)
-        if signum == signal.SIGINT and sys.stdin.isatty() and os.tcgetpgrp(sys.stdin.fileno()) == os.getpgrp():
-            return
-        proc.send_signal(signum)
-
-    signal.signal(signal.SIGTERM, forward)
-    signal.signal(signal.SIGINT, forward)
-    return seen
-
-
 def _run(plan_: LaunchPlan, total: int) -> None:
     env = {**os.environ, **(_sourced_env(plan_.source) if plan_.source else {}), **plan_.env}
-    proc = subprocess.Popen(plan_.cmd, env=env, stderr=subprocess.PIPE)
-    signals = _forward_signals(proc)
+    # a process group of its own: a terminal's Ctrl-C reaches the ranks once, through `relay`
+    proc = subprocess.Popen(plan_.cmd, env=env, stdin=subprocess.DEVNULL, stderr=subprocess.PIPE, process_group=0)
+    signals = relay(proc, plan_.stop_as)
     tail = bytearray()
 
     def pump() -> None:  # the ranks' stderr, passed through as it comes and kept for the report

@@ -13,10 +13,9 @@ from contextlib import contextmanager
 from typing import Any, Iterator
 
 from tasks.common.errors import UserError
+from tasks.common.stop_signals import asked_for, watched
 
 log = logging.getLogger(__name__)
-
-SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
 class TrainingInterrupted(UserError):
@@ -47,18 +46,19 @@ def stop_on_signals() -> Iterator[StopFlag]:
     if threading.current_thread() is not threading.main_thread():
         yield flag
         return
-    previous: dict[int, Any] = {s: signal.getsignal(s) for s in SIGNALS}
+    signals = watched()  # SIGTERM, SIGINT, and in a launched rank what the launcher passes them on as
+    previous: dict[int, Any] = {s: signal.getsignal(s) for s in signals}
 
     def handler(signum: int, frame: Any) -> None:
-        flag.signum = signum
+        flag.signum = asked_for(signum)
         signal.signal(signum, previous[signum])  # a second signal acts as usual
         log.warning("%s received: finishing this step, then saving a checkpoint (send it again to stop at once)",
-                    signal.Signals(signum).name)
+                    flag.name)
 
-    for s in SIGNALS:
+    for s in signals:
         signal.signal(s, handler)
     try:
         yield flag
     finally:
-        for s in SIGNALS:
+        for s in signals:
             signal.signal(s, previous[s])

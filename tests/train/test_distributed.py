@@ -1,6 +1,6 @@
 """Real multi-process training: `python -m tasks.train` re-executes itself under a real `mpirun -np 2`
 on loopback (gloo), only rank 0 writes, 2 ranks x batch 1 reach the weights of 1 rank x batch 2,
-a rank that fails is named, and SIGTERM reaches every rank (a checkpoint, then a 2-rank resume)."""
+a rank that fails is named, and SIGTERM and Ctrl-C reach every rank (a checkpoint, then a 2-rank resume)."""
 from __future__ import annotations
 
 import json
@@ -67,6 +67,12 @@ def start_until_both_ranks_train(tmp_path: Path, section: dict, inputs: tuple[Pa
     except BaseException:
         _kill_tree(proc.pid)
         raise
+
+
+def ranks_of(proc: subprocess.Popen) -> dict[int, psutil.Process]:
+    """The training processes mpirun started under the stage, by rank."""
+    return {int(p.environ()["OMPI_COMM_WORLD_RANK"]): p for p in psutil.Process(proc.pid).children(recursive=True)
+            if "OMPI_COMM_WORLD_RANK" in p.environ() and "tasks.train" in " ".join(p.cmdline())}
 
 
 def _kill_tree(pid: int) -> None:
@@ -180,6 +186,48 @@ def test_sigterm_reaches_every_rank_and_two_ranks_resume(tmp_path, tiny_sd, inst
     assert report["resumed_from_step"] == stopped_at and report["steps"] == stopped_at + 2
 
 
+#: a rank that answers a stop request as training does, only slower: 3 s to "finish its step and save"
+SLOW_SAVER = """
+import sys, time
+from tasks.train.interrupts import stop_on_signals
+with stop_on_signals() as stop:
+    print("ready", file=sys.stderr, flush=True)
+    while not stop.requested:
+        time.sleep(0.02)
+    time.sleep(3)
+    print(f"saved after {stop.name}", file=sys.stderr, flush=True)
+sys.exit(128 + stop.signum)
+"""
+#: the stage's launcher side: `slow_saver.py` on 2 ranks under mpirun, as `python -m tasks.train` runs ranks
+LAUNCHER = """
+import sys
+from tasks.common.launch import LaunchConfig, _run, plan_program
+_run(plan_program("mpirun", LaunchConfig(num_processes=2, threads_per_process=1), [sys.executable, "slow_saver.py"]), 2)
+"""
+
+
+@pytest.mark.parametrize("ctrl_c", [False, True], ids=["sigterm-to-the-stage", "ctrl-c-to-its-process-group"])
+def test_ranks_get_as_long_as_they_need_to_save(tmp_path, ctrl_c) -> None:
+    """SIGTERM to the stage, or SIGINT to its whole process group (a terminal's Ctrl-C): every rank hears it
+    once and may take its time to save (Open MPI's mpirun kills its ranks 1 s after a SIGTERM or SIGINT of
+    its own; the launcher passes the first request through it as SIGUSR2 / SIGUSR1)."""
+    (tmp_path / "slow_saver.py").write_text(SLOW_SAVER)
+    proc = subprocess.Popen([sys.executable, "-c", LAUNCHER], stderr=subprocess.PIPE, text=True, cwd=tmp_path,
+                            process_group=0, env={**os.environ, "PYTHONPATH": str(REPO)})
+    try:
+        assert proc.stderr is not None
+        ready = 0
+        while ready < 2 and (line := proc.stderr.readline()):
+            ready += line.strip() == "ready"
+        asked = signal.SIGINT if ctrl_c else signal.SIGTERM
+        os.killpg(proc.pid, asked) if ctrl_c else proc.send_signal(asked)
+        rest = proc.communicate(timeout=60)[1]
+    finally:
+        _kill_tree(proc.pid)
+    assert rest.count(f"saved after {asked.name}") == 2, rest
+    assert proc.returncode == 128 + asked and f"error: stopped by {asked.name}, passed to every rank" in rest
+
+
 def test_a_signal_seen_by_one_rank_stops_every_rank_after_the_same_step(tmp_path, tiny_sd, instance_dir,
                                                                         class_dir) -> None:
     """SIGTERM sent to rank 1 alone (a scheduler that signals one node): rank 0 learns of it in the step's
@@ -188,9 +236,7 @@ def test_a_signal_seen_by_one_rank_stops_every_rank_after_the_same_step(tmp_path
     proc = start_until_both_ranks_train(tmp_path, {**ENDLESS, "checkpoints_dir": str(tmp_path / "ckpt")},
                                         (tiny_sd, instance_dir, class_dir))
     try:
-        (rank1,) = [p for p in psutil.Process(proc.pid).children(recursive=True)
-                    if p.environ().get("OMPI_COMM_WORLD_RANK") == "1" and "tasks.train" in " ".join(p.cmdline())]
-        rank1.send_signal(signal.SIGTERM)
+        ranks_of(proc)[1].send_signal(signal.SIGTERM)
         rest = proc.communicate(timeout=240)[1]
     finally:
         _kill_tree(proc.pid)
