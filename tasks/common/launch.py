@@ -42,7 +42,7 @@ from pydantic import Field
 
 from tasks.common.config import StageConfig
 from tasks.common.errors import UserError
-from tasks.common.stop_signals import OPEN_MPI, WORKER_ENV, relay
+from tasks.common.stop_signals import OPEN_MPI, WORKER_ENV, relay, wait_for_group
 
 log = logging.getLogger(__name__)
 
@@ -384,6 +384,8 @@ def _run(plan_: LaunchPlan, total: int) -> None:
     reader = threading.Thread(target=pump, daemon=True)
     reader.start()
     code = proc.wait()
+    if signals:
+        wait_for_group(proc.pid)
     reader.join(timeout=10)
     if code == 0:
         sys.exit(0)

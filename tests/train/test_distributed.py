@@ -186,7 +186,7 @@ def test_sigterm_reaches_every_rank_and_two_ranks_resume(tmp_path, tiny_sd, inst
     assert report["resumed_from_step"] == stopped_at and report["steps"] == stopped_at + 2
 
 
-#: a rank that answers a stop request as training does, only slower: 3 s to "finish its step and save"
+#: a rank that answers a stop request as training does, only slower: argv[1] s to "finish its step and save"
 SLOW_SAVER = """
 import sys, time
 from tasks.train.interrupts import stop_on_signals
@@ -194,37 +194,43 @@ with stop_on_signals() as stop:
     print("ready", file=sys.stderr, flush=True)
     while not stop.requested:
         time.sleep(0.02)
-    time.sleep(3)
+    time.sleep(float(sys.argv[1]))
     print(f"saved after {stop.name}", file=sys.stderr, flush=True)
 sys.exit(128 + stop.signum)
 """
-#: the stage's launcher side: `slow_saver.py` on 2 ranks under mpirun, as `python -m tasks.train` runs ranks
+#: the stage's launcher side: `slow_saver.py` on N ranks under a launcher, as `python -m tasks.train` runs ranks
 LAUNCHER = """
 import sys
 from tasks.common.launch import LaunchConfig, _run, plan_program
-_run(plan_program("mpirun", LaunchConfig(num_processes=2, threads_per_process=1), [sys.executable, "slow_saver.py"]), 2)
+launcher, n, save_s = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+_run(plan_program(launcher, LaunchConfig(num_processes=n, threads_per_process=1),
+                  [sys.executable, "slow_saver.py", save_s]), n)
 """
 
 
 @pytest.mark.parametrize("ctrl_c", [False, True], ids=["sigterm-to-the-stage", "ctrl-c-to-its-process-group"])
-def test_ranks_get_as_long_as_they_need_to_save(tmp_path, ctrl_c) -> None:
+@pytest.mark.parametrize("launcher,ranks", [("mpirun", 2), ("accelerate", 2), ("accelerate", 1)])
+def test_ranks_get_as_long_as_they_need_to_save(tmp_path, launcher, ranks, ctrl_c) -> None:
     """SIGTERM to the stage, or SIGINT to its whole process group (a terminal's Ctrl-C): every rank hears it
     once and may take its time to save (Open MPI's mpirun kills its ranks 1 s after a SIGTERM or SIGINT of
-    its own; the launcher passes the first request through it as SIGUSR2 / SIGUSR1)."""
+    its own; the launcher passes the first request through it as SIGUSR2 / SIGUSR1). A single-process
+    `accelerate launch` passes no signal on and exits at once: its worker hears the request from the
+    process group, and the stage waits for it (12 s, longer than the stage waits for the ranks' output)."""
     (tmp_path / "slow_saver.py").write_text(SLOW_SAVER)
-    proc = subprocess.Popen([sys.executable, "-c", LAUNCHER], stderr=subprocess.PIPE, text=True, cwd=tmp_path,
-                            process_group=0, env={**os.environ, "PYTHONPATH": str(REPO)})
+    save_s = "12" if ranks == 1 else "3"
+    proc = subprocess.Popen([sys.executable, "-c", LAUNCHER, launcher, str(ranks), save_s], stderr=subprocess.PIPE,
+                            text=True, cwd=tmp_path, process_group=0, env={**os.environ, "PYTHONPATH": str(REPO)})
     try:
         assert proc.stderr is not None
         ready = 0
-        while ready < 2 and (line := proc.stderr.readline()):
+        while ready < ranks and (line := proc.stderr.readline()):
             ready += line.strip() == "ready"
         asked = signal.SIGINT if ctrl_c else signal.SIGTERM
         os.killpg(proc.pid, asked) if ctrl_c else proc.send_signal(asked)
         rest = proc.communicate(timeout=60)[1]
     finally:
         _kill_tree(proc.pid)
-    assert rest.count(f"saved after {asked.name}") == 2, rest
+    assert rest.count(f"saved after {asked.name}") == ranks, rest
     assert proc.returncode == 128 + asked and f"error: stopped by {asked.name}, passed to every rank" in rest
 
 
