@@ -1,6 +1,7 @@
 """Real multi-process training: `python -m tasks.train` re-executes itself under a real `mpirun -np 2`
 on loopback (gloo), only rank 0 writes, 2 ranks x batch 1 reach the weights of 1 rank x batch 2,
-a rank that fails is named, and SIGTERM and Ctrl-C reach every rank (a checkpoint, then a 2-rank resume)."""
+a rank that fails is named, SIGTERM reaches every rank (a checkpoint, then a 2-rank resume), and a stop
+request leaves the ranks of either launcher the time they need to save."""
 from __future__ import annotations
 
 import json
@@ -67,12 +68,6 @@ def start_until_both_ranks_train(tmp_path: Path, section: dict, inputs: tuple[Pa
     except BaseException:
         _kill_tree(proc.pid)
         raise
-
-
-def ranks_of(proc: subprocess.Popen) -> dict[int, psutil.Process]:
-    """The training processes mpirun started under the stage, by rank."""
-    return {int(p.environ()["OMPI_COMM_WORLD_RANK"]): p for p in psutil.Process(proc.pid).children(recursive=True)
-            if "OMPI_COMM_WORLD_RANK" in p.environ() and "tasks.train" in " ".join(p.cmdline())}
 
 
 def _kill_tree(pid: int) -> None:
@@ -226,7 +221,10 @@ def test_ranks_get_as_long_as_they_need_to_save(tmp_path, launcher, ranks, ctrl_
         while ready < ranks and (line := proc.stderr.readline()):
             ready += line.strip() == "ready"
         asked = signal.SIGINT if ctrl_c else signal.SIGTERM
-        os.killpg(proc.pid, asked) if ctrl_c else proc.send_signal(asked)
+        if ctrl_c:
+            os.killpg(proc.pid, asked)
+        else:
+            proc.send_signal(asked)
         rest = proc.communicate(timeout=60)[1]
     finally:
         _kill_tree(proc.pid)
@@ -242,7 +240,9 @@ def test_a_signal_seen_by_one_rank_stops_every_rank_after_the_same_step(tmp_path
     proc = start_until_both_ranks_train(tmp_path, {**ENDLESS, "checkpoints_dir": str(tmp_path / "ckpt")},
                                         (tiny_sd, instance_dir, class_dir))
     try:
-        ranks_of(proc)[1].send_signal(signal.SIGTERM)
+        (rank1,) = [p for p in psutil.Process(proc.pid).children(recursive=True)
+                    if p.environ().get("OMPI_COMM_WORLD_RANK") == "1" and "tasks.train" in " ".join(p.cmdline())]
+        rank1.send_signal(signal.SIGTERM)
         rest = proc.communicate(timeout=240)[1]
     finally:
         _kill_tree(proc.pid)
