@@ -3,10 +3,13 @@ text embeddings, the part of the step that is the same work in our stage and in 
 
     .venv/bin/python -m benchmarks.train.unet_profile --resolution 512
     .venv/bin/python -m benchmarks.train.unet_profile --resolution 512 --sdpa math --no-channels-last
+    .venv/bin/python -m benchmarks.train.unet_profile --resolution 512 --no-channels-last --against-compile 8
 
 Times `--steps` steps (the first is a warm-up), then profiles one with torch.profiler and sums
 its self CPU time into attention (SDPA's kernels), convolution, matmul (the linear layers) and the
-rest. Run it under tcmalloc as the stage does (LD_PRELOAD=/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4).
+rest. `--against-compile N` instead alternates N steps of the eager UNet with N of the same UNet under
+torch.compile (compiled first, untimed) in one process, so a drift of the machine's speed reaches both
+alike, and prints the ratio of each pair. Run it under tcmalloc as the stage does (LD_PRELOAD=/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4).
 """
 from __future__ import annotations
 
@@ -50,6 +53,25 @@ def grouped(prof: profile) -> dict[str, float]:
     return seconds
 
 
+def against_compile(unet: torch.nn.Module, latents: torch.Tensor, sdpa: str, pairs: int) -> None:
+    compiled = torch.compile(unet)
+    start = time.perf_counter()
+    step(compiled, latents, sdpa)
+    print(f"compile and first compiled step: {time.perf_counter() - start:.0f} s")
+    step(unet, latents, sdpa)
+    ratios = []
+    for _ in range(pairs):
+        seconds = []
+        for module in (unet, compiled):
+            start = time.perf_counter()
+            step(module, latents, sdpa)
+            seconds.append(time.perf_counter() - start)
+        ratios.append(seconds[0] / seconds[1])
+        print(f"eager {seconds[0]:.2f} s, compiled {seconds[1]:.2f} s: eager / compiled {ratios[-1]:.3f}")
+    print(f"eager / compiled, median of {pairs} pairs: {statistics.median(ratios):.3f} "
+          f"({min(ratios):.3f}-{max(ratios):.3f})")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--base", type=Path, default=ROOT / ".cache/bench/sd15-arch")
@@ -57,12 +79,15 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--sdpa", choices=list(BACKENDS), default="flash")
     parser.add_argument("--no-channels-last", dest="channels_last", action="store_false")
+    parser.add_argument("--against-compile", type=int, default=0, metavar="N")
     args = parser.parse_args()
     torch.manual_seed(0)
     unet = load_unet(args.base, args.channels_last)
     latents = torch.randn(1, 4, args.resolution // 8, args.resolution // 8, dtype=torch.bfloat16)
     if args.channels_last:
         latents = latents.contiguous(memory_format=torch.channels_last)
+    if args.against_compile:
+        return against_compile(unet, latents, args.sdpa, args.against_compile)
     seconds = []
     for _ in range(args.steps):
         start = time.perf_counter()
