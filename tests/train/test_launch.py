@@ -245,3 +245,13 @@ def test_a_local_stage_run_re_executes_itself_once_with_the_allocator(tmp_path) 
     assert proc.stderr.count(f"re-executing with LD_PRELOAD={PRELOADABLE}") == 1, proc.stderr[-2000:]
     assert proc.stderr.count("is not a diffusers pipeline folder") == 1 and proc.returncode == 2  # UserError
     start("train", "local", LaunchConfig())  # in pytest: returns, the test process goes on
+
+
+def test_stage_programs_load_no_torch_before_the_launcher_starts() -> None:
+    """What runs before `start()` (re-executing under the allocator, or handing over to mpirun or
+    accelerate and waiting) imports no torch, diffusers, accelerate or MLflow: 2 s per stage run."""
+    heavy = ("torch", "diffusers", "accelerate", "mlflow")
+    out = subprocess.run([sys.executable, "-c", "import sys, tasks.train.__main__, tasks.class_images.__main__; "
+                          f"print([m for m in {heavy!r} if m in sys.modules])"],
+                         capture_output=True, text=True, check=True, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert out.stdout.strip() == "[]", out.stdout
