@@ -41,6 +41,7 @@ from typing import Literal
 from pydantic import Field
 
 from tasks.common.config import StageConfig
+from tasks.common.allocator import ALLOCATOR_ENV, allocator_preload, find_allocators, preload_locally
 from tasks.common.errors import UserError
 from tasks.common.stop_signals import OPEN_MPI, WORKER_ENV, relay, wait_for_group
 
@@ -48,19 +49,12 @@ log = logging.getLogger(__name__)
 
 LAUNCHERS = ("local", "accelerate", "mpirun", "xla")
 Launcher = Literal["local", "accelerate", "mpirun", "xla"]
-PRELOADED_ENV = "FINETUNE_PRELOADED"  # set when a local run re-executed itself with the allocator
 MACHINE_RANK_ENV = "FINETUNE_MACHINE_RANK"  # accelerate across machines: this node's index
 FAILED = "finetune: rank"  # start of the line a failing worker prints (tasks.common.distributed)
 DEFAULT_PORT = 29500
 #: passed on to every rank when set here (Open MPI forwards only what `-x` names to other nodes)
 FORWARDED = ("PYTHONPATH", "MLFLOW_TRACKING_URI", "MLFLOW_EXPERIMENT_NAME", "FINETUNE_PARENT_RUN_ID",
              "FINETUNE_MLFLOW_WAIT_S", "HF_HOME", "HF_HUB_OFFLINE")
-#: tcmalloc reports every allocation over 1 GB on stderr; an SD model's weights make many
-ALLOCATOR_ENV = {"TCMALLOC_LARGE_ALLOC_REPORT_THRESHOLD": str(2 ** 40)}
-ALLOCATOR_LIBS = {
-    "tcmalloc": ("libtcmalloc.so", "libtcmalloc.so.4", "libtcmalloc_minimal.so.4"),
-    "jemalloc": ("libjemalloc.so", "libjemalloc.so.2"),
-}
 
 
 class LaunchConfig(StageConfig):
@@ -122,7 +116,7 @@ class Host:
 
     @classmethod
     def detect(cls) -> "Host":
-        return cls(len(os.sched_getaffinity(0)), os.geteuid() == 0, _mpi_flavor(), _find_allocators(),
+        return cls(len(os.sched_getaffinity(0)), os.geteuid() == 0, _mpi_flavor(), find_allocators(),
                    _oneccl_script())
 
 
@@ -150,18 +144,6 @@ def _mpi_flavor() -> str | None:
     except (OSError, subprocess.TimeoutExpired):
         return None
     return "openmpi" if "Open MPI" in out.stdout + out.stderr else "hydra"
-
-
-def _find_allocators() -> dict[str, str]:
-    dirs = [Path(sys.prefix) / "lib", *(Path(p) / "lib" for p in [os.environ.get("CONDA_PREFIX")] if p),
-            Path("/usr/lib/x86_64-linux-gnu"), Path("/usr/lib/aarch64-linux-gnu"), Path("/usr/lib64"),
-            Path("/usr/lib"), Path("/usr/local/lib")]
-    found: dict[str, str] = {}
-    for name, libs in ALLOCATOR_LIBS.items():
-        hit = next((d / lib for d in dirs for lib in libs if (d / lib).is_file()), None)
-        if hit is not None:
-            found[name] = str(hit)
-    return found
 
 
 def _oneccl_script() -> str | None:
@@ -209,42 +191,6 @@ def rank_env(launcher: str, launch: LaunchConfig, host: Host) -> dict[str, str]:
         env.update(I_MPI_HYDRA_IFACE=nic, GLOO_SOCKET_IFNAME=nic, NCCL_SOCKET_IFNAME=nic, CCL_SOCKET_IFNAME=nic)
     env.update(launch.env)
     return env
-
-
-def allocator_preload(launch: LaunchConfig, found: dict[str, str]) -> str | None:
-    """LD_PRELOAD with the allocator `launch.preload_allocator` names first (None: leave it as it is)."""
-    allocator = launch.preload_allocator
-    if allocator == "auto":
-        allocator = next((a for a in ("tcmalloc", "jemalloc") if a in found), "none")
-    if allocator == "none":
-        return None
-    if allocator not in found:
-        raise UserError(f"launch.preload_allocator {allocator}: {' / '.join(ALLOCATOR_LIBS[allocator])} not "
-                        "found. Install it (apt-get install libtcmalloc-minimal4 | libjemalloc2, or conda "
-                        "install gperftools | jemalloc) or set preload_allocator: auto or none")
-    return ":".join([found[allocator], *filter(None, [os.environ.get("LD_PRELOAD")])])
-
-
-def _preload_locally(stage: str, launch: LaunchConfig) -> None:
-    """A local run re-executes itself once with the allocator in LD_PRELOAD (it must be there
-    when the process starts). Each training step allocates the same large blocks again (autocast's
-    bf16 weight copies, gradients, activations); glibc returns every block over 32 MB to the kernel
-    when freed and faults it back in, zeroed, at the next step. tcmalloc keeps them for reuse."""
-    if os.environ.get(PRELOADED_ENV) or not _is_stage_program(stage):
-        return  # already re-executed, or called in-process (tests, notebooks): never replace that process
-    preload = allocator_preload(launch, _find_allocators())
-    if preload is None:
-        return
-    log.info("re-executing with LD_PRELOAD=%s (launch.preload_allocator %s)", preload, launch.preload_allocator)
-    sys.stdout.flush(), sys.stderr.flush()
-    os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]],
-              {**ALLOCATOR_ENV, **os.environ, "LD_PRELOAD": preload, PRELOADED_ENV: "1"})
-
-
-def _is_stage_program(stage: str) -> bool:
-    """True in `python -m tasks.<stage>` (what sys.orig_argv would start again)."""
-    main = Path(sys.argv[0]) if sys.argv and sys.argv[0] else None
-    return main is not None and main.name == "__main__.py" and main.parent.name == stage and bool(sys.orig_argv)
 
 
 def oneccl_script(launch: LaunchConfig, host: Host) -> str | None:
@@ -417,7 +363,7 @@ def start(stage: str, launcher: str, launch: LaunchConfig, argv: list[str] | Non
     if launched():
         return
     if launcher == "local":
-        _preload_locally(stage, launch)
+        preload_locally(stage, launch)
         return
     if launcher == "xla":
         env = xla_env(launch)

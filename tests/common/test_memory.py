@@ -10,7 +10,7 @@ import sys
 import numpy as np
 import pytest
 
-from tasks.common.launch import ALLOCATOR_ENV, _find_allocators
+from tasks.common.allocator import ALLOCATOR_ENV, find_allocators
 from tasks.common.memory import release_memory
 from tests.conftest import REPO
 
@@ -65,7 +65,7 @@ def test_freed_blocks_go_back_to_the_system_under_tcmalloc() -> None:
     training state is dropped, release_memory must make it give the GBs back, or the output is
     written with them still resident. (jemalloc, the other choice, unmaps blocks this large itself.)"""
     allocator = "tcmalloc"
-    found = _find_allocators()
+    found = find_allocators()
     if allocator not in found:
         pytest.skip("tcmalloc is not installed: apt-get install libtcmalloc-minimal4 (.ci/run installs it)")
     # tcmalloc also gives free spans back by itself: now and then as pages are freed (its release
