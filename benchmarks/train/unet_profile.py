@@ -3,13 +3,14 @@ text embeddings, the part of the step that is the same work in our stage and in 
 
     .venv/bin/python -m benchmarks.train.unet_profile --resolution 512
     .venv/bin/python -m benchmarks.train.unet_profile --resolution 512 --sdpa math --no-channels-last
-    .venv/bin/python -m benchmarks.train.unet_profile --resolution 512 --no-channels-last --against-compile 8
+    .venv/bin/python -m benchmarks.train.unet_profile --resolution 512 --no-channels-last --against-compile 16
 
 Times `--steps` steps (the first is a warm-up), then profiles one with torch.profiler and sums
 its self CPU time into attention (SDPA's kernels), convolution, matmul (the linear layers) and the
-rest. `--against-compile N` instead alternates N steps of the eager UNet with N of the same UNet under
-torch.compile (compiled first, untimed) in one process, so a drift of the machine's speed reaches both
-alike, and prints the ratio of each pair. Run it under tcmalloc as the stage does (LD_PRELOAD=/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4).
+rest. `--against-compile N` instead alternates N steps of the eager UNet with N of the same UNet
+under torch.compile (compiled first, untimed) in one process, so a drift of the machine's speed
+reaches both alike, and prints the ratio of each pair. Run it under tcmalloc as the stage does
+(LD_PRELOAD=/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4).
 """
 from __future__ import annotations
 
@@ -87,7 +88,8 @@ def main() -> None:
     if args.channels_last:
         latents = latents.contiguous(memory_format=torch.channels_last)
     if args.against_compile:
-        return against_compile(unet, latents, args.sdpa, args.against_compile)
+        against_compile(unet, latents, args.sdpa, args.against_compile)
+        return
     seconds = []
     for _ in range(args.steps):
         start = time.perf_counter()

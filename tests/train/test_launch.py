@@ -253,5 +253,6 @@ def test_stage_programs_load_no_torch_before_the_launcher_starts() -> None:
     heavy = ("torch", "diffusers", "accelerate", "mlflow")
     out = subprocess.run([sys.executable, "-c", "import sys, tasks.train.__main__, tasks.class_images.__main__; "
                           f"print([m for m in {heavy!r} if m in sys.modules])"],
-                         capture_output=True, text=True, check=True, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
+                         capture_output=True, text=True, check=True, cwd=REPO,
+                         env={**os.environ, "PYTHONPATH": str(REPO)})
     assert out.stdout.strip() == "[]", out.stdout
