@@ -205,3 +205,16 @@ def test_a_stock_pip_resolves_torch_from_pytorchs_index(tmp_path: Path) -> None:
     [item] = json.loads((tmp_path / "report.json").read_text())["install"]
     assert item["metadata"]["version"] == pins(TORCH_LOCK)["torch"]
     assert item["download_info"]["url"].startswith("https://download.pytorch.org/")
+
+
+@pytest.mark.e2e
+def test_where_pytorchs_index_is_out_of_reach_pypi_has_the_same_torch(tmp_path: Path) -> None:
+    """`make install`'s fallback: PyPI's build of the pinned version (with its CUDA packages)."""
+    needs("pypi.org")
+    version = pins(TORCH_LOCK)["torch"].removesuffix("+cpu")
+    assert re.search(r"^TORCH_PIN := .*requirements\.in", (REPO / "Makefile").read_text(), re.M)
+    lock = tmp_path / "torch-from-pypi.lock"
+    lock.write_text(f"torch=={version}\n")
+    done = stock_uv(lock, tmp_path)
+    assert done.returncode == 0, f"PyPI has no torch=={version}:\n{done.stderr[-3000:]}"
+    assert f" + torch=={version}" in done.stderr
