@@ -4,6 +4,12 @@ SHELL := /bin/bash
 PYTHON ?= python3
 # Where PyTorch publishes its CPU-only builds (requirements-torch.lock names it; `make lock` writes it).
 TORCH_INDEX := https://download.pytorch.org/whl/cpu
+# torch's version, from requirements.in; PyPI's build of it (the fallback below) depends on these.
+TORCH_PIN := $(shell grep -E '^torch==' requirements.in)
+TORCH_CUDA_PACKAGES := nvidia-|cuda-|triton==
+# pip's global configuration on some machines caps torch below the pin (a machine image that carries
+# older wheels); the lock files are exact, so the torch install applies no outside constraints.
+TORCH_PIP = PIP_CONSTRAINT=/dev/null $(BIN)/pip install --quiet --no-cache-dir
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
@@ -15,11 +21,12 @@ export DO_NOT_TRACK ?= 1
 # A local flow run starts a temporary Prefect server; on a busy 2-core machine it needs more than 20 s.
 export PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS ?= 120
 
-.PHONY: help install data demo test test-fast serve lock side-envs bench-env lock-side-envs mlflow-ui clean
+.PHONY: help install data demo test test-fast lint serve lock side-envs bench-env lock-side-envs mlflow-ui clean
 
 help:
 	@echo "make demo       set up, then run the whole pipeline offline on the built-in tiny model"
 	@echo "make test       set up, then run the test suite (what .ci/run calls)"
+	@echo "make lint       ruff over the tree, with the rules in pyproject.toml (CI runs it)"
 	@echo "make serve      Prefect server + worker on 127.0.0.1:\$${PREFECT_PORT:-4200}, deployments finetune/main and finetune/nightly"
 	@echo "make mlflow-ui  MLflow UI on 127.0.0.1:5000 over ./mlflow.db"
 	@echo "make lock       re-resolve requirements.in into requirements.lock and requirements-torch.lock"
@@ -44,23 +51,26 @@ $(BIN)/python:
 
 # torch comes from requirements-torch.lock, which names PyTorch's CPU index. A wheel that pip's own
 # configuration already provides (find-links: a wheelhouse, an offline mirror) is taken without
-# asking any index (--no-index); otherwise pip downloads it from that index.
+# asking any index (--no-index); otherwise pip downloads it from that index, and where that index
+# cannot be reached, PyPI's build of the same version.
 $(STAMP): $(BIN)/python requirements.lock requirements-torch.lock pyproject.toml
 	$(call check_python,$(BIN)/python,rm -rf $(VENV) && )
 	@echo "installing pinned dependencies into $(VENV) (about 2.4 GB; minutes on a fresh machine)"
 	@start=$$(date +%s); \
 	$(BIN)/pip install --quiet --no-cache-dir --no-deps -r requirements.lock && \
-	{ $(BIN)/pip install --quiet --no-cache-dir --no-deps --no-index -r requirements-torch.lock 2>/dev/null || \
-	  $(BIN)/pip install --quiet --no-cache-dir --no-deps -r requirements-torch.lock; } && \
+	{ $(TORCH_PIP) --no-deps --no-index -r requirements-torch.lock 2>/dev/null || \
+	  $(TORCH_PIP) --no-deps --retries 1 -r requirements-torch.lock || \
+	  { echo "warning: PyTorch's CPU index is out of reach; installing PyPI's build of $(TORCH_PIN) (it carries CUDA libraries, about 3 GB more, and runs on CPU the same)"; \
+	    $(TORCH_PIP) $(TORCH_PIN); }; } && \
 	$(BIN)/pip install --quiet --no-cache-dir --no-deps -e . && \
 	if $(BIN)/python -c "import torchvision" 2>/dev/null; then \
-	  echo "error: torchvision is installed in $(VENV); it breaks transformers with torch 2.13+cpu (pip uninstall torchvision)"; exit 1; fi && \
+	  echo "error: torchvision is installed in $(VENV); it breaks transformers' imports with torch's CPU build (pip uninstall torchvision)"; exit 1; fi && \
 	echo "install took $$(( $$(date +%s) - start )) s"
 	@touch $@
 
 install: $(STAMP)
 
-# Side environments for the back ends that need another torch than the project's 2.13: torch_xla
+# Side environments for the back ends that need another torch than the project's: torch_xla
 # 2.9 runs only with torch 2.9, intel_extension_for_pytorch 2.8 only with torch 2.8. Each gets
 # requirements.lock (which holds no torch), then requirements-<name>.lock (the torch pair and what it adds
 # or changes), all --no-deps, then the project (editable). torchvision stays out (it breaks
@@ -92,7 +102,7 @@ SIDE_ENVS_NEED_GB ?= 13
 side-envs: $(SIDE_ENVS:%=.venv-%/.installed)
 
 # The benchmarks' environment (benchmarks/sd35/README.md): the project's pins plus torch's PyPI build and
-# torchvision, so diffusers' own example scripts run beside our stages under the same torch 2.13.
+# torchvision, so diffusers' own example scripts run beside our stages under the same torch version.
 # Not used by the tests; torchvision stays out of .venv.
 .venv-bench/.installed: requirements-bench.lock requirements.lock pyproject.toml $(STAMP)
 	@start=$$(date +%s); \
@@ -149,6 +159,10 @@ test: data
 test-fast: data
 	$(BIN)/python -m pytest -m "not e2e" $(PYTEST_ARGS)
 
+# ruff with the rules in pyproject.toml, over the whole tree (CI runs it before the tests).
+lint: $(STAMP)
+	$(BIN)/ruff check .
+
 serve: $(STAMP)
 	$(BIN)/python -m flows.serve
 
@@ -158,17 +172,18 @@ mlflow-ui: $(STAMP)
 lock:
 	$(call check_python,$(PYTHON),)
 	rm -rf .venv-lock && $(PYTHON) -m venv .venv-lock
-	.venv-lock/bin/pip install --quiet --index-url $(TORCH_INDEX) $$(grep -E '^torch==' requirements.in)
-	.venv-lock/bin/pip install --quiet -r requirements.in
-	.venv-lock/bin/pip install --quiet --no-deps optimum-intel==2.2.0
+	PIP_CONSTRAINT=/dev/null .venv-lock/bin/pip install --quiet --index-url $(TORCH_INDEX) $(TORCH_PIN) || \
+	  PIP_CONSTRAINT=/dev/null .venv-lock/bin/pip install --quiet $(TORCH_PIN)
+	PIP_CONSTRAINT=/dev/null .venv-lock/bin/pip install --quiet -r requirements.in
+	PIP_CONSTRAINT=/dev/null .venv-lock/bin/pip install --quiet --no-deps optimum-intel==2.2.0
 	{ echo "# Every package, pinned: generated by 'make lock' from requirements.in; installed with --no-deps."; \
 	  echo "# optimum-intel's declared torchvision is deliberately absent (see requirements.in). torch is in"; \
 	  echo "# requirements-torch.lock: its CPU build comes from PyTorch's own index."; \
-	  .venv-lock/bin/pip freeze --all | grep -v -E '^(-e |sd-finetune|pip==|torch==)'; } > requirements.lock
+	  .venv-lock/bin/pip freeze --all | grep -v -E '^(-e |sd-finetune|pip==|torch==|$(TORCH_CUDA_PACKAGES))'; } > requirements.lock
 	{ echo "# torch's CPU build: PyTorch publishes it on its own index, not on PyPI (which has only the"; \
 	  echo "# CUDA build). Generated by 'make lock'; installed with --no-deps after requirements.lock."; \
 	  echo "--index-url $(TORCH_INDEX)"; \
-	  .venv-lock/bin/pip freeze --all | grep -E '^torch=='; } > requirements-torch.lock
+	  echo "$(TORCH_PIN)+cpu"; } > requirements-torch.lock
 	rm -rf .venv-lock
 
 clean:
