@@ -24,7 +24,7 @@ from tests.conftest import REPO
 
 PYTORCH_CPU_INDEX = "https://download.pytorch.org/whl/cpu"
 # The side environments' locks (make side-envs), on top of requirements.lock.
-SIDE_LOCKS = ("requirements-xla.lock", "requirements-ipex.lock")
+SIDE_LOCKS = ("requirements-xla.lock", "requirements-ipex.lock", "requirements-bench.lock")
 TORCH_LOCK = "requirements-torch.lock"
 
 
