@@ -135,3 +135,6 @@ def test_pins_match_requirements_lock() -> None:
     assert prefect_image.startswith(f"prefecthq/prefect:{_lock_version('prefect')}-python3.11")
     worker = (INFRA / "Dockerfile.worker").read_text()
     assert "-r /tmp/requirements.lock" in worker and "-r /tmp/requirements-torch.lock" in worker
+    cuda_torch = re.search(r"torch==([\d.]+)", (INFRA / "Dockerfile.cuda").read_text())
+    wanted = re.search(r"^torch==([\d.]+)$", (REPO / "requirements.in").read_text(), re.M)
+    assert cuda_torch and wanted and cuda_torch.group(1) == wanted.group(1), "Dockerfile.cuda's torch is not the pin"

@@ -1,7 +1,7 @@
 """The XLA and Intel Extension back ends, run for real in their side environments.
 
 torch_xla 2.9 needs torch 2.9 and intel_extension_for_pytorch 2.8 needs torch 2.8, while the
-project runs torch 2.13: `make side-envs` builds `.venv-xla` and `.venv-ipex` with those pairs and
+project runs torch 2.15: `make side-envs` builds `.venv-xla` and `.venv-ipex` with those pairs and
 the project's other pinned packages (`make test` builds them first). Each test runs the real
 `python -m tasks.train` with the side environment's interpreter for a few steps on a tiny model;
 without the environment it skips, naming the command that builds it.
@@ -91,7 +91,7 @@ def test_ipex_optimize_trains_tiny_sd_in_bf16(tmp_path, tiny_sd) -> None:
 
 
 def test_cpu_backend_choice_in_the_main_environment() -> None:
-    """Here (torch 2.13, no IPEX for it): auto falls back to native autocast; ipex fails naming the fix."""
+    """Here (torch 2.15, no IPEX for it): auto falls back to native autocast; ipex fails naming the fix."""
     from tasks.common.errors import UserError
     from tasks.train.config import TrainConfig
     from tasks.train.cpu_accel import NativeCpuBackend, choose_cpu_backend, ipex_status
