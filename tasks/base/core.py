@@ -8,8 +8,8 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from tasks.common.errors import UserError
 from tasks.common import families
+from tasks.common.errors import UserError
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +57,7 @@ def download(repo_id: str, revision: str | None, dst: Path) -> None:
         )
     if not _COMMIT.match(revision):
         log.warning("base.revision %r is not a commit hash: a branch or tag can move", revision)
+    import httpx
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import GatedRepoError, HfHubHTTPError, LocalEntryNotFoundError, OfflineModeIsEnabled
 
@@ -73,7 +74,7 @@ def download(repo_id: str, revision: str | None, dst: Path) -> None:
             f"{repo_id} is gated: accept its license on https://huggingface.co/{repo_id} with your account, then "
             "give the download a token (export HF_TOKEN=hf_... , or run `hf auth login` once) and run again"
         ) from err
-    except (OfflineModeIsEnabled, LocalEntryNotFoundError, OSError, HfHubHTTPError) as err:
+    except (OfflineModeIsEnabled, LocalEntryNotFoundError, OSError, HfHubHTTPError, httpx.TransportError) as err:
         raise UserError(
             f"could not download {repo_id}@{revision} from the Hugging Face Hub ({type(err).__name__}: "
             f"{str(err).splitlines()[0] if str(err) else ''}). This machine looks offline or the id/revision "

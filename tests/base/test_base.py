@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from tasks.base.core import classify, resolve
-from tasks.common.families import from_index
 from tasks.common.errors import UserError
+from tasks.common.families import from_index
 from tests.conftest import stage_runs
 
 
@@ -79,6 +79,19 @@ def test_hub_needs_a_pinned_revision(tmp_path: Path) -> None:
 
 def test_hub_offline_says_so_and_how_to_fix(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", True)  # read once, at import
+    with pytest.raises(UserError) as err:
+        resolve("stable-diffusion-v1-5/stable-diffusion-v1-5", "451f4fe16113bff5a5d2269ed5ad43b0592e9a14",
+                0, tmp_path / "dst")
+    assert "offline" in str(err.value) and "base.model: DIR" in str(err.value)
+
+
+def test_hub_out_of_reach_says_so_and_how_to_fix(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Not in offline mode, but no hub answers (a closed loopback port): the same advice, no traceback."""
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", False)
+    monkeypatch.setattr("huggingface_hub.constants.ENDPOINT", "http://127.0.0.1:9")
+    monkeypatch.setenv("HF_HUB_ETAG_TIMEOUT", "2")
     with pytest.raises(UserError) as err:
         resolve("stable-diffusion-v1-5/stable-diffusion-v1-5", "451f4fe16113bff5a5d2269ed5ad43b0592e9a14",
                 0, tmp_path / "dst")
