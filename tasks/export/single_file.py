@@ -188,6 +188,14 @@ def _open_clip(state: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _transformers_clip_keys(state: dict[str, Any]) -> dict[str, Any]:
+    """The CLIP text encoder's keys as transformers 4 wrote them (`text_model.` first), which the
+    original checkpoints keep; transformers 5.15's CLIPTextModel drops that level (its
+    CLIPTextModelWithProjection keeps it)."""
+    return {key if key.startswith(("text_model.", "text_projection.")) else f"text_model.{key}": value
+            for key, value in state.items()}
+
+
 def original_state_dict(pipe: Any) -> dict[str, Any]:
     """The pipeline's UNet, VAE and text encoder weights under the original key names."""
     kind = layout(pipe)
@@ -203,7 +211,7 @@ def original_state_dict(pipe: Any) -> dict[str, Any]:
         out[VAE_PREFIX + new] = value
     encoders = [pipe.text_encoder, getattr(pipe, "text_encoder_2", None)]
     for (prefix, open_clip), encoder in zip(TEXT_LAYOUTS[kind], encoders):
-        state = encoder.state_dict()
+        state = _transformers_clip_keys(encoder.state_dict())
         if open_clip:
             state = _open_clip(state)
         out.update({prefix + key: value for key, value in state.items()})
