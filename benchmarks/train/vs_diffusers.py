@@ -146,9 +146,8 @@ def run_pair(method: Method, base: Path, work: Path, data: dict[str, Path], args
 def tcmalloc() -> str:
     """The tcmalloc our stage preloads (launch.preload_allocator), for their script too."""
     from tasks.common.allocator import allocator_preload, find_allocators
-    from tasks.common.launch import LaunchConfig
 
-    preload = allocator_preload(LaunchConfig(preload_allocator="tcmalloc"), find_allocators())
+    preload = allocator_preload("tcmalloc", find_allocators())
     assert preload is not None
     return preload
 

@@ -1,7 +1,8 @@
 """The memory allocator a stage runs under: tcmalloc or jemalloc in LD_PRELOAD (`launch.preload_allocator`).
 
 Ranks get it in their launcher's environment (tasks.common.launch); a local run re-executes itself
-once with it, since LD_PRELOAD only acts when a process starts.
+once with it, since LD_PRELOAD only acts when a process starts. This module knows allocators, not
+launch configs: it takes the allocator's name (`Allocator`), and tasks.common.launch passes it on.
 """
 from __future__ import annotations
 
@@ -9,15 +10,14 @@ import logging
 import os
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Literal
 
 from tasks.common.errors import UserError
 
-if TYPE_CHECKING:
-    from tasks.common.launch import LaunchConfig
-
 log = logging.getLogger(__name__)
 
+#: `launch.preload_allocator`: auto is tcmalloc, else jemalloc, when installed; none leaves LD_PRELOAD as it is
+Allocator = Literal["auto", "none", "tcmalloc", "jemalloc"]
 PRELOADED_ENV = "FINETUNE_PRELOADED"  # set when a local run re-executed itself with the allocator
 #: tcmalloc reports every allocation over 1 GB on stderr; an SD model's weights make many
 ALLOCATOR_ENV = {"TCMALLOC_LARGE_ALLOC_REPORT_THRESHOLD": str(2 ** 40)}
@@ -40,9 +40,9 @@ def find_allocators() -> dict[str, str]:
     return found
 
 
-def allocator_preload(launch: LaunchConfig, found: dict[str, str]) -> str | None:
-    """LD_PRELOAD with the allocator `launch.preload_allocator` names first (None: leave it as it is)."""
-    allocator = launch.preload_allocator
+def allocator_preload(allocator: Allocator, found: dict[str, str]) -> str | None:
+    """LD_PRELOAD with `allocator` (`launch.preload_allocator`) first (None: leave it as it is);
+    `found`: what find_allocators() found."""
     if allocator == "auto":
         allocator = next((a for a in ("tcmalloc", "jemalloc") if a in found), "none")
     if allocator == "none":
@@ -54,17 +54,17 @@ def allocator_preload(launch: LaunchConfig, found: dict[str, str]) -> str | None
     return ":".join([found[allocator], *filter(None, [os.environ.get("LD_PRELOAD")])])
 
 
-def preload_locally(stage: str, launch: LaunchConfig) -> None:
+def preload_locally(stage: str, allocator: Allocator) -> None:
     """A local run re-executes itself once with the allocator in LD_PRELOAD (it must be there
     when the process starts). Each training step allocates the same large blocks again (autocast's
     bf16 weight copies, gradients, activations); glibc returns every block over 32 MB to the kernel
     when freed and faults it back in, zeroed, at the next step. tcmalloc keeps them for reuse."""
     if os.environ.get(PRELOADED_ENV) or not _is_stage_program(stage):
         return  # already re-executed, or called in-process (tests, notebooks): never replace that process
-    preload = allocator_preload(launch, find_allocators())
+    preload = allocator_preload(allocator, find_allocators())
     if preload is None:
         return
-    log.info("re-executing with LD_PRELOAD=%s (launch.preload_allocator %s)", preload, launch.preload_allocator)
+    log.info("re-executing with LD_PRELOAD=%s (launch.preload_allocator %s)", preload, allocator)
     sys.stdout.flush(), sys.stderr.flush()
     os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]],
               {**ALLOCATOR_ENV, **os.environ, "LD_PRELOAD": preload, PRELOADED_ENV: "1"})

@@ -40,8 +40,8 @@ from typing import Literal
 
 from pydantic import Field
 
+from tasks.common.allocator import ALLOCATOR_ENV, Allocator, allocator_preload, find_allocators, preload_locally
 from tasks.common.config import StageConfig
-from tasks.common.allocator import ALLOCATOR_ENV, allocator_preload, find_allocators, preload_locally
 from tasks.common.errors import UserError
 from tasks.common.stop_signals import OPEN_MPI, WORKER_ENV, relay, wait_for_group
 
@@ -70,7 +70,7 @@ class LaunchConfig(StageConfig):
     mpi: Literal["auto", "hydra", "openmpi"] = Field("auto", description="mpirun syntax; auto: from mpirun --version")
     threads_per_process: int | None = Field(
         None, ge=1, description="OMP/MKL threads per rank; null: this machine's cores / ranks per node")
-    preload_allocator: Literal["auto", "none", "tcmalloc", "jemalloc"] = Field(
+    preload_allocator: Allocator = Field(
         "auto", description="LD_PRELOAD a malloc that keeps freed blocks for the next step (local runs too); "
                             "auto: tcmalloc, else jemalloc, when installed")
     network_interface: str | None = Field(None, description="NIC between the nodes (e.g. ens786f1); null: any")
@@ -115,7 +115,7 @@ class Host:
     oneccl_script: str | None  # the oneCCL bindings' env script, when installed
 
     @classmethod
-    def detect(cls) -> "Host":
+    def detect(cls) -> Host:
         return cls(len(os.sched_getaffinity(0)), os.geteuid() == 0, _mpi_flavor(), find_allocators(),
                    _oneccl_script())
 
@@ -149,7 +149,7 @@ def _mpi_flavor() -> str | None:
 def _oneccl_script() -> str | None:
     try:
         from oneccl_bindings_for_pytorch import cwd  # type: ignore[import-not-found]
-    except Exception:  # noqa: BLE001 - not installed (it is not on PyPI): no script
+    except Exception:
         return None
     script = Path(cwd) / "env" / "setvars.sh"
     return str(script) if script.is_file() else None
@@ -183,7 +183,7 @@ def rank_env(launcher: str, launch: LaunchConfig, host: Host) -> dict[str, str]:
     env.update(MASTER_ADDR=address, MASTER_PORT=str(port))
     threads = launch.threads_per_process or max(1, host.cores // launch.per_node)
     env.update(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads), KMP_BLOCKTIME="1")
-    preload = allocator_preload(launch, host.allocators)
+    preload = allocator_preload(launch.preload_allocator, host.allocators)
     if preload is not None:
         env.update({**ALLOCATOR_ENV, "LD_PRELOAD": preload})
     if launch.network_interface:
@@ -363,7 +363,7 @@ def start(stage: str, launcher: str, launch: LaunchConfig, argv: list[str] | Non
     if launched():
         return
     if launcher == "local":
-        preload_locally(stage, launch)
+        preload_locally(stage, launch.preload_allocator)
         return
     if launcher == "xla":
         env = xla_env(launch)

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from tasks.common.errors import UserError
-from tasks.train.backend import Backend
+from tasks.train.backend_base import Backend
 from tasks.train.config import TrainConfig
 
 log = logging.getLogger(__name__)

@@ -23,13 +23,14 @@ from __future__ import annotations
 import logging
 import math
 import os
+from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Any
 
 import torch
 
 from tasks.common.errors import UserError
-from tasks.train.backend import Backend
+from tasks.train.backend_base import Backend
 from tasks.train.config import TrainConfig, XlaConfig
 
 log = logging.getLogger(__name__)

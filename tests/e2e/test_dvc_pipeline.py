@@ -87,6 +87,31 @@ def test_second_repro_skips_every_stage(reproduced) -> None:
     print(f"second dvc repro: {seconds:.1f} s")
 
 
+def test_a_launcher_change_touches_only_the_stages_that_launch(reproduced) -> None:
+    """dvc.yaml's code deps come from the import graph (tasks/common/stage_deps.py): a change to
+    tasks/common/launch.py is a changed dependency of class_images and train, of no other stage."""
+    root, _ = reproduced
+    launch = root / "tasks/common/launch.py"
+    text = launch.read_text()
+    launch.write_text(text + "# a comment: the module changed, nothing it does\n")
+    try:
+        status = dvc(root, "status", "--json")
+        shown = dvc(root, "status").stdout
+    finally:
+        launch.write_text(text)
+    assert status.returncode == 0, status.stderr
+    print(f"dvc status after the change:\n{shown}")
+    changed = json.loads(status.stdout)
+    code = {stage: sorted(path for entry in entries if isinstance(entry, dict)
+                          for path in entry.get("changed deps", {}) if path.startswith("tasks/"))
+            for stage, entries in changed.items()}
+    assert {stage for stage, paths in code.items() if paths} == {"class_images", "train"}, changed
+    assert code["class_images"] == code["train"] == ["tasks/common/launch.py"], changed
+    assert set(changed) == {"class_images", "train"}, f"no other stage is changed at all: {changed}"
+    assert shown.count("modified:") == 2 and "tasks/common/launch.py" in shown, shown
+    assert "Data and pipelines are up to date" in dvc(root, "status").stdout, "back as it was"
+
+
 def test_a_param_change_reruns_only_the_stages_that_read_it(reproduced) -> None:
     root, _ = reproduced
     params = root / "params.yaml"

@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
+from tasks.common.allocator import allocator_preload, find_allocators
 from tasks.common.config import parse_section
 from tasks.common.distributed import map_rank_environment
 from tasks.common.errors import UserError
-from tasks.common.allocator import allocator_preload, find_allocators
 from tasks.common.launch import WORKER_ENV, Host, LaunchConfig, _sourced_env, failed_rank, first_host, plan, start
 from tasks.train.checkpoints import run_key
 from tasks.train.config import TrainConfig
@@ -202,7 +202,7 @@ def test_shipped_accelerate_configs_load(name) -> None:
     assert Path(REPO / "infra" / "hostfile.example").is_file()
 
 
-PRELOADABLE = allocator_preload(LaunchConfig(), find_allocators())
+PRELOADABLE = allocator_preload(LaunchConfig().preload_allocator, find_allocators())
 needs_allocator = pytest.mark.skipif(PRELOADABLE is None, reason="no tcmalloc or jemalloc: apt-get install "
                                      "libtcmalloc-minimal4 (.ci/run installs it)")
 REALLOCATE = """
