@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from tasks.common import families
 from tasks.common.errors import UserError
 from tasks.common.lora import fuse_lora_file
 
@@ -25,8 +26,6 @@ log = logging.getLogger(__name__)
 
 LORA_NAME = "pytorch_lora_weights.safetensors"
 EMBEDS_NAME = "learned_embeds.safetensors"
-#: Keys SDXL embedding files use for the two text encoders' rows.
-SDXL_EMBED_KEYS = ("clip_l", "clip_g")
 
 
 @dataclass(frozen=True)
@@ -65,31 +64,36 @@ def detect(src: Path) -> SourceKind:
     return kind
 
 
+def per_encoder_family(state: dict[str, Any]) -> type[families.ModelFamily] | None:
+    """The family whose embedding files key rows per text encoder (`embedding_keys`) as `state` does;
+    None for the one-entry {token: rows} layout."""
+    return next((f for f in families.FAMILIES if f.embedding_keys and set(f.embedding_keys) <= set(state)), None)
+
+
 def load_embeds(pipe: Any, path: Path, token: str | None) -> list[str]:
     """Add the learned token(s) of `path` to the pipeline's tokenizer(s); returns the tokens."""
     from safetensors.torch import load_file
 
     state = load_file(path)
-    if set(SDXL_EMBED_KEYS) <= set(state):
+    if (keyed := per_encoder_family(state)) is not None:
+        keys = keyed.embedding_keys or ()
         if not token:
             raise UserError(
-                f"{path} is an SDXL embedding (keys clip_l/clip_g) and does not carry its token: "
+                f"{path} is a {keyed.title} embedding (keys {'/'.join(keys)}) and does not carry its token: "
                 "set export.placeholder_token (the train stage's train.placeholder_token)"
             )
-        if getattr(pipe, "text_encoder_2", None) is None:
-            raise UserError(f"{path} is an SDXL embedding but the base pipeline is not SDXL")
-        pipe.load_textual_inversion(
-            state["clip_l"], token=token, text_encoder=pipe.text_encoder, tokenizer=pipe.tokenizer
-        )
-        pipe.load_textual_inversion(
-            state["clip_g"], token=token, text_encoder=pipe.text_encoder_2,
-            tokenizer=pipe.tokenizer_2,
-        )
+        family = families.of_pipeline(pipe)
+        if family.embedding_keys != keyed.embedding_keys:
+            raise UserError(f"{path} is a {keyed.title} embedding but the base pipeline is {family.title}")
+        for key, encoder, tokenizer in zip(keys, family.text_encoder_names, family.tokenizer_names):
+            pipe.load_textual_inversion(state[key], token=token, text_encoder=getattr(pipe, encoder),
+                                        tokenizer=getattr(pipe, tokenizer))
         return [token]
     if len(state) != 1:
+        layouts = " or ".join(f"{'/'.join(f.embedding_keys)} ({f.title})" for f in families.FAMILIES
+                              if f.embedding_keys)
         raise UserError(
-            f"{path}: expected one {{token: embedding}} entry (SD) or clip_l/clip_g (SDXL), "
-            f"found keys {sorted(state)}"
+            f"{path}: expected one {{token: embedding}} entry or {layouts}, found keys {sorted(state)}"
         )
     name, rows = next(iter(state.items()))
     name = token or name
@@ -112,11 +116,11 @@ def load_finetuned(src: Path, base: Path | None, token: str | None = None) -> tu
     info: dict[str, Any] = {"method": kind.method}
     if kind.full_pipeline:
         return DiffusionPipeline.from_pretrained(src, torch_dtype=torch.float32), kind, info
-    if base is None or not (Path(base) / "model_index.json").is_file():
-        raise UserError(
-            f"{src} holds adapters only ({kind.method}); they are applied to the base pipeline, "
-            f"which was not found at {base}: pass --base models/base (run dvc repro base first)"
-        )
+    adapters_only = (f"{src} holds adapters only ({kind.method}); they are applied to the base pipeline: "
+                     "pass --base models/base (run dvc repro base first)")
+    if base is None:
+        raise UserError(adapters_only)
+    families.read_index(base, adapters_only)
     pipe = DiffusionPipeline.from_pretrained(base, torch_dtype=torch.float32)
     info["base"] = str(base)
     if kind.lora is not None:

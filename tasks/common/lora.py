@@ -15,6 +15,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from tasks.common import families
+
 
 def fuse_lora_file(pipe: Any, lora: Path, components: list[str] | None = None) -> list[str]:
     """Load the LoRA file `lora` into `pipe`, fuse it, drop the adapter modules; returns the fused
@@ -23,7 +25,8 @@ def fuse_lora_file(pipe: Any, lora: Path, components: list[str] | None = None) -
     saved = {n: list(getattr(pipe, n)._weight_conversions) for n in names
              if getattr(getattr(pipe, n), "_weight_conversions", None) is not None}
     pipe.load_lora_weights(Path(lora).parent, weight_name=Path(lora).name)
-    lora_names = [n for n in names if n in ("unet", "transformer") or n.startswith("text_encoder")]
+    family = families.of_pipeline(pipe)
+    lora_names = [n for n in names if n == family.denoiser_name or n in family.text_encoder_names]
     pipe.fuse_lora(components=lora_names)
     pipe.unload_lora_weights()
     for name, conversions in saved.items():

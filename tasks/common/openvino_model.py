@@ -58,7 +58,7 @@ def runtime_config(path: Path) -> dict[str, str]:
 def compiled_precisions(pipe: Any) -> dict[str, str]:
     """The precision each compiled model of an OpenVINO pipeline really runs at ('bf16', 'f32')."""
     out = {}
-    for name in ("text_encoder", "text_encoder_2", "text_encoder_3", "unet", "transformer", "vae_decoder"):
+    for name in families.of_pipeline(pipe).ov_component_names():
         part = getattr(pipe, name, None)
         request = getattr(part, "request", None)
         if request is not None:
@@ -85,7 +85,7 @@ class StaticShape:
 
 def is_openvino_folder(path: Path) -> bool:
     """True when the denoiser (UNet or transformer) of `path` is an OpenVINO model."""
-    return any((Path(path) / name / "openvino_model.xml").is_file() for name in ("unet", "transformer"))
+    return any((Path(path) / name / "openvino_model.xml").is_file() for name in families.denoiser_names())
 
 
 def load_ov_pipeline(
@@ -104,7 +104,8 @@ def load_ov_pipeline(
     path = Path(path)
     if not is_openvino_folder(path):
         raise UserError(
-            f"{path} is not an exported OpenVINO pipeline (no unet/ or transformer/openvino_model.xml). Run the "
+            f"{path} is not an exported OpenVINO pipeline (no "
+            f"{' or '.join(n + '/openvino_model.xml' for n in families.denoiser_names())}). Run the "
             "export stage first (dvc repro export)"
         )
     cls = families.detect(path).ov_pipeline_class()

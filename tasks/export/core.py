@@ -27,8 +27,8 @@ from tasks.common.openvino_model import (
     static_shape,
     write_runtime_config,
 )
-from tasks.export.config import ExportConfig
 from tasks.export.compress import compress
+from tasks.export.config import ExportConfig
 from tasks.export.parity import pytorch_run, run_parity
 from tasks.export.single_file import SINGLE_FILE, check_layout_supported, write_single_file
 from tasks.export.source import materialize
@@ -71,7 +71,7 @@ def free_text_encoder_batch(pipe: Any) -> None:
     would then reject a single prompt. The text encoders run once per call, so a dynamic batch
     there costs nothing measurable; the UNet and VAE (all the denoising work) stay static.
     """
-    for name in ("text_encoder", "text_encoder_2", "text_encoder_3"):
+    for name in families.of_pipeline(pipe).text_encoder_names:
         part = getattr(pipe, name, None)
         if part is None:
             continue
@@ -156,83 +156,91 @@ def export(src: Path, dst: Path, cfg: ExportConfig, base: Path | None = None) ->
     src, dst = Path(src), Path(dst)
     wanted = StaticShape(cfg.batch_size, cfg.height, cfg.width, cfg.num_images_per_prompt)
     compressing = cfg.compression.mode != "none"
-    precision = cfg.inference_precision
     with tempfile.TemporaryDirectory(prefix="export-") as work:
         source, source_info = materialize(src, base, Path(work), cfg.placeholder_token)
         if cfg.single_file != "none":
             check_layout_supported(families.read_index(source))
         fp32_dir = Path(work) / "openvino-fp32" if compressing else dst
         info = convert(source, fp32_dir, wanted)
-        # One pipeline in memory at a time: PyTorch first, then each OpenVINO one, dropped and
-        # collected before the next is loaded (SD 1.5: 4.3 GB in PyTorch, ~8 GB compiled).
-        pt_run = None
-        if cfg.parity.enabled:
-            pt_run = pytorch_run(source, wanted, cfg.parity)
-            release_memory()  # the PyTorch pipeline
-        ov_pipe, load_s = _load_static(fp32_dir, wanted, "f32")
         report: dict[str, Any] = {
             "source": str(src),
             "source_kind": source_info,
             "family": info["family"],
             "pipeline_class": info["pipeline_class"],
             "static_shape": wanted.as_dict(),
-            "seconds": {
-                "export": round(info["export_s"], 3),
-                "reshape_save": round(info["save_s"], 3),
-                "load_compile": round(load_s, 3),
-            },
-            "size_mb": {"source": folder_size_mb(source),
-                        "openvino_fp32": folder_size_mb(fp32_dir)},
-            "inference_precision": {"requested": precision},
+            "seconds": {"export": round(info["export_s"], 3), "reshape_save": round(info["save_s"], 3)},
+            "size_mb": {"source": folder_size_mb(source), "openvino_fp32": folder_size_mb(fp32_dir)},
+            "inference_precision": {"requested": cfg.inference_precision},
         }
-        ref = None
-        if pt_run is not None:
-            report["parity"], latency, ref = run_parity(pt_run, ov_pipe, cfg.parity)
-            del pt_run
-            report["latency_s"] = latency
-            latency["openvino_static_f32"] = latency.pop("openvino_static")
-            if precision != "f32":  # at f32 the parity run's pipeline is the one to time
-                del ov_pipe
-                release_memory()
-                ov_pipe, _ = _load_static(fp32_dir, wanted, precision)
-            seconds, fidelity = compare(ov_pipe, ref, f"static {precision}")
-            del ov_pipe
-            release_memory()
-            latency["openvino_static"] = round(seconds, 4)
-            report["inference_precision"].update(fidelity)
-            if cfg.latency_dynamic:
-                latency["openvino_dynamic"] = round(
-                    dynamic_latency(fp32_dir, ref, precision), 4
-                )
-        else:
-            report["parity"] = {"enabled": False, "passed": True}
-            del ov_pipe
+        ref = _check_parity(report, source, fp32_dir, wanted, cfg)
         if compressing:
-            report["compression"] = compress(fp32_dir, dst, wanted, cfg.compression,
-                                             fix_static_shape)
-            report["size_mb"]["openvino_compressed"] = folder_size_mb(dst)
-            release_memory()  # the quantized pipeline and NNCF's copies
-            if ref is not None:
-                comp_pipe, _ = _load_static(dst, wanted, precision)
-                seconds, fidelity = compare(comp_pipe, ref, f"{cfg.compression.mode} {precision}")
-                report["latency_s"]["openvino_compressed"] = round(seconds, 4)
-                limit = cfg.compression.min_psnr_db
-                fidelity["min_psnr_db"] = limit
-                fidelity["passed"] = fidelity["finite"] and (
-                    limit is None or fidelity["psnr_vs_openvino_fp32_db"] >= limit
-                )
-                report["compression"].update(fidelity)
+            _compress(report, fp32_dir, dst, wanted, cfg, ref)
         if cfg.single_file != "none":
             report["single_file"] = {
                 "path": str(SINGLE_FILE),  # inside the export folder
                 **write_single_file(source, dst / SINGLE_FILE, cfg.single_file),
             }
-    write_runtime_config(dst, precision)
+    write_runtime_config(dst, cfg.inference_precision)
     report["size_mb"]["openvino"] = folder_size_mb(dst)
     report["size_mb"]["components"] = component_sizes(dst)
     if "latency_s" in report:
         add_ratios(report["latency_s"])
     return report
+
+
+def _check_parity(report: dict[str, Any], source: Path, fp32_dir: Path, wanted: StaticShape,
+                  cfg: ExportConfig) -> Any:
+    """Reload the fp32 export at its static shape; with `export.parity`, compare it with PyTorch and
+    time it at the requested precision. Fills the report's load time, parity, latency and fidelity;
+    returns the PyTorch reference the compressed export is compared with (None without parity)."""
+    # One pipeline in memory at a time: PyTorch first, then each OpenVINO one, dropped and
+    # collected before the next is loaded (SD 1.5: 4.3 GB in PyTorch, ~8 GB compiled).
+    pt_run = None
+    if cfg.parity.enabled:
+        pt_run = pytorch_run(source, wanted, cfg.parity)
+        release_memory()  # the PyTorch pipeline
+    ov_pipe, load_s = _load_static(fp32_dir, wanted, "f32")
+    report["seconds"]["load_compile"] = round(load_s, 3)
+    if pt_run is None:
+        report["parity"] = {"enabled": False, "passed": True}
+        del ov_pipe
+        return None
+    report["parity"], latency, ref = run_parity(pt_run, ov_pipe, cfg.parity)
+    del pt_run
+    report["latency_s"] = latency
+    latency["openvino_static_f32"] = latency.pop("openvino_static")
+    precision = cfg.inference_precision
+    if precision != "f32":  # at f32 the parity run's pipeline is the one to time
+        del ov_pipe
+        release_memory()
+        ov_pipe, _ = _load_static(fp32_dir, wanted, precision)
+    seconds, fidelity = compare(ov_pipe, ref, f"static {precision}")
+    del ov_pipe
+    release_memory()
+    latency["openvino_static"] = round(seconds, 4)
+    report["inference_precision"].update(fidelity)
+    if cfg.latency_dynamic:
+        latency["openvino_dynamic"] = round(dynamic_latency(fp32_dir, ref, precision), 4)
+    return ref
+
+
+def _compress(report: dict[str, Any], fp32_dir: Path, dst: Path, wanted: StaticShape, cfg: ExportConfig,
+              ref: Any) -> None:
+    """Compress the fp32 export into `dst`; with parity's reference `ref`, its latency and its
+    fidelity to the fp32 export against `export.compression.min_psnr_db`."""
+    report["compression"] = compress(fp32_dir, dst, wanted, cfg.compression, fix_static_shape)
+    report["size_mb"]["openvino_compressed"] = folder_size_mb(dst)
+    release_memory()  # the quantized pipeline and NNCF's copies
+    if ref is None:
+        return
+    precision = cfg.inference_precision
+    comp_pipe, _ = _load_static(dst, wanted, precision)
+    seconds, fidelity = compare(comp_pipe, ref, f"{cfg.compression.mode} {precision}")
+    report["latency_s"]["openvino_compressed"] = round(seconds, 4)
+    limit = cfg.compression.min_psnr_db
+    fidelity["min_psnr_db"] = limit
+    fidelity["passed"] = fidelity["finite"] and (limit is None or fidelity["psnr_vs_openvino_fp32_db"] >= limit)
+    report["compression"].update(fidelity)
 
 
 def numeric_metrics(report: dict[str, Any]) -> dict[str, float]:

@@ -198,10 +198,12 @@ def _transformers_clip_keys(state: dict[str, Any]) -> dict[str, Any]:
 
 def original_state_dict(pipe: Any) -> dict[str, Any]:
     """The pipeline's UNet, VAE and text encoder weights under the original key names."""
-    kind = layout(pipe)
+    family = families.of_pipeline(pipe)
+    kind = family.single_file_layout(pipe)
     out: dict[str, Any] = {}
-    unet_blocks = _unet_blocks(pipe.unet.config)
-    for key, value in pipe.unet.state_dict().items():
+    denoiser = getattr(pipe, family.denoiser_name)  # a UNet: every family with a layout has one
+    unet_blocks = _unet_blocks(denoiser.config)
+    for key, value in denoiser.state_dict().items():
         out[UNET_PREFIX + _rename(key, unet_blocks)] = value
     vae_blocks = _vae_blocks(len(pipe.vae.config["block_out_channels"]))
     for key, value in pipe.vae.state_dict().items():
@@ -209,7 +211,7 @@ def original_state_dict(pipe: Any) -> dict[str, Any]:
         if ".mid.attn_1." in new and new.endswith(".weight") and value.ndim == 2:
             value = value[:, :, None, None]  # linear -> 1x1 convolution
         out[VAE_PREFIX + new] = value
-    encoders = [pipe.text_encoder, getattr(pipe, "text_encoder_2", None)]
+    encoders = [getattr(pipe, name, None) for name in family.text_encoder_names]
     for (prefix, open_clip), encoder in zip(TEXT_LAYOUTS[kind], encoders):
         state = _transformers_clip_keys(encoder.state_dict())
         if open_clip:

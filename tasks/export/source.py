@@ -20,7 +20,6 @@ from typing import Any
 from tasks.common.finetuned import (  # noqa: F401  (re-exported: the export's names)
     EMBEDS_NAME,
     LORA_NAME,
-    SDXL_EMBED_KEYS,
     SourceKind,
     detect,
     load_finetuned,

@@ -14,9 +14,11 @@ from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
+from tasks.common import families
 from tasks.common.config import StageConfig
 from tasks.common.errors import UserError
 from tasks.common.launch import LAUNCHERS, LaunchConfig, launch_problem
+from tasks.common.scoring import IMAGE_METRICS
 
 LR_SCHEDULERS = ("constant", "constant_with_warmup", "linear", "cosine", "cosine_with_restarts", "polynomial")
 METHOD_NAMES = ("dreambooth", "textual_inversion", "lora", "full")
@@ -54,9 +56,6 @@ SCORING_FOLLOWS = {
     "dino_revision": ("evaluate", "dino_revision", None),
     "encoder_seed": ("evaluate", "encoder_seed", 0),
 }
-#: Metrics a checkpoint's validation images can be scored on. gain_<m> ranks like <m> (the base's
-#: score is the same for every checkpoint), so it selects by <m>.
-CHECKPOINT_METRICS = ("clip_t", "clip_i", "dino")
 
 
 class XlaConfig(StageConfig):
@@ -96,7 +95,7 @@ class CheckpointScoringConfig(StageConfig):
     dino_revision: str | None = Field(None, description="null: evaluate.dino_revision")
     encoder_seed: int | None = Field(None, ge=0, description="null: evaluate.encoder_seed")
 
-    def resolved(self, params: dict[str, Any] | None = None) -> "CheckpointScoringConfig":
+    def resolved(self, params: dict[str, Any] | None = None) -> CheckpointScoringConfig:
         """Every null key filled from its owner in `params` (the whole params.yaml), else its default."""
         values = self.model_dump()
         sources = {}
@@ -114,12 +113,12 @@ class CheckpointScoringConfig(StageConfig):
     def scored_metric(self) -> str:
         """The image metric checkpoints are ranked by (call on a resolved config)."""
         metric = str(self.metric)
-        name = metric.removeprefix("gain_")
-        if name not in CHECKPOINT_METRICS:
+        name = metric.removeprefix("gain_")  # ranks like <m>: the base's score is the same for every checkpoint
+        if name not in IMAGE_METRICS:  # what a checkpoint's validation images can be scored on
             raise UserError(
                 f"train.checkpoint_scoring.metric is {metric!r} (null follows register.primary_metric), which a "
                 f"checkpoint's validation images cannot be scored on; set train.checkpoint_scoring.metric to one of "
-                f"{', '.join(CHECKPOINT_METRICS)}")
+                f"{', '.join(IMAGE_METRICS)}")
         return name
 
 
@@ -267,7 +266,7 @@ class TrainConfig(StageConfig):
     launch: LaunchConfig = Field(default_factory=LaunchConfig, description="topology and environment of a launch")
 
     @model_validator(mode="after")
-    def _check(self) -> "TrainConfig":
+    def _check(self) -> TrainConfig:
         problems = [p for p in (self._precision_problem(), self._method_problem(), self._option_problem()) if p]
         if problems:
             raise ValueError("; ".join(problems))
@@ -363,17 +362,14 @@ class TrainConfig(StageConfig):
             if getattr(self, key) != defaults[key].default:
                 problems.append(f"train.{key}: {why}; remove it or set it to {defaults[key].default}")
         if self.launcher == "xla" and not family.xla_tested:
-            problems.append(f"train.launcher: xla has been run for the UNet families (SD, SDXL) only, not for "
+            tested = ", ".join(f.title for f in families.FAMILIES if f.xla_tested)
+            problems.append(f"train.launcher: xla has been run for {tested} only, not for "
                             f"{family.title}; use local, accelerate or mpirun")
         if self.enable_bucket and (odd := [b for b in self.buckets() if b[0] % family.pixel_multiple
                                            or b[1] % family.pixel_multiple]):
             problems.append(f"train: buckets {odd[:4]} have sides that are not multiples of {family.pixel_multiple}, "
                             f"which {family.title} needs; set bucket_reso_steps (and min/max_bucket_reso) to "
                             f"multiples of {family.pixel_multiple}, or list such aspect_ratio_buckets")
-        if family.objective != "flow_matching":
-            flow_keys = ("weighting_scheme", "max_sequence_length")
-            problems += [f"train.{k}: a flow-matching option (SD3, FLUX); {family.title} trains with DDPM noise, "
-                         "remove it" for k in flow_keys if getattr(self, k) is not None]
         if problems:
             raise UserError(f"params.yaml: train does not fit the base model ({family.title}): " + "; ".join(problems))
 
@@ -382,7 +378,7 @@ class TrainConfig(StageConfig):
         enabled = self.checkpoint_scoring.enabled
         return self.select_checkpoint == "best" if enabled is None else enabled
 
-    def with_scoring_from(self, params: dict[str, Any] | None) -> "TrainConfig":
+    def with_scoring_from(self, params: dict[str, Any] | None) -> TrainConfig:
         """This config with `checkpoint_scoring`'s null keys filled from params.yaml's owners."""
         scoring = self.checkpoint_scoring.resolved(params)
         if self.select_checkpoint == "best":

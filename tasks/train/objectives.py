@@ -1,5 +1,6 @@
-"""The training objective a model family declares (`family.objective`): what noise is added at
-which level, and the loss on the denoiser's prediction.
+"""The training objective a model family declares (`family.objective`, the name of one of OBJECTIVES,
+built with the family's `objective_options()`): what noise is added at which level, and the loss on
+the denoiser's prediction.
 
 - `ddpm` (SD 1.x/2.x, SDXL): tasks/train/diffusion.py's noise_latents and per_example_loss (noise or
   v prediction, offset noise, Min-SNR), unchanged.
@@ -22,7 +23,9 @@ from tasks.train.diffusion import NoisedBatch, RowRandom, noise_latents, per_exa
 
 
 class Ddpm:
-    def __init__(self, scheduler: Any, cfg: Any) -> None:
+    name = "ddpm"
+
+    def __init__(self, scheduler: Any, cfg: Any, options: dict[str, Any]) -> None:
         self.scheduler, self.cfg = scheduler, cfg
 
     def noise(self, latents: torch.Tensor, rand: RowRandom | None) -> NoisedBatch:
@@ -33,9 +36,11 @@ class Ddpm:
 
 
 class FlowMatching:
-    def __init__(self, scheduler: Any, cfg: Any, default_scheme: str) -> None:
+    name = "flow_matching"
+
+    def __init__(self, scheduler: Any, cfg: Any, options: dict[str, Any]) -> None:
         self.scheduler, self.cfg = scheduler, cfg
-        self.scheme = cfg.weighting_scheme or default_scheme
+        self.scheme = cfg.weighting_scheme or options["weighting_scheme"]  # the family's when null
 
     def _u(self, n: int, rand: RowRandom | None) -> torch.Tensor:
         from diffusers.training_utils import compute_density_for_timestep_sampling
@@ -67,7 +72,12 @@ class FlowMatching:
         return err.reshape(err.shape[0], -1).mean(dim=1)
 
 
+#: Every objective, by the name a family's `objective` gives.
+OBJECTIVES: dict[str, type[Ddpm] | type[FlowMatching]] = {o.name: o for o in (Ddpm, FlowMatching)}
+
+
 def make_objective(family: Any, scheduler: Any, cfg: Any) -> Ddpm | FlowMatching:
-    if family.objective == "flow_matching":
-        return FlowMatching(scheduler, cfg, family.default_weighting_scheme)
-    return Ddpm(scheduler, cfg)
+    """The family's objective on `scheduler`, with `cfg`'s settings (the family's where they are null)."""
+    if family.objective not in OBJECTIVES:
+        raise ValueError(f"{family.title}: unknown objective {family.objective!r}; known: {', '.join(OBJECTIVES)}")
+    return OBJECTIVES[family.objective](scheduler, cfg, family.objective_options())

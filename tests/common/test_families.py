@@ -1,5 +1,5 @@
-"""The family seam: saved folders are recognised by their family, unknown pipelines are refused naming what is supported, and the locally learned T5
-tokenizer is read back by transformers' own T5TokenizerFast."""
+"""The family seam: saved folders are recognised by their family, unknown pipelines are refused naming what is
+supported, and the locally learned T5 tokenizer is read back by transformers' own T5TokenizerFast."""
 from __future__ import annotations
 
 import pytest

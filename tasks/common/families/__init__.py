@@ -30,6 +30,11 @@ def supported() -> str:
     return ", ".join(f"{f.title} ({', '.join(f.pipeline_class_names)})" for f in FAMILIES)
 
 
+def denoiser_names() -> tuple[str, ...]:
+    """Every family's denoiser folder ("unet", "transformer"), for recognising a folder before its family."""
+    return tuple(dict.fromkeys(f.denoiser_name for f in FAMILIES))
+
+
 def by_name(name: str) -> type[ModelFamily]:
     for family in FAMILIES:
         if family.name == name:
@@ -46,14 +51,13 @@ def from_index(index: dict[str, Any], where: str = "the pipeline") -> type[Model
                     f"supported: {supported()}")
 
 
-def read_index(path: Path) -> dict[str, Any]:
-    """model_index.json of a diffusers (or exported OpenVINO) pipeline folder, or a UserError."""
+def read_index(path: Path, fix: str = "run the stage that writes it first (dvc repro), or pass a folder "
+               "saved with save_pretrained()") -> dict[str, Any]:
+    """model_index.json of a diffusers (or exported OpenVINO) pipeline folder, or a UserError that
+    ends with `fix` (what to do: the caller knows which stage writes the folder)."""
     index = Path(path) / "model_index.json"
     if not index.is_file():
-        raise UserError(
-            f"{path} is not a pipeline folder (no model_index.json). Run the stage that writes it "
-            "first (dvc repro), or pass a folder saved with save_pretrained()"
-        )
+        raise UserError(f"{path} is not a diffusers pipeline folder (no model_index.json): {fix}")
     return json.loads(index.read_text())
 
 
@@ -71,7 +75,7 @@ def stored_dtypes(path: Path) -> dict[str, Any]:
         if not files:
             continue
         with safe_open(files[0], "pt") as fh:
-            found = (fh.get_slice(key).get_dtype() for key in fh.keys())
+            found = (fh.get_slice(key).get_dtype() for key in fh.keys())  # noqa: SIM118 (safe_open is not a dict)
             dtype = next((names[d] for d in found if d in names), None)
         if dtype is not None:
             dtypes[name] = dtype
@@ -100,5 +104,5 @@ def build_tiny_pipeline(kind: str, seed: int, out: Path) -> Path:
 
 
 __all__ = ["BUILTINS", "FAMILIES", "Components", "ModelFamily", "StableDiffusion", "StableDiffusionXL",
-           "StableDiffusion3", "Flux", "Flux2Klein", "build_tiny_pipeline", "by_name", "detect",
+           "StableDiffusion3", "Flux", "Flux2Klein", "build_tiny_pipeline", "by_name", "denoiser_names", "detect",
            "from_index", "of_pipeline", "read_index", "stored_dtypes", "supported"]

@@ -27,7 +27,7 @@ class Components:
     "text_encoder", "text_encoder_2", ...), which is how methods and checkpoints refer to them.
     """
 
-    family: type["ModelFamily"]
+    family: type[ModelFamily]
     tokenizers: list[Any]
     text_encoders: list[Any]
     vae: Any
@@ -86,7 +86,8 @@ class ModelFamily:
     #: text encoder folders, in the order conditioning uses them; tokenizers follow the same order
     text_encoder_names: ClassVar[tuple[str, ...]] = ("text_encoder",)
     tokenizer_names: ClassVar[tuple[str, ...]] = ("tokenizer",)
-    #: "ddpm" (noise or v prediction on a DDPM schedule) or "flow_matching" (rectified flow)
+    #: "ddpm" (noise or v prediction on a DDPM schedule) or "flow_matching" (rectified flow): the name
+    #: of the objective in tasks/train/objectives.py's OBJECTIVES; `objective_options()` says its settings
     objective: ClassVar[str] = "ddpm"
     #: image sides must be multiples of this (the VAE's factor 8; x2 where latents are cut into 2x2 patches)
     pixel_multiple: ClassVar[int] = 8
@@ -101,7 +102,8 @@ class ModelFamily:
     xla_tested: ClassVar[bool] = True
     #: classifier-free guidance runs the denoiser on a doubled batch (FLUX.1's distilled guidance does not)
     guidance_in_batch: ClassVar[bool] = True
-    #: keys of a textual-inversion embedding file per text encoder (None: one {token: rows} entry)
+    #: keys of a textual-inversion embedding file per text encoder, in `text_encoder_names` order
+    #: (None: one {token: rows} entry)
     embedding_keys: ClassVar[tuple[str, ...] | None] = None
 
     # --- recognising a folder -------------------------------------------------------------------
@@ -171,7 +173,15 @@ class ModelFamily:
 
     @classmethod
     def refused_options(cls) -> dict[str, str]:
-        """train.* keys this family refuses when they are set away from their default (key: why)."""
+        """train.* keys this family refuses when they are set away from their default (key: why):
+        here the flow-matching ones, which a DDPM family has no use for."""
+        why = f"a flow-matching option (SD3, FLUX); {cls.title} trains with DDPM noise"
+        return {"weighting_scheme": why, "max_sequence_length": why}
+
+    @classmethod
+    def objective_options(cls) -> dict[str, Any]:
+        """The objective's own train.* settings, with the value this family gives each where the
+        config leaves it null (flow matching: `weighting_scheme`); DDPM has none."""
         return {}
 
     @classmethod
@@ -214,6 +224,12 @@ class ModelFamily:
         """The denoiser's prediction, in the latents' shape. `settings`: the train config (resolution,
         guidance_scale)."""
         raise NotImplementedError
+
+    @classmethod
+    def ov_component_names(cls) -> tuple[str, ...]:
+        """The compiled models of the family's OpenVINO pipeline that run per call: text encoders,
+        denoiser, VAE decoder (optimum-intel names them as the diffusers folders, `vae_decoder` aside)."""
+        return (*cls.text_encoder_names, cls.denoiser_name, "vae_decoder")
 
     @classmethod
     def lora_components(cls, trained: list[str]) -> list[str]:

@@ -36,6 +36,10 @@ class FlowMatchingFamily(ModelFamily):
         return {"prediction_type": why, "snr_gamma": why, "noise_offset": why}
 
     @classmethod
+    def objective_options(cls) -> dict[str, Any]:
+        return {"weighting_scheme": cls.default_weighting_scheme}
+
+    @classmethod
     def noise_scheduler(cls, base: Path, prediction_type: str | None) -> Any:
         from diffusers import FlowMatchEulerDiscreteScheduler
 
