@@ -19,16 +19,13 @@ never from timestamps:
 """
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from tasks.common.errors import UserError
+from flows.dvc_stage import MISSING, dvc_status
 from tasks.ingest.deps import interpolate
 
 #: The model version tag naming the DVC experiment a version was built in (flows/finetune.py).
@@ -49,24 +46,7 @@ class Changes:
         return "changed: " + "; ".join(self.reasons)
 
 
-def dvc_status(root: Path, targets: tuple[str, ...] = ()) -> dict[str, Any]:
-    """`dvc status --json [targets]` in `root`: {} when every stage matches dvc.lock."""
-    from flows.dvc_stage import stage_env
-
-    proc = subprocess.run(
-        [sys.executable, "-m", "dvc", "status", "--json", *targets], cwd=root, env=stage_env(),
-        capture_output=True, text=True,
-    )
-    if proc.returncode != 0:
-        raise UserError(f"`dvc status` failed in {root} (exit {proc.returncode}):\n"
-                        f"{(proc.stdout + proc.stderr).strip()[-2000:]}")
-    text = proc.stdout.strip()
-    return json.loads(text[text.index("{"):]) if "{" in text else {}
-
-
 def _status_reasons(status: dict[str, Any], allow_missing: bool = False) -> list[str]:
-    from flows.remote import MISSING
-
     reasons = []
     for stage, entries in status.items():
         parts = []

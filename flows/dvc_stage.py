@@ -1,4 +1,5 @@
-"""Run one DVC stage with the real `dvc repro --single-item` and report what DVC did.
+"""Run one DVC stage with the real `dvc repro --single-item` and report what DVC did; and every
+other `dvc` command flows/ runs (`run_dvc`, `dvc_status`), in the same environment.
 
 Kept free of Prefect so it can be tested on a throw-away DVC project; flows/finetune.py wraps it
 in a Prefect task. DVC decides whether the stage runs: it compares the stage's deps, params and
@@ -6,6 +7,7 @@ outs with dvc.lock, and we only read its verdict from its own log lines.
 """
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -17,6 +19,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Literal
+
+from tasks.common.errors import UserError
 
 #: ran: DVC executed the command. skipped: nothing changed since dvc.lock.
 #: restored: DVC found this exact run in its run-cache and checked the outputs out instead.
@@ -45,6 +49,10 @@ _SIGNAL_NUMBERS = frozenset(int(s) for s in signal.valid_signals())
 
 #: Lines of DVC's output quoted in the error when a stage fails.
 ERROR_TAIL_LINES = 40
+#: Characters of DVC's output quoted when another dvc command (status, pull, push...) fails.
+TAIL_CHARS = 2000
+#: `dvc status` verdicts that only say "not here": what a pull brings back.
+MISSING = frozenset({"deleted", "not in cache"})
 
 
 @dataclass(frozen=True)
@@ -129,6 +137,31 @@ def stage_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
     return env
 
 
+def dvc_argv(*args: str) -> list[str]:
+    """`dvc <args>` as run by this interpreter (the venv's DVC, whatever PATH holds)."""
+    return [sys.executable, "-m", "dvc", *args]
+
+
+def output_tail(proc: subprocess.CompletedProcess[str]) -> str:
+    """The end of a finished dvc command's output, for an error message."""
+    return (proc.stdout + proc.stderr).strip()[-TAIL_CHARS:]
+
+
+def run_dvc(root: Path, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    """`dvc <args>` in `root` with `stage_env()`, its output captured. `check`: a UserError naming
+    the command and quoting DVC's output when it fails (else the caller reads `returncode`)."""
+    proc = subprocess.run(dvc_argv(*args), cwd=root, env=stage_env(), capture_output=True, text=True)
+    if check and proc.returncode != 0:
+        raise UserError(f"`dvc {' '.join(args)}` failed in {root} (exit {proc.returncode}):\n{output_tail(proc)}")
+    return proc
+
+
+def dvc_status(root: Path, targets: tuple[str, ...] = ()) -> dict[str, Any]:
+    """`dvc status --json [targets]` in `root`: {} when every stage matches dvc.lock."""
+    text = run_dvc(root, "status", "--json", *targets).stdout.strip()
+    return json.loads(text[text.index("{"):]) if "{" in text else {}
+
+
 def repro(
     stage: str,
     root: Path,
@@ -141,8 +174,7 @@ def repro(
     pull: `--pull`, with a default DVC remote (flows/remote.py): an unchanged stage whose outputs
     are missing here gets them from the remote; a changed one pulls its missing deps and the
     remote's run-cache, and is restored when a machine ran it with the same inputs."""
-    cmd = [sys.executable, "-m", "dvc", "repro", "--single-item", *(["--pull"] if pull else []),
-           stage]
+    cmd = dvc_argv("repro", "--single-item", *(["--pull"] if pull else []), stage)
     start = time.monotonic()
     seen: list[str] = []
     tail: deque[str] = deque(maxlen=ERROR_TAIL_LINES)

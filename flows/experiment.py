@@ -25,15 +25,15 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
-import sys
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 import yaml
 
+from flows.dvc_stage import run_dvc
 from flows.params import apply_overrides
 from tasks.common.errors import UserError
 
@@ -42,7 +42,7 @@ EXPERIMENTS_DIR = Path(".dvc/tmp/flow-exps")
 
 def experiment_name(flow_run_id: str | None = None) -> str:
     """A DVC experiment name: `flow-<UTC time>[-<flow run id prefix>]`."""
-    stamp = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
+    stamp = datetime.now(UTC).strftime("%Y%m%d-%H%M%S")
     suffix = f"-{flow_run_id[:8]}" if flow_run_id else ""
     return f"flow-{stamp}{suffix}"
 
@@ -51,17 +51,6 @@ def _git(root: Path, *args: str, check: bool = True) -> str:
     proc = subprocess.run(["git", *args], cwd=root, capture_output=True, text=True)
     if check and proc.returncode != 0:
         raise UserError(f"`git {' '.join(args)}` failed in {root}: {proc.stderr.strip()}")
-    return proc.stdout
-
-
-def _dvc(root: Path, *args: str) -> str:
-    from flows.dvc_stage import stage_env
-
-    proc = subprocess.run([sys.executable, "-m", "dvc", *args], cwd=root, env=stage_env(),
-                          capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise UserError(f"`dvc {' '.join(args)}` failed in {root}:\n"
-                        f"{(proc.stdout + proc.stderr).strip()[-2000:]}")
     return proc.stdout
 
 
@@ -146,8 +135,8 @@ def populate(root: Path, dest: Path) -> None:
     for local in (".dvc/config.local",):
         if (root / local).is_file():
             shutil.copy2(root / local, dest / local)
-    cache = _dvc(root, "cache", "dir").strip().splitlines()[-1]
-    _dvc(dest, "cache", "dir", "--local", str(Path(cache).resolve()))
+    cache = run_dvc(root, "cache", "dir").stdout.strip().splitlines()[-1]
+    run_dvc(dest, "cache", "dir", "--local", str(Path(cache).resolve()))
 
 
 @contextmanager
@@ -173,7 +162,7 @@ def experiment_workspace(root: Path, name: str,
 
 def save_experiment(dest: Path, name: str) -> dict[str, str]:
     """`dvc exp save --name <name>` in the experiment workspace; its name and commit."""
-    _dvc(dest, "exp", "save", "--name", name)
+    run_dvc(dest, "exp", "save", "--name", name)
     for line in _null_split(_git(dest, "for-each-ref", "--format=%(objectname) %(refname)",
                                  "refs/exps").replace("\n", "\0")):
         sha, _, ref = line.partition(" ")

@@ -21,9 +21,10 @@ from prefect import flow, get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 from prefect.states import Completed, State
 
-from flows import dvc_stage, experiment, remote as dvc_remote, report
+from flows import dvc_stage, experiment, report
+from flows import remote as dvc_remote
 from flows.changes import detect_changes
-from flows.params import stage_names, validate_overrides
+from flows.params import stage_names, stage_output, validate_overrides
 from flows.parent_run import ParentRun, parent_run
 from flows.workspace import workspace_lock
 from tasks.common.config import load_config
@@ -39,11 +40,10 @@ from tasks.register.config import RegisterConfig
 
 REPO = Path(__file__).resolve().parents[1]
 
-# Paths fixed by the contract (DESIGN.md, "stage outputs"); dvc.yaml passes the same ones.
-BASE = Path("models/base")
-FINETUNED = Path("models/finetuned")
-OPENVINO = Path("models/openvino")
-EVALUATION = Path("reports/evaluate.json")
+#: What registration reads, as the stage and argument dvc.yaml gives each path to (the paths are
+#: written there only; flows.params.stage_output reads them).
+OUTPUTS = {"base": ("base", "--out"), "finetuned": ("train", "--out"), "openvino": ("export", "--out"),
+           "evaluation": ("evaluate", "--report")}
 
 #: A stage killed by SIGKILL/SIGTERM (OOM killer, container limit, node drain) is retried: the rerun
 #: resumes from its checkpoint (train) or redoes a cheap stage. A config or data error (a stage's
@@ -51,6 +51,18 @@ EVALUATION = Path("reports/evaluate.json")
 #: A briefly unreachable MLflow server is waited for inside the stage (tasks/common/tracking.py).
 STAGE_RETRIES = 2
 STAGE_RETRY_DELAY_S = 10
+
+
+def _output(root: Path, name: str) -> Path | None:
+    """Where the pipeline in `root` writes `name` of OUTPUTS (None: its dvc.yaml has no such stage)."""
+    rel = stage_output(root / "dvc.yaml", *OUTPUTS[name])
+    return None if rel is None else root / rel
+
+
+def _evaluation(workdir: Path) -> dict[str, Any] | None:
+    """The evaluate stage's report in `workdir`, or None when there is none."""
+    path = _output(workdir, "evaluation")
+    return json.loads(path.read_text()) if path is not None and path.is_file() else None
 
 
 def _retry_when_killed(task: Any, task_run: Any, state: State) -> bool:
@@ -105,14 +117,18 @@ def register_model(root: str, parent_run_id: str, flow_run_id: str | None,
     from tasks.register.core import register
 
     base = Path(root)
+    paths = {name: _output(base, name) for name in OUTPUTS}
+    if missing := [name for name, path in paths.items() if path is None and name != "base"]:
+        raise UserError(f"nothing to register: {base / 'dvc.yaml'} gives no path for "
+                        + ", ".join(f"{name} ({' '.join(OUTPUTS[name])})" for name in missing))
     extra = dict(tags or {})  # the version's run is the parent run: no tag needed for it
     if flow_run_id:
         extra["prefect_flow_run_id"] = flow_run_id
     try:
         result = register(
-            base / FINETUNED, base / OPENVINO, base / EVALUATION, lock=base / "dvc.lock",
+            paths["finetuned"], paths["openvino"], paths["evaluation"], lock=base / "dvc.lock",
             params=base / "params.yaml", run_id=parent_run_id, extra_tags=extra,
-            base=base / BASE, champion_rescore=champion_rescore,
+            base=paths["base"], champion_rescore=champion_rescore,
         )
     except MlflowException as err:
         uri = tracking_uri(base)
@@ -239,8 +255,9 @@ def _run_pipeline(root: Path, workdir: Path, stages: list[str], applied: dict[st
         summary["dvc_experiment"] = extra["dvc.experiment"]
     if remote is not None:
         summary["dvc_remote"] = remote.describe()
-    if (workdir / EVALUATION).is_file():  # read now: an experiment's workspace goes away
-        summary["evaluation"] = json.loads((workdir / EVALUATION).read_text())
+    evaluation = _evaluation(workdir)  # read now: an experiment's workspace goes away
+    if evaluation is not None:
+        summary["evaluation"] = evaluation
     return summary
 
 
@@ -253,9 +270,9 @@ def _rescore_champion(root: Path, workdir: Path, parent: ParentRun) -> dict[str,
 
     logger = get_run_logger()
     name = load_config("register", RegisterConfig, workdir / "params.yaml").model_name
-    if not (workdir / EVALUATION).is_file():
+    report = _evaluation(workdir)
+    if report is None:
         return None
-    report = json.loads((workdir / EVALUATION).read_text())
     try:
         champion = parent.client.get_model_version_by_alias(name, "champion")
     except MlflowException:

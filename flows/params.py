@@ -1,6 +1,9 @@
-"""What the flow reads from the repository: the stage order (dvc.yaml) and parameter overrides.
+"""What the flow reads from the repository: the stage order and output paths (dvc.yaml), and
+parameter overrides.
 
 - Stage order comes from dvc.yaml itself, so the flow never re-describes the DAG: DVC owns it.
+- Output paths too: `stage_output` reads the path a stage's command is given for an output
+  (`--out`, `--report`), so a path is written in dvc.yaml only.
 - Overrides are dotted params.yaml keys (`{"train.max_train_steps": 5}`). `validate_overrides`
   checks them against the stage configs (every key must exist, and the section it changes must
   still validate as that stage's typed config) before anything runs, without writing anything.
@@ -11,14 +14,16 @@
 from __future__ import annotations
 
 import io
+import shlex
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from tasks.common.config import StageConfig, parse_section
+from tasks.common.config import StageConfig, parse_section, read_params
 from tasks.common.errors import UserError
+from tasks.ingest.deps import interpolate
 
 #: The typed config of each params.yaml section ("module:Class"): an override is validated with
 #: the same class the stage loads it with. Sections not listed here (a project of one's own) are
@@ -37,6 +42,11 @@ SECTION_CONFIGS = {
 
 def stage_names(dvc_yaml: Path) -> list[str]:
     """Stage names in the order dvc.yaml lists them (the pipeline's order by contract)."""
+    return list(_stages(dvc_yaml))
+
+
+def _stages(dvc_yaml: Path) -> dict[str, Any]:
+    """dvc.yaml's `stages`; a UserError naming the file when it is missing, unreadable or empty."""
     dvc_yaml = Path(dvc_yaml)
     if not dvc_yaml.is_file():
         raise UserError(f"{dvc_yaml} not found: run the flow from the repository root")
@@ -47,7 +57,40 @@ def stage_names(dvc_yaml: Path) -> list[str]:
     stages = data.get("stages") if isinstance(data, dict) else None
     if not isinstance(stages, dict) or not stages:
         raise UserError(f"{dvc_yaml} has no 'stages' mapping: nothing to run")
-    return list(stages)
+    return stages
+
+
+def _declared(definition: Mapping[str, Any]) -> set[str]:
+    """A stage's outs, metrics and plots (each a path, or {path: options}) as posix paths."""
+    entries = [e for kind in ("outs", "metrics", "plots") for e in definition.get(kind) or []]
+    return {Path(str(next(iter(e)) if isinstance(e, dict) else e)).as_posix().rstrip("/") for e in entries}
+
+
+def stage_output(dvc_yaml: Path, stage: str, flag: str) -> Path | None:
+    """The output path dvc.yaml's `stage` command is given as `flag` (e.g. train `--out`, evaluate
+    `--report`), relative to dvc.yaml's folder, `${key}` filled in from params.yaml beside it.
+
+    None when dvc.yaml has no such stage or its command no such argument (a pipeline of one's
+    own); a UserError when the path is not among the stage's outs, metrics or plots."""
+    definition = _stages(dvc_yaml).get(stage)
+    if not isinstance(definition, Mapping):
+        return None
+    cmds = definition.get("cmd") or []
+    argv = [arg for cmd in ([cmds] if isinstance(cmds, str) else cmds) for arg in shlex.split(str(cmd))]
+    values = [argv[i + 1] for i, arg in enumerate(argv[:-1]) if arg == flag]
+    values += [arg.partition("=")[2] for arg in argv if arg.startswith(f"{flag}=")]
+    if not values:
+        return None
+    value = values[0]
+    if Path(value).as_posix().rstrip("/") not in _declared(definition):
+        raise UserError(f"{dvc_yaml}: stage '{stage}' is given {flag} {value}, which is not among its "
+                        "outs, metrics or plots, so DVC does not track it: declare it there")
+    if "${" in value:
+        resolved = interpolate(value, read_params(Path(dvc_yaml).parent / "params.yaml"))
+        if resolved is None:
+            raise UserError(f"{dvc_yaml}: stage '{stage}' {flag} {value}: a key params.yaml does not have")
+        value = resolved
+    return Path(value)
 
 
 def _load_round_trip(text: str) -> tuple[Any, Any]:

@@ -22,20 +22,16 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
 
+from flows.dvc_stage import MISSING, dvc_status, output_tail, run_dvc
 from tasks.common.errors import UserError
 
 #: The model version tag (and parent run tag) naming the remote that holds the version's data.
 REMOTE_TAG = "dvc.remote"
-#: `dvc status` verdicts that only say "not here": what a pull brings back.
-MISSING = frozenset({"deleted", "not in cache"})
-#: Lines of DVC's output quoted when a pull or push fails.
-TAIL_CHARS = 2000
 
 
 @dataclass(frozen=True)
@@ -71,17 +67,6 @@ def default_remote(root: Path) -> Remote | None:
             raise UserError(f"{root}/.dvc/config names '{name}' as the default DVC remote, but no "
                             f"remote '{name}' is defined: `dvc remote add -d {name} <url>`")
         return Remote(name, _without_credentials(str(remote["url"])))
-
-
-def _dvc(root: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    from flows.dvc_stage import stage_env
-
-    return subprocess.run([sys.executable, "-m", "dvc", *args], cwd=root, env=stage_env(),
-                          capture_output=True, text=True)
-
-
-def _tail(proc: subprocess.CompletedProcess[str]) -> str:
-    return (proc.stdout + proc.stderr).strip()[-TAIL_CHARS:]
 
 
 def _inside(path: str, folder: str) -> bool:
@@ -136,8 +121,6 @@ def unshared_inputs(root: Path, inputs: Inputs) -> list[str]:
 
 def _status(root: Path, targets: list[str]) -> dict[str, dict[str, str]]:
     """`dvc status` of `targets`: {dvc file: {path: verdict}} for the changed ones."""
-    from flows.changes import dvc_status
-
     found: dict[str, dict[str, str]] = {}
     for target, entries in dvc_status(root, tuple(targets)).items():
         for entry in entries:
@@ -181,12 +164,12 @@ def pull_sources(root: Path, remote: Remote, inputs: Inputs,
     if not missing:
         return []
     log(f"pulling {', '.join(missing)} from DVC remote {remote.describe()}")
-    proc = _dvc(root, "pull", *missing)
+    proc = run_dvc(root, "pull", *missing, check=False)
     if proc.returncode != 0:
         raise UserError(
             f"`dvc pull {' '.join(missing)}` from DVC remote {remote.describe()} failed: the "
             "machine that last ran `dvc add` on it must also push it (`dvc push`, or a flow run "
-            f"there); check the remote's credentials (.dvc/config.local) and reach.\n{_tail(proc)}"
+            f"there); check the remote's credentials (.dvc/config.local) and reach.\n{output_tail(proc)}"
         )
     return missing
 
@@ -209,13 +192,13 @@ def prepare(root: Path, log: Callable[[str], None] = print) -> Remote | None:
 def push(root: Path, remote: Remote, log: Callable[[str], None] = print) -> str:
     """`dvc push --run-cache`: every output of dvc.lock, the `.dvc` inputs and the run-cache."""
     log(f"pushing the pipeline's data and models to DVC remote {remote.describe()}")
-    proc = _dvc(root, "push", "--run-cache")
+    proc = run_dvc(root, "push", "--run-cache", check=False)
     if proc.returncode != 0:
         raise UserError(
             f"`dvc push` to DVC remote {remote.describe()} failed, so nothing was registered: "
             "the outputs are in this machine's DVC cache only. Fix the remote (reach, "
             "credentials in .dvc/config.local) and run again: the finished stages are skipped."
-            f"\n{_tail(proc)}"
+            f"\n{output_tail(proc)}"
         )
     summary = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else "pushed"
     log(f"dvc push: {summary}")

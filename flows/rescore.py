@@ -74,11 +74,13 @@ def rescore(workdir: Path, model_uri: str, env: Mapping[str, str]) -> dict[str, 
         out = Path(tmp) / "out"
         out.mkdir()
         cmd = evaluate_command(workdir, artifacts, out)
+        if "--report" not in cmd[:-1]:
+            raise UserError(f"{workdir / 'dvc.yaml'}: the evaluate command has no --report to read the scores from")
         start = time.monotonic()
         proc = subprocess.run(cmd, cwd=workdir, env=stage_env(env), capture_output=True, text=True)
         if proc.returncode != 0:
             raise UserError(f"re-scoring {model_uri} failed (exit {proc.returncode}):\n"
                             f"{(proc.stdout + proc.stderr)[-3000:]}")
-        report = json.loads((out / "evaluate.json").read_text())
+        report = json.loads(Path(cmd[cmd.index("--report") + 1]).read_text())
     report["seconds_total"] = round(time.monotonic() - start, 2)
     return report

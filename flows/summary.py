@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from flows.params import stage_output
 from tasks.common.config import read_params
 from tasks.common.tracking import tracking_uri
 
@@ -34,17 +35,22 @@ def summary(root: Path = Path(".")) -> str:
                      ".predict(['a photo of sks toy'])")
     except MlflowException:
         lines.append(f"  Registered model   {name}: not registered yet")
-    for label, rel in [("Fine-tuned model", "models/finetuned"), ("OpenVINO export", "models/openvino")]:
+    dvc_yaml = root / "dvc.yaml"  # the one place output paths are written
+    for label, stage in [("Fine-tuned model", "train"), ("OpenVINO export", "export")]:
+        rel = stage_output(dvc_yaml, stage, "--out")
+        if rel is None:
+            continue
         path = root / rel
         lines.append(f"  {label:<18} {rel}/ ({_size(path)})" if path.is_dir() else f"  {label:<18} {rel}/ missing")
-    report = root / "reports/evaluate.json"
-    if report.is_file():
-        data = json.loads(report.read_text())
+    report, grids = stage_output(dvc_yaml, "evaluate", "--report"), stage_output(dvc_yaml, "evaluate", "--out")
+    if report is not None and (root / report).is_file():
+        data = json.loads((root / report).read_text())
         metrics = ", ".join(f"{k}={v:.3f}" for k, v in sorted(data.get("metrics", {}).items())
                             if isinstance(v, (int, float)))
         gate = data.get("gate", {}).get("passed")
-        lines.append(f"  Evaluation report  reports/evaluate.json (gate {'passed' if gate else 'failed'}; {metrics})")
-        lines.append("  Evaluation grid    reports/evaluate/grid.png")
+        lines.append(f"  Evaluation report  {report} (gate {'passed' if gate else 'failed'}; {metrics})")
+        if grids is not None:
+            lines.append(f"  Evaluation grid    {grids / 'grid.png'}")
         fidelity = data.get("export_fidelity")
         if fidelity:  # the export against the PyTorch fine-tune: apart from the gains above
             lines.append(f"  Export fidelity    {fidelity['backend']} vs PyTorch fp32 fine-tune: "

@@ -1,7 +1,6 @@
 """Resolve the base model: built-in tiny model, local diffusers folder, or a pinned hub download."""
 from __future__ import annotations
 
-import json
 import logging
 import re
 import shutil
@@ -17,6 +16,8 @@ log = logging.getLogger(__name__)
 HUB_ALLOW_PATTERNS = ["*.json", "*.txt", "*.model", "*.safetensors"]
 HUB_IGNORE_PATTERNS = ["*.fp16.safetensors", "*non_ema*", "*.ckpt", "*ema-only*", "*.bin", "*.msgpack"]
 _COMMIT = re.compile(r"^[0-9a-f]{40}$")
+#: What to do when base.model is no diffusers pipeline folder.
+_SAVE_PRETRAINED = "point base.model at a folder saved with DiffusionPipeline.save_pretrained()"
 
 
 def classify(model: str) -> str:
@@ -35,17 +36,6 @@ def classify(model: str) -> str:
         f"base.model: {model!r} is neither a built-in model, an existing local folder nor a hub id "
         "of the form org/name"
     )
-
-
-def check_pipeline_folder(path: Path) -> dict[str, Any]:
-    """Read model_index.json; fail clearly when the folder is not a diffusers pipeline."""
-    index = path / "model_index.json"
-    if not index.is_file():
-        raise UserError(
-            f"{path} is not a diffusers pipeline folder (no model_index.json). Point base.model at a "
-            "folder saved with DiffusionPipeline.save_pretrained()"
-        )
-    return json.loads(index.read_text())
 
 
 def download(repo_id: str, revision: str | None, dst: Path) -> None:
@@ -93,14 +83,14 @@ def resolve(model: str, revision: str | None, seed: int, dst: Path) -> dict[str,
         src = Path(model).expanduser()
         if not src.is_dir():
             raise UserError(f"base.model: local folder {src} does not exist")
-        families.from_index(check_pipeline_folder(src), f"base.model {src}")  # unsupported: refused before copying
+        families.from_index(families.read_index(src, _SAVE_PRETRAINED), f"base.model {src}")  # refused before copying
         log.info("copying local pipeline %s", src)
         shutil.copytree(src, dst, dirs_exist_ok=True)
     else:
         log.info("downloading %s@%s", model, revision)
         download(model, revision, dst)
         shutil.rmtree(dst / ".cache", ignore_errors=True)
-    index = check_pipeline_folder(dst)
+    index = families.read_index(dst, _SAVE_PRETRAINED)
     family = families.from_index(index, f"base.model {model}")
     return {"source": kind, "model": model, "revision": revision, "family": family.name,
             "pipeline_class": index.get("_class_name")}

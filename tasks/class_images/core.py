@@ -12,14 +12,16 @@ import json
 import logging
 import re
 import time
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any
 
 from PIL import Image
 from tqdm import tqdm
 
 from tasks.class_images.config import ClassImagesConfig
+from tasks.common import families
 from tasks.common.errors import UserError
 from tasks.common.fingerprint import folder_fingerprint
 from tasks.common.outputs import atomic_file
@@ -65,7 +67,7 @@ def _is_valid_png(path: Path, resolution: int) -> bool:
                 return False
             im.verify()  # checks the chunks' CRCs: a truncated file fails here
         return True
-    except Exception:  # noqa: BLE001 - any decode failure means "regenerate it"
+    except Exception:
         return False
 
 
@@ -122,11 +124,9 @@ def load_pipeline(base: Path, device: Any = None) -> Any:
     import torch
     from diffusers import DiffusionPipeline
 
-    index_path = Path(base) / "model_index.json"
-    if not index_path.is_file():
-        raise UserError(f"{base} is not a diffusers pipeline folder (no model_index.json): run the `base` stage first")
+    index = families.read_index(base, "run the `base` stage first (dvc repro base)")
     extra: dict[str, Any] = {}
-    if "safety_checker" in json.loads(index_path.read_text()):
+    if "safety_checker" in index:
         extra = {"safety_checker": None, "requires_safety_checker": False}
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = torch.float16 if device.type == "cuda" else torch.float32
@@ -175,10 +175,9 @@ def generate(pipe: Any, cfg: ClassImagesConfig, indices: Sequence[int], out_dir:
 def write_metadata(out_dir: Path, cfg: ClassImagesConfig) -> Path:
     """metadata.jsonl listing exactly images 0..num_images-1 with the class prompt."""
     path = Path(out_dir) / METADATA
-    with atomic_file(path) as tmp:
-        with open(tmp, "w", encoding="utf-8") as fh:
-            for i in range(cfg.num_images):
-                fh.write(json.dumps({"file_name": image_name(i), "text": cfg.prompt}, ensure_ascii=False) + "\n")
+    with atomic_file(path) as tmp, open(tmp, "w", encoding="utf-8") as fh:
+        for i in range(cfg.num_images):
+            fh.write(json.dumps({"file_name": image_name(i), "text": cfg.prompt}, ensure_ascii=False) + "\n")
     return path
 
 

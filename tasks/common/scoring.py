@@ -23,7 +23,8 @@ from tasks.common.errors import UserError
 from tasks.common.images import to_rgb
 from tasks.common.tiny_encoders import LoadedEncoder, load_clip, load_dino
 
-#: The metrics a set of generated images gets without a second model (base or export).
+#: The metrics a set of generated images gets without a second model (base or export): what
+#: `Scorer.scores` returns, evaluate reports (and the export's deltas) and checkpoints are ranked by.
 IMAGE_METRICS = ("clip_t", "clip_i", "dino")
 IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".webp", ".bmp"}
 
@@ -87,7 +88,7 @@ class Encoders:
 
     @classmethod
     def load(cls, clip_model: str, dino_model: str, seed: int = 0, clip_revision: str | None = None,
-             dino_revision: str | None = None, key: str = "evaluate") -> "Encoders":
+             dino_revision: str | None = None, key: str = "evaluate") -> Encoders:
         """The two encoders by built-in name, folder or hub id; `key` names the params section in errors."""
         return cls(load_clip(clip_model, seed, clip_revision, f"{key}.clip_model"),
                    load_dino(dino_model, seed, dino_revision, f"{key}.dino_model"))
@@ -109,12 +110,9 @@ class Scorer:
         clip_i = cosine_matrix(clip_emb, self.real_clip).mean(axis=1)  # per image, over the real images
         dino = cosine_matrix(dino_emb, self.real_dino).mean(axis=1)
         idx = np.asarray(prompt_of)
-        per_prompt = [
-            {"clip_t": float(clip_t[idx == p].mean()), "clip_i": float(clip_i[idx == p].mean()),
-             "dino": float(dino[idx == p].mean())}
-            for p in range(len(images))
-        ]
-        overall = {"clip_t": float(clip_t.mean()), "clip_i": float(clip_i.mean()), "dino": float(dino.mean())}
+        per_image = dict(zip(IMAGE_METRICS, (clip_t, clip_i, dino), strict=True))
+        per_prompt = [{k: float(v[idx == p].mean()) for k, v in per_image.items()} for p in range(len(images))]
+        overall = {k: float(v.mean()) for k, v in per_image.items()}
         return overall, per_prompt
 
     def overall(self, images: list[list[Any]], n: int) -> dict[str, float]:

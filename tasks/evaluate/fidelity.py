@@ -2,31 +2,18 @@
 
 Both start from the same latents, so any difference is the export's (conversion, precision,
 weight compression). Reported apart from the fine-tuning gains: PSNR per image (8-bit, dB;
-identical images are recorded at the 100 dB cap, as JSON has no infinity) and the export's
-CLIP-T / CLIP-I / DINO beside the PyTorch fine-tune's on the same prompts.
+tasks/common/psnr.py: identical images are recorded at the 100 dB cap, as JSON has no infinity)
+and the export's CLIP-T / CLIP-I / DINO beside the PyTorch fine-tune's on the same prompts.
 """
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import numpy as np
 from PIL import Image
 
-#: PSNR recorded for identical images (the true value is +inf).
-PSNR_CAP = 100.0
-
-
-def psnr(a: Image.Image, b: Image.Image) -> float:
-    """Peak signal-to-noise ratio (dB) of two 8-bit RGB images of one size; capped at PSNR_CAP."""
-    x = np.asarray(a.convert("RGB"), dtype=np.float64)
-    y = np.asarray(b.convert("RGB"), dtype=np.float64)
-    if x.shape != y.shape:
-        raise ValueError(f"PSNR needs images of one size, got {x.shape} and {y.shape}")
-    mse = float(np.mean((x - y) ** 2))
-    if mse == 0.0:
-        return PSNR_CAP
-    return min(PSNR_CAP, 10.0 * math.log10(255.0**2 / mse))
+from tasks.common.psnr import psnr_db
+from tasks.common.scoring import IMAGE_METRICS
 
 
 def section(export: list[list[Image.Image]], pytorch: list[list[Image.Image]],
@@ -35,7 +22,7 @@ def section(export: list[list[Image.Image]], pytorch: list[list[Image.Image]],
     """The report's `export_fidelity` section for images[p][j] of both (same prompts, seeds)."""
     pairs = [(e, t) for erow, trow in zip(export, pytorch, strict=True)
              for e, t in zip(erow, trow, strict=True)]
-    values = [psnr(e, t) for e, t in pairs]
+    values = [psnr_db(e.convert("RGB"), t.convert("RGB"), peak=255.0) for e, t in pairs]
     max_diff = max(int(np.abs(np.asarray(e, np.int16) - np.asarray(t, np.int16)).max())
                    for e, t in pairs)
     out: dict[str, Any] = {
@@ -47,7 +34,7 @@ def section(export: list[list[Image.Image]], pytorch: list[list[Image.Image]],
         "psnr_min": round(float(np.min(values)), 4),
         "max_abs_pixel_diff": max_diff,
     }
-    for name in ("clip_t", "clip_i", "dino"):
+    for name in IMAGE_METRICS:
         out[name] = round(export_scores[name], 6)
         out[f"pytorch_{name}"] = round(pytorch_scores[name], 6)
         out[f"delta_{name}"] = round(export_scores[name] - pytorch_scores[name], 6)

@@ -8,7 +8,6 @@ at the exported static shape (OpenVINO timed on its second call, after the first
 from __future__ import annotations
 
 import logging
-import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,23 +17,10 @@ import numpy as np
 
 from tasks.common import families
 from tasks.common.openvino_model import StaticShape
+from tasks.common.psnr import psnr_db
 from tasks.export.config import ParityConfig
 
 log = logging.getLogger(__name__)
-
-#: PSNR reported for identical images (JSON has no infinity).
-PSNR_CAP_DB = 100.0
-
-
-def psnr_db(a: np.ndarray, b: np.ndarray, peak: float = 1.0) -> float:
-    """Peak signal-to-noise ratio of two images in [0, peak]; capped at PSNR_CAP_DB."""
-    mse = float(np.mean((np.asarray(a, np.float64) - np.asarray(b, np.float64)) ** 2))
-    if mse == 0.0:
-        return PSNR_CAP_DB
-    if not math.isfinite(mse):
-        return 0.0
-    return min(PSNR_CAP_DB, 10.0 * math.log10(peak**2 / mse))
-
 
 def _max_abs(a: np.ndarray, b: np.ndarray) -> float | None:
     """Largest elementwise difference; None when either side is not finite (JSON has no NaN)."""

@@ -17,7 +17,8 @@ from typing import Any
 import numpy as np
 
 from tasks.common.openvino_model import compiled_precisions, load_ov_pipeline
-from tasks.export.parity import Reference, psnr_db
+from tasks.common.psnr import psnr_db
+from tasks.export.parity import Reference
 
 log = logging.getLogger(__name__)
 

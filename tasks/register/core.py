@@ -11,19 +11,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from tasks.common import families
 from tasks.common.config import load_config, read_params
 from tasks.common.errors import UserError
 from tasks.common.tracking import git_commit, stage_run
 from tasks.register.config import RegisterConfig
-from tasks.register.promotion import (
-    Champion,
-    Goal,
-    candidate_score,
-    decide,
-    protocol_from_tags,
-    score_from_tags,
-)
-from tasks.register.pyfunc_model import signature
 from tasks.register.lineage import (
     Evaluation,
     Lock,
@@ -33,6 +25,15 @@ from tasks.register.lineage import (
     read_lock,
     summary_tags,
 )
+from tasks.register.promotion import (
+    Champion,
+    Goal,
+    candidate_score,
+    decide,
+    protocol_from_tags,
+    score_from_tags,
+)
+from tasks.register.pyfunc_model import signature
 
 log = logging.getLogger(__name__)
 
@@ -109,11 +110,6 @@ def _rescored(client: Any, model_name: str, champion: Champion | None,
     return Champion(champion.version, float(score), protocol), text
 
 
-def _check_folder(path: Path, what: str, marker: str) -> None:
-    if not (Path(path) / marker).is_file():
-        raise UserError(f"{path} is not {what} (no {marker}): run the pipeline first (`dvc repro`)")
-
-
 def model_artifacts(finetuned: Path, openvino: Path, base: Path | None) -> dict[str, str]:
     """The pyfunc's artifacts: the fine-tuned pipeline and its OpenVINO export; for LoRA adapters
     saved without `fuse_lora`, the adapters and the base pipeline they apply to.
@@ -123,18 +119,18 @@ def model_artifacts(finetuned: Path, openvino: Path, base: Path | None) -> dict[
     adapters-only folder (lora, fuse_lora: false) with `base`, loaded by the pyfunc as
     `DiffusionPipeline.from_pretrained(base).load_lora_weights(finetuned)`.
     """
-    _check_folder(openvino, "an OpenVINO export folder", "model_index.json")
+    families.read_index(openvino, "run the pipeline first (`dvc repro`)")
     artifacts = {"finetuned": str(finetuned), "openvino": str(openvino)}
-    if (Path(finetuned) / "model_index.json").is_file():
+    if (Path(finetuned) / "model_index.json").is_file():  # a full pipeline (LoRA weights beside it: fused)
         return artifacts
     if not (Path(finetuned) / LORA_WEIGHTS).is_file():
-        _check_folder(finetuned, "a diffusers pipeline folder", "model_index.json")
-    if base is None or not (Path(base) / "model_index.json").is_file():
-        raise UserError(
-            f"{finetuned} holds LoRA adapters only (train.fuse_lora: false); they are registered "
-            f"with the base pipeline they apply to, which was not found at {base}: pass --base "
-            "models/base (run `dvc repro base` first)"
-        )
+        raise UserError(f"{finetuned} holds neither a diffusers pipeline (model_index.json) nor LoRA "
+                        f"adapters ({LORA_WEIGHTS}): run the pipeline first (`dvc repro`)")
+    adapters_only = (f"{finetuned} holds LoRA adapters only (train.fuse_lora: false); they are registered "
+                     "with the base pipeline they apply to: pass --base models/base (run `dvc repro base` first)")
+    if base is None:
+        raise UserError(adapters_only)
+    families.read_index(base, adapters_only)
     return {**artifacts, "base": str(base)}
 
 

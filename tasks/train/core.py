@@ -100,8 +100,6 @@ def train(
 
     start = time.perf_counter()
     base = Path(base)
-    if not (base / "model_index.json").is_file():
-        raise UserError(f"{base} is not a diffusers pipeline folder: run the `base` stage first (dvc repro base)")
     cfg.check_family(families.detect(base))  # a method or option the family lacks: refused before any load
     cfg = cfg.with_scoring_from(None)  # keys the CLI did not fill from params.yaml: their defaults
     _settings(cfg)
@@ -219,9 +217,8 @@ def _select_output(cfg: TrainConfig, result: Any, checkpoints: CheckpointManager
 
 def write_loss_csv(path: Path, losses: list[list[float]]) -> None:
     """step,loss,lr per optimizer step of the whole run: the DVC plot of the loss curve."""
-    with atomic_file(path) as tmp:
-        with open(tmp, "w", newline="", encoding="utf-8") as fh:
-            writer = csv.writer(fh)
-            writer.writerow(["step", "loss", "lr"])
-            for step, loss, lr in losses:
-                writer.writerow([int(step), f"{loss:.6g}", f"{lr:.6g}"])
+    with atomic_file(path) as tmp, open(tmp, "w", newline="", encoding="utf-8") as fh:
+        writer = csv.writer(fh)
+        writer.writerow(["step", "loss", "lr"])
+        for step, loss, lr in losses:
+            writer.writerow([int(step), f"{loss:.6g}", f"{lr:.6g}"])

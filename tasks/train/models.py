@@ -9,7 +9,6 @@ from pathlib import Path
 from typing import Any
 
 from tasks.common import families
-from tasks.common.errors import UserError
 from tasks.common.families import Components
 
 __all__ = ["Components", "load_components", "pipeline_from_modules"]
@@ -19,9 +18,7 @@ def load_components(base: Path, prediction_type: str | None = None, denoiser: bo
     """Every part of a base folder; the noise scheduler is the family's training schedule.
     `denoiser=False`: the denoiser's weights wait for `Components.load_denoiser`."""
     base = Path(base)
-    if not (base / "model_index.json").is_file():
-        raise UserError(f"{base} is not a diffusers pipeline folder (no model_index.json): run the `base` stage first")
-    return families.detect(base).load_components(base, prediction_type, denoiser)
+    return families.detect(base).load_components(base, prediction_type, denoiser)  # detect: read_index's check
 
 
 def pipeline_from_modules(

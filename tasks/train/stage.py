@@ -9,11 +9,12 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Iterator
 
 from tasks.common.images import make_grid
 from tasks.common.outputs import write_json
+from tasks.common.scoring import IMAGE_METRICS
 from tasks.common.tracking import stage_run
 from tasks.train.config import TrainConfig
 from tasks.train.core import train, write_loss_csv
@@ -79,7 +80,7 @@ def train_and_record(args: argparse.Namespace, cfg: TrainConfig, main_process: b
                           "train.checkpoint_dir": str(outcome.checkpoint_dir),
                           "train.selected_step": str(report["selected_checkpoint"]["step"])})
             for record in report["checkpoints"]:
-                run.log_metrics({f"checkpoint_{k}": record[k] for k in ("clip_t", "clip_i", "dino")},
+                run.log_metrics({f"checkpoint_{k}": record[k] for k in IMAGE_METRICS},
                                 step=record["step"])
             run.log_metrics({
                 "final_loss": report["final_loss"],

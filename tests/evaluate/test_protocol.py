@@ -1,4 +1,4 @@
-"""The paper's prompt sets, held-out metrics, drift/FD and PSNR functions, the protocol."""
+"""The paper's prompt sets, held-out metrics, drift/FD functions, the protocol (PSNR: tests/common/test_psnr.py)."""
 from __future__ import annotations
 
 import json
@@ -102,20 +102,6 @@ def test_the_protocol_id_changes_with_everything_that_changes_a_score():
                    {"instance": "i2"}, {"heldout": "h1"}, {"export_fidelity": None},
                    {"export_fidelity": 3}):
         assert _protocol(**change)["id"] != same["id"], change
-
-
-def test_psnr_known_values():
-    from PIL import Image
-
-    from tasks.evaluate.fidelity import PSNR_CAP, psnr
-
-    black = Image.new("RGB", (8, 8))
-    assert psnr(black, black) == PSNR_CAP  # identical: +inf, recorded at the cap
-    one = Image.new("RGB", (8, 8), (1, 1, 1))
-    assert psnr(black, one) == pytest.approx(20 * np.log10(255.0))  # MSE 1: 48.13 dB
-    assert psnr(black, Image.new("RGB", (8, 8), (255, 255, 255))) == pytest.approx(0.0)
-    with pytest.raises(ValueError, match="one size"):
-        psnr(black, Image.new("RGB", (4, 4)))
 
 
 def test_backend_is_gone_with_a_clear_error():

@@ -8,7 +8,14 @@ from pathlib import Path
 import pytest
 import yaml
 
-from flows.params import SECTION_CONFIGS, apply_overrides, section_config, stage_names, validate_overrides
+from flows.params import (
+    SECTION_CONFIGS,
+    apply_overrides,
+    section_config,
+    stage_names,
+    stage_output,
+    validate_overrides,
+)
 from tasks.common.errors import UserError
 from tests.conftest import REPO
 
@@ -88,6 +95,28 @@ def test_stage_names_errors_name_the_file(tmp_path: Path) -> None:
     (tmp_path / "dvc.yaml").write_text("vars: []\n")
     with pytest.raises(UserError, match="no 'stages'"):
         stage_names(tmp_path / "dvc.yaml")
+
+
+def test_output_paths_come_from_dvc_yaml_s_commands(tmp_path: Path) -> None:
+    """flows/ reads a stage's output path from the argument dvc.yaml gives its command."""
+    dvc_yaml = REPO / "dvc.yaml"
+    stages = yaml.safe_load(dvc_yaml.read_text())["stages"]
+    for stage, flag in (("base", "--out"), ("train", "--out"), ("export", "--out"), ("evaluate", "--report")):
+        got = stage_output(dvc_yaml, stage, flag)
+        assert got is not None and f"{flag} {got.as_posix()}" in stages[stage]["cmd"]
+    assert stage_output(dvc_yaml, "train", "--no-such-flag") is None
+    assert stage_output(dvc_yaml, "no_such_stage", "--out") is None
+
+    custom = tmp_path / "dvc.yaml"
+    (tmp_path / "params.yaml").write_text("a:\n  dir: out/a\n")
+    custom.write_text(yaml.safe_dump({"stages": {
+        "a": {"cmd": ["echo", "python a.py --out=${a.dir} --report r.json --input in"],
+              "outs": ["${a.dir}"], "metrics": [{"r.json": {"cache": False}}]},
+    }}))
+    assert stage_output(custom, "a", "--out") == Path("out/a")  # `--flag=value`, `${key}` from params.yaml
+    assert stage_output(custom, "a", "--report") == Path("r.json")  # a metric with options
+    with pytest.raises(UserError, match="stage 'a' is given --input in, which is not among its outs"):
+        stage_output(custom, "a", "--input")
 
 
 def test_cli_set_values_are_typed_like_yaml() -> None:

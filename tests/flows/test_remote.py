@@ -15,7 +15,8 @@ import pytest
 import yaml
 
 import flows.finetune as finetune_module
-from flows.changes import _status_reasons, dvc_status
+from flows.changes import _status_reasons
+from flows.dvc_stage import dvc_status
 from flows.remote import REMOTE_TAG, default_remote
 from tasks.common.errors import UserError
 from tests.flows.conftest import git
