@@ -21,7 +21,7 @@ export DO_NOT_TRACK ?= 1
 # A local flow run starts a temporary Prefect server; on a busy 2-core machine it needs more than 20 s.
 export PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS ?= 120
 
-.PHONY: help install data demo test test-fast lint serve lock side-envs bench-env lock-side-envs mlflow-ui clean
+.PHONY: help install data demo test test-fast lint serve lock params-doc side-envs bench-env lock-side-envs mlflow-ui clean
 
 help:
 	@echo "make demo       set up, then run the whole pipeline offline on the built-in tiny model"
@@ -30,6 +30,7 @@ help:
 	@echo "make serve      Prefect server + worker on 127.0.0.1:\$${PREFECT_PORT:-4200}, deployments finetune/main and finetune/nightly"
 	@echo "make mlflow-ui  MLflow UI on 127.0.0.1:5000 over ./mlflow.db"
 	@echo "make lock       re-resolve requirements.in into requirements.lock and requirements-torch.lock"
+	@echo "make params-doc regenerate docs/parameters.md (every params.yaml key) from the stage configs"
 	@echo "make side-envs  build .venv-xla (torch_xla) and .venv-ipex (Intel Extension for PyTorch) for their tests"
 	@echo "make bench-env  build .venv-bench (torchvision, for diffusers' example scripts in benchmarks/)"
 
@@ -185,6 +186,10 @@ lock:
 	  echo "--index-url $(TORCH_INDEX)"; \
 	  echo "$(TORCH_PIN)+cpu"; } > requirements-torch.lock
 	rm -rf .venv-lock
+
+# docs/parameters.md from the typed stage configs (tests/flows/test_params_doc.py fails while it is stale).
+params-doc: $(STAMP)
+	$(BIN)/python -m flows.params_doc --write
 
 clean:
 	rm -rf models data/processed data/class_images data/demo/subject reports mlflow.db mlruns mlartifacts

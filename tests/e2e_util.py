@@ -55,7 +55,7 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def stop_process_group(proc: "subprocess.Popen[Any]", timeout: float = 30) -> None:
+def stop_process_group(proc: subprocess.Popen[Any], timeout: float = 30) -> None:
     """SIGTERM a server started with start_new_session=True (and its children), then SIGKILL."""
     os.killpg(proc.pid, signal.SIGTERM)
     try:

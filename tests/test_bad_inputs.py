@@ -55,7 +55,8 @@ PARAMS = [
     ("export", "export.compression.mode", "int3", r"export.compression.mode: Input should be 'none'"),
     ("export", "export.parity.guidance_scale", 1.0, r"export.parity.guidance_scale: Input should be greater than 1"),
     ("evaluate", "evaluate.images_per_prompt", 0, r"evaluate.images_per_prompt: Input should be greater"),
-    ("evaluate", "evaluate.export_fidelity.max_prompts", 0, r"evaluate.export_fidelity.max_prompts: Input should be greater"),
+    ("evaluate", "evaluate.export_fidelity.max_prompts", 0,
+     r"evaluate.export_fidelity.max_prompts: Input should be greater"),
     ("register", "register.primary_metric_goal", "up", r"register.primary_metric_goal: Input should be 'maximize'"),
 ]
 

@@ -48,8 +48,7 @@ def _tokenizer():
 
 def build_sd21(out: Path) -> None:
     """stabilityai/stable-diffusion-2-1's configs: OpenCLIP ViT-H text model (23 of 24 layers)."""
-    from diffusers import AutoencoderKL, EulerDiscreteScheduler, StableDiffusionPipeline
-    from diffusers import UNet2DConditionModel
+    from diffusers import AutoencoderKL, EulerDiscreteScheduler, StableDiffusionPipeline, UNet2DConditionModel
     from transformers import CLIPTextConfig, CLIPTextModel
 
     unet = UNet2DConditionModel(
@@ -72,8 +71,7 @@ def build_sd21(out: Path) -> None:
 
 def build_sdxl(out: Path) -> None:
     """stabilityai/stable-diffusion-xl-base-1.0's configs: CLIP ViT-L + OpenCLIP ViT-bigG."""
-    from diffusers import AutoencoderKL, EulerDiscreteScheduler, StableDiffusionXLPipeline
-    from diffusers import UNet2DConditionModel
+    from diffusers import AutoencoderKL, EulerDiscreteScheduler, StableDiffusionXLPipeline, UNet2DConditionModel
     from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
 
     unet = UNet2DConditionModel(
@@ -126,7 +124,7 @@ def saved_components(folder: Path, parts: tuple[str, ...]) -> Iterator[tuple[str
     for part in parts:
         for file in sorted((folder / part).glob("*.safetensors")):
             with safe_open(str(file), "pt") as fh:
-                for key in fh.keys():
+                for key in fh.keys():  # noqa: SIM118 (safe_open is not a dict)
                     yield part, key, fh.get_tensor(key)
 
 

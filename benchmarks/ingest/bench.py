@@ -225,7 +225,7 @@ class Monitor:
         """CPU time used since __enter__ by this process and every descendant seen."""
         return sum(t - self._start.get(pid, 0.0) for pid, t in self._cpu.items())
 
-    def __enter__(self) -> "Monitor":
+    def __enter__(self) -> Monitor:
         self._sample()
         self._start = dict(self._cpu)  # processes alive before: count only what they add
         self._thread.start()
@@ -261,7 +261,8 @@ def in_child(src: Path, out: Path, cache: Path | None = None, workers: int = 2, 
 
 
 def memory(work: Path) -> list[str]:
-    rows = ["| images (64 px PNG -> 32 px) | time | img/s | peak RSS main | peak RSS per worker | peak RSS all processes |",
+    rows = ["| images (64 px PNG -> 32 px) | time | img/s | peak RSS main | peak RSS per worker"
+            " | peak RSS all processes |",
             "|---|---|---|---|---|---|"]
     for n in (1_000, 100_000):
         src = make_small(work / f"small_{n}", n)

@@ -19,8 +19,9 @@ import gc
 import json
 import logging
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 log = logging.getLogger("benchmarks.sd35")
 

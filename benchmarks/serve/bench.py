@@ -99,7 +99,7 @@ class Server:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
-        self.log = open(log, "wb")
+        self.log = open(log, "wb")  # noqa: SIM115 (the server writes to it until stop())
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "mlflow", "models", "serve", "-m", model, "--env-manager", "local",
              "--host", "127.0.0.1", "--port", str(self.port), "--workers", str(workers)],

@@ -27,7 +27,7 @@ from pathlib import Path
 from PIL import Image, ImageDraw
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run as a script from anywhere
-from tasks.common.outputs import atomic_dir  # noqa: E402
+from tasks.common.outputs import atomic_dir
 
 SIZE = 128  # output side in pixels
 SS = 4  # supersampling factor: draw at 512 px, downsample once for smooth edges

@@ -18,8 +18,8 @@ class ClassImagesConfig(StageConfig):
     )
     resolution: int = Field(64, ge=8, le=4096, multiple_of=8, description="square side in pixels")
     batch_size: int = Field(4, ge=1, le=1024, description="images per pipeline call (does not change the images)")
-    num_inference_steps: int = Field(10, ge=1, le=1000)
-    guidance_scale: float = Field(7.5, ge=0.0, le=50.0)
+    num_inference_steps: int = Field(10, ge=1, le=1000, description="denoising steps per image")
+    guidance_scale: float = Field(7.5, ge=0.0, le=50.0, description="classifier-free guidance scale")
     negative_prompt: str | None = Field(None, description="optional negative prompt")
     seed: int = Field(0, ge=0, description="image i is drawn from a generator seeded with seed + i")
     launcher: Literal[LAUNCHERS] = Field(  # type: ignore[valid-type]
@@ -28,7 +28,7 @@ class ClassImagesConfig(StageConfig):
     launch: LaunchConfig = Field(default_factory=LaunchConfig, description="topology and environment of a launch")
 
     @model_validator(mode="after")
-    def _check(self) -> "ClassImagesConfig":
+    def _check(self) -> ClassImagesConfig:
         if self.launcher == "xla":
             raise ValueError("launcher xla is for training: generate class images with local, mpirun or accelerate")
         if problem := launch_problem(self.launcher, self.launch):

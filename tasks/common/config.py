@@ -54,7 +54,7 @@ def _fields_at(model: type[BaseModel], loc: tuple) -> list[str]:
 def parse_section(section: str, data: Any, model: type[C], source: str = "params.yaml") -> C:
     """Validate `data` as `model`, turning pydantic errors into one message with dotted key paths."""
     if data is None:
-        raise UserError(f"{source}: section '{section}' is missing; add it (see README, 'Parameters')")
+        raise UserError(f"{source}: section '{section}' is missing; add it (see docs/parameters.md)")
     try:
         return model.model_validate(data)
     except ValidationError as err:

@@ -13,9 +13,10 @@ import logging
 import os
 import socket
 import sys
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any
 
 from tasks.common.launch import FAILED
 
@@ -60,7 +61,7 @@ def cpu_backend() -> str:
     """`ccl` when Intel's oneCCL bindings import (they register it with torch.distributed), else `gloo`."""
     try:
         import oneccl_bindings_for_pytorch  # type: ignore[import-not-found]  # noqa: F401
-    except Exception:  # noqa: BLE001 - not installed: gloo is built into torch
+    except Exception:
         return "gloo"
     return "ccl"
 
@@ -97,7 +98,7 @@ def failures_named(worker: Worker) -> Iterator[None]:
         if worker.world_size > 1 and exit_.code not in (0, None):
             _say(worker, f"exited with code {exit_.code}")
         raise
-    except BaseException as err:  # noqa: BLE001 - re-raised; only named here
+    except BaseException as err:
         if worker.world_size > 1:
             _say(worker, f"{type(err).__name__}: {err}".replace("\n", " "))
         raise

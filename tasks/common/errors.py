@@ -4,7 +4,7 @@ from __future__ import annotations
 import functools
 import logging
 import sys
-from typing import Callable
+from collections.abc import Callable
 
 
 class UserError(Exception):

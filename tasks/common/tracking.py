@@ -19,9 +19,10 @@ import subprocess
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator, Mapping
+from typing import Any
 
 log = logging.getLogger(__name__)
 

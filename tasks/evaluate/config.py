@@ -18,16 +18,18 @@ class GateConfig(StageConfig):
     minus base on the same prompts and seeds (negative = a tolerated loss).
     """
 
-    min_clip_t: float | None = Field(None, ge=-1.0, le=1.0)
-    min_clip_i: float | None = Field(None, ge=-1.0, le=1.0)
-    min_dino: float | None = Field(None, ge=-1.0, le=1.0)
-    min_gain_clip_t: float | None = Field(None, ge=-2.0, le=2.0)
-    min_gain_clip_i: float | None = Field(None, ge=-2.0, le=2.0)
-    min_gain_dino: float | None = Field(None, ge=-2.0, le=2.0)
+    min_clip_t: float | None = Field(None, ge=-1.0, le=1.0, description="lowest CLIP-T (prompt fidelity)")
+    min_clip_i: float | None = Field(None, ge=-1.0, le=1.0, description="lowest CLIP-I (subject fidelity)")
+    min_dino: float | None = Field(None, ge=-1.0, le=1.0, description="lowest DINO (subject fidelity)")
+    min_gain_clip_t: float | None = Field(None, ge=-2.0, le=2.0, description="lowest CLIP-T gain over the base")
+    min_gain_clip_i: float | None = Field(None, ge=-2.0, le=2.0, description="lowest CLIP-I gain over the base")
+    min_gain_dino: float | None = Field(None, ge=-2.0, le=2.0, description="lowest DINO gain over the base")
     min_drift_clip_i: float | None = Field(
         None, ge=-1.0, le=1.0, description="class images of fine-tuned vs base (1: no drift)"
     )
-    min_drift_dino: float | None = Field(None, ge=-1.0, le=1.0)
+    min_drift_dino: float | None = Field(
+        None, ge=-1.0, le=1.0, description="as min_drift_clip_i, in DINO features (1: no drift)"
+    )
     min_export_psnr: float | None = Field(
         None, ge=0.0, le=100.0,
         description="export fidelity: lowest per-image PSNR (dB) of OpenVINO vs PyTorch fine-tune",
@@ -41,12 +43,12 @@ class DriftConfig(StageConfig):
     of the two images (CLIP-I and DINO features) is 1.0 when fine-tuning left the class intact.
     """
 
-    enabled: bool = True
+    enabled: bool = Field(True, description="generate the class prompts with both models, compare")
     prompts: list[str] = Field(
         default_factory=lambda: ["a photo of a {class_name}"],
         description="templates with {class_name} (and {identifier}, unusual here)",
     )
-    images_per_prompt: int = Field(2, ge=1, le=64)
+    images_per_prompt: int = Field(2, ge=1, le=64, description="images per class prompt and model")
 
     @field_validator("prompts")
     @classmethod
@@ -63,7 +65,7 @@ class ExportFidelityConfig(StageConfig):
     apart from the gains, which compare base and fine-tune on one backend and precision.
     """
 
-    enabled: bool = True
+    enabled: bool = Field(True, description="compare the export (--export) with the fine-tune")
     max_prompts: int | None = Field(None, ge=1, description="first N prompts (null: all)")
 
 
@@ -75,14 +77,14 @@ class HeldoutConfig(StageConfig):
     held-out real images in the CLIP image encoder's feature space (lower is closer).
     """
 
-    enabled: bool = False
+    enabled: bool = Field(False, description="score held-out captions (needs --heldout-data)")
     max_images: int = Field(64, ge=2, le=10000, description="first N held-out captions/images")
 
 class EvaluateConfig(StageConfig):
     """`evaluate` section: prompts, sampling, encoders and the gate."""
 
     identifier: str = Field("sks", min_length=1, description="the rare token naming the subject")
-    class_name: str = Field("toy", min_length=1)
+    class_name: str = Field("toy", min_length=1, description="the subject's class, e.g. toy or dog")
     prompt_set: Literal["object", "live", "custom"] = Field(
         "custom", description="the DreamBooth paper's 25 object / live-subject prompts, or `prompts`"
     )
@@ -90,16 +92,22 @@ class EvaluateConfig(StageConfig):
         default_factory=list, description="custom templates: {identifier}, {class_name}"
     )
     max_prompts: int | None = Field(None, ge=1, description="first N of the set (demo: short)")
-    images_per_prompt: int = Field(2, ge=1, le=64)
-    num_inference_steps: int = Field(10, ge=1, le=500)
+    images_per_prompt: int = Field(2, ge=1, le=64, description="images per prompt and model")
+    num_inference_steps: int = Field(10, ge=1, le=500, description="denoising steps per image")
     guidance_scale: float = Field(
         7.5, gt=1.0, description="> 1: a static OpenVINO export's UNet batch has the CFG branch"
     )
     seed: int = Field(0, ge=0, description="image j of each prompt starts from seed + j's latents")
     compare_base: bool = Field(True, description="also generate with the base model: gains")
-    clip_model: str = Field("builtin:tiny-clip", min_length=1)
+    clip_model: str = Field(
+        "builtin:tiny-clip", min_length=1,
+        description="CLIP for CLIP-T/CLIP-I: builtin:tiny-clip (random weights) | hub id | folder",
+    )
     clip_revision: str | None = Field(None, description="pinned commit for a hub clip_model")
-    dino_model: str = Field("builtin:tiny-dino", min_length=1)
+    dino_model: str = Field(
+        "builtin:tiny-dino", min_length=1,
+        description="DINO ViT for DINO: builtin:tiny-dino (random weights) | hub id | folder",
+    )
     dino_revision: str | None = Field(None, description="pinned commit for a hub dino_model")
     encoder_seed: int = Field(0, ge=0, description="weights of the built-in encoders")
     gate: GateConfig = Field(default_factory=GateConfig)
@@ -124,13 +132,13 @@ class EvaluateConfig(StageConfig):
         return check_templates(prompts)
 
     @model_validator(mode="after")
-    def _custom_needs_prompts(self) -> "EvaluateConfig":
+    def _custom_needs_prompts(self) -> EvaluateConfig:
         if self.prompt_set == "custom" and not self.prompts:
             raise ValueError("prompt_set custom needs prompts (or use object / live)")
         return self
 
     @model_validator(mode="after")
-    def _gains_need_base(self) -> "EvaluateConfig":
+    def _gains_need_base(self) -> EvaluateConfig:
         keys = ("min_gain_clip_t", "min_gain_clip_i", "min_gain_dino", "min_drift_clip_i",
                 "min_drift_dino")
         gains = [k for k in keys if getattr(self.gate, k) is not None]

@@ -22,7 +22,7 @@ from tasks.common.openvino_model import (
     load_ov_pipeline,
     static_shape,
 )
-from tasks.common.scoring import Encoders, Scorer, load_instance_images
+from tasks.common.scoring import IMAGE_METRICS, Encoders, Scorer, load_instance_images
 from tasks.evaluate import extra_metrics as X
 from tasks.evaluate import fidelity as F
 from tasks.evaluate import metrics as M
@@ -64,8 +64,7 @@ def _load_base(path: Path) -> Any:
     import torch
     from diffusers import DiffusionPipeline
 
-    if not (Path(path) / "model_index.json").is_file():
-        raise UserError(f"{path} is not a diffusers pipeline: run the base stage (dvc repro base)")
+    families.read_index(path, "run the base stage (dvc repro base)")
     return DiffusionPipeline.from_pretrained(path, torch_dtype=torch.float32)
 
 
@@ -88,11 +87,8 @@ class _Jobs:
 
 def _export_images(export: Path, prompts: list[str], cfg: EvaluateConfig) -> dict[str, Any]:
     """The export's images of the fidelity prompts, with its call shape, backend and precision."""
-    if not (Path(export) / "model_index.json").is_file():
-        raise UserError(
-            f"{export} is not an exported OpenVINO pipeline: run the export stage (dvc repro "
-            "export), or set evaluate.export_fidelity.enabled: false"
-        )
+    families.read_index(export, "run the export stage (dvc repro export), or set "
+                        "evaluate.export_fidelity.enabled: false")
     pipe = load_ov_pipeline(export, static=True)
     shape = static_shape(pipe)
     backend = "openvino-static" if shape else "openvino-dynamic"
@@ -199,7 +195,7 @@ def _fine_tuning_metrics(scorer: Scorer, prompts: list[str], clip_texts: list[st
     rows = []
     for p in range(len(prompts)):  # prompt, clip_t_text, then each metric beside its base value
         row: dict[str, Any] = {"prompt": prompts[p], "clip_t_text": clip_texts[p]}
-        for name in ("clip_t", "clip_i", "dino"):
+        for name in IMAGE_METRICS:
             row[name] = round(per_prompt[p][name], 6)
             if base_per_prompt is not None:
                 row[f"{name}_base"] = round(base_per_prompt[p][name], 6)

@@ -11,7 +11,8 @@ Pure numpy; embeddings come in as (N, D) arrays of unit rows.
 from __future__ import annotations
 
 import math
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import numpy as np
 

@@ -49,7 +49,7 @@ def uncalibrated_reason(cfg: EvaluateConfig) -> str | None:
     verb = "have" if len(builtin) > 1 else "has"
     return (f"uncalibrated scores: {' and '.join(builtin)} {verb} random (seeded) weights, so "
             "CLIP-T, CLIP-I and DINO do not measure likeness here; set evaluate.clip_model and "
-            "evaluate.dino_model to trained encoders (README, 'Parameters') for meaningful scores")
+            "evaluate.dino_model to trained encoders (docs/parameters.md) for meaningful scores")
 
 
 def describe(cfg: EvaluateConfig, *, prompts: list[str], clip_texts: list[str], backend: str,

@@ -35,36 +35,35 @@ def main() -> None:
     parser.add_argument("--params", type=Path, default=Path("params.yaml"))
     args = parser.parse_args()
     cfg = load_config("export", ExportConfig, args.params)
-    with stage_run("export", params=cfg.model_dump()) as run:
-        with atomic_dir(args.out) as tmp:
-            report = export(args.model, tmp, cfg, base=args.base)
-            report["output"] = str(args.out)
-            write_json(args.report, report)
-            run.log_metrics(numeric_metrics(report))
-            run.log_dict(report, "export.json")
-            parity = report["parity"]
-            run.set_tags(
-                {"export.family": report["family"], "export.parity_passed": parity["passed"],
-                 "export.source_kind": report["source_kind"]["method"],
-                 "export.compression": cfg.compression.mode,
-                 "export.inference_precision": cfg.inference_precision}
+    with stage_run("export", params=cfg.model_dump()) as run, atomic_dir(args.out) as tmp:
+        report = export(args.model, tmp, cfg, base=args.base)
+        report["output"] = str(args.out)
+        write_json(args.report, report)
+        run.log_metrics(numeric_metrics(report))
+        run.log_dict(report, "export.json")
+        parity = report["parity"]
+        run.set_tags(
+            {"export.family": report["family"], "export.parity_passed": parity["passed"],
+             "export.source_kind": report["source_kind"]["method"],
+             "export.compression": cfg.compression.mode,
+             "export.inference_precision": cfg.inference_precision}
+        )
+        if not parity["passed"]:
+            raise UserError(
+                f"parity check failed: OpenVINO and PyTorch images differ (PSNR "
+                f"{parity.get('image_psnr_db')} dB < export.parity.min_psnr_db "
+                f"{parity.get('min_psnr_db')}; finite outputs: {parity.get('finite')}). The "
+                f"export is not written; see {args.report}. A broken export must not reach the "
+                "registry"
             )
-            if not parity["passed"]:
-                raise UserError(
-                    f"parity check failed: OpenVINO and PyTorch images differ (PSNR "
-                    f"{parity.get('image_psnr_db')} dB < export.parity.min_psnr_db "
-                    f"{parity.get('min_psnr_db')}; finite outputs: {parity.get('finite')}). The "
-                    f"export is not written; see {args.report}. A broken export must not reach the "
-                    "registry"
-                )
-            comp = report.get("compression", {})
-            if comp.get("passed") is False:
-                raise UserError(
-                    f"compressed ({comp['mode']}) images differ too much from fp32: PSNR "
-                    f"{comp.get('psnr_vs_openvino_fp32_db')} dB < export.compression.min_psnr_db "
-                    f"{comp.get('min_psnr_db')} (finite: {comp.get('finite')}). Use a milder mode "
-                    "(int8, or int4 with a lower ratio) or lower the threshold"
-                )
+        comp = report.get("compression", {})
+        if comp.get("passed") is False:
+            raise UserError(
+                f"compressed ({comp['mode']}) images differ too much from fp32: PSNR "
+                f"{comp.get('psnr_vs_openvino_fp32_db')} dB < export.compression.min_psnr_db "
+                f"{comp.get('min_psnr_db')} (finite: {comp.get('finite')}). Use a milder mode "
+                "(int8, or int4 with a lower ratio) or lower the threshold"
+            )
     log.info(
         "OpenVINO pipeline written to %s (static shape %s); report %s",
         args.out, report["static_shape"], args.report,

@@ -12,8 +12,8 @@ class ParityConfig(StageConfig):
     """The same prompt, seed and initial latents through PyTorch and OpenVINO, compared."""
 
     enabled: bool = Field(True, description="false: skip the comparison (and its gate)")
-    prompt: str = Field("a photo of sks toy", min_length=1)
-    num_inference_steps: int = Field(5, ge=1, le=200)
+    prompt: str = Field("a photo of sks toy", min_length=1, description="prompt of both images")
+    num_inference_steps: int = Field(5, ge=1, le=200, description="denoising steps of both")
     guidance_scale: float = Field(7.5, gt=1.0, description="> 1: the static UNet batch has CFG")
     seed: int = Field(0, ge=0, description="seed of the shared initial latents")
     min_psnr_db: float | None = Field(
@@ -44,7 +44,7 @@ class CompressionConfig(StageConfig):
     )
 
     @model_validator(mode="after")
-    def _prompts(self) -> "CompressionConfig":
+    def _prompts(self) -> CompressionConfig:
         if self.mode in ("hybrid", "full_int8") and not self.calibration_prompts:
             raise ValueError(f"{self.mode} quantization needs calibration_prompts")
         return self
@@ -54,9 +54,15 @@ class ExportConfig(StageConfig):
     """`export` section: the static shape of the OpenVINO pipeline, and the parity check."""
 
     batch_size: int = Field(1, ge=1, le=64, description="prompts per pipeline call")
-    height: int = Field(64, ge=8, le=4096, multiple_of=8)
-    width: int = Field(64, ge=8, le=4096, multiple_of=8)
-    num_images_per_prompt: int = Field(1, ge=1, le=64)
+    height: int = Field(
+        64, ge=8, le=4096, multiple_of=8, description="image height in pixels, fixed in the export"
+    )
+    width: int = Field(
+        64, ge=8, le=4096, multiple_of=8, description="image width in pixels, fixed in the export"
+    )
+    num_images_per_prompt: int = Field(
+        1, ge=1, le=64, description="images per prompt per call, fixed in the export"
+    )
     parity: ParityConfig = Field(default_factory=ParityConfig)
     compression: CompressionConfig = Field(default_factory=CompressionConfig)
     inference_precision: Literal["auto", "bf16", "f16", "f32"] = Field(
@@ -78,7 +84,7 @@ class ExportConfig(StageConfig):
     )
 
     @model_validator(mode="after")
-    def _batch_not_huge(self) -> "ExportConfig":
+    def _batch_not_huge(self) -> ExportConfig:
         if self.batch_size * self.num_images_per_prompt > 64:
             raise ValueError("batch_size x num_images_per_prompt must be at most 64")
         return self

@@ -9,10 +9,10 @@ from __future__ import annotations
 import io
 import math
 import warnings
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
 
 from PIL import Image, UnidentifiedImageError
 

@@ -7,7 +7,7 @@ would otherwise put the union tag into the path, and list no known keys for a mi
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Any, Literal
 
 from pydantic import Field, ValidationError, field_validator, model_validator
 from pydantic_core import InitErrorDetails, PydanticCustomError
@@ -107,14 +107,14 @@ class HubSource(StageConfig):
     name: str = Field(min_length=1, description="e.g. lambdalabs/pokemon-blip-captions")
     revision: str = Field(min_length=1, description="commit hash (or branch/tag) to load")
     subset: str | None = Field(None, description="dataset configuration name, if it has several")
-    split: str = Field("train", min_length=1)
-    image_column: str = Field("image", min_length=1)
-    caption_column: str = Field("text", min_length=1)
+    split: str = Field("train", min_length=1, description="the dataset split to read")
+    image_column: str = Field("image", min_length=1, description="column with the images")
+    caption_column: str = Field("text", min_length=1, description="column with the captions")
     limit: int | None = Field(None, ge=1, description="read only the first N rows")
 
 
 Source = Annotated[
-    Union[FolderSource, MetadataJsonSource, ImageFolderSource, HubSource],
+    FolderSource | MetadataJsonSource | ImageFolderSource | HubSource,
     Field(discriminator="type"),
 ]
 SOURCE_TYPES: dict[str, type[StageConfig]] = {
@@ -133,7 +133,9 @@ class Captions(StageConfig):
     max_words: int | None = Field(
         60, ge=1, description="longer captions follow `too_long` (CLIP reads ~75 tokens)"
     )
-    too_long: Literal["truncate", "drop", "fallback"] = Field("truncate")
+    too_long: Literal["truncate", "drop", "fallback"] = Field(
+        "truncate", description="over max_words: cut to max_words (tags: whole tags) | drop the image | the fallback"
+    )
 
 
 class IngestConfig(StageConfig):
@@ -148,6 +150,7 @@ class IngestConfig(StageConfig):
     sources: list[Source] = Field(
         default_factory=lambda: [FolderSource(type="folder")],
         min_length=1,
+        description="where the images come from: one or more sources, each with its `type`",
     )
     output_size: Literal["square", "short_side", "source"] = Field(
         "square",
@@ -171,7 +174,7 @@ class IngestConfig(StageConfig):
     output_format: Literal["png", "jpeg"] = Field(
         "png", description="png: lossless; jpeg: quality `jpeg_quality`, 4:4:4, much faster"
     )
-    jpeg_quality: int = Field(95, ge=1, le=100)
+    jpeg_quality: int = Field(95, ge=1, le=100, description="quality of the files with output_format jpeg")
     workers: int | None = Field(None, ge=1, description="decoding processes; null: all CPUs")
     cache_dir: Path | None = Field(
         Path(".cache/ingest"), description="content-hash cache outside the outs; null: off"
@@ -186,7 +189,7 @@ class IngestConfig(StageConfig):
 
     @model_validator(mode="wrap")
     @classmethod
-    def _source_errors_at_their_index(cls, data: Any, handler: Any) -> "IngestConfig":
+    def _source_errors_at_their_index(cls, data: Any, handler: Any) -> IngestConfig:
         """Drop the union tag from error paths and list a source type's keys for unknown ones."""
         try:
             cfg = handler(data)

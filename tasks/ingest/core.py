@@ -17,10 +17,11 @@ import multiprocessing
 import os
 import re
 from collections import Counter, deque
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from itertools import chain, islice
 from pathlib import Path
-from typing import IO, Any, Iterable, Iterator
+from typing import IO, Any
 
 from PIL import Image
 from tqdm import tqdm

@@ -11,8 +11,9 @@ hash makes the params change whenever the data may have; a branch name like "mai
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 from tasks.common.errors import UserError
 from tasks.ingest.checks import Reject

@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import json
 import numbers
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 from tasks.common.errors import UserError
 from tasks.ingest.checks import Reject, read_bytes

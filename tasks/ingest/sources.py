@@ -17,9 +17,10 @@ import json
 import logging
 import os
 import posixpath
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 from tasks.common.errors import UserError
 from tasks.ingest.checks import Reject, read_bytes
@@ -49,7 +50,7 @@ class Item:
     reject: Reject | None = None
 
     @classmethod
-    def rejected(cls, source: str, rel: str, reject: Reject, **extra: Any) -> "Item":
+    def rejected(cls, source: str, rel: str, reject: Reject, **extra: Any) -> Item:
         return cls(source, rel, reject=reject, extra=extra)
 
 

@@ -27,7 +27,9 @@ class RegisterConfig(StageConfig):
         min_length=1,
         description="a key of reports/evaluate.json's metrics (clip_t, clip_i, dino, gain_dino, ...)",
     )
-    primary_metric_goal: Literal["maximize", "minimize"] = "maximize"
+    primary_metric_goal: Literal["maximize", "minimize"] = Field(
+        "maximize", description="whether a higher (maximize) or a lower primary_metric is better"
+    )
     promote_uncalibrated: bool = Field(
         False,
         description="let `champion` move on uncalibrated scores (random-weight built-in "

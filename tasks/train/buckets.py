@@ -14,7 +14,7 @@ continues exactly.
 from __future__ import annotations
 
 from collections import Counter
-from typing import Iterator
+from collections.abc import Iterator
 
 import numpy as np
 from torch.utils.data import Sampler

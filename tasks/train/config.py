@@ -151,7 +151,7 @@ class TrainConfig(StageConfig):
     # --- LoRA ----------------------------------------------------------------------------------
     rank: int = Field(4, ge=1, le=1024, description="LoRA rank")
     lora_alpha: float | None = Field(None, gt=0.0, description="LoRA alpha; null: equal to rank")
-    lora_dropout: float = Field(0.0, ge=0.0, lt=1.0)
+    lora_dropout: float = Field(0.0, ge=0.0, lt=1.0, description="dropout probability of the LoRA layers")
     fuse_lora: bool = Field(True, description="also write the base pipeline with the LoRA fused in (for export)")
     # --- data ------------------------------------------------------------------------------------
     resolution: int = Field(64, ge=8, le=4096, multiple_of=8, description="training images are resized/cropped to this")
@@ -168,22 +168,22 @@ class TrainConfig(StageConfig):
         None, description="a fixed bucket list, 'h,w;h,w' or [[h, w], ...] (diffusers); replaces the kohya rule"
     )
     train_batch_size: int = Field(2, ge=1, le=4096, description="instance images per device per step")
-    dataloader_num_workers: int = Field(0, ge=0, le=64)
+    dataloader_num_workers: int = Field(0, ge=0, le=64, description="data loader worker processes (0: in the main one)")
     # --- optimisation ----------------------------------------------------------------------------
     max_train_steps: int = Field(20, ge=1, description="optimizer steps")
-    gradient_accumulation_steps: int = Field(1, ge=1, le=1024)
+    gradient_accumulation_steps: int = Field(1, ge=1, le=1024, description="batches per optimizer step")
     gradient_checkpointing: bool = Field(False, description="trade compute for memory in the UNet")
-    learning_rate: float = Field(1e-4, gt=0.0, le=1.0)
+    learning_rate: float = Field(1e-4, gt=0.0, le=1.0, description="peak learning rate (before scale_lr)")
     scale_lr: bool = Field(False, description="multiply the LR by batch size x accumulation x processes")
-    lr_scheduler: Literal[LR_SCHEDULERS] = Field("constant")  # type: ignore[valid-type]
-    lr_warmup_steps: int = Field(0, ge=0)
+    lr_scheduler: Literal[LR_SCHEDULERS] = Field("constant", description="learning-rate schedule")  # type: ignore[valid-type]
+    lr_warmup_steps: int = Field(0, ge=0, description="optimizer steps of linear warm-up from 0")
     lr_num_cycles: int = Field(1, ge=1, description="restarts of cosine_with_restarts")
     lr_power: float = Field(1.0, gt=0.0, description="power of the polynomial schedule")
     use_8bit_adam: bool = Field(False, description="bitsandbytes AdamW8bit (needs bitsandbytes)")
-    adam_beta1: float = Field(0.9, ge=0.0, lt=1.0)
-    adam_beta2: float = Field(0.999, ge=0.0, lt=1.0)
-    adam_weight_decay: float = Field(1e-2, ge=0.0)
-    adam_epsilon: float = Field(1e-8, gt=0.0)
+    adam_beta1: float = Field(0.9, ge=0.0, lt=1.0, description="AdamW beta1")
+    adam_beta2: float = Field(0.999, ge=0.0, lt=1.0, description="AdamW beta2")
+    adam_weight_decay: float = Field(1e-2, ge=0.0, description="AdamW weight decay")
+    adam_epsilon: float = Field(1e-8, gt=0.0, description="AdamW epsilon")
     max_grad_norm: float = Field(1.0, gt=0.0, description="gradient clipping (total L2 norm)")
     mixed_precision: Literal["no", "bf16", "fp16"] = Field(
         "no", description="no | bf16 (autocast, also on CPU) | fp16 (CUDA only)"
@@ -208,7 +208,7 @@ class TrainConfig(StageConfig):
     )
     # --- EMA (seed 001; on the CPU as in seed 003) ----------------------------------------------
     use_ema: bool = Field(False, description="keep an exponential moving average of the trained weights; save it")
-    ema_decay: float = Field(0.9999, gt=0.0, lt=1.0)
+    ema_decay: float = Field(0.9999, gt=0.0, lt=1.0, description="EMA decay per update (use_ema)")
     offload_ema: bool = Field(False, description="keep the EMA weights in CPU memory (GPU runs)")
     ema_update_every: int = Field(1, ge=1, description="update the EMA every N optimizer steps")
     # --- speed ----------------------------------------------------------------------------------
@@ -249,13 +249,13 @@ class TrainConfig(StageConfig):
         "last", description="what goes to --out: the last step's weights, or the best scored healthy checkpoint"
     )
     checkpoint_scoring: CheckpointScoringConfig = Field(
-        default_factory=CheckpointScoringConfig, description="how checkpoints are scored (README, 'Best checkpoint')"
+        default_factory=CheckpointScoringConfig, description="scoring: tasks/train/README.md, 'Best checkpoint'"
     )
     # --- reporting ----------------------------------------------------------------------------------
     validation_prompts: list[str] | None = Field(None, description="null: the method's training prompt")
     num_validation_images: int = Field(4, ge=0, le=64, description="images per validation prompt (0: none)")
     validation_steps: int = Field(0, ge=0, description="validation images every N steps (0: only at the end)")
-    validation_inference_steps: int = Field(10, ge=1, le=1000)
+    validation_inference_steps: int = Field(10, ge=1, le=1000, description="denoising steps per validation image")
     log_every_steps: int = Field(1, ge=1, description="MLflow metrics every N steps (the CSV has every step)")
     system_metrics_interval: float = Field(5, ge=0, description="MLflow system metrics every N seconds (0: off)")
     seed: int = Field(0, ge=0, description="same seed and params give the same weights")

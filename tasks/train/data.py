@@ -17,9 +17,10 @@ import hashlib
 import io
 import json
 import logging
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import numpy as np
 import torch
@@ -236,7 +237,8 @@ class TrainDataset(Dataset):
         # too, so a batch of 2b on one rank and b on each of two ranks train alike.
         noise_seeds = np.random.SeedSequence([self.seed, epoch, index, 1]).generate_state(2)
         i, target = index % len(self.instances), self.target(index)
-        example = {"instance": {**self._load("i", i, self.instances[i], rng, target), "noise_seed": int(noise_seeds[0])},
+        instance = self._load("i", i, self.instances[i], rng, target)
+        example = {"instance": {**instance, "noise_seed": int(noise_seeds[0])},
                    "instance_prompt": self.prompt(self.instances[i], rng)}
         if self.classes_:
             c = index % len(self.classes_)

@@ -13,8 +13,9 @@ the same RNG stream as without the cache, so caching changes speed, not the trai
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -36,7 +37,7 @@ class RowRandom:
         return torch.cat([torch.randint(0, high, (1,), generator=g) for g in self.generators]).to(device)
 
 
-def _sample(dist: Any, rand: "RowRandom | None") -> torch.Tensor:
+def _sample(dist: Any, rand: RowRandom | None) -> torch.Tensor:
     """A posterior sample: diffusers' own, or mean + std x the rows' own normal draws."""
     if rand is None:
         return dist.sample()

@@ -7,8 +7,9 @@ applies per update. On a CPU run the weights are in host RAM either way.
 """
 from __future__ import annotations
 
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 

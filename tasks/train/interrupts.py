@@ -9,8 +9,9 @@ from __future__ import annotations
 import logging
 import signal
 import threading
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any, Iterator
+from typing import Any
 
 from tasks.common.errors import UserError
 from tasks.common.stop_signals import asked_for, watched

@@ -3,9 +3,10 @@ from __future__ import annotations
 
 import random
 import resource
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import torch
@@ -59,7 +60,7 @@ class RngSnapshot:
     accelerator_step: int
 
     @classmethod
-    def take(cls, accelerator: Any) -> "RngSnapshot":
+    def take(cls, accelerator: Any) -> RngSnapshot:
         cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []
         return cls(random.getstate(), np.random.get_state(), torch.get_rng_state(), cuda, accelerator.step)
 

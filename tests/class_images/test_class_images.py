@@ -63,7 +63,8 @@ def test_image_is_the_same_alone_or_in_a_batch(tmp_path: Path, tiny_pipe) -> Non
     assert diff.max() <= 1 and (diff > 0).mean() < 0.01
 
 
-def test_fewer_images_removes_extras_and_broken_images_are_regenerated(tmp_path: Path, tiny_sd: Path, tiny_pipe) -> None:
+def test_fewer_images_removes_extras_and_broken_images_are_regenerated(
+        tmp_path: Path, tiny_sd: Path, tiny_pipe) -> None:
     out = tmp_path / "cls"
     run(cfg(num_images=3), tiny_sd, out, pipe=tiny_pipe)
     kept = pixels(out / "00000.png")

@@ -4,7 +4,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from pydantic import Field
+from pydantic import Field, ValidationError
 
 from tasks.common.config import StageConfig, load_config
 from tasks.common.errors import UserError
@@ -28,7 +28,7 @@ def write(tmp_path: Path, text: str) -> Path:
 def test_valid_section_loads_and_is_frozen(tmp_path: Path) -> None:
     cfg = load_config("ex", Example, write(tmp_path, "ex:\n  steps: 3\n  inner: {min_score: 1.5}\n"))
     assert cfg.steps == 3 and cfg.inner.min_score == 1.5
-    with pytest.raises(Exception):
+    with pytest.raises(ValidationError):
         cfg.steps = 4  # type: ignore[misc]
 
 

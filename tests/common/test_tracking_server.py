@@ -41,7 +41,7 @@ def _server(tmp: Path, port: int) -> subprocess.Popen[bytes]:
     cmd = [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port),
            "--workers", "1", "--backend-store-uri", f"sqlite:///{tmp / 'server.db'}",
            "--default-artifact-root", str(tmp / "artifacts")]
-    log = open(tmp / "server.log", "wb")
+    log = open(tmp / "server.log", "wb")  # noqa: SIM115 (the server process holds it)
     return subprocess.Popen(cmd, cwd=tmp, stdout=log, stderr=subprocess.STDOUT,
                             start_new_session=True)
 

@@ -6,8 +6,7 @@ import json
 import pytest
 import torch
 
-from tasks.common import families
-from tasks.common import weights_load
+from tasks.common import families, weights_load
 from tasks.common.weights_load import load_in_dtype
 
 

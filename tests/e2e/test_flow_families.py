@@ -1,7 +1,8 @@
 """SD3, FLUX.1 and FLUX.2 klein end to end with the real `dvc`: `base.model: builtin:tiny-<family>`
 and `train.method: lora`, then registration; every output is loaded by the family's own classes
 (diffusers' pipeline with `load_lora_weights`, optimum-intel's OpenVINO pipeline, the MLflow pyfunc
-in a second process and over HTTP with `mlflow models serve`). Small settings: the point is the chain, not the images."""
+in a second process and over HTTP with `mlflow models serve`).
+Small settings: the point is the chain, not the images."""
 from __future__ import annotations
 
 import json

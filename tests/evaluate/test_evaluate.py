@@ -30,11 +30,10 @@ def run(tmp_path_factory, migrated_mlflow_db):
     x 1 image in PyTorch fp32 for both, and its export, fixed at 2 images per call (so the last
     call is padded), for the export fidelity; the gate has one threshold that holds and one that
     cannot."""
-    from tasks.evaluate.__main__ import main
-
     import shutil
 
     from tasks.common.openvino_model import write_runtime_config
+    from tasks.evaluate.__main__ import main
 
     _, shared, _ = exported(tmp_path_factory, "builtin:tiny-sd", **SHAPE)
     base = tiny_pipeline(tmp_path_factory, "builtin:tiny-sd")  # the export's own source: no gain

@@ -11,7 +11,7 @@ from prefect.states import Completed, Running
 from flows.recovery import MESSAGE, crash_orphans
 
 
-def _flow_run(client, pool: str, state):  # noqa: ANN001, ANN202 - a Prefect sync client
+def _flow_run(client, pool: str, state):
     flow_id = client.create_flow_from_name("finetune")
     deployment = client.create_deployment(flow_id=flow_id, name=f"main-{pool}", work_pool_name=pool)
     run = client.create_flow_run_from_deployment(deployment)

@@ -110,7 +110,7 @@ def test_too_many_pixels_is_rejected_before_decoding(tmp_path: Path, size: tuple
     saved_limit = Image.MAX_IMAGE_PIXELS
     row = only_rejection(run_folder(src, tmp_path / "out", max_pixels=1000))
     assert row["reason"] == "too_large"
-    assert Image.MAX_IMAGE_PIXELS == saved_limit  # the global limit is restored
+    assert saved_limit == Image.MAX_IMAGE_PIXELS  # the global limit is restored
 
 
 def test_modes_are_converted_to_rgb_on_the_background(tmp_path: Path) -> None:

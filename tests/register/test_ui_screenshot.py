@@ -5,6 +5,9 @@ primary metric, gate, protocol and its calibration, the champion decision). Scre
 artifacts of the test run: .pytest_cache/d/screenshots/mlflow-*.png."""
 from __future__ import annotations
 
+import html
+import json
+import re
 import shutil
 import subprocess
 import sys
@@ -12,10 +15,6 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
-
-import html
-import json
-import re
 
 import mlflow
 import pytest
@@ -106,7 +105,8 @@ def test_a_registered_version_shows_what_it_is(project: Path, isolated_mlflow: s
     finally:
         stop_process_group(server.proc)
     facts = {
-        "base": "builtin:tiny-sd fine-tuned with dreambooth", "method": "dreambooth", "data hash": "11111111111111111111111111111111.dir",
+        "base": "builtin:tiny-sd fine-tuned with dreambooth", "method": "dreambooth",
+        "data hash": "11111111111111111111111111111111.dir",
         "git commit": mv.tags["git_commit"], "primary metric": "metric.dino", "score": "0.4",
         "gate": "passed", "protocol": "0a1b2c3d4e5f (uncalibrated)",
         "uncalibrated, in words": "Uncalibrated scores: builtin:tiny-clip and builtin:tiny-dino",

@@ -21,7 +21,7 @@ BUCKETS = dict(enable_bucket=True, min_bucket_reso=16, max_bucket_reso=64, bucke
 def test_kohya_rule_keeps_the_area_and_the_step() -> None:
     buckets = kohya_buckets(32, 16, 64, 8)
     assert (32, 32) in buckets and (40, 24) in buckets and (24, 40) in buckets
-    assert all(h * w <= 32 * 32 and h % 8 == 0 and w % 8 == 0 and 16 <= min(h, w) for h, w in buckets)
+    assert all(h * w <= 32 * 32 and h % 8 == 0 and w % 8 == 0 and min(h, w) >= 16 for h, w in buckets)
     assert kohya_buckets(1024, 256, 2048, 64)[:2] == [(256, 2048), (320, 2048)]
 
 

@@ -258,7 +258,8 @@ def test_a_signal_seen_by_one_rank_stops_every_rank_after_the_same_step(tmp_path
 def test_two_ranks_resume_exactly_with_buckets(tmp_path, tiny_sd, mixed_dir, class_dir) -> None:
     """Aspect-ratio buckets on 2 ranks: 2 steps, a resume, 2 more equal 4 straight steps bit for bit
     (a constant LR: the stop is a smaller max_train_steps, which would reshape a decaying schedule)."""
-    section = {**SETTINGS, "max_train_steps": 4, "train_batch_size": 1, "lr_scheduler": "constant", "enable_bucket": True,
+    section = {**SETTINGS, "max_train_steps": 4, "train_batch_size": 1, "lr_scheduler": "constant",
+               "enable_bucket": True,
                "min_bucket_reso": 16, "max_bucket_reso": 64, "bucket_reso_steps": 8,
                "launcher": "mpirun", "launch": {"num_processes": 2, "threads_per_process": 1}}
     inputs = (tiny_sd, mixed_dir, class_dir)

@@ -64,7 +64,8 @@ def test_lora_loads_with_the_family_pipeline(tmp_path, flow_base, one_image) -> 
     unchanged = [n for n in adapted if torch.equal(before[n], pipe.transformer.get_submodule(n).weight)]
     assert adapted and not unchanged, unchanged
     for name in family.trainable_text_encoders:  # fused, under the keys transformers loads
-        fused_weights, base_weights = load_file(out / name / "model.safetensors"), load_file(flow_base / name / "model.safetensors")
+        fused_weights = load_file(out / name / "model.safetensors")
+        base_weights = load_file(flow_base / name / "model.safetensors")
         assert fused_weights.keys() == base_weights.keys(), name
         assert not tensors_equal(out / name / "model.safetensors", flow_base / name / "model.safetensors"), name
     fused = family.pipeline_class().from_pretrained(out)  # fuse_lora: the full pipeline beside the adapters

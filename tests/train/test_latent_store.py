@@ -1,11 +1,10 @@
 """The disk latent cache: exactly the changed image is encoded again; the training does not change."""
 from __future__ import annotations
 
-from pathlib import Path
-
 import hashlib
 import os
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -37,7 +36,7 @@ def test_a_changed_image_is_the_only_entry_encoded_again(tmp_path, tiny_sd) -> N
     data = write_imagefolder(tmp_path / "data", 3, "a photo of sks toy", 21, size=(48, 40))
     cache = tmp_path / "latents"
     disk = dict(cache_latents_to_disk=True, disk_cache_dir=cache)
-    memory = train(_cfg(tmp_path, "m"), tiny_sd, data, None, tmp_path / "memory")
+    train(_cfg(tmp_path, "m"), tiny_sd, data, None, tmp_path / "memory")
     first = train(_cfg(tmp_path, "a", **disk), tiny_sd, data, None, tmp_path / "a")
     before = _entries(cache)
     assert len(before) == 3 and len({p.parent.parent for p in before}) == 1, "3 images under one VAE folder"

@@ -15,8 +15,14 @@ from tasks.train.core import train
 from tasks.train.loop import TrainingDiverged
 from tasks.train.methods.dreambooth import DreamBooth
 from tasks.train.methods.lora import LoRA
-from tasks.train.selection import (NEAR_BLACK_MEAN, NEAR_UNIFORM_STD, WeightsNeverMoved, best_record,
-                                   collapse_reason, image_collapse)
+from tasks.train.selection import (
+    NEAR_BLACK_MEAN,
+    NEAR_UNIFORM_STD,
+    WeightsNeverMoved,
+    best_record,
+    collapse_reason,
+    image_collapse,
+)
 
 UNET = "unet/diffusion_pytorch_model.safetensors"
 #: Tiny SD, one image a step, two validation images of two denoising steps each: a few seconds a run.

@@ -19,8 +19,8 @@ from tasks.common.memory import release_memory
 from tasks.train.config import TrainConfig
 from tasks.train.data import CaptionPolicy, Record, TrainDataset, collate, read_imagefolder
 from tasks.train.diffusion import LatentCache, PromptCache, RowRandom, encode_latents
-from tasks.train.objectives import make_objective
 from tasks.train.models import Components, pipeline_from_modules
+from tasks.train.objectives import make_objective
 
 log = logging.getLogger(__name__)
 
@@ -33,7 +33,8 @@ class TrainingMethod:
     """Shared behaviour; subclasses override only what differs.
 
     Modules are named as in the diffusers pipeline folder ("unet" or "transformer", "vae",
-    "text_encoder", "text_encoder_2", ...); the family (`components.family`) says how they are called. The loop prepares the `trainable()` ones with accelerate and passes the
+    "text_encoder", "text_encoder_2", ...); the family (`components.family`) says how they are called.
+    The loop prepares the `trainable()` ones with accelerate and passes the
     prepared (possibly wrapped) modules back to `compute_loss`.
     """
 

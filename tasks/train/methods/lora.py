@@ -1,5 +1,5 @@
-"""LoRA (Hu et al. 2021) with peft: low-rank adapters on the denoiser's attention projections (the family's `lora_targets`), and on
-the text encoders' with `train_text_encoder`, as diffusers' train_dreambooth_lora*.py add them.
+"""LoRA (Hu et al. 2021) with peft: low-rank adapters on the denoiser's attention projections (the family's
+`lora_targets`), and on the text encoders' with `train_text_encoder`, as diffusers' train_dreambooth_lora*.py add them.
 
 The base weights stay frozen in the training precision; only the adapters train, in float32.
 Saves `pytorch_lora_weights.safetensors` (diffusers' format: `pipe.load_lora_weights(folder)`
@@ -78,7 +78,8 @@ class LoRA(TrainingMethod):
             config = module.peft_config["default"].to_dict()
             meta = {k: sorted(v) if isinstance(v, set) else v for k, v in config.items()}
             layers[f"{name}_lora_adapter_metadata"] = meta
-        self.components.family.pipeline_class().save_lora_weights(out_dir, **layers, weight_name=WEIGHT_NAME, safe_serialization=True)
+        self.components.family.pipeline_class().save_lora_weights(
+            out_dir, **layers, weight_name=WEIGHT_NAME, safe_serialization=True)
         log.info("saved LoRA weights (%s, rank %d) to %s", ", ".join(sorted(trained)), self.cfg.rank,
                  out_dir / WEIGHT_NAME)
         self.fused_components = self.components.family.lora_components(list(trained))
