@@ -20,10 +20,11 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections.abc import Callable
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from PIL import Image
@@ -33,8 +34,8 @@ from tqdm import tqdm
 from tasks.common.errors import UserError
 from tasks.common.memory import release_memory
 from tasks.train.backend import choose_backend
-from tasks.train.checkpoints import CheckpointManager, TrainState, register_weight_hooks
 from tasks.train.buckets import BucketBatchSampler
+from tasks.train.checkpoints import CheckpointManager, TrainState, register_weight_hooks
 from tasks.train.config import TrainConfig
 from tasks.train.data import EpochSampler
 from tasks.train.ema import Ema
@@ -125,7 +126,7 @@ def _check_weights(params: list[torch.Tensor], step: int, lr: float, checkpoints
         _check_finite(float("nan"), "weights", step, lr, checkpoints)
 
 
-def run_loop(  # noqa: C901 - one loop, read top to bottom, on purpose
+def run_loop(
     method: TrainingMethod,
     dataset: Dataset,
     cfg: TrainConfig,
@@ -137,162 +138,233 @@ def run_loop(  # noqa: C901 - one loop, read top to bottom, on purpose
     judge: CheckpointJudge | None = None,
 ) -> LoopResult:
     """Train until `cfg.max_train_steps` optimizer steps; returns the history and the trained modules."""
-    from accelerate import skip_first_batches
-
-    method.configure()
-    trainable = method.trainable()
-    modules = method.components.modules
-    method.place(accelerator.device, weight_dtype(accelerator.mixed_precision))
-    release_memory()  # the float32 weights the cast replaced: back to the system before the text encoders run
-    method.setup_caches()
-    n_proc = accelerator.num_processes
-    optimizer = make_optimizer(cfg, method.param_groups(), cfg.effective_learning_rate(n_proc))
-    backend = choose_backend(cfg, accelerator)  # XLA, CPU acceleration (IPEX or native) or the default
-    optimizer = backend.prepare(method, optimizer)  # may switch the caches off (XLA)
-    method.release_text_encoders()  # with the text cache on: embeddings in, encoders out
-    params = [p for g in optimizer.param_groups for p in g["params"]]  # IPEX may have replaced them
-    anchor = WeightsAnchor(params)  # before any resume: the weights as the method set them up
-    lr_scheduler = make_lr_scheduler(cfg, optimizer, n_proc)
-    dataloader, sampler = build_dataloader(dataset, method, cfg)
-    prepared = accelerator.prepare(*[modules[n] for n in trainable], optimizer, dataloader, lr_scheduler)
-    wrapped = dict(zip(trainable, prepared[: len(trainable)]))
-    optimizer, dataloader, lr_scheduler = prepared[len(trainable):]
-    live = {**modules, **wrapped}
-    ema = Ema(params, cfg) if cfg.use_ema else None
-    state = TrainState()
-    if checkpoints is not None:  # saved as safetensors + JSON, never pickled
-        checkpoints.track({"train": state, **({"ema": ema} if ema is not None else {})})
-    register_weight_hooks(accelerator, {n: modules[n] for n in trainable})
-    resumed_from = None
-    if resume_from is not None and checkpoints is not None:
-        checkpoints.load(resume_from)
-        resumed_from = state.step
-        if judge is not None:
-            _protect_best(checkpoints, judge, state)
-        if state.step > cfg.max_train_steps:
-            log.warning("the checkpoint is at step %d, past train.max_train_steps %d: its weights are the output",
-                        state.step, cfg.max_train_steps)
-
-    history: list[StepLog] = []
-    start, run_images, lr, stopped = time.perf_counter(), 0, float("nan"), None
-    micro_losses: list[torch.Tensor] = []
-    extras: dict[str, list[float]] = {}
-    step_images, step_start, data_seconds = 0, time.perf_counter(), 0.0
-    snapshot = RngSnapshot.take(accelerator)
-    bar = tqdm(total=cfg.max_train_steps, initial=state.step, desc=f"train {method.name}", unit="step",
+    loop = _Loop(method, cfg, accelerator, checkpoints, list(callbacks), validate, judge)
+    loop.prepare(dataset, resume_from)
+    start = time.perf_counter()
+    bar = tqdm(total=cfg.max_train_steps, initial=loop.state.step, desc=f"train {method.name}", unit="step",
                disable=None if accelerator.is_local_main_process else True)
     with stop_on_signals() as stop:
-        log.info("training %s (%s, %.2fM trainable parameters) for %d steps%s, batch %d x %d accumulation x %d "
-                 "processes, precision %s on %s; SIGTERM/SIGINT save a checkpoint", method.name, ", ".join(trainable),
-                 sum(p.numel() for p in params) / 1e6, cfg.max_train_steps,
-                 f" from step {resumed_from}" if resumed_from is not None else "", cfg.train_batch_size,
-                 cfg.gradient_accumulation_steps, n_proc, cfg.mixed_precision, accelerator.device)
+        loop.log_start()
         try:
-            while state.step < cfg.max_train_steps:
-                skip = state.batches_in_epoch
-                loader = skip_first_batches(dataloader, skip) if skip else dataloader
-                loader.set_epoch(state.epoch)
-                sampler.set_epoch(state.epoch)
-                consumed = skip
-                fetch = time.perf_counter()
-                for batch in backend.loader(loader):
-                    data_seconds += time.perf_counter() - fetch
-                    consumed += 1
-                    with accelerator.accumulate(*wrapped.values()):
-                        with accelerator.autocast():
-                            loss, parts = method.compute_loss(batch, live)
-                        lr = lr_scheduler.get_last_lr()[0]
-                        accelerator.backward(loss)
-                        backend.after_backward()  # XLA: forward and backward run here, as one graph
-                        _check_finite(float(loss.detach()), "loss", state.step + 1, lr, checkpoints)
-                        grad_norm = float("nan")
-                        if accelerator.sync_gradients:
-                            grad_norm = float(accelerator.clip_grad_norm_(params, cfg.max_grad_norm))
-                            if accelerator.mixed_precision != "fp16":  # fp16: the grad scaler skips such steps
-                                _check_finite(grad_norm, "gradient norm", state.step + 1, lr, checkpoints)
-                        optimizer.step()
-                        lr_scheduler.step()
-                        optimizer.zero_grad(set_to_none=True)
-                    micro_losses.append(loss.detach())
-                    for key, value in parts.items():
-                        extras.setdefault(key, []).append(float(value))
-                    step_images += method.images_in(batch) * n_proc
-                    if not accelerator.sync_gradients:
-                        fetch = time.perf_counter()
-                        continue
-                    method.after_step()
-                    state.step, state.batches_in_epoch = state.step + 1, consumed
-                    backend.after_step(state.step)
-                    state.images += step_images
-                    run_images += step_images
-                    if ema is not None:
-                        ema.step(state.step)
-                    snapshot = RngSnapshot.take(accelerator)  # the state after this step, whatever follows
-                    mean_loss = _reduce_step(accelerator, micro_losses, stop)
-                    entry = StepLog(state.step, mean_loss, float(lr), grad_norm, time.perf_counter() - step_start,
-                                    step_images, data_seconds, peak_memory_mb(accelerator.device),
-                                    {k: sum(v) / len(v) for k, v in extras.items()})
-                    state.history.append([state.step, mean_loss, float(lr)])
-                    checkpoint_now = checkpoints is not None and (
-                        state.step % cfg.checkpointing_steps == 0
-                        or (judge is not None and cfg.select_checkpoint == "best" and state.step >= cfg.max_train_steps))
-                    if checkpoint_now:
-                        _check_weights(params, state.step, float(lr), checkpoints)  # only good ones are saved
-                    if validate is not None and (cfg.validation_steps and state.step % cfg.validation_steps == 0
-                                                 or checkpoint_now and judge is not None):
-                        with ema.swapped_in() if ema is not None else nullcontext():
-                            entry.validation = validate(state.step, live)
-                    if checkpoint_now:
-                        if judge is not None:  # scored before saving: kept in it
-                            state.scores.append(_scored_on_main(accelerator, judge, state.step, entry, mean_loss))
-                            _protect_best(checkpoints, judge, state)
-                        entry.checkpoint = checkpoints.save(state.step)
-                    history.append(entry)
-                    for callback in callbacks:
-                        callback(entry)
-                    bar.update(1)
-                    bar.set_postfix(loss=f"{entry.loss:.4f}")
-                    if stop.requested:
-                        _check_weights(params, state.step, float(lr), checkpoints)
-                        saved = _save_unless_saved(checkpoints, state.step)
-                        raise TrainingInterrupted(
-                            f"interrupted by {stop.name} after step {state.step}; "
-                            + (f"checkpoint saved to {saved}. Run the stage again (train.resume: latest) to continue."
-                               if saved else "no checkpoint saved (no checkpoint folder)."),
-                            int(stop.signum or 0),
-                        )
-                    micro_losses, extras, step_images, data_seconds = [], {}, 0, 0.0
-                    step_start = fetch = time.perf_counter()
-                    if state.step >= cfg.max_train_steps:
-                        break
-                else:
-                    state.epoch, state.batches_in_epoch = state.epoch + 1, 0
+            loop.train(stop, bar)
         except TrainingDiverged as err:
-            if judge is None or cfg.select_checkpoint != "best" or judge.best(state.scores) is None:
+            if judge is None or cfg.select_checkpoint != "best" or judge.best(loop.state.scores) is None:
                 raise
-            stopped = str(err)
+            loop.stopped = str(err)
             log.warning("training stopped early: %s; the best healthy checkpoint becomes the output", err)
         except TrainingInterrupted:
             raise
         except Exception:
-            if checkpoints is not None and state.step and checkpoints.last_saved != state.step:
-                log.error("training failed after step %d: saving a checkpoint of that step first", state.step)
-                snapshot.restore(accelerator)
-                optimizer.zero_grad(set_to_none=True)
-                try:
-                    _check_weights(params, state.step, 0.0, checkpoints)
-                    _save_unless_saved(checkpoints, state.step)
-                except Exception:  # the original error matters more; say why there is no checkpoint
-                    log.exception("could not save the checkpoint of step %d", state.step)
+            loop.save_on_failure()
             raise
         finally:
             bar.close()
-            backend.close()
-    accelerator.wait_for_everyone()
-    trained = {n: accelerator.unwrap_model(m) for n, m in wrapped.items()}
-    backend.finish(trained)
-    return LoopResult(history, state, time.perf_counter() - start, run_images, trained, resumed_from, ema, params,
-                      anchor, float(lr), stopped)
+            loop.backend.close()
+    return loop.finish(start)
+
+
+@dataclass
+class _Step:
+    """What one optimizer step gathers over its micro-batches (they may span an epoch's end)."""
+
+    losses: list[torch.Tensor] = field(default_factory=list)
+    extras: dict[str, list[float]] = field(default_factory=dict)
+    images: int = 0
+    data_seconds: float = 0.0
+    grad_norm: float = float("nan")
+    start: float = field(default_factory=time.perf_counter)
+
+
+class _Loop:
+    """One run of the loop: prepare, then epochs of micro-steps, each optimizer step ended by
+    `end_of_step` (log, checkpoint, validate, score, stop on request); `save_on_failure` on error."""
+
+    def __init__(self, method: TrainingMethod, cfg: TrainConfig, accelerator: Any,
+                 checkpoints: CheckpointManager | None, callbacks: list[Callback], validate: Validate | None,
+                 judge: CheckpointJudge | None) -> None:
+        self.method, self.cfg, self.accelerator = method, cfg, accelerator
+        self.checkpoints, self.callbacks, self.validate, self.judge = checkpoints, callbacks, validate, judge
+        self.history: list[StepLog] = []
+        self.lr, self.run_images, self.stopped = float("nan"), 0, None
+        self.resumed_from: int | None = None
+
+    def prepare(self, dataset: Dataset, resume_from: Path | None) -> None:
+        """Place the method's modules, build optimizer, schedule and data, let accelerate wrap what trains,
+        restore a checkpoint when resuming."""
+        method, cfg, accelerator = self.method, self.cfg, self.accelerator
+        method.configure()
+        self.trainable = method.trainable()
+        modules = method.components.modules
+        method.place(accelerator.device, weight_dtype(accelerator.mixed_precision))
+        release_memory()  # the float32 weights the cast replaced: back to the system before the text encoders run
+        method.setup_caches()
+        self.n_proc = accelerator.num_processes
+        optimizer = make_optimizer(cfg, method.param_groups(), cfg.effective_learning_rate(self.n_proc))
+        self.backend = choose_backend(cfg, accelerator)  # XLA, CPU acceleration (IPEX or native) or the default
+        optimizer = self.backend.prepare(method, optimizer)  # may switch the caches off (XLA)
+        method.release_text_encoders()  # with the text cache on: embeddings in, encoders out
+        self.params = [p for g in optimizer.param_groups for p in g["params"]]  # IPEX may have replaced them
+        self.anchor = WeightsAnchor(self.params)  # before any resume: the weights as the method set them up
+        lr_scheduler = make_lr_scheduler(cfg, optimizer, self.n_proc)
+        dataloader, self.sampler = build_dataloader(dataset, method, cfg)
+        prepared = accelerator.prepare(*[modules[n] for n in self.trainable], optimizer, dataloader, lr_scheduler)
+        self.wrapped = dict(zip(self.trainable, prepared[: len(self.trainable)]))
+        self.optimizer, self.dataloader, self.lr_scheduler = prepared[len(self.trainable):]
+        self.live = {**modules, **self.wrapped}
+        self.ema = Ema(self.params, cfg) if cfg.use_ema else None
+        self.state = TrainState()
+        if self.checkpoints is not None:  # saved as safetensors + JSON, never pickled
+            self.checkpoints.track({"train": self.state, **({"ema": self.ema} if self.ema is not None else {})})
+        register_weight_hooks(accelerator, {n: modules[n] for n in self.trainable})
+        if resume_from is not None and self.checkpoints is not None:
+            self._resume(resume_from)
+        self.step = _Step()
+        self.snapshot = RngSnapshot.take(accelerator)
+
+    def _resume(self, resume_from: Path) -> None:
+        self.checkpoints.load(resume_from)
+        self.resumed_from = self.state.step
+        if self.judge is not None:
+            _protect_best(self.checkpoints, self.judge, self.state)
+        if self.state.step > self.cfg.max_train_steps:
+            log.warning("the checkpoint is at step %d, past train.max_train_steps %d: its weights are the output",
+                        self.state.step, self.cfg.max_train_steps)
+
+    def log_start(self) -> None:
+        cfg = self.cfg
+        log.info("training %s (%s, %.2fM trainable parameters) for %d steps%s, batch %d x %d accumulation x %d "
+                 "processes, precision %s on %s; SIGTERM/SIGINT save a checkpoint", self.method.name,
+                 ", ".join(self.trainable), sum(p.numel() for p in self.params) / 1e6, cfg.max_train_steps,
+                 f" from step {self.resumed_from}" if self.resumed_from is not None else "", cfg.train_batch_size,
+                 cfg.gradient_accumulation_steps, self.n_proc, cfg.mixed_precision, self.accelerator.device)
+
+    def train(self, stop: StopFlag, bar: Any) -> None:
+        """Epochs until max_train_steps; a resumed run skips the batches its epoch had already used."""
+        from accelerate import skip_first_batches
+
+        state = self.state
+        while state.step < self.cfg.max_train_steps:
+            skip = state.batches_in_epoch
+            loader = skip_first_batches(self.dataloader, skip) if skip else self.dataloader
+            loader.set_epoch(state.epoch)
+            self.sampler.set_epoch(state.epoch)
+            if not self._epoch(loader, skip, stop, bar):
+                state.epoch, state.batches_in_epoch = state.epoch + 1, 0
+
+    def _epoch(self, loader: Any, consumed: int, stop: StopFlag, bar: Any) -> bool:
+        """One pass over the loader; True when it ended at max_train_steps rather than the epoch's end."""
+        fetch = time.perf_counter()
+        for batch in self.backend.loader(loader):
+            self.step.data_seconds += time.perf_counter() - fetch
+            consumed += 1
+            self._micro_step(batch)
+            if self.accelerator.sync_gradients:
+                self._end_of_step(consumed, stop, bar)
+                self.step = _Step()
+                if self.state.step >= self.cfg.max_train_steps:
+                    return True
+            fetch = time.perf_counter()
+        return False
+
+    def _micro_step(self, batch: Any) -> None:
+        """Forward and backward of one batch; the optimizer steps when accumulation is complete."""
+        accelerator, step = self.accelerator, self.step
+        with accelerator.accumulate(*self.wrapped.values()):
+            with accelerator.autocast():
+                loss, parts = self.method.compute_loss(batch, self.live)
+            self.lr = self.lr_scheduler.get_last_lr()[0]
+            accelerator.backward(loss)
+            self.backend.after_backward()  # XLA: forward and backward run here, as one graph
+            _check_finite(float(loss.detach()), "loss", self.state.step + 1, self.lr, self.checkpoints)
+            step.grad_norm = float("nan")
+            if accelerator.sync_gradients:
+                step.grad_norm = float(accelerator.clip_grad_norm_(self.params, self.cfg.max_grad_norm))
+                if accelerator.mixed_precision != "fp16":  # fp16: the grad scaler skips such steps
+                    _check_finite(step.grad_norm, "gradient norm", self.state.step + 1, self.lr, self.checkpoints)
+            self.optimizer.step()
+            self.lr_scheduler.step()
+            self.optimizer.zero_grad(set_to_none=True)
+        step.losses.append(loss.detach())
+        for key, value in parts.items():
+            step.extras.setdefault(key, []).append(float(value))
+        step.images += self.method.images_in(batch) * self.n_proc
+
+    def _end_of_step(self, consumed: int, stop: StopFlag, bar: Any) -> None:
+        """The optimizer step is done: advance the state, log it, checkpoint / validate / score, tell the
+        callbacks, and stop here when a signal asked to."""
+        state, step = self.state, self.step
+        self.method.after_step()
+        state.step, state.batches_in_epoch = state.step + 1, consumed
+        self.backend.after_step(state.step)
+        state.images += step.images
+        self.run_images += step.images
+        if self.ema is not None:
+            self.ema.step(state.step)
+        self.snapshot = RngSnapshot.take(self.accelerator)  # the state after this step, whatever follows
+        mean_loss = _reduce_step(self.accelerator, step.losses, stop)
+        entry = StepLog(state.step, mean_loss, float(self.lr), step.grad_norm, time.perf_counter() - step.start,
+                        step.images, step.data_seconds, peak_memory_mb(self.accelerator.device),
+                        {k: sum(v) / len(v) for k, v in step.extras.items()})
+        state.history.append([state.step, mean_loss, float(self.lr)])
+        self._checkpoint_and_validate(entry, mean_loss)
+        self.history.append(entry)
+        for callback in self.callbacks:
+            callback(entry)
+        bar.update(1)
+        bar.set_postfix(loss=f"{entry.loss:.4f}")
+        if stop.requested:
+            self._stop(stop)
+
+    def _checkpoint_and_validate(self, entry: StepLog, mean_loss: float) -> None:
+        """Validation images every validation_steps, and for each checkpoint the judge scores; a checkpoint
+        every checkpointing_steps (and at the end with select_checkpoint: best), healthy weights only."""
+        cfg, state, judge, checkpoints = self.cfg, self.state, self.judge, self.checkpoints
+        checkpoint_now = checkpoints is not None and (
+            state.step % cfg.checkpointing_steps == 0
+            or (judge is not None and cfg.select_checkpoint == "best" and state.step >= cfg.max_train_steps))
+        if checkpoint_now:
+            _check_weights(self.params, state.step, float(self.lr), checkpoints)  # only good ones are saved
+        if self.validate is not None and (cfg.validation_steps and state.step % cfg.validation_steps == 0
+                                          or checkpoint_now and judge is not None):
+            with self.ema.swapped_in() if self.ema is not None else nullcontext():
+                entry.validation = self.validate(state.step, self.live)
+        if checkpoint_now:
+            if judge is not None:  # scored before saving: kept in it
+                state.scores.append(_scored_on_main(self.accelerator, judge, state.step, entry, mean_loss))
+                _protect_best(checkpoints, judge, state)
+            entry.checkpoint = checkpoints.save(state.step)
+
+    def _stop(self, stop: StopFlag) -> None:
+        step = self.state.step
+        _check_weights(self.params, step, float(self.lr), self.checkpoints)
+        saved = _save_unless_saved(self.checkpoints, step)
+        raise TrainingInterrupted(
+            f"interrupted by {stop.name} after step {step}; "
+            + (f"checkpoint saved to {saved}. Run the stage again (train.resume: latest) to continue."
+               if saved else "no checkpoint saved (no checkpoint folder)."),
+            int(stop.signum or 0),
+        )
+
+    def save_on_failure(self) -> None:
+        """Any other error: a checkpoint of the last completed step first (its RNG state put back)."""
+        checkpoints, step = self.checkpoints, self.state.step
+        if checkpoints is None or not step or checkpoints.last_saved == step:
+            return
+        log.error("training failed after step %d: saving a checkpoint of that step first", step)
+        self.snapshot.restore(self.accelerator)
+        self.optimizer.zero_grad(set_to_none=True)
+        try:
+            _check_weights(self.params, step, 0.0, checkpoints)
+            _save_unless_saved(checkpoints, step)
+        except Exception:  # the original error matters more; say why there is no checkpoint
+            log.exception("could not save the checkpoint of step %d", step)
+
+    def finish(self, start: float) -> LoopResult:
+        self.accelerator.wait_for_everyone()
+        trained = {n: self.accelerator.unwrap_model(m) for n, m in self.wrapped.items()}
+        self.backend.finish(trained)
+        return LoopResult(self.history, self.state, time.perf_counter() - start, self.run_images, trained,
+                          self.resumed_from, self.ema, self.params, self.anchor, float(self.lr), self.stopped)
 
 
 def _reduce_step(accelerator: Any, micro_losses: list[torch.Tensor], stop: StopFlag) -> float:
