@@ -1,6 +1,6 @@
 """Our train stage against diffusers' own example scripts, method by method, on the SD 1.5 architecture.
 
-    .venv/bin/python benchmarks/diffusers_scripts.py          # once: the reference scripts (v0.39.0)
+    .venv/bin/python benchmarks/diffusers_scripts.py          # once: the reference scripts (installed tag)
     make bench-env                                             # once: .venv-bench (torchvision for theirs)
     .venv-bench/bin/python -m benchmarks.train.vs_diffusers --resolutions 256 512 --runs 3
     .venv-bench/bin/python -m benchmarks.train.vs_diffusers --table
@@ -136,11 +136,18 @@ def run_pair(method: Method, base: Path, work: Path, data: dict[str, Path], args
             command = theirs_command(method, base, work, data, resolution, args.steps)
         row = {"run": run, "model": "sd15-arch", "method": method.name, "resolution": resolution, "batch": 1,
                "images_per_step": 2 if method.prior else 1, "precision": "bf16", "date": time.strftime("%Y-%m-%d"),
-               "cpu": platform.processor() or platform.machine(), "threads": os.cpu_count(),
+               "cpu": platform.processor() or platform.machine(), "threads": os.cpu_count(), **versions(),
                **timed(loop, command, work, args.warmup, {**env, **extra.get(loop, {})})}
         print(json.dumps(row), flush=True)
         rows.append(row)
     return rows
+
+
+def versions() -> dict[str, str]:
+    """The releases both sides ran on: their scripts are diffusers' examples at its installed tag."""
+    from importlib.metadata import version
+
+    return {name: version(name) for name in ("diffusers", "torch", "transformers", "accelerate", "peft")}
 
 
 def tcmalloc() -> str:

@@ -110,22 +110,47 @@ def evaluate(model: Path, base: Path | None, instance_data: Path, cfg: EvaluateC
 
     `base=None` (or compare_base false) skips the base model; `heldout`: captioned held-out
     images for `evaluate.heldout` (full fine-tunes)."""
+    if cfg.heldout.enabled and heldout is None:
+        raise UserError("evaluate.heldout.enabled needs --heldout-data (held-out captioned images)")
     prompts, clip_texts = render_prompts(cfg)
     real_images = load_instance_images(instance_data)
     encoders = Encoders.load(cfg.clip_model, cfg.dino_model, cfg.encoder_seed, cfg.clip_revision,
                              cfg.dino_revision, key="evaluate")
-    clip, dino = encoders.clip, encoders.dino
-    with_base = cfg.compare_base and base is not None
-    if cfg.heldout.enabled and heldout is None:
-        raise UserError("evaluate.heldout.enabled needs --heldout-data (held-out captioned images)")
+    made = _generate(model, base, cfg.compare_base and base is not None, prompts, cfg, heldout, export)
+    start = time.perf_counter()
+    scorer = Scorer(encoders.clip, encoders.dino, encoders.clip.embed_texts(clip_texts), real_images)
+    metrics, rows = _fine_tuning_metrics(scorer, prompts, clip_texts, made.tuned, made.based, made.heldout)
+    fidelity = _export_fidelity(scorer, made)
+    made.seconds["score"] = round(time.perf_counter() - start, 3)
+    report = _gate_and_report(cfg, metrics, fidelity, made, prompts, clip_texts, real_images, scorer)
+    return Result(report, rows, made.tuned["main"][0], made.based["main"][0] if made.based else None,
+                  {"export_images": made.exported["images"] if made.exported else None})
 
+
+@dataclass
+class _Generated:
+    """Every image the evaluation scores, with how it was made and how long it took."""
+
+    tuned: dict[str, Any]  # job name -> (images, seconds) of the fine-tune
+    based: dict[str, Any]  # the same for the base; empty when it is not compared
+    exported: dict[str, Any] | None  # the export's fidelity images (_export_images)
+    jobs: _Jobs
+    heldout: Any  # (captions, images) of the held-out set, or None
+    shape: StaticShape
+    source: dict[str, Any]  # what load_finetuned read
+    seconds: dict[str, float]
+
+
+def _generate(model: Path, base: Path | None, with_base: bool, prompts: list[str], cfg: EvaluateConfig,
+              heldout: Path | None, export: Path | None) -> _Generated:
+    """The export's fidelity images first (its static shape sets the call shape), then the fine-tune's
+    and, `with_base`, the base's, one pipeline in memory at a time (adapters load onto `base` either way)."""
     exported = None
     if cfg.export_fidelity.enabled and export is not None:
         exported = _export_images(export, prompts, cfg)
     pipe, _, source = load_finetuned(model, base)
     shape = exported["shape"] if exported else _default_shape(pipe)
-    log.info("generating %d x %d images in PyTorch fp32 at %s", len(prompts),
-             cfg.images_per_prompt, shape)
+    log.info("generating %d x %d images in PyTorch fp32 at %s", len(prompts), cfg.images_per_prompt, shape)
     common = dict(shape=shape, seed=cfg.seed, num_inference_steps=cfg.num_inference_steps,
                   guidance_scale=cfg.guidance_scale)
     heldout_data = X.load_heldout(heldout, cfg.heldout.max_images) if cfg.heldout.enabled else None
@@ -134,8 +159,7 @@ def evaluate(model: Path, base: Path | None, instance_data: Path, cfg: EvaluateC
         drift=dict(prompts=X.drift_prompts(cfg.drift.prompts, cfg.identifier, cfg.class_name),
                    images_per_prompt=cfg.drift.images_per_prompt, **common)
         if cfg.drift.enabled and with_base else None,
-        heldout=dict(prompts=heldout_data[0], images_per_prompt=1, **common)
-        if heldout_data else None,
+        heldout=dict(prompts=heldout_data[0], images_per_prompt=1, **common) if heldout_data else None,
     )
     tuned = jobs.run(pipe, "fine-tuned (PyTorch fp32)")
     del pipe
@@ -148,25 +172,31 @@ def evaluate(model: Path, base: Path | None, instance_data: Path, cfg: EvaluateC
         seconds["generate_base"] = round(sum(v[1] for v in based.values()), 3)
     if exported:
         seconds["generate_export"] = round(exported["seconds"], 3)
+    return _Generated(tuned, based, exported, jobs, heldout_data, shape, source, seconds)
 
-    start = time.perf_counter()
-    scorer = Scorer(clip, dino, clip.embed_texts(clip_texts), real_images)
-    metrics, rows = _fine_tuning_metrics(scorer, prompts, clip_texts, tuned, based, heldout_data)
-    fidelity = None
-    if exported:
-        n = len(exported["images"])
-        fidelity = F.section(
-            exported["images"], tuned["main"][0][:n],
-            scorer.overall(exported["images"], n), scorer.overall(tuned["main"][0][:n], n),
-            exported["precision"], exported["backend"])
-    seconds["score"] = round(time.perf_counter() - start, 3)
 
+def _export_fidelity(scorer: Scorer, made: _Generated) -> dict[str, Any] | None:
+    """The export's images against the PyTorch fine-tune's of the same prompts and seeds."""
+    exported = made.exported
+    if not exported:
+        return None
+    n = len(exported["images"])
+    tuned = made.tuned["main"][0][:n]
+    return F.section(exported["images"], tuned, scorer.overall(exported["images"], n), scorer.overall(tuned, n),
+                     exported["precision"], exported["backend"])
+
+
+def _gate_and_report(cfg: EvaluateConfig, metrics: dict[str, float], fidelity: dict[str, Any] | None,
+                     made: _Generated, prompts: list[str], clip_texts: list[str], real_images: list[Image.Image],
+                     scorer: Scorer) -> dict[str, Any]:
+    """The gate's verdict and the report; its headline in the log."""
     gate_values = {**metrics, "export_psnr": fidelity["psnr_min"] if fidelity else None}
     verdict = M.gate(gate_values, cfg.gate.model_dump())
-    report = _report(cfg, metrics, verdict, prompts, clip_texts, tuned["main"][0], real_images,
-                     shape, source, drift=jobs.drift, heldout=heldout_data, with_base=with_base,
-                     fidelity=fidelity, scorer_dims=(clip.embedding_dim, dino.embedding_dim))
-    report["seconds"] = seconds
+    report = _report(cfg, metrics, verdict, prompts, clip_texts, made.tuned["main"][0], real_images,
+                     made.shape, made.source, drift=made.jobs.drift, heldout=made.heldout,
+                     with_base=bool(made.based), fidelity=fidelity,
+                     scorer_dims=(scorer.clip.embedding_dim, scorer.dino.embedding_dim))
+    report["seconds"] = made.seconds
     log.info("CLIP-T %.3f, CLIP-I %.3f, DINO %.3f; gate %s; protocol %s", metrics["clip_t"],
              metrics["clip_i"], metrics["dino"], "passed" if verdict["passed"] else "FAILED",
              report["protocol"]["id"])
@@ -176,8 +206,7 @@ def evaluate(model: Path, base: Path | None, instance_data: Path, cfg: EvaluateC
                  fidelity["delta_dino"])
     if not report["protocol"]["calibrated"]:
         log.warning("%s", report["protocol"]["uncalibrated_reason"])
-    return Result(report, rows, tuned["main"][0], based["main"][0] if based else None,
-                  {"export_images": exported["images"] if exported else None})
+    return report
 
 
 def _fine_tuning_metrics(scorer: Scorer, prompts: list[str], clip_texts: list[str],
