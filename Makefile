@@ -25,7 +25,8 @@ export PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS ?= 120
 
 help:
 	@echo "make demo       set up, then run the whole pipeline offline on the built-in tiny model"
-	@echo "make test       set up, then run the test suite (what .ci/run calls)"
+	@echo "make test-fast  the quick tier, under a minute: no server, launcher or side environment (run it before every commit)"
+	@echo "make test       set up, then run the whole test suite (what .ci/run calls)"
 	@echo "make lint       ruff over the tree, with the rules in pyproject.toml (CI runs it)"
 	@echo "make serve      Prefect server + worker on 127.0.0.1:\$${PREFECT_PORT:-4200}, deployments finetune/main and finetune/nightly"
 	@echo "make mlflow-ui  MLflow UI on 127.0.0.1:5000 over ./mlflow.db"
@@ -157,8 +158,10 @@ test: data
 	fi
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
+# The quick tier (modules marked `pytestmark = pytest.mark.quick`): what needs no server, launcher,
+# side environment or minutes of model work, the tier to run before every commit; make test runs it too.
 test-fast: data
-	$(BIN)/python -m pytest -m "not e2e" $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -m quick $(PYTEST_ARGS)
 
 # ruff with the rules in pyproject.toml, over the whole tree (CI runs it before the tests).
 lint: $(STAMP)

@@ -20,6 +20,8 @@ import yaml
 
 from tests.conftest import REPO, stage_runs
 
+pytestmark = pytest.mark.quick  # make test-fast
+
 #: stage -> its CLI arguments; every path is under the test's folder and must not appear.
 OUTPUTS = {
     "base": ["--out", "models/base"],

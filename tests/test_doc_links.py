@@ -13,6 +13,8 @@ import pytest
 from flows.params_doc import slug
 from tests.conftest import REPO
 
+pytestmark = pytest.mark.quick  # make test-fast
+
 DOCS = sorted({*REPO.glob("*.md"), *REPO.glob("docs/*.md"), *REPO.glob("tasks/**/README.md"),
                *REPO.glob("benchmarks/**/README.md"), *REPO.glob("infra/**/README.md")})
 FENCE = re.compile(r"^(```|~~~).*?^\1", re.S | re.M)

@@ -19,6 +19,8 @@ from tasks.common.stage_deps import (
 )
 from tests.conftest import REPO
 
+pytestmark = pytest.mark.quick  # make test-fast
+
 GRAPH = import_graph(REPO)
 #: tasks/<package>: a stage's code (tasks.common is shared; tasks.register is the flow's last step)
 STAGE_PACKAGES = sorted({name.split(".")[1] for name in GRAPH if name.startswith("tasks.")} - {"common"})

@@ -9,6 +9,8 @@ from pydantic import Field, ValidationError
 from tasks.common.config import StageConfig, load_config
 from tasks.common.errors import UserError
 
+pytestmark = pytest.mark.quick  # make test-fast
+
 
 class Inner(StageConfig):
     min_score: float = Field(0.0, ge=0)

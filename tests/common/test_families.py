@@ -8,6 +8,8 @@ import torch
 from tasks.common import families
 from tasks.common.errors import UserError
 
+pytestmark = pytest.mark.quick  # make test-fast
+
 
 @pytest.mark.parametrize("kind, latent_channels", [("builtin:tiny-sd3", 16), ("builtin:tiny-flux", 16),
                                                     ("builtin:tiny-flux2", 8)])

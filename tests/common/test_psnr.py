@@ -7,6 +7,8 @@ from PIL import Image
 
 from tasks.common.psnr import NON_FINITE_DB, PSNR_CAP_DB, psnr_db
 
+pytestmark = pytest.mark.quick  # make test-fast
+
 
 def test_known_values_for_float_images() -> None:
     a = np.zeros((4, 4, 3))

@@ -7,6 +7,8 @@ from PIL import Image
 
 from tasks.common.scoring import Encoders, Scorer, clip_t_scores, clip_t_text, cosine_matrix
 
+pytestmark = pytest.mark.quick  # make test-fast
+
 
 def test_clip_t_text_leaves_out_the_identifier_only() -> None:
     assert clip_t_text("a photo of sks toy on the beach", "sks") == "a photo of toy on the beach"

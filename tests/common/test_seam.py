@@ -31,8 +31,12 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+import pytest
+
 from tasks.common import families
 from tasks.common.families import FAMILIES, ModelFamily
+
+pytestmark = pytest.mark.quick  # make test-fast
 
 ROOT = Path(__file__).resolve().parents[2]
 FAMILIES_DIR = ROOT / "tasks" / "common" / "families"

@@ -9,6 +9,8 @@ import torch
 from tasks.common import families, weights_load
 from tasks.common.weights_load import load_in_dtype
 
+pytestmark = pytest.mark.quick  # make test-fast
+
 
 def assert_same(a: torch.nn.Module, b: torch.nn.Module) -> None:
     sa, sb = a.state_dict(), b.state_dict()

@@ -8,9 +8,12 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 from PIL import Image
 
 from tests.conftest import REPO
+
+pytestmark = pytest.mark.quick  # make test-fast
 
 SCRIPT = REPO / "data" / "demo" / "generate.py"
 

@@ -14,6 +14,8 @@ from tasks.common.tiny_encoders import (
     load_dino,
 )
 
+pytestmark = pytest.mark.quick  # make test-fast
+
 
 def _images(n: int = 3) -> list[Image.Image]:
     rng = np.random.default_rng(0)

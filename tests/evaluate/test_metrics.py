@@ -13,6 +13,8 @@ from tasks.evaluate.config import EvaluateConfig
 from tasks.evaluate.core import render_prompts
 from tasks.evaluate.generate import batches, plan
 
+pytestmark = pytest.mark.quick  # make test-fast
+
 E = np.eye(3)  # three orthogonal unit vectors
 
 

@@ -14,6 +14,8 @@ from tasks.evaluate.core import evaluate, render_prompts
 from tasks.evaluate.prompts import LIVE_PROMPTS, OBJECT_PROMPTS
 from tests.export.tiny_ov import tiny_pipeline, write_subject_images
 
+pytestmark = pytest.mark.quick  # make test-fast
+
 
 def test_paper_prompt_sets():
     assert len(OBJECT_PROMPTS) == len(set(OBJECT_PROMPTS)) == 25

@@ -16,6 +16,8 @@ from tasks.common.errors import UserError
 from tasks.export.single_file import check_layout_supported, write_single_file
 from tests.export.tiny_ov import tiny_pipeline
 
+pytestmark = pytest.mark.quick  # make test-fast
+
 
 def assert_read_back(pipeline_cls, src: Path, other: Path, path: Path, parts: tuple[str, ...]):
     back = pipeline_cls.from_single_file(str(path), config=str(other), local_files_only=True)

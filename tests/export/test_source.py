@@ -9,6 +9,8 @@ from tasks.export.source import detect, materialize
 from tests.export.adapters import TOKEN, write_adapters
 from tests.export.tiny_ov import tiny_pipeline
 
+pytestmark = pytest.mark.quick  # make test-fast
+
 
 @pytest.fixture(scope="module")
 def base(tmp_path_factory):

@@ -17,6 +17,8 @@ from flows.params_doc import COMMAND, DOC, ITEM, MissingDescriptions, generate, 
 from tasks.common.config import StageConfig
 from tests.conftest import REPO
 
+pytestmark = pytest.mark.quick  # make test-fast
+
 ROW = re.compile(r"^\| `([^`]+)` \| [^|]*(?:\\\|[^|]*)* \| (.*)$")
 
 

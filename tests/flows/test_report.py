@@ -5,6 +5,8 @@ import pytest
 
 from flows.report import markdown
 
+pytestmark = pytest.mark.quick  # make test-fast
+
 SUMMARY = {
     "mlflow_run_id": "abc", "mlflow_experiment_id": "7",
     "stages": [{"stage": "train", "status": "ran", "seconds": 12.5}],

@@ -4,8 +4,12 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import pytest
+
 from flows.rescore import evaluate_command, needs_rescore
 from tests.conftest import REPO
+
+pytestmark = pytest.mark.quick  # make test-fast
 
 
 def test_a_champion_under_another_protocol_needs_a_rescore() -> None:

@@ -14,6 +14,8 @@ from flows.serve import check_port_free, port_from_env, prefect_env, work_pool_n
 from tasks.common.errors import UserError
 from tests.conftest import REPO
 
+pytestmark = pytest.mark.quick  # make test-fast
+
 
 def test_taken_port_is_refused_with_the_fix() -> None:
     with socket.socket() as busy:

@@ -11,6 +11,8 @@ from tasks.common.errors import UserError
 from tasks.ingest.config import FolderSource, HubSource, IngestConfig, MetadataJsonSource
 from tests.conftest import REPO
 
+pytestmark = pytest.mark.quick  # make test-fast
+
 
 def parse(data: dict) -> IngestConfig:
     """The section as given; without data_dir, each source names its own folder."""

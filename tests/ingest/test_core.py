@@ -12,6 +12,8 @@ from tasks.common.errors import UserError
 from tasks.ingest.core import require_kept
 from tests.ingest.util import picture, run_folder, save
 
+pytestmark = pytest.mark.quick  # make test-fast
+
 RED, BLUE = (255, 0, 0), (0, 0, 255)
 SOLID = {"near_duplicate_distance": None}  # solid colours share one perceptual hash
 

@@ -4,11 +4,14 @@ from __future__ import annotations
 from collections import Counter
 from pathlib import Path
 
+import pytest
 from PIL import Image
 
 from tasks.ingest.checks import REASONS
 from tests.ingest.corpus import PARAMS, build
 from tests.ingest.util import config, run
+
+pytestmark = pytest.mark.quick  # make test-fast
 
 
 def test_every_input_is_kept_or_rejected_with_the_expected_reason(tmp_path: Path) -> None:

@@ -11,6 +11,8 @@ from tasks.ingest.deps import check_dvc_deps
 from tests.conftest import REPO
 from tests.ingest.util import config
 
+pytestmark = pytest.mark.quick  # make test-fast
+
 
 def repo(tmp_path: Path, deps: list) -> dict[str, str]:
     (tmp_path / "dvc.yaml").write_text(yaml.safe_dump(

@@ -12,6 +12,8 @@ from tasks.common.images import (
     to_rgb,
 )
 
+pytestmark = pytest.mark.quick  # make test-fast
+
 
 def test_grid_layout_and_mixed_sizes() -> None:
     ims = [Image.new("RGB", (32, 32), (i * 40, 0, 0)) for i in range(5)]

@@ -11,6 +11,8 @@ from tasks.ingest.config import MetadataJsonSource
 from tasks.ingest.metadata import apply_rules, parse
 from tests.ingest.util import config, picture, run, save
 
+pytestmark = pytest.mark.quick  # make test-fast
+
 
 def rules(**kw) -> MetadataJsonSource:
     return MetadataJsonSource(type="metadata_json", path=Path("."), **kw)

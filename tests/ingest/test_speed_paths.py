@@ -4,11 +4,14 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
+import pytest
 from PIL import Image
 
 from tasks.ingest.cache import KEEP_FINGERPRINTS
 from tasks.ingest.dedup import NearIndex
 from tests.ingest.util import picture, run_folder, save
+
+pytestmark = pytest.mark.quick  # make test-fast
 
 
 def corpus(src: Path, n: int) -> None:

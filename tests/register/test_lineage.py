@@ -18,6 +18,8 @@ from tasks.register.lineage import (
 )
 from tests.register.conftest import DVC_LOCK, EVAL_FAIL, EVAL_PASS
 
+pytestmark = pytest.mark.quick  # make test-fast
+
 
 def test_lock_gives_output_hashes_and_the_params_each_stage_ran_with(tmp_path: Path) -> None:
     (tmp_path / "dvc.lock").write_text(DVC_LOCK)

@@ -7,6 +7,8 @@ from tasks.common.errors import UserError
 from tasks.register.lineage import Evaluation
 from tasks.register.promotion import Champion, decide, score_from_tags
 
+pytestmark = pytest.mark.quick  # make test-fast
+
 
 def _ev(dino: float, passed: bool = True) -> Evaluation:
     return Evaluation(metrics={"dino": dino, "clip_i": 0.9}, passed=passed)

@@ -8,6 +8,8 @@ from mlflow.exceptions import MlflowException
 
 from tasks.register.pyfunc_model import MAX_IMAGES, SETTINGS, check_request, signature
 
+pytestmark = pytest.mark.quick  # make test-fast
+
 BAD = [
     # (inputs, params, what the error must say)
     (42, {}, r"inputs: expected a list of prompt strings, got int"),

@@ -12,6 +12,8 @@ from tasks.common.errors import UserError
 from tasks.train.config import NOT_IN_RUN_KEY, TrainConfig
 from tests.conftest import REPO
 
+pytestmark = pytest.mark.quick  # make test-fast
+
 
 def load(**section) -> TrainConfig:
     return parse_section("train", section, TrainConfig)

@@ -14,6 +14,8 @@ from tasks.train.data import CaptionPolicy, EpochSampler, Record, TrainDataset, 
 from tasks.train.methods import METHODS
 from tests.train.conftest import write_imagefolder
 
+pytestmark = pytest.mark.quick  # make test-fast
+
 TAGS = ["sks toy", "red", "plush", "studio", "white background"]
 
 
