@@ -10,6 +10,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import psutil
@@ -183,10 +184,11 @@ def test_sigterm_reaches_every_rank_and_two_ranks_resume(tmp_path, tiny_sd, inst
 
 #: a rank that answers a stop request as training does, only slower: argv[1] s to "finish its step and save"
 SLOW_SAVER = """
-import sys, time
+import os, sys, time
+from pathlib import Path
 from tasks.train.interrupts import stop_on_signals
 with stop_on_signals() as stop:
-    print("ready", file=sys.stderr, flush=True)
+    Path(f"ready-{os.getpid()}").touch()
     while not stop.requested:
         time.sleep(0.02)
     time.sleep(float(sys.argv[1]))
@@ -216,10 +218,11 @@ def test_ranks_get_as_long_as_they_need_to_save(tmp_path, launcher, ranks, ctrl_
     proc = subprocess.Popen([sys.executable, "-c", LAUNCHER, launcher, str(ranks), save_s], stderr=subprocess.PIPE,
                             text=True, cwd=tmp_path, process_group=0, env={**os.environ, "PYTHONPATH": str(REPO)})
     try:
-        assert proc.stderr is not None
-        ready = 0
-        while ready < ranks and (line := proc.stderr.readline()):
-            ready += line.strip() == "ready"
+        # each rank marks itself ready with a file (not its output: the launcher may forward that late or merged)
+        deadline = time.monotonic() + 120
+        while len(list(tmp_path.glob("ready-*"))) < ranks and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert len(list(tmp_path.glob("ready-*"))) == ranks, f"{ranks} ranks did not start in 120 s"
         asked = signal.SIGINT if ctrl_c else signal.SIGTERM
         if ctrl_c:
             os.killpg(proc.pid, asked)
