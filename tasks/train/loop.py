@@ -218,7 +218,7 @@ class _Loop:
         register_weight_hooks(accelerator, {n: modules[n] for n in self.trainable})
         if resume_from is not None and self.checkpoints is not None:
             self._resume(resume_from)
-        self.step = _Step()
+        self.pending = _Step()
         self.snapshot = RngSnapshot.take(accelerator)
 
     def _resume(self, resume_from: Path) -> None:
@@ -255,12 +255,12 @@ class _Loop:
         """One pass over the loader; True when it ended at max_train_steps rather than the epoch's end."""
         fetch = time.perf_counter()
         for batch in self.backend.loader(loader):
-            self.step.data_seconds += time.perf_counter() - fetch
+            self.pending.data_seconds += time.perf_counter() - fetch
             consumed += 1
             self._micro_step(batch)
             if self.accelerator.sync_gradients:
                 self._end_of_step(consumed, stop, bar)
-                self.step = _Step()
+                self.pending = _Step()
                 if self.state.step >= self.cfg.max_train_steps:
                     return True
             fetch = time.perf_counter()
@@ -268,7 +268,7 @@ class _Loop:
 
     def _micro_step(self, batch: Any) -> None:
         """Forward and backward of one batch; the optimizer steps when accumulation is complete."""
-        accelerator, step = self.accelerator, self.step
+        accelerator, step = self.accelerator, self.pending
         with accelerator.accumulate(*self.wrapped.values()):
             with accelerator.autocast():
                 loss, parts = self.method.compute_loss(batch, self.live)
@@ -292,7 +292,7 @@ class _Loop:
     def _end_of_step(self, consumed: int, stop: StopFlag, bar: Any) -> None:
         """The optimizer step is done: advance the state, log it, checkpoint / validate / score, tell the
         callbacks, and stop here when a signal asked to."""
-        state, step = self.state, self.step
+        state, step = self.state, self.pending
         self.method.after_step()
         state.step, state.batches_in_epoch = state.step + 1, consumed
         self.backend.after_step(state.step)
