@@ -152,11 +152,9 @@ def versions() -> dict[str, str]:
 
 def tcmalloc() -> str:
     """The tcmalloc our stage preloads (launch.preload_allocator), for their script too."""
-    from tasks.common.allocator import allocator_preload, find_allocators
+    from tasks.common.allocator import allocator_env, find_allocators
 
-    preload = allocator_preload("tcmalloc", find_allocators())
-    assert preload is not None
-    return preload
+    return allocator_env("tcmalloc", find_allocators())["LD_PRELOAD"]
 
 
 def table(results: list[dict]) -> str:

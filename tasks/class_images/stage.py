@@ -14,6 +14,7 @@ from PIL import Image
 
 from tasks.class_images.config import ClassImagesConfig
 from tasks.class_images.core import METADATA, Summary, image_name, run
+from tasks.common.allocator import say_allocator
 from tasks.common.distributed import Worker
 from tasks.common.images import make_grid
 from tasks.common.outputs import write_json
@@ -41,7 +42,8 @@ def _record(args: argparse.Namespace, cfg: ClassImagesConfig, done: Summary | No
         summary = done if done is not None else run(cfg, args.base, args.out)
         report = summary.report()
         write_json(args.report, report)
-        run_.set_tags({"class_images.base_fingerprint": summary.base_fingerprint})
+        run_.set_tags({"class_images.base_fingerprint": summary.base_fingerprint,
+                       "class_images.allocator": say_allocator("class_images")})
         metrics = {k: v for k, v in report.items() if isinstance(v, (int, float))}
         if summary.generated:
             metrics["images_per_second"] = summary.generated / max(summary.seconds, 1e-9)

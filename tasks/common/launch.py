@@ -40,7 +40,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from tasks.common.allocator import ALLOCATOR_ENV, Allocator, allocator_preload, find_allocators, preload_locally
+from tasks.common.allocator import Allocator, allocator_env, find_allocators, preload_locally
 from tasks.common.config import StageConfig
 from tasks.common.errors import UserError
 from tasks.common.stop_signals import OPEN_MPI, WORKER_ENV, relay, wait_for_group
@@ -71,8 +71,9 @@ class LaunchConfig(StageConfig):
     threads_per_process: int | None = Field(
         None, ge=1, description="OMP/MKL threads per rank; null: this machine's cores / ranks per node")
     preload_allocator: Allocator = Field(
-        "auto", description="LD_PRELOAD a malloc that keeps freed blocks for the next step (local runs too); "
-                            "auto: tcmalloc, else jemalloc, when installed")
+        "auto", description="a malloc that keeps freed blocks for the next step (local runs too): tcmalloc or "
+                            "jemalloc in LD_PRELOAD, or glibc's own tuned by GLIBC_TUNABLES; auto: tcmalloc when "
+                            "installed, else glibc tuned; none: the environment as it is")
     network_interface: str | None = Field(None, description="NIC between the nodes (e.g. ens786f1); null: any")
     oneccl_env_script: str | None = Field(
         "auto", description="sourced before mpirun; auto: oneCCL bindings' env/setvars.sh when installed; null: none")
@@ -183,9 +184,7 @@ def rank_env(launcher: str, launch: LaunchConfig, host: Host) -> dict[str, str]:
     env.update(MASTER_ADDR=address, MASTER_PORT=str(port))
     threads = launch.threads_per_process or max(1, host.cores // launch.per_node)
     env.update(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads), KMP_BLOCKTIME="1")
-    preload = allocator_preload(launch.preload_allocator, host.allocators)
-    if preload is not None:
-        env.update({**ALLOCATOR_ENV, "LD_PRELOAD": preload})
+    env.update(allocator_env(launch.preload_allocator, host.allocators))
     if launch.network_interface:
         nic = launch.network_interface
         env.update(I_MPI_HYDRA_IFACE=nic, GLOO_SOCKET_IFNAME=nic, NCCL_SOCKET_IFNAME=nic, CCL_SOCKET_IFNAME=nic)

@@ -12,6 +12,7 @@ import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+from tasks.common.allocator import say_allocator
 from tasks.common.images import make_grid
 from tasks.common.outputs import write_json
 from tasks.common.scoring import IMAGE_METRICS
@@ -53,10 +54,12 @@ def _no_run() -> Iterator[_NoRun]:
 def train_and_record(args: argparse.Namespace, cfg: TrainConfig, main_process: bool) -> None:
     """Train; under a launcher only rank 0 writes the outputs and logs to MLflow."""
     logging.getLogger("accelerate").setLevel(logging.WARNING)  # it logs every file of every checkpoint
+    allocator = say_allocator("train")  # a warning, with the cost and the fix, on glibc's defaults
     if main_process:
         _enable_system_metrics(cfg.system_metrics_interval)
     try:
         with stage_run("train", params=cfg.model_dump(mode="json")) if main_process else _no_run() as run:
+            run.set_tags({"train.allocator": allocator})
 
             def log_step(entry: StepLog) -> None:
                 if entry.step % cfg.log_every_steps == 0 or entry.step == cfg.max_train_steps:
@@ -74,7 +77,7 @@ def train_and_record(args: argparse.Namespace, cfg: TrainConfig, main_process: b
             if not main_process:
                 return
             write_loss_csv(args.plot, outcome.losses)
-            report = outcome.report()
+            report = {**outcome.report(), "allocator": allocator}
             write_json(args.report, report)
             run.set_tags({"train.method": outcome.method, "train.family": outcome.family,
                           "train.checkpoint_dir": str(outcome.checkpoint_dir),

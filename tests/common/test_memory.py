@@ -10,7 +10,7 @@ import sys
 import numpy as np
 import pytest
 
-from tasks.common.allocator import ALLOCATOR_ENV, find_allocators
+from tasks.common.allocator import TCMALLOC_ENV, find_allocators
 from tasks.common.memory import release_memory
 from tests.conftest import REPO
 
@@ -73,7 +73,7 @@ def test_freed_blocks_go_back_to_the_system_under_tcmalloc() -> None:
     # return them all, depending on the allocation history before this snippet), and at once with
     # aggressive decommit. On CI all four once came back by themselves. With both off, what comes
     # back is what return_free_heap asked for.
-    env = {**os.environ, **ALLOCATOR_ENV, "LD_PRELOAD": found[allocator], "PYTHONPATH": str(REPO),
+    env = {**os.environ, **TCMALLOC_ENV, "LD_PRELOAD": found[allocator], "PYTHONPATH": str(REPO),
            "TCMALLOC_RELEASE_RATE": "0", "TCMALLOC_AGGRESSIVE_DECOMMIT": "false"}
     out = subprocess.run([sys.executable, "-c", FREE_AND_RELEASE], env=env, cwd=REPO, check=True,
                          capture_output=True, text=True).stdout

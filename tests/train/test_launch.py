@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tasks.common.allocator import allocator_preload, find_allocators
+from tasks.common.allocator import allocator_env, find_allocators, in_use
 from tasks.common.config import parse_section
 from tasks.common.distributed import map_rank_environment
 from tasks.common.errors import UserError
@@ -39,7 +39,8 @@ def test_openmpi_command_forwards_the_environment_and_handles_root_and_container
     assert p.env["MASTER_ADDR"] == "127.0.0.1" and p.env["MASTER_PORT"] == "29555"
     assert p.env["OMP_NUM_THREADS"] == p.env["MKL_NUM_THREADS"] == "4", "8 cores / 2 ranks"
     assert "--allow-run-as-root" not in plan("train", "mpirun", LaunchConfig(num_processes=2), ARGV, host()).cmd
-    assert p.shell().startswith("FINETUNE_LAUNCHED=mpirun KMP_BLOCKTIME=1 MASTER_ADDR=127.0.0.1 MASTER_PORT=29555")
+    assert p.shell().startswith("FINETUNE_LAUNCHED=mpirun GLIBC_TUNABLES=glibc.malloc.mmap_max=0:")  # no tcmalloc
+    assert " KMP_BLOCKTIME=1 MASTER_ADDR=127.0.0.1 MASTER_PORT=29555 " in p.shell()
 
 
 def test_openmpi_across_nodes(tmp_path) -> None:
@@ -75,15 +76,22 @@ def test_no_mpirun_is_a_clear_error() -> None:
 
 
 def test_allocator_preload(tmp_path, monkeypatch) -> None:
+    """auto: tcmalloc when installed, else glibc's malloc tuned to keep freed blocks; ranks get it too."""
     monkeypatch.delenv("LD_PRELOAD", raising=False)
+    monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.arena_max=2")  # the caller's own: kept, after ours
     both = {"tcmalloc": "/usr/lib/libtcmalloc.so.4", "jemalloc": "/usr/lib/libjemalloc.so.2"}
     auto = LaunchConfig(num_processes=2)
     assert plan("train", "mpirun", auto, ARGV, host(allocators=both)).env["LD_PRELOAD"] == both["tcmalloc"]
     only_je = host(allocators={"jemalloc": both["jemalloc"]})
-    assert plan("train", "mpirun", auto, ARGV, only_je).env["LD_PRELOAD"] == both["jemalloc"]
-    assert "LD_PRELOAD" not in plan("train", "mpirun", auto, ARGV, host()).env
+    jemalloc = auto.model_copy(update={"preload_allocator": "jemalloc"})
+    assert plan("train", "mpirun", jemalloc, ARGV, only_je).env["LD_PRELOAD"] == both["jemalloc"]
+    for found in (host(), only_je):  # nothing installed, or only jemalloc: glibc's own, tuned
+        env = plan("train", "mpirun", auto, ARGV, found).env
+        assert "LD_PRELOAD" not in env
+        assert env["GLIBC_TUNABLES"] == ("glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=68719476736:"
+                                         "glibc.malloc.top_pad=1073741824:glibc.malloc.arena_max=2")
     none = auto.model_copy(update={"preload_allocator": "none"})
-    assert "LD_PRELOAD" not in plan("train", "mpirun", none, ARGV, host(allocators=both)).env
+    assert not {"LD_PRELOAD", "GLIBC_TUNABLES"} & set(plan("train", "mpirun", none, ARGV, host(allocators=both)).env)
     with pytest.raises(UserError, match="tcmalloc: libtcmalloc.so .* not found. Install it"):
         plan("train", "mpirun", auto.model_copy(update={"preload_allocator": "tcmalloc"}), ARGV, only_je)
 
@@ -202,47 +210,76 @@ def test_shipped_accelerate_configs_load(name) -> None:
     assert Path(REPO / "infra" / "hostfile.example").is_file()
 
 
-PRELOADABLE = allocator_preload(LaunchConfig().preload_allocator, find_allocators())
-needs_allocator = pytest.mark.skipif(PRELOADABLE is None, reason="no tcmalloc or jemalloc: apt-get install "
+PRELOADABLE = allocator_env("tcmalloc", find_allocators())["LD_PRELOAD"] if "tcmalloc" in find_allocators() else None
+needs_allocator = pytest.mark.skipif(PRELOADABLE is None, reason="no tcmalloc: apt-get install "
                                      "libtcmalloc-minimal4 (.ci/run installs it)")
+GLIBC_TUNED = allocator_env("glibc", {})
 REALLOCATE = """
 import resource
 import torch
-x = torch.ones(64 * 2**20)  # 256 MB, about one step's bf16 weight copies of a LoRA'd SD 1.5 UNet
-del x
+def step():  # one step's large blocks: bf16 weight copies (256 MB, a LoRA'd SD 1.5 UNet's), activations
+    x = torch.ones(64 * 2**20)
+    y = torch.ones(3 * 2**20)
+    z = x + 1
+    del x, y, z
+for _ in range(8):  # the first steps: an allocator that keeps blocks settles on where they go
+    step()
 before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 for _ in range(3):  # the next steps allocate the same again
-    x = torch.ones(64 * 2**20)
-    del x
+    step()
 print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
 """
 
 
+def _faults(extra: dict[str, str]) -> int:
+    env = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "GLIBC_TUNABLES")}
+    out = subprocess.run([sys.executable, "-c", REALLOCATE], capture_output=True, text=True, check=True,
+                         env={**env, **extra})
+    return int(out.stdout.split()[-1])
+
+
+def test_glibc_tuned_serves_the_next_steps_blocks_without_page_faults() -> None:
+    """Page faults do not depend on the machine's load: glibc as it comes unmaps a freed 256 MB block
+    and the kernel faults 65,536 pages back in, zeroed, at each reallocation (3 steps: 393,000
+    pages); glibc tuned by
+    GLIBC_TUNABLES (auto's choice where tcmalloc is not installed) keeps the block, nothing installed."""
+    assert _faults({}) > 3 * 120_000
+    assert _faults(GLIBC_TUNED) < 1_000
+
+
 @needs_allocator
 def test_the_preloaded_allocator_serves_the_next_steps_blocks_without_page_faults() -> None:
-    """Page faults do not depend on the machine's load: glibc unmaps a freed 256 MB block and the
-    kernel faults 65,536 pages back in, zeroed, at each reallocation; tcmalloc keeps the block."""
-    def faults(preload: str) -> int:
-        env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
-        out = subprocess.run([sys.executable, "-c", REALLOCATE], capture_output=True, text=True, check=True,
-                             env={**env, **({"LD_PRELOAD": preload} if preload else {})})
-        return int(out.stdout.split()[-1])
-
-    assert faults("") > 3 * 60_000
-    assert faults(PRELOADABLE) < 1_000
+    assert _faults({"LD_PRELOAD": PRELOADABLE}) < 1_000
 
 
-@needs_allocator
-def test_a_local_stage_run_re_executes_itself_once_with_the_allocator(tmp_path) -> None:
-    """`python -m tasks.train` (launcher local) starts again with LD_PRELOAD set, once, and runs the stage
-    there (here: to its first check); in-process callers such as this test are never replaced."""
-    (tmp_path / "params.yaml").write_text("train: {}\n")
-    env = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "FINETUNE_PRELOADED")}
+def test_the_allocator_in_use_is_named(monkeypatch) -> None:
+    """What the log, the train report and the MLflow run say: read from the process itself."""
+    def named(extra: dict[str, str]) -> str:
+        env = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "GLIBC_TUNABLES", "MALLOC_MMAP_MAX_")}
+        code = "from tasks.common.allocator import in_use; print(in_use())"
+        return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                              env={**env, **extra, "PYTHONPATH": str(REPO)}).stdout.strip()
+
+    assert named({}) == "glibc-defaults"
+    assert named(GLIBC_TUNED) == named({"MALLOC_MMAP_MAX_": "0"}) == "glibc-tuned"
+    if PRELOADABLE:
+        assert named({"LD_PRELOAD": PRELOADABLE}) == "tcmalloc"
+
+
+@pytest.mark.parametrize("allocator", ["auto", "glibc"])
+def test_a_local_stage_run_re_executes_itself_once_with_the_allocator(tmp_path, allocator) -> None:
+    """`python -m tasks.train` (launcher local) starts again with the allocator's environment, once,
+    and runs the stage there (here: to its first check); in-process callers such as this test are
+    never replaced. auto: tcmalloc where installed, else glibc tuned; glibc: that, always."""
+    (tmp_path / "params.yaml").write_text(f"train: {{launch: {{preload_allocator: {allocator}}}}}\n")
+    env = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "FINETUNE_PRELOADED", "GLIBC_TUNABLES")}
     proc = subprocess.run([sys.executable, "-m", "tasks.train", "--base", str(tmp_path / "none"), "--data", "d",
                            "--class-data", "c", "--out", "o", "--report", "r.json", "--plot", "l.csv",
                            "--params", "params.yaml"], capture_output=True, text=True, cwd=tmp_path,
                           env={**env, "PYTHONPATH": str(REPO)}, timeout=120)
-    assert proc.stderr.count(f"re-executing with LD_PRELOAD={PRELOADABLE}") == 1, proc.stderr[-2000:]
+    wanted = (f"LD_PRELOAD={PRELOADABLE}" if allocator == "auto" and PRELOADABLE
+              else f"GLIBC_TUNABLES={GLIBC_TUNED['GLIBC_TUNABLES']}")
+    assert proc.stderr.count(f"re-executing with {wanted}") == 1, proc.stderr[-2000:]
     assert proc.stderr.count("is not a diffusers pipeline folder") == 1 and proc.returncode == 2  # UserError
     start("train", "local", LaunchConfig())  # in pytest: returns, the test process goes on
 
