@@ -58,6 +58,9 @@ SCORING_FOLLOWS = {
 }
 
 
+#: the methods that train a model's own weights (`full_bf16` holds them in bf16)
+BF16_WEIGHT_METHODS = ("dreambooth", "full")
+
 class XlaConfig(StageConfig):
     """`train.xla`: PyTorch/XLA (TPU, or CPU with PJRT_DEVICE=CPU) options, after diffusers' SDXL-on-TPU script."""
 
@@ -188,6 +191,10 @@ class TrainConfig(StageConfig):
     mixed_precision: Literal["no", "bf16", "fp16"] = Field(
         "no", description="no | bf16 (autocast, also on CPU) | fp16 (CUDA only)"
     )
+    full_bf16: bool | None = Field(
+        None, description="hold the weights dreambooth and full train in bf16, updated by AdamW in float32 with "
+                          "stochastic rounding (kohya's --full_bf16): no float32 weights or gradients; null: "
+                          "on for those methods on a CPU with mixed_precision bf16 (tasks/train/README.md)")
     allow_tf32: bool = Field(False, description="TF32 matmuls on Ampere+ GPUs")
     prediction_type: Literal["epsilon", "v_prediction"] | None = Field(
         None, description="training target; null: the base model's scheduler setting"
@@ -281,7 +288,30 @@ class TrainConfig(StageConfig):
                         "use bf16 or no")
         if self.use_8bit_adam and importlib.util.find_spec("bitsandbytes") is None:
             return "use_8bit_adam needs the bitsandbytes package (pip install bitsandbytes), or set it false"
+        if self.full_bf16:
+            return self._full_bf16_problem()
         return None
+
+    def _full_bf16_problem(self) -> str | None:
+        if self.mixed_precision != "bf16":
+            return "full_bf16 needs mixed_precision: bf16 (or set full_bf16: null)"
+        if self.method not in BF16_WEIGHT_METHODS:
+            return (f"full_bf16 holds the weights that dreambooth and full train; {self.method} trains small "
+                    "tensors kept in float32: set full_bf16: null")
+        clash = {"use_8bit_adam": self.use_8bit_adam, "use_ema": self.use_ema,
+                 "cpu_backend: ipex": self.cpu_backend == "ipex"}
+        if on := [k for k, v in clash.items() if v]:
+            return (f"full_bf16 comes with its own optimizer and float32 moments; {', '.join(on)} cannot go with "
+                    "it (8-bit moments, a bf16 EMA that loses its updates, IPEX's own float32 master weights): "
+                    "set full_bf16: false, or turn those off")
+        return None
+
+    def bf16_weights(self, device_type: str) -> bool:
+        """Whether the trained weights are held in bf16 (`full_bf16`; null: where measured to win)."""
+        if self.full_bf16 is not None:
+            return self.full_bf16
+        return (device_type == "cpu" and self.mixed_precision == "bf16" and self.method in BF16_WEIGHT_METHODS
+                and not (self.use_8bit_adam or self.use_ema or self.cpu_backend == "ipex"))
 
     def _method_problem(self) -> str | None:
         if self.method == "textual_inversion":

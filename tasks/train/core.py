@@ -52,6 +52,8 @@ class TrainOutcome:
     checkpoints: list[dict[str, Any]]  # one record per scored checkpoint (selection.py), with its folder
     selected: dict[str, Any]  # what went to --out
     buckets: dict[str, int] = field(default_factory=dict)  # instance images per 'HxW' bucket
+    cache_seconds: float = 0.0  # the latent cache filled before the first step
+    text_cache_seconds: float = 0.0  # the text cache filled before the first step
 
     def report(self) -> dict[str, Any]:
         """reports/train.json (DVC metrics)."""
@@ -66,6 +68,8 @@ class TrainOutcome:
             "resumed_from_step": self.resumed_from,
             "seconds": round(self.seconds, 3),
             "total_seconds": round(self.total_seconds, 3),
+            "latent_cache_seconds": round(self.cache_seconds, 3),
+            "text_cache_seconds": round(self.text_cache_seconds, 3),
             "median_step_seconds": round(statistics.median(step_seconds), 4) if step_seconds else 0.0,
             "images_per_second": round(self.images / self.seconds, 3) if self.seconds > 0 and self.images else 0.0,
             "peak_memory_mb": round(self.peak_memory_mb, 1),
@@ -119,7 +123,7 @@ def train(
     dtype = weight_dtype(accelerator.mixed_precision)
     if caches_on_host(accelerator):  # frozen parts in low precision; with the text cache on, text encoders gone
         method.place_frozen_first(accelerator.device, dtype)
-    components.load_denoiser(base, method.denoiser_load_dtype(dtype))  # only now: never beside T5
+    components.load_denoiser(base, method.denoiser_load_dtype(dtype, accelerator.device))  # only now: never beside T5
     prompts = cfg.validation_prompts or method.validation_prompts()
     validate = live_validator(method, base, cfg, accelerator, prompts)
     judge = (CheckpointJudge(cfg.checkpoint_scoring, prompts, Path(data_dir), accelerator.is_main_process)
@@ -149,7 +153,8 @@ def train(
         method=cfg.method, family=components.family.name, history=result.history, losses=result.state.history,
         seconds=result.seconds, total_seconds=time.perf_counter() - start, images=result.images, weights=weights,
         validation=images, resumed_from=result.resumed_from, checkpoint_dir=checkpoints.run_dir,
-        peak_memory_mb=peak, buckets=dataset.bucket_counts(),
+        peak_memory_mb=peak, buckets=dataset.bucket_counts(), cache_seconds=result.cache_seconds,
+        text_cache_seconds=method.text_cache_seconds,
         checkpoints=[_on_disk(r, checkpoints.run_dir / f"checkpoint-{r['step']}") for r in result.state.scores],
         selected=selected,
     )
@@ -163,6 +168,8 @@ def _hand_over(result: LoopResult, method: TrainingMethod, accelerator: Any, che
     trained, result.trained, result.ema, result.params = result.trained, {}, None, []
     for module in trained.values():
         module.to(memory_format=torch.contiguous_format)  # safetensors stores contiguous tensors
+        if next(module.parameters()).dtype == torch.bfloat16:  # full_bf16: the output in the base's float32
+            module.float()
     checkpoints.untrack()
     accelerator.free_memory()  # prepared models, optimizer, LR scheduler, data loader
     method.release(keep=set(trained))

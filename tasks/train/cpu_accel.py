@@ -106,6 +106,8 @@ def choose_cpu_backend(cfg: TrainConfig, mixed_precision: str) -> Backend:
     """The path `train.cpu_backend` asks for; `ipex` fails with the fix when IPEX cannot run here."""
     if cfg.cpu_backend == "native":
         return NativeCpuBackend(cfg, mixed_precision, "train.cpu_backend: native")
+    if mixed_precision == "bf16" and cfg.bf16_weights("cpu"):
+        return NativeCpuBackend(cfg, mixed_precision, "full_bf16: the weights are bf16 already")
     ipex, why = ipex_status()
     if ipex is not None:
         return IpexBackend(cfg, mixed_precision, ipex, why)

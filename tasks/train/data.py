@@ -150,6 +150,11 @@ def prepare_image(
 PromptFn = Callable[[Record, np.random.Generator], str]
 
 
+def latent_key(digest: str, target: tuple[int, int], flip: bool) -> str:
+    """The latent cache's key: it names the pixels (the file's SHA-256, the size it is cropped to, the flip)."""
+    return f"{digest}:{target[0]}x{target[1]}:{int(flip)}"
+
+
 @dataclass
 class TrainDataset(Dataset):
     """Instance images with per-method prompts, paired with class images and the class prompt.
@@ -205,8 +210,26 @@ class TrainDataset(Dataset):
         carries it (`latent`, with the stored crop geometry) and its image is not decoded."""
         self.latent_store = store if self.center_crop else None
 
+    def latent_inputs(self) -> list[tuple[Record, tuple[int, int], bool]]:
+        """Every (image, target size, flip) an epoch can hand to the latent cache: what it holds after
+        a full pass, so it can be filled before the first step (the methods' fill_latent_cache)."""
+        flips = (False, True) if self.random_flip else (False,)
+        seen: set[tuple[Path, tuple[int, int], bool]] = set()
+        out = []
+        for index in range(len(self)):
+            target = self.target(index)
+            records = [self.instances[index % len(self.instances)]]
+            if self.classes_:
+                records.append(self.classes_[index % len(self.classes_)])
+            for record in records:
+                for flip in flips:
+                    if (record.path, target, flip) not in seen:
+                        seen.add((record.path, target, flip))
+                        out.append((record, target, flip))
+        return out
+
     def _cached(self, record: Record, target: tuple[int, int], flip: bool) -> dict[str, Any] | None:
-        key = f"{self.latent_store.hashes.digest(record.path)}:{target[0]}x{target[1]}:{int(flip)}"
+        key = latent_key(self.latent_store.hashes.digest(record.path), target, flip)
         entry = self.latent_store.get(key)
         if entry is None:
             return None
@@ -224,9 +247,7 @@ class TrainDataset(Dataset):
         data = record.path.read_bytes()
         with Image.open(io.BytesIO(data)) as im:
             pixels, original, crop = prepare_image(im, target, self.center_crop, flip, rng)
-        # The key names the pixels: the file's content, the size it is cropped to, the flip.
-        key = (f"{hashlib.sha256(data).hexdigest()}:{target[0]}x{target[1]}:{int(flip)}"
-               if self.center_crop else None)
+        key = latent_key(hashlib.sha256(data).hexdigest(), target, flip) if self.center_crop else None
         return {"pixels": pixels, "original_size": original, "crop_top_left": crop, "target_size": target,
                 "latent_key": key}
 

@@ -91,16 +91,24 @@ class LatentCache:
                 self.hits += 1
                 rows.append(self.store[key]["parameters"])
                 continue
-            self.misses += 1
-            dist = vae.encode(pixels[j : j + 1].to(param.device, param.dtype)).latent_dist
-            entry = {"parameters": dist.parameters.detach().float().cpu(),
-                     "original_size": batch["original_sizes"][i].cpu(),
-                     "crop_top_left": batch["crops_top_left"][i].cpu()}
-            self.store[key] = entry
-            rows.append(entry["parameters"])
+            rows.append(self.encode(vae, key, pixels[j : j + 1], batch["original_sizes"][i],
+                                    batch["crops_top_left"][i]))
         # (`misses` counts encodings: with a disk store, entries an earlier run wrote are hits)
         stacked = torch.cat([r.to(param.device) for r in rows])
         return scale(vae, _sample(DiagonalGaussianDistribution(stacked), rand))
+
+
+    def encode(self, vae: torch.nn.Module, key: str, pixels: torch.Tensor, original_size: Any,
+               crop_top_left: Any) -> torch.Tensor:
+        """Encode one image ([1, C, H, W]) into the store under `key`; returns its posterior parameters."""
+        param = next(vae.parameters())
+        self.misses += 1
+        dist = vae.encode(pixels.to(param.device, param.dtype)).latent_dist
+        entry = {"parameters": dist.parameters.detach().float().cpu(),
+                 "original_size": torch.as_tensor(original_size).cpu(),
+                 "crop_top_left": torch.as_tensor(crop_top_left).cpu()}
+        self.store[key] = entry
+        return entry["parameters"]
 
 
 class PromptCache:

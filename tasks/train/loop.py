@@ -67,6 +67,7 @@ class LoopResult:
     anchor: WeightsAnchor  # their values before step 1
     last_lr: float = 0.0
     stopped_early: str | None = None  # why training ended before max_train_steps (select best: divergence)
+    cache_seconds: float = 0.0  # filling the latent cache before the first step (not in `seconds`)
 
 
 def make_accelerator(cfg: TrainConfig) -> Any:
@@ -203,6 +204,7 @@ class _Loop:
         self.backend = choose_backend(cfg, accelerator)  # XLA, CPU acceleration (IPEX or native) or the default
         optimizer = self.backend.prepare(method, optimizer)  # may switch the caches off (XLA)
         method.release_text_encoders()  # with the text cache on: embeddings in, encoders out
+        self.cache_seconds = method.fill_latent_cache(dataset, accelerator)  # every step then times alike
         self.params = [p for g in optimizer.param_groups for p in g["params"]]  # IPEX may have replaced them
         self.anchor = WeightsAnchor(self.params)  # before any resume: the weights as the method set them up
         lr_scheduler = make_lr_scheduler(cfg, optimizer, self.n_proc)
@@ -364,7 +366,8 @@ class _Loop:
         trained = {n: self.accelerator.unwrap_model(m) for n, m in self.wrapped.items()}
         self.backend.finish(trained)
         return LoopResult(self.history, self.state, time.perf_counter() - start, self.run_images, trained,
-                          self.resumed_from, self.ema, self.params, self.anchor, float(self.lr), self.stopped)
+                          self.resumed_from, self.ema, self.params, self.anchor, float(self.lr), self.stopped,
+                          self.cache_seconds)
 
 
 def _reduce_step(accelerator: Any, micro_losses: list[torch.Tensor], stop: StopFlag) -> float:

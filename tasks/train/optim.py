@@ -17,7 +17,8 @@ def weight_dtype(mixed_precision: str) -> torch.dtype:
 
 
 def make_optimizer(cfg: TrainConfig, groups: list[dict[str, Any]], lr: float) -> torch.optim.Optimizer:
-    """AdamW with torch's fused kernel, or bitsandbytes' AdamW8bit with `use_8bit_adam`.
+    """AdamW with torch's fused kernel, bitsandbytes' AdamW8bit with `use_8bit_adam`, or AdamW with
+    stochastic rounding for weights held in bf16 (`full_bf16`).
 
     The fused kernel updates each parameter in one pass instead of several: on this CPU a step over
     SD 1.5's 860M UNet weights takes about 2.5 s instead of about 25 s (benchmarks/train/README.md).
@@ -29,6 +30,11 @@ def make_optimizer(cfg: TrainConfig, groups: list[dict[str, Any]], lr: float) ->
         import bitsandbytes as bnb  # checked at config load
 
         return bnb.optim.AdamW8bit(groups, **kwargs)
+    params = [p for g in groups for p in g["params"]]
+    if params and all(p.dtype == torch.bfloat16 for p in params):  # full_bf16 (the method placed them so)
+        from tasks.train.bf16_adamw import StochasticAdamW
+
+        return StochasticAdamW(groups, **kwargs)
     try:
         return torch.optim.AdamW(groups, fused=True, **kwargs)
     except (RuntimeError, TypeError, ValueError) as err:  # a device or dtype without the fused kernel

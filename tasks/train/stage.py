@@ -89,6 +89,8 @@ def train_and_record(args: argparse.Namespace, cfg: TrainConfig, main_process: b
                 "final_loss": report["final_loss"],
                 "train_seconds": report["seconds"],
                 "total_seconds": report["total_seconds"],
+                "latent_cache_seconds": report["latent_cache_seconds"],
+                "text_cache_seconds": report["text_cache_seconds"],
                 "median_step_seconds": report["median_step_seconds"],
                 "train_images_per_second": report["images_per_second"],
                 "peak_memory_mb": report["peak_memory_mb"],

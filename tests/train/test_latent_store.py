@@ -135,3 +135,23 @@ def test_disk_cache_needs_the_cache() -> None:
         TrainConfig(cache_latents=False, cache_latents_to_disk=True)
     with pytest.raises(ValidationError, match="cache_text_encoder_outputs_to_disk needs cache_text_encoder_outputs"):
         TrainConfig(cache_text_encoder_outputs=False, cache_text_encoder_outputs_to_disk=True)
+
+
+def test_the_latent_cache_is_filled_before_the_first_step(tmp_path, tiny_sd, monkeypatch) -> None:
+    """Every crop an epoch can need (3 images x 2 flips) is encoded before step 1, though the run's 2
+    steps see only 2 of them, and no VAE encoding happens inside a step: each step's time is what a
+    long run sees. The time it took is in the report."""
+    from diffusers import AutoencoderKL
+
+    data = write_imagefolder(tmp_path / "data", 3, "a photo of sks toy", 24, size=(48, 40))
+    disk = dict(cache_latents_to_disk=True, disk_cache_dir=tmp_path / "latents", random_flip=True)
+    encodes: list[int] = []
+    real_encode = AutoencoderKL.encode
+    monkeypatch.setattr(AutoencoderKL, "encode",
+                        lambda self, *a, **kw: encodes.append(1) or real_encode(self, *a, **kw))
+    steps: list[int] = []
+    outcome = train(_cfg(tmp_path, "a", max_train_steps=2, **disk), tiny_sd, data, None, tmp_path / "a",
+                    callbacks=[lambda entry: steps.append(len(encodes))])
+    assert len(_entries(tmp_path / "latents")) == 6, "both flips of all 3 images, before the first step"
+    assert steps == [6, 6], "no encoding inside a step"
+    assert outcome.report()["latent_cache_seconds"] > 0

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tasks.common.allocator import allocator_env, find_allocators, in_use
+from tasks.common.allocator import allocator_env, find_allocators
 from tasks.common.config import parse_section
 from tasks.common.distributed import map_rank_environment
 from tasks.common.errors import UserError

@@ -7,17 +7,22 @@ Min-SNR, prior preservation), caching and precision placement are shared here.
 """
 from __future__ import annotations
 
+import hashlib
+import io
 import logging
+import time
 from pathlib import Path
 from typing import Any, ClassVar
 
 import numpy as np
 import torch
+from PIL import Image
+from tqdm import tqdm
 
 from tasks.common.errors import UserError
 from tasks.common.memory import release_memory
 from tasks.train.config import TrainConfig
-from tasks.train.data import CaptionPolicy, Record, TrainDataset, collate, read_imagefolder
+from tasks.train.data import CaptionPolicy, Record, TrainDataset, collate, latent_key, prepare_image, read_imagefolder
 from tasks.train.diffusion import LatentCache, PromptCache, RowRandom, encode_latents
 from tasks.train.models import Components, pipeline_from_modules
 from tasks.train.objectives import make_objective
@@ -50,6 +55,7 @@ class TrainingMethod:
         self.captions = CaptionPolicy(cfg.shuffle_tag_p, cfg.keep_tokens, cfg.proportion_empty_prompts)
         self.latent_cache: LatentCache | None = None
         self.prompt_cache: PromptCache | None = None
+        self.text_cache_seconds = 0.0  # encoding every prompt before the first step (release_text_encoders)
         self.sample_captions: list[str] = []
         self.instance_texts: set[str] = set()
 
@@ -70,12 +76,13 @@ class TrainingMethod:
         c = self.components
         return [c.family.denoiser_name, *(c.trainable_text_encoder_names() if self.cfg.train_text_encoder else [])]
 
-    def denoiser_load_dtype(self, dtype: torch.dtype) -> torch.dtype | None:
+    def denoiser_load_dtype(self, dtype: torch.dtype, device: torch.device) -> torch.dtype | None:
         """The precision to load the denoiser in: the training precision where its weights stay
-        frozen (`place` would cast them to it anyway; loading straight into it halves the load's
-        peak), None (as stored) where it trains."""
+        frozen or train in bf16 (`place` would cast them to it anyway; loading straight into it
+        halves the load's peak), None (as stored) where it trains in float32."""
         frozen = self.components.family.denoiser_name not in self.trainable()
-        return dtype if frozen and dtype != torch.float32 else None
+        bf16 = dtype == torch.bfloat16 and self.cfg.bf16_weights(device.type)
+        return dtype if (frozen or bf16) and dtype != torch.float32 else None
 
     def configure(self) -> None:
         """Freeze everything, then unfreeze and switch to train mode what `trainable()` names."""
@@ -92,10 +99,14 @@ class TrainingMethod:
                 self.components.modules[name].gradient_checkpointing_enable()
 
     def place(self, device: torch.device, dtype: torch.dtype) -> None:
-        """Frozen modules in the low precision (they only run forward), trained ones in float32."""
+        """Frozen modules in the low precision (they only run forward), trained ones in float32, or
+        in bf16 too with `full_bf16` (tasks/train/bf16_adamw.py then updates them)."""
         trainable = set(self.trainable())
+        bf16 = dtype == torch.bfloat16 and self.cfg.bf16_weights(device.type)
         for name, module in self.components.modules.items():
-            _put(module, name, device, dtype, name in trainable)
+            _put(module, name, device, dtype, name in trainable and not bf16)
+        if bf16:
+            log.info("full_bf16: %s trained in bf16 with stochastic rounding", ", ".join(sorted(trainable)))
         if self.cfg.channels_last:
             for name in (self.components.family.denoiser_name, "vae"):
                 self.components.modules[name].to(memory_format=torch.channels_last)
@@ -214,6 +225,37 @@ class TrainingMethod:
                  "on" if self.prompt_cache else "off" + (" (text encoder trains or tags shuffle)"
                                                          if self.cfg.cache_text_encoder_outputs else ""))
 
+    def fill_latent_cache(self, dataset: Any, accelerator: Any) -> float:
+        """Encode every latent an epoch can need before the first step, so that each step's time is
+        what a long run will see (kohya's and SimpleTuner's caching pass); returns the seconds it took.
+        With a disk store each rank encodes its share and reads the others' files; an entry already
+        there (an earlier run's) is not decoded again. Same entries as filling during the first epoch."""
+        if self.latent_cache is None or not hasattr(dataset, "latent_inputs"):
+            return 0.0
+        start = time.perf_counter()
+        cache, vae = self.latent_cache, self.components.modules["vae"]
+        hashes = getattr(cache.store, "hashes", None)
+        todo = dataset.latent_inputs()
+        if hashes is not None:
+            todo = todo[accelerator.process_index::accelerator.num_processes]
+        before = cache.misses
+        bar = tqdm(todo, desc="latent cache", unit="image", disable=None if accelerator.is_local_main_process else True)
+        with torch.no_grad(), accelerator.autocast():
+            for record, target, flip in bar:
+                data = None if hashes is not None else record.path.read_bytes()
+                digest = hashes.digest(record.path) if hashes is not None else hashlib.sha256(data).hexdigest()
+                key = latent_key(digest, target, flip)
+                if key in cache.store:
+                    continue
+                with Image.open(io.BytesIO(data) if data is not None else record.path) as image:
+                    pixels, original, crop = prepare_image(image, target, True, flip)
+                cache.encode(vae, key, pixels[None], original, crop)
+        accelerator.wait_for_everyone()
+        seconds = time.perf_counter() - start
+        log.info("latent cache filled before the first step: %d of %d image crops encoded in %.1f s",
+                 cache.misses - before, len(todo), seconds)
+        return seconds
+
     def fixed_prompts(self) -> set[str]:
         """Every prompt a batch can hold when prompts do not vary (the instance prompt or the captions,
         the class prompt with prior preservation, '' with caption dropout)."""
@@ -231,6 +273,7 @@ class TrainingMethod:
         `place_frozen_first` did it."""
         if self.prompt_cache is None or self.prompt_cache.complete:
             return
+        start = time.perf_counter()
         c = self.components
         prompts = sorted(self.fixed_prompts())
         device = device or next(c.denoiser.parameters()).device
@@ -245,8 +288,9 @@ class TrainingMethod:
         c.text_encoders = []
         release_memory()
         self.prompt_cache.complete = True
-        log.info("text embeddings of %d prompt(s) cached; %s released before the first step", len(prompts),
-                 ", ".join(names))
+        self.text_cache_seconds = time.perf_counter() - start
+        log.info("text embeddings of %d prompt(s) cached in %.1f s; %s released before the first step", len(prompts),
+                 self.text_cache_seconds, ", ".join(names))
 
     def compute_loss(
         self, batch: dict[str, Any], modules: dict[str, torch.nn.Module]

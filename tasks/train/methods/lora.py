@@ -52,7 +52,7 @@ class LoRA(TrainingMethod):
                 c.modules[name].train()
         self._checkpointing()
 
-    def denoiser_load_dtype(self, dtype: torch.dtype) -> torch.dtype | None:
+    def denoiser_load_dtype(self, dtype: torch.dtype, device: torch.device) -> torch.dtype | None:
         """The denoiser's own weights stay frozen: loaded straight into the training precision."""
         return dtype if dtype != torch.float32 else None
 
