@@ -89,8 +89,8 @@ def own_folder(path: Path | None, example: str) -> Path | None:
         return None
     why = refusal(path)
     if why:
-        raise ValueError(f"{Path(path).as_posix()} {why}: the stage deletes what it made under this "
-                         f"folder, so it must be a folder of its own; set it to one such as {example}")
+        raise ValueError(f"{Path(path).as_posix()} {why}: the stage keeps its own folders under it and "
+                         f"deletes old ones, so it must be a folder of its own; set it to one such as {example}")
     return path
 
 
