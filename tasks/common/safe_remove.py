@@ -64,7 +64,10 @@ def _tracked_by_git(path: Path) -> bool:
 
 
 def refusal(path: Path, git: bool = True) -> str | None:
-    """Why `path` can never be a folder the code deletes under; None when it can be."""
+    """Why `path` can never be a folder the code deletes under; None when it can be.
+
+    `git=False` leaves out the checks that ask git (another repository, tracked files): for removing
+    a marked folder, such as a worktree the code added itself."""
     resolved = Path(path).expanduser().resolve()
     if resolved == Path(resolved.anchor):
         return "is the file system root"
@@ -76,7 +79,7 @@ def refusal(path: Path, git: bool = True) -> str | None:
             return f"is {what} ({base}) or an ancestor of it"
     if ".git" in resolved.parts:
         return "is inside a .git folder"
-    if (resolved / ".git").exists():
+    if git and (resolved / ".git").exists():
         return "is a git repository"
     if git and resolved.exists() and _tracked_by_git(resolved):
         return "holds files tracked by git"
