@@ -21,7 +21,7 @@ export DO_NOT_TRACK ?= 1
 # A local flow run starts a temporary Prefect server; on a busy 2-core machine it needs more than 20 s.
 export PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS ?= 120
 
-.PHONY: help install data demo test test-fast lint serve lock params-doc side-envs bench-env lock-side-envs mlflow-ui clean
+.PHONY: help install data demo test test-fast lint serve lock params-doc side-envs bench-env lock-side-envs mlflow-ui clean clean-all
 
 help:
 	@echo "make demo       set up, then run the whole pipeline offline on the built-in tiny model"
@@ -34,6 +34,8 @@ help:
 	@echo "make params-doc regenerate docs/parameters.md (every params.yaml key) from the stage configs"
 	@echo "make side-envs  build .venv-xla (torch_xla) and .venv-ipex (Intel Extension for PyTorch) for their tests"
 	@echo "make bench-env  build .venv-bench (torchvision, for diffusers' example scripts in benchmarks/)"
+	@echo "make clean      delete the pipeline's outputs (models/, data/processed, data/class_images, data/demo/subject, reports/); keeps the MLflow store"
+	@echo "make clean-all  the same and the MLflow store (mlflow.db, mlruns/, mlartifacts/: runs and registered models); or make clean MLFLOW=1"
 
 # The Python that pyproject.toml's requires-python allows (tests/test_install.py keeps them in step).
 PYTHON_NEEDED := 3.11
@@ -194,5 +196,13 @@ lock:
 params-doc: $(STAMP)
 	$(BIN)/python -m flows.params_doc --write
 
+# The pipeline's outputs: DVC brings them back (dvc checkout, or dvc repro). The MLflow store holds
+# the record (runs, registered models, aliases) that nothing rebuilds: removed only when asked.
+OUTPUTS := models data/processed data/class_images data/demo/subject reports
+MLFLOW_STORE := mlflow.db mlruns mlartifacts
 clean:
-	rm -rf models data/processed data/class_images data/demo/subject reports mlflow.db mlruns mlartifacts
+	rm -rf $(OUTPUTS) $(if $(filter 1 yes true,$(MLFLOW)),$(MLFLOW_STORE))
+	@$(if $(filter 1 yes true,$(MLFLOW)),:,echo "kept the MLflow store ($(MLFLOW_STORE)): make clean-all removes it too")
+
+clean-all:
+	$(MAKE) clean MLFLOW=1

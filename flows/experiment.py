@@ -19,9 +19,15 @@ This module does what `--temp` does, with those inputs carried over:
    listed by `dvc exp show` and restorable with `dvc exp apply <name>`;
 5. the worktree is removed, success or failure. The workspace, params.yaml and dvc.lock included,
    is left exactly as it was.
+
+Deletion stays inside what this module made: `.dvc/tmp/flow-exps` carries the project's marker
+(tasks/common/safe_remove.py) and only a workspace directly inside it is removed; carrying over
+replaces only paths inside the new worktree (a dvc.yaml path outside the repository, absolute or
+through `..`, is not carried, and nothing outside the worktree is replaced).
 """
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import subprocess
@@ -35,9 +41,13 @@ import yaml
 
 from flows.dvc_stage import run_dvc
 from flows.params import apply_overrides
+from tasks.common import safe_remove
 from tasks.common.errors import UserError
 
 EXPERIMENTS_DIR = Path(".dvc/tmp/flow-exps")
+KIND = "flow-experiments"  # the marker's kind on EXPERIMENTS_DIR
+
+log = logging.getLogger(__name__)
 
 
 def experiment_name(flow_run_id: str | None = None) -> str:
@@ -81,7 +91,19 @@ def _link_or_copy(src: str, dst: str) -> None:
         shutil.copy2(src, dst)
 
 
+def _inside_worktree(dest: Path, rel: str) -> bool:
+    """Whether `dest/rel` stays inside the worktree `dest` (no absolute path, no `..`, no linked parent)."""
+    path = Path(rel)
+    if path.is_absolute() or ".." in path.parts or not path.parts:
+        return False
+    parent = (dest / path).parent.resolve()
+    return parent == dest.resolve() or dest.resolve() in parent.parents
+
+
 def _carry(root: Path, dest: Path, rel: str, link: bool = False) -> None:
+    if not _inside_worktree(dest, rel):
+        log.warning("not carrying %s into the experiment: it lies outside the repository", rel)
+        return
     src, dst = root / rel, dest / rel
     if dst.is_symlink() or dst.is_file():
         dst.unlink()
@@ -145,10 +167,12 @@ def experiment_workspace(root: Path, name: str,
     """A throw-away worktree of `root` with `overrides` in its params.yaml; removed on exit."""
     root = Path(root).resolve()
     require_git(root)
+    if Path(name).name != name or name in ("", ".", ".."):
+        raise UserError(f"experiment name {name!r} must be a plain name (no path separators)")
     dest = root / EXPERIMENTS_DIR / name
     if dest.exists():
         raise UserError(f"{dest} already exists: another experiment named '{name}' is running")
-    dest.parent.mkdir(parents=True, exist_ok=True)
+    safe_remove.mark(dest.parent, KIND)
     _git(root, "worktree", "add", "--detach", str(dest), "HEAD")
     try:
         populate(root, dest)
@@ -156,7 +180,7 @@ def experiment_workspace(root: Path, name: str,
         yield dest
     finally:
         _git(root, "worktree", "remove", "--force", str(dest), check=False)
-        shutil.rmtree(dest, ignore_errors=True)
+        safe_remove.remove_marked(dest, KIND, owner=dest.parent)
         _git(root, "worktree", "prune", check=False)
 
 

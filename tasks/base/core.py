@@ -74,7 +74,8 @@ def download(repo_id: str, revision: str | None, dst: Path) -> None:
 
 
 def resolve(model: str, revision: str | None, seed: int, dst: Path) -> dict[str, Any]:
-    """Write the base pipeline to dst (an empty folder); return what was resolved."""
+    """Write the base pipeline to dst (an empty folder the caller made: atomic_dir's staging); return what
+    was resolved."""
     kind = classify(model)
     if kind == "builtin":
         log.info("building %s from seed %d", model, seed)
@@ -89,7 +90,7 @@ def resolve(model: str, revision: str | None, seed: int, dst: Path) -> dict[str,
     else:
         log.info("downloading %s@%s", model, revision)
         download(model, revision, dst)
-        shutil.rmtree(dst / ".cache", ignore_errors=True)
+        shutil.rmtree(dst / ".cache", ignore_errors=True)  # huggingface_hub's download records, in our fresh dst
     index = families.read_index(dst, _SAVE_PRETRAINED)
     family = families.from_index(index, f"base.model {model}")
     return {"source": kind, "model": model, "revision": revision, "family": family.name,

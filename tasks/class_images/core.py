@@ -25,6 +25,7 @@ from tasks.common import families
 from tasks.common.errors import UserError
 from tasks.common.fingerprint import folder_fingerprint
 from tasks.common.outputs import atomic_file
+from tasks.common.safe_remove import refusal
 
 log = logging.getLogger(__name__)
 
@@ -76,10 +77,19 @@ def plan(out_dir: Path, cfg: ClassImagesConfig, key: dict[str, Any]) -> Plan:
 
     Images beyond `num_images` are removed (the folder then holds exactly what params say, and
     training uses exactly that many); unreadable images and those made with other settings are
-    regenerated; leftovers of a killed run are deleted.
+    regenerated; leftovers of a killed run are deleted. Only in a folder this stage made (its
+    STATE file, written before any image, is its marker): images named like ours in a folder
+    without it are someone else's, and nothing there is removed.
     """
     out_dir = Path(out_dir)
     state_path = out_dir / STATE
+    if out_dir.is_dir() and not state_path.is_file():
+        theirs = sorted(p.name for p in out_dir.iterdir() if _IMAGE.match(p.name))
+        if theirs:
+            raise UserError(f"{out_dir} holds images named as this stage names its own ({theirs[0]}, ...) but no "
+                            f"{STATE}: this stage did not make them, so it replaces none; move them away or "
+                            "pass --out a folder of its own")
+        return Plan(missing=list(range(cfg.num_images)), reused=[], remove=[])
     same_settings = False
     if state_path.is_file():
         try:
@@ -224,6 +234,8 @@ def run(cfg: ClassImagesConfig, base: Path, out_dir: Path, pipe: Any = None, ran
     key = generation_key(cfg, fingerprint)
     removed = 0
     if rank == 0:
+        if why := refusal(out_dir):
+            raise UserError(f"class images: refusing --out {out_dir}: it {why}; pass a folder of its own")
         out_dir.mkdir(parents=True, exist_ok=True)
         todo = plan(out_dir, cfg, key)
         for path in todo.remove:

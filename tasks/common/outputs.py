@@ -1,6 +1,11 @@
 """Writing outputs so that a crash never leaves a half-written result that looks complete.
 
 Everything is written to a temporary sibling first and moved into place only on success.
+
+A folder output replaces what was at its path: the stage's own earlier output (the paths come from
+dvc.yaml's outs). A path that can never be an output (the repository or the working directory, an
+ancestor of either, `/`, home, `.git`, a folder holding git-tracked files: safe_remove.refusal) is
+refused before anything is written, so a mistyped `--out` replaces nothing of the user's.
 """
 from __future__ import annotations
 
@@ -13,11 +18,17 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from tasks.common.errors import UserError
+from tasks.common.safe_remove import refusal
+
 
 @contextmanager
 def atomic_dir(path: Path | str) -> Iterator[Path]:
     """Yield a fresh temporary directory; on success it replaces `path`, on error it is removed."""
     path = Path(path)
+    if why := refusal(path):
+        raise UserError(f"refusing to write an output folder at {path}: it {why}, and writing it would replace "
+                        "what is there; pass --out a folder of the pipeline's own (dvc.yaml's outs)")
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
     os.chmod(tmp, 0o755)  # mkdtemp makes it private; the output is an ordinary folder

@@ -6,6 +6,12 @@ file's bytes; `fingerprint` hashes every parameter that changes the processed pi
 source code that produces them, so a changed parameter or a code change never reuses stale
 results (it starts a new fingerprint directory; only the most recent ones are kept).
 
+Only the cache's own folders are ever pruned: each parameter set carries the project's marker
+(tasks/common/safe_remove.py), and anything else under `cache_dir` (another stage's checkpoints
+when `cache_dir` is `.cache`, a user's files) is left alone. A set written before the marker
+existed is recognised by its layout (a 16-hex-digit name holding `.last_used` and only
+two-hex-digit folders) and pruned like a marked one; it is marked when a run uses it again.
+
 Where it lives: outside the stage's outs (default `.cache/ingest` at the repository root). DVC
 deletes an out before it reruns a stage, so a cache inside `data/processed` would be gone on
 every run; `.cache/` is ignored by git and by DVC (.gitignore, .dvcignore). Deleting it is always
@@ -28,12 +34,16 @@ from typing import Any
 
 import PIL
 
+from tasks.common import safe_remove
+
 log = logging.getLogger(__name__)
 
 #: Source files whose code decides the processed pixels: part of the fingerprint.
 _CODE = ("tasks/ingest/checks.py", "tasks/ingest/work.py", "tasks/common/images.py")
 KEEP_FINGERPRINTS = 3  # parameter sets kept on disk (switching back and forth stays warm)
 USED = ".last_used"
+KIND = "ingest-cache"  # the marker's kind on each parameter set (and on a one-run staging folder)
+_HEX = frozenset("0123456789abcdef")
 
 
 def fingerprint(settings: dict[str, Any]) -> str:
@@ -107,30 +117,42 @@ def _write_atomic(path: Path, data: bytes) -> None:
 def open_store(cache_dir: Path | None, fp: str, out_dir: Path) -> Store:
     """The store for this run: `<cache_dir>/<fp>` (marked used, old sets pruned) or a temp dir."""
     if cache_dir is None:
-        return Store(Path(tempfile.mkdtemp(prefix=".staging-", dir=out_dir)), persistent=False)
-    root = Path(cache_dir) / fp
-    root.mkdir(parents=True, exist_ok=True)
+        staging = safe_remove.mark(Path(tempfile.mkdtemp(prefix=".staging-", dir=out_dir)), KIND)
+        return Store(staging, persistent=False)
+    root = safe_remove.mark(Path(cache_dir) / fp, KIND)
     (root / USED).write_text(f"{time.time()}\n")
     _prune(Path(cache_dir), keep=root)
     log.info("ingest cache: %s", root)
     return Store(root, persistent=True)
 
 
+def _legacy_set(d: Path) -> bool:
+    """A parameter set written before the marker: `<16 hex>/` holding `.last_used` and `<2 hex>/` folders."""
+    if len(d.name) != 16 or not set(d.name) <= _HEX or d.is_symlink() or not (d / USED).is_file():
+        return False
+    others = [c for c in d.iterdir() if c.name != USED]
+    return all(len(c.name) == 2 and set(c.name) <= _HEX and c.is_dir() and not c.is_symlink() for c in others)
+
+
 def _prune(cache_dir: Path, keep: Path) -> None:
-    """Delete all but the KEEP_FINGERPRINTS most recently used parameter sets."""
+    """Delete all but the KEEP_FINGERPRINTS most recently used parameter sets; nothing else."""
     def last_used(d: Path) -> float:
         try:
             return (d / USED).stat().st_mtime
         except OSError:
             return 0.0
 
-    sets = sorted((d for d in cache_dir.iterdir() if d.is_dir()), key=last_used, reverse=True)
-    for old in [d for d in sets if d != keep][KEEP_FINGERPRINTS - 1 :]:
+    sets = [d for d in cache_dir.iterdir() if d.is_dir() and d != keep]
+    ours = [d for d in sets if safe_remove.is_marked(d, KIND) or _legacy_set(d)]
+    if len(ours) < len(sets):
+        log.debug("ingest cache: %d folders in %s are not the cache's: left alone", len(sets) - len(ours), cache_dir)
+    for old in sorted(ours, key=last_used, reverse=True)[KEEP_FINGERPRINTS - 1 :]:
         log.info("ingest cache: removing results of older parameters %s", old)
-        shutil.rmtree(old, ignore_errors=True)
+        safe_remove.mark(old, KIND)  # a legacy set: recognised by its layout above
+        safe_remove.remove_marked(old, KIND)
 
 
 def close_store(store: Store) -> None:
     """Remove a temporary store (a persistent cache stays)."""
     if not store.persistent:
-        shutil.rmtree(store.root, ignore_errors=True)
+        safe_remove.remove_marked(store.root, KIND)

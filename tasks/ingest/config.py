@@ -13,6 +13,7 @@ from pydantic import Field, ValidationError, field_validator, model_validator
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
 from tasks.common.config import StageConfig
+from tasks.common.safe_remove import own_folder
 
 #: Options the seed's dataloader applies per batch; here they would bake one random draw into the
 #: data, so the stage stores `tags` as a list and the train stage applies them.
@@ -177,8 +178,14 @@ class IngestConfig(StageConfig):
     jpeg_quality: int = Field(95, ge=1, le=100, description="quality of the files with output_format jpeg")
     workers: int | None = Field(None, ge=1, description="decoding processes; null: all CPUs")
     cache_dir: Path | None = Field(
-        Path(".cache/ingest"), description="content-hash cache outside the outs; null: off"
+        Path(".cache/ingest"), description="content-hash cache outside the outs; null: off. Pruning "
+        "removes only the cache's own folders; the repository, an ancestor, / or home is refused"
     )
+
+    @field_validator("cache_dir")
+    @classmethod
+    def _own_cache_dir(cls, path: Path | None) -> Path | None:
+        return own_folder(path, ".cache/ingest")
 
     @field_validator("background")
     @classmethod

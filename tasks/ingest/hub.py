@@ -54,6 +54,25 @@ def open_dataset(src: HubSource, key: str) -> Any:
     return ds.cast_column(src.image_column, datasets.Image(decode=False))
 
 
+def _read_local(src: HubSource, path: str) -> bytes:
+    """The bytes of a row's local image `path`, which must lie inside the dataset's own folder (as a
+    local source's files must lie inside its root): a row cannot make the stage read any file."""
+    root = Path(src.name).expanduser()
+    if not root.is_dir():
+        raise Reject("outside_root", f"{path}: a local file, but {src.name} is not a local dataset folder")
+    root = root.resolve()
+    try:
+        target = (root / Path(path).expanduser()).resolve()  # an absolute path stays itself
+    except (OSError, RuntimeError) as err:  # a symlink loop
+        raise Reject("unreadable", f"{path}: cannot resolve: {err}") from None
+    if root not in target.parents:
+        raise Reject("outside_root", f"{path} lies outside the dataset folder {root}")
+    try:
+        return target.read_bytes()
+    except OSError as err:
+        raise Reject("unreadable", f"{path}: {err}") from None
+
+
 def iter_hub(src: HubSource, label: str, key: str) -> Iterator[Item]:
     """One item per row (up to `limit`), named `<split>/<row index>`."""
     ds = open_dataset(src, key)
@@ -72,9 +91,9 @@ def iter_hub(src: HubSource, label: str, key: str) -> Iterator[Item]:
         data = image.get("bytes")
         if data is None and image.get("path"):
             try:  # local datasets give a path, not bytes
-                data = Path(image["path"]).read_bytes()
-            except OSError as err:
-                yield Item.rejected(label, rel, Reject("unreadable", f"{image['path']}: {err}"))
+                data = _read_local(src, str(image["path"]))
+            except Reject as reject:
+                yield Item.rejected(label, rel, reject)
                 continue
         caption = row.get(src.caption_column)
         text = None if caption is None else " ".join(str(caption).split())

@@ -14,6 +14,10 @@ embedding matrix for textual inversion), then a manifest (run key, sha256 of eve
 written to a hidden `.partial` folder and renamed when complete, so a crash while saving never
 leaves a checkpoint that looks whole. A resume verifies the manifest before reading anything and
 never unpickles more than tensors (checkpoint_files.py).
+
+Pruning and overwriting delete only checkpoint folders directly inside a run folder that carries
+the project's marker (tasks/common/safe_remove.py; a checkpoint folder itself holds only the files
+its manifest lists). A run folder from before the marker gets it at its next save.
 """
 from __future__ import annotations
 
@@ -21,13 +25,13 @@ import hashlib
 import json
 import logging
 import pickle
-import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from tasks.common import safe_remove
 from tasks.common.errors import UserError
 from tasks.common.fingerprint import folder_fingerprint, sha256_file
 from tasks.train import checkpoint_files
@@ -37,6 +41,7 @@ log = logging.getLogger(__name__)
 
 PREFIX = "checkpoint-"
 RUN_INFO = "run.json"
+KIND = "train-checkpoints"  # the marker's kind on each run folder
 
 
 def run_key(
@@ -185,9 +190,9 @@ class CheckpointManager:
         partial = self.run_dir / f".{PREFIX}{step}.partial"
         acc = self.accelerator
         if acc.is_main_process:
-            self.run_dir.mkdir(parents=True, exist_ok=True)
+            safe_remove.mark(self.run_dir, KIND)
             (self.run_dir / RUN_INFO).write_text(json.dumps(self.info, indent=2, sort_keys=True) + "\n")
-            shutil.rmtree(partial, ignore_errors=True)
+            safe_remove.remove_marked(partial, KIND, owner=self.run_dir)
         acc.wait_for_everyone()
         acc.save_state(str(partial))
         acc.wait_for_everyone()
@@ -195,8 +200,8 @@ class CheckpointManager:
             for name, obj in self.tracked.items():
                 checkpoint_files.save_state_dict(obj.state_dict(), partial, name)
             checkpoint_files.write_manifest(partial, self.key, step)
-            if final.exists():
-                shutil.rmtree(final)
+            if final.exists() and not safe_remove.remove_marked(final, KIND, owner=self.run_dir):
+                raise UserError(f"{final} exists and is not a checkpoint of this run: move it away")
             partial.rename(final)
             self._prune()
         acc.wait_for_everyone()
@@ -251,5 +256,5 @@ class CheckpointManager:
         kept = lambda p: every(p) or checkpoint_step(p) == self.protected  # noqa: E731
         rolling = [p for p in self.checkpoints() if not kept(p)]
         for old in rolling[: max(0, len(rolling) - self.total_limit)]:
-            shutil.rmtree(old, ignore_errors=True)
-            log.info("removed old checkpoint %s (checkpoints_total_limit %d)", old, self.total_limit)
+            if safe_remove.remove_marked(old, KIND, owner=self.run_dir):
+                log.info("removed old checkpoint %s (checkpoints_total_limit %d)", old, self.total_limit)

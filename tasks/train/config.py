@@ -12,12 +12,13 @@ import importlib.util
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from tasks.common import families
 from tasks.common.config import StageConfig
 from tasks.common.errors import UserError
 from tasks.common.launch import LAUNCHERS, LaunchConfig, launch_problem
+from tasks.common.safe_remove import own_folder
 from tasks.common.scoring import IMAGE_METRICS
 
 LR_SCHEDULERS = ("constant", "constant_with_warmup", "linear", "cosine", "cosine_with_restarts", "polynomial")
@@ -271,6 +272,12 @@ class TrainConfig(StageConfig):
         "local", description="local | accelerate | mpirun | xla: python -m tasks.train re-executes itself under it"
     )
     launch: LaunchConfig = Field(default_factory=LaunchConfig, description="topology and environment of a launch")
+
+    @field_validator("checkpoints_dir", "disk_cache_dir")
+    @classmethod
+    def _own_folders(cls, path: Path, info: Any) -> Path:
+        """Folders the stage writes and prunes under: never the repository, an ancestor, / or home."""
+        return own_folder(path, {"checkpoints_dir": ".cache/train"}.get(info.field_name, ".cache/encoded"))
 
     @model_validator(mode="after")
     def _check(self) -> TrainConfig:

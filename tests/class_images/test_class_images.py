@@ -82,6 +82,17 @@ def test_fewer_images_removes_extras_and_broken_images_are_regenerated(
     assert np.array_equal(pixels(out / "00000.png"), kept)
 
 
+def test_images_the_stage_did_not_make_are_never_replaced(tmp_path: Path, tiny_sd: Path, tiny_pipe) -> None:
+    """Without the stage's generation.json (its marker) a folder's 00000.png is someone else's."""
+    out = tmp_path / "photos"
+    out.mkdir()
+    (out / "00000.png").write_bytes(b"my holiday")
+    (out / ".notes.tmp-1").write_text("mine")
+    with pytest.raises(UserError, match=r"00000\.png.*no generation\.json.*did not make them"):
+        run(cfg(num_images=2), tiny_sd, out, pipe=tiny_pipe)
+    assert (out / "00000.png").read_bytes() == b"my holiday" and (out / ".notes.tmp-1").is_file()
+
+
 def test_other_settings_make_old_images_stale(tmp_path: Path, tiny_sd: Path, tiny_pipe) -> None:
     out = tmp_path / "cls"
     run(cfg(num_images=2), tiny_sd, out, pipe=tiny_pipe)

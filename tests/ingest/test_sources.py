@@ -121,6 +121,34 @@ def test_hub_source_reads_rows_through_datasets(tmp_path: Path, monkeypatch) -> 
         run(config([{**source, "caption_column": "caption"}]), tmp_path / "out3")
 
 
+def test_hub_rows_with_a_local_path_read_only_inside_the_dataset(tmp_path: Path, monkeypatch) -> None:
+    """A row that gives a path instead of bytes is read only when the path lies inside the dataset's
+    folder (as local sources' files must); one pointing elsewhere is rejected, the good rows kept."""
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    root = tmp_path / "ds"
+    inside = save(root / "images" / "a.png", picture(1))
+    secret = save(tmp_path / "secret.png", picture(2))
+    (root / "images" / "link.png").symlink_to(secret)
+    (root / "data").mkdir()
+    paths = [str(inside), "images/a.png", str(secret), "../secret.png", str(root / "images" / "link.png")]
+    struct = pa.struct([("bytes", pa.binary()), ("path", pa.string())])
+    table = pa.table({"image": pa.array([{"bytes": None, "path": p} for p in paths], type=struct),
+                      "text": [f"row {i}" for i in range(len(paths))]})
+    pq.write_table(table, root / "data" / "train-00000-of-00001.parquet")
+    source = {"type": "hub", "name": str(root), "revision": "main"}
+    r = run(config([source], near_duplicate_distance=None), tmp_path / "out")
+    assert [row["path"] for row in r.kept] == ["train/0"]
+    assert r.reasons() == {"train/1": "duplicate", "train/2": "outside_root", "train/3": "outside_root",
+                           "train/4": "outside_root"}
+    from tasks.ingest.checks import Reject
+    from tasks.ingest.config import HubSource
+    from tasks.ingest.hub import _read_local
+
+    with pytest.raises(Reject, match="not a local dataset folder"):  # a dataset by hub id gives bytes
+        _read_local(HubSource(type="hub", name="someone/remote", revision="main"), str(inside))
+
+
 def test_several_sources_combine_and_deduplicate_across_sources(tmp_path: Path) -> None:
     one, two = tmp_path / "one", tmp_path / "two"
     save(one / "a.png", picture(1), caption="from one")
