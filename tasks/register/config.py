@@ -13,7 +13,8 @@ class RegisterConfig(StageConfig):
 
     Every registered version gets `candidate`. `champion` moves to it only when the evaluation
     gate passed AND it beats the current champion on `primary_metric` (strictly: a tie keeps the
-    champion, so re-registering the same model never churns the alias).
+    champion, so re-registering the same model never churns the alias). `serve_*` become the
+    model's `model_config` (pyfunc_model.SERVING_DEFAULTS, same defaults): its serving limits.
     """
 
     model_name: str = Field(
@@ -29,6 +30,21 @@ class RegisterConfig(StageConfig):
     )
     primary_metric_goal: Literal["maximize", "minimize"] = Field(
         "maximize", description="whether a higher (maximize) or a lower primary_metric is better"
+    )
+    serve_budget_images: float = Field(
+        4.0,
+        gt=0,
+        allow_inf_nan=False,
+        description="the most one request to the served model may cost, in images at the model's "
+                    "default size and steps (cost: prompts x num_images_per_prompt x num_inference_steps "
+                    "x height x width); over it, HTTP 400 naming the fields and the budget",
+    )
+    serve_max_waiting: int = Field(
+        4,
+        ge=0,
+        le=64,
+        description="requests that may wait for the served model (per worker) while it generates; "
+                    "the next gets HTTP 429 with retry_after_s",
     )
     promote_uncalibrated: bool = Field(
         False,

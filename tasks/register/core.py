@@ -33,7 +33,7 @@ from tasks.register.promotion import (
     protocol_from_tags,
     score_from_tags,
 )
-from tasks.register.pyfunc_model import signature
+from tasks.register.pyfunc_model import serving_config, signature
 
 log = logging.getLogger(__name__)
 
@@ -167,6 +167,7 @@ def register_model(
     base: Path | None = None,
     promote_uncalibrated: bool = False,
     champion_rescore: dict[str, Any] | None = None,
+    serving: dict[str, Any] | None = None,
 ) -> Registered:
     """Log the pyfunc in run `run_id`, register a version of `model_name`, tag it, set aliases."""
     import mlflow
@@ -189,6 +190,7 @@ def register_model(
         artifacts=artifacts,
         signature=signature(),
         pip_requirements=pip_requirements(),
+        model_config=serving_config(serving),  # every key logged: MLflow overrides only logged keys
         metadata={"lineage": tags},
     )
     champion = current_champion(client, model_name, primary_metric)
@@ -262,6 +264,7 @@ def register(
         base=Path(base).resolve() if base is not None else None,
         promote_uncalibrated=cfg.promote_uncalibrated,
         champion_rescore=champion_rescore,
+        serving={"budget_images": cfg.serve_budget_images, "max_waiting": cfg.serve_max_waiting},
     )
     if run_id:
         return register_model(run_id=run_id, **kwargs)

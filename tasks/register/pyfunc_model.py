@@ -16,8 +16,19 @@ MlflowException of INVALID_PARAMETER_VALUE that names the field and the allowed 
 `image` (a base64-encoded PNG), one row per image, which `mlflow models serve` returns as JSON.
 Image k of the request (prompt by prompt, then image by image) is generated with seed `seed + k`,
 one image per pipeline call, so results do not depend on the batch and static-shape OpenVINO
-exports (batch 1) accept any number of prompts; one request at a time per process (a lock: the
-server runs requests in threads and a pipeline is not thread-safe).
+exports (batch 1) accept any number of prompts.
+
+Serving cannot be tied up (README "The registry", "Limits of a served model"):
+- cost: prompts x num_images_per_prompt x num_inference_steps x height x width must stay within
+  the model's budget, `budget_images` images at its default size and steps (model_config), checked
+  with the other settings, before any work: a bad_request (HTTP 400) naming the fields and budget;
+- queue: one request at a time per process (the server runs requests in threads and a pipeline
+  is not thread-safe), at most `max_waiting` (model_config) waiting for it; the next is refused at
+  once with REQUEST_LIMIT_EXCEEDED (HTTP 429) and `retry_after_s` in the body;
+- time: under `mlflow models serve` each request gets the server's timeout
+  (MLFLOW_SCORING_SERVER_REQUEST_TIMEOUT, `--timeout`, from when predict starts): a waiting request
+  gives up then, and a generating one stops at its next denoising step (the pipeline's
+  `callback_on_step_end` raises), so the model is free again right after the server's HTTP 504.
 
 MLflow enforces the signature before `predict` runs, in `mlflow models serve` and in a loaded
 model's `predict()` alike: params of the wrong type are refused there, but params the signature
@@ -27,12 +38,15 @@ unknown names only acts when this class's `predict` is called directly.
 from __future__ import annotations
 
 import base64
+import contextlib
 import io
 import json
 import logging
 import math
 import os
 import threading
+import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -75,6 +89,11 @@ MAX_PROMPTS = 8
 MAX_PROMPT_CHARS = 1000
 MAX_IMAGES = 16  # prompts x num_images_per_prompt in one request: bounds its time and memory
 DEFAULTS: dict[str, Any] = {name: s.default for name, s in SETTINGS.items()}
+#: The model's serving config (logged as its `model_config`; a served process may override a key
+#: through MLflow's MLFLOW_PYFUNC_INFERENCE_CONFIG): a request may cost at most `budget_images`
+#: images at the model's default size and steps; at most `max_waiting` requests wait for the model.
+SERVING_DEFAULTS: dict[str, Any] = {"budget_images": 4.0, "max_waiting": 4}
+TIMEOUT_ENV = "MLFLOW_SCORING_SERVER_REQUEST_TIMEOUT"  # what `mlflow models serve --timeout` sets
 
 
 def signature() -> Any:
@@ -122,7 +141,44 @@ def check_settings(params: dict[str, Any] | None, size_multiple: int = 8) -> dic
     return settings
 
 
-def check_request(model_input: Any, params: dict[str, Any] | None, size_multiple: int = 8) -> tuple[list[str], dict]:
+@dataclass(frozen=True)
+class Budget:
+    """What one request may cost: `images` images of `height` x `width` at `steps` steps, the
+    model's defaults. Cost = images x num_inference_steps x height x width (pixel-steps): a
+    denoising step's time and memory grow with its pixels, a request's time with its steps."""
+
+    images: float
+    height: int
+    width: int
+    steps: int = SETTINGS["num_inference_steps"].default
+
+    @property
+    def default_image(self) -> int:
+        return self.steps * self.height * self.width
+
+    @property
+    def pixel_steps(self) -> int:
+        return int(self.images * self.default_image)
+
+    def check(self, prompts: int, settings: dict[str, Any], size: tuple[int, int] | None = None) -> None:
+        """A bad_request naming the fields and the budget when the request costs more than it.
+
+        `size`: the (height, width) the model makes whatever was asked (a static export's shape)."""
+        height, width = size or (settings["height"] or self.height, settings["width"] or self.width)
+        per_prompt, steps = settings["num_images_per_prompt"], settings["num_inference_steps"]
+        cost = prompts * per_prompt * steps * height * width
+        if cost <= self.pixel_steps:
+            return
+        raise bad_request(
+            f"request cost {prompts} prompts x num_images_per_prompt {per_prompt} x num_inference_steps "
+            f"{steps} x height {height} x width {width} = {cost} pixel-steps ({cost / self.default_image:.3g} "
+            f"default images) is over this model's budget of {self.pixel_steps} ({self.images:g} images of "
+            f"{self.height}x{self.width} px at {self.steps} steps; model_config budget_images): lower "
+            "num_images_per_prompt, num_inference_steps, height or width, or split the request")
+
+
+def check_request(model_input: Any, params: dict[str, Any] | None, size_multiple: int = 8,
+                  budget: Budget | None = None, size: tuple[int, int] | None = None) -> tuple[list[str], dict]:
     """(prompts, settings) of a valid request; a bad_request before any work otherwise."""
     prompts = prompts_from(model_input)
     settings = check_settings(params, size_multiple)
@@ -130,7 +186,51 @@ def check_request(model_input: Any, params: dict[str, Any] | None, size_multiple
     if images > MAX_IMAGES:
         raise bad_request(f"{len(prompts)} prompts x num_images_per_prompt {settings['num_images_per_prompt']} = "
                           f"{images} images; at most {MAX_IMAGES} per request: split it")
+    if budget is not None:
+        budget.check(len(prompts), settings, size)
     return prompts, settings
+
+
+def serving_config(model_config: dict[str, Any] | None) -> dict[str, Any]:
+    """SERVING_DEFAULTS updated from the model's config, checked (a bad value stops the load)."""
+    config = {**SERVING_DEFAULTS, **{k: v for k, v in (model_config or {}).items() if k in SERVING_DEFAULTS}}
+    budget, waiting = config["budget_images"], config["max_waiting"]
+    if isinstance(budget, bool) or not isinstance(budget, (int, float)) or not 0 < budget < math.inf:
+        raise ValueError(f"model_config budget_images: {budget!r} is not a number above 0")
+    if isinstance(waiting, bool) or not isinstance(waiting, int) or waiting < 0:
+        raise ValueError(f"model_config max_waiting: {waiting!r} is not an integer from 0")
+    return {"budget_images": float(budget), "max_waiting": waiting}
+
+
+def model_size(pipe: Any) -> tuple[tuple[int, int], bool]:
+    """((height, width) the pipeline makes by default, whether that is the only size it makes).
+
+    A static-shape OpenVINO export has its shape (and ignores a requested one); otherwise the
+    denoiser's sample size (`default_sample_size` for SDXL, SD3, FLUX) times the VAE scale factor;
+    512 px when neither is known."""
+    height, width = getattr(pipe, "height", -1), getattr(pipe, "width", -1)
+    if isinstance(height, int) and isinstance(width, int) and height > 0 and width > 0:
+        return (height, width), True
+    sample = getattr(pipe, "default_sample_size", None)
+    if sample is None:
+        denoiser = getattr(pipe, "unet", None) or getattr(pipe, "transformer", None)
+        config = getattr(denoiser, "config", None) or {}
+        sample = config.get("sample_size") if isinstance(config, dict) else getattr(config, "sample_size", None)
+    if isinstance(sample, (list, tuple)):
+        sample = sample[0]
+    if not isinstance(sample, int) or sample <= 0:
+        return (512, 512), False
+    size = sample * int(getattr(pipe, "vae_scale_factor", 8))
+    return (size, size), False
+
+
+def request_timeout() -> float | None:
+    """The server's request timeout in seconds (`mlflow models serve --timeout`), None outside it."""
+    value = os.environ.get(TIMEOUT_ENV)
+    try:
+        return float(value) if value else None
+    except ValueError:
+        return None
 
 
 def to_png_base64(image: Any) -> str:
@@ -164,6 +264,81 @@ def prompts_from(model_input: Any) -> list[str]:
         if len(value) > MAX_PROMPT_CHARS:
             raise bad_request(f"inputs[{i}]: {len(value)} characters; allowed: at most {MAX_PROMPT_CHARS}")
     return values
+
+
+def busy(message: str, retry_after_s: int) -> Exception:
+    """The model's wait queue is full: HTTP 429 from `mlflow models serve`, `retry_after_s` in its body.
+
+    MLflow's scoring server answers a model's MlflowException with the status of its error code and
+    a JSON body (its message plus the exception's keyword arguments); it sets no header, so the
+    retry delay travels in the body, not as a Retry-After header."""
+    from mlflow.exceptions import MlflowException
+    from mlflow.protos.databricks_pb2 import REQUEST_LIMIT_EXCEEDED
+
+    return MlflowException(message, error_code=REQUEST_LIMIT_EXCEEDED, retry_after_s=retry_after_s)
+
+
+def timed_out(message: str) -> Exception:
+    """The request's time is up: HTTP 504 (the server has usually answered 504 already)."""
+    from mlflow.exceptions import MlflowException
+    from mlflow.protos.databricks_pb2 import DEADLINE_EXCEEDED
+
+    return MlflowException(message, error_code=DEADLINE_EXCEEDED)
+
+
+class PastDeadline(Exception):
+    """Raised from the pipeline's step callback: stops the denoising loop where it is."""
+
+
+def stop_at(deadline: float) -> Any:
+    """A diffusers `callback_on_step_end` that raises PastDeadline once `deadline` (monotonic) is past."""
+    def callback(pipe: Any, step: int, timestep: Any, callback_kwargs: dict) -> dict:
+        if time.monotonic() > deadline:
+            raise PastDeadline(f"step {step + 1}")
+        return callback_kwargs
+    return callback
+
+
+class Turns:
+    """The model runs one request at a time; at most `max_waiting` more wait for it, the next is
+    refused at once (`busy`), and a waiting request gives up at its deadline (`timed_out`).
+
+    `mlflow models serve` runs each request in a thread of asyncio's default pool (min(32, CPUs + 4)
+    threads): a request refused here frees its thread at once, so the pool's own queue stays short
+    as long as max_waiting + 1 is below the pool's size."""
+
+    def __init__(self, max_waiting: int) -> None:
+        self.max_waiting = max_waiting
+        self.model = threading.Lock()  # held by the request generating
+        self.guard = threading.Lock()  # for `waiting` and `hold_s`
+        self.waiting = 0
+        self.hold_s = 1.0  # moving average of how long a request holds the model
+
+    @contextlib.contextmanager
+    def turn(self, deadline: float | None) -> Iterator[None]:
+        with self.guard:
+            got = self.model.acquire(blocking=False)
+            if not got and self.waiting >= self.max_waiting:
+                retry = max(1, math.ceil(self.hold_s * (self.waiting + 1)))
+                raise busy(f"the model is busy: one request generating and {self.waiting} waiting, the most "
+                           f"this server queues (model_config max_waiting {self.max_waiting}); retry after "
+                           f"about {retry} s", retry)
+            self.waiting += 0 if got else 1
+        if not got:
+            wait = -1 if deadline is None else max(0.0, deadline - time.monotonic())
+            got = self.model.acquire(timeout=wait)
+            with self.guard:
+                self.waiting -= 1
+            if not got:
+                raise timed_out(f"waited {wait:.2g} s for the model, the request's whole time "
+                                f"({TIMEOUT_ENV}); nothing was generated")
+        start = time.monotonic()
+        try:
+            yield
+        finally:
+            with self.guard:
+                self.hold_s = 0.7 * self.hold_s + 0.3 * (time.monotonic() - start)
+            self.model.release()
 
 
 def _want_openvino() -> bool:
@@ -209,36 +384,58 @@ class DiffusionImageModel(mlflow.pyfunc.PythonModel):
     """Prompts in, base64 PNGs out; the pipeline is loaded once per process."""
 
     def load_context(self, context: Any) -> None:
-        # `mlflow models serve` runs each request in a thread of its worker: a pipeline (its
-        # scheduler's step state, OpenVINO's infer requests) must not run two calls at once.
-        self.lock = threading.Lock()
         if _want_openvino():
             from optimum.intel import OVDiffusionPipeline
 
             path = context.artifacts["openvino"]
-            self.pipe = OVDiffusionPipeline.from_pretrained(path, ov_config=_runtime_config(path))
-            self.backend = "openvino"
-            self.pipe.set_progress_bar_config(disable=True)
+            pipe, backend = OVDiffusionPipeline.from_pretrained(path, ov_config=_runtime_config(path)), "openvino"
         else:
             path = context.artifacts["finetuned"]
-            self.pipe = _diffusers_pipeline(context.artifacts)
-            self.pipe.set_progress_bar_config(disable=True)
-            self.backend = "diffusers"
-        log.info("loaded the %s pipeline from %s", self.backend, path)
+            pipe, backend = _diffusers_pipeline(context.artifacts), "diffusers"
+        self.serve(pipe, backend, getattr(context, "model_config", None))
+        log.info("loaded the %s pipeline from %s; a request may cost %s pixel-steps (%g images of %dx%d px "
+                 "at %d steps), %d may wait, timeout %s s", backend, path, self.budget.pixel_steps,
+                 self.budget.images, self.budget.height, self.budget.width, self.budget.steps,
+                 self.turns.max_waiting, self.timeout_s)
+
+    def serve(self, pipe: Any, backend: str, model_config: dict[str, Any] | None) -> None:
+        """Serve `pipe` with the limits of `model_config` (SERVING_DEFAULTS where it says nothing)."""
+        config = serving_config(model_config)
+        self.pipe, self.backend = pipe, backend
+        self.pipe.set_progress_bar_config(disable=True)
+        (height, width), static = model_size(pipe)
+        self.budget = Budget(config["budget_images"], height, width)
+        self.size = (height, width) if static else None  # a static export makes this size only
+        # `mlflow models serve` runs each request in a thread of its worker: a pipeline (its
+        # scheduler's step state, OpenVINO's infer requests) must not run two calls at once.
+        self.turns = Turns(config["max_waiting"])
+        self.timeout_s = request_timeout()
 
     # Untyped on purpose: MLflow would read type hints as an input schema.
     def predict(self, context, model_input, params=None):
         """One row per image; see the module docstring for inputs, params and output."""
-        prompts, settings = check_request(model_input, params, int(getattr(self.pipe, "vae_scale_factor", 8)))
+        deadline = None if self.timeout_s is None else time.monotonic() + self.timeout_s
+        multiple = int(getattr(self.pipe, "vae_scale_factor", 8))
+        prompts, settings = check_request(model_input, params, multiple, self.budget, self.size)
         seed, per_prompt = settings["seed"], settings["num_images_per_prompt"]
-        with self.lock:
-            rows = [self._generate(prompts[k // per_prompt], seed + k, settings)
-                    for k in range(len(prompts) * per_prompt)]
+        rows: list[dict[str, Any]] = []
+        with self.turns.turn(deadline):
+            try:
+                for k in range(len(prompts) * per_prompt):
+                    rows.append(self._generate(prompts[k // per_prompt], seed + k, settings, deadline))
+            except PastDeadline as stop:
+                log.warning("stopped a request at image %d of %d, %s: past its %g s (%s)", len(rows) + 1,
+                            len(prompts) * per_prompt, stop, self.timeout_s, TIMEOUT_ENV)
+                raise timed_out(f"stopped after {self.timeout_s:g} s ({TIMEOUT_ENV}), at image {len(rows) + 1} "
+                                f"of {len(prompts) * per_prompt}, {stop}: lower the cost or raise the "
+                                "server's --timeout") from None
         return pd.DataFrame(rows, columns=["prompt", "seed", "image"])
 
-    def _generate(self, prompt: str, seed: int, settings: dict[str, Any]) -> dict[str, Any]:
+    def _generate(self, prompt: str, seed: int, settings: dict[str, Any], deadline: float | None) -> dict[str, Any]:
         import torch
 
+        if deadline is not None and time.monotonic() > deadline:
+            raise PastDeadline("before its first step")
         image = self.pipe(
             prompt=prompt,  # by name: FLUX.2 klein's first positional argument is an input image
             num_inference_steps=settings["num_inference_steps"],
@@ -246,6 +443,7 @@ class DiffusionImageModel(mlflow.pyfunc.PythonModel):
             height=settings["height"],
             width=settings["width"],
             generator=torch.Generator("cpu").manual_seed(seed),
+            callback_on_step_end=None if deadline is None else stop_at(deadline),
         ).images[0]
         return {"prompt": prompt, "seed": seed, "image": to_png_base64(image)}
 

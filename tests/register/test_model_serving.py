@@ -1,6 +1,7 @@
 """`mlflow models serve` (the real CLI, on a free loopback port) answers a scoring request for the
-registered model with base64 PNGs. `--env-manager local`: serve from this venv (the default would
-build a virtualenv, which needs the internet)."""
+registered model with base64 PNGs, refuses bad and over-budget requests, tells a request beyond the
+wait queue to retry, and stops a generation at the server's timeout. `--env-manager local`: serve
+from this venv (the default would build a virtualenv, which needs the internet)."""
 from __future__ import annotations
 
 import base64
@@ -9,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -60,24 +62,73 @@ BAD_REQUESTS = [
     ({"inputs": [""]}, "inputs[0]: '' is not a prompt; allowed: a non-empty string"),
     ({"inputs": []}, "missing inputs"),  # MLflow's schema check
     ({"prompts": ["a"]}, "inputs"),  # no inputs key at all
+    ({"inputs": ["a"] * 4, "params": {"num_images_per_prompt": 4, "num_inference_steps": 100, "height": 1024,
+                                      "width": 1024}},  # within every field's range, far over the budget
+     "request cost 4 prompts x num_images_per_prompt 4 x num_inference_steps 100 x height 1024 x width 1024 = "
+     "1677721600 pixel-steps (2.05e+04 default images) is over this model's budget of 6553600 (80 images of "
+     "64x64 px at 20 steps"),
+    ({"inputs": ["x" * 2**20]}, "inputs[0]: 1048576 characters; allowed: at most 1000"),  # read whole, then refused
 ]
+#: The served process's limits (MLflow's override of a logged model_config key, in the environment).
+SERVE_CONFIG = {"budget_images": 80, "max_waiting": 1}
+TIMEOUT_S = 10  # mlflow models serve --timeout
+
+
+def _check_the_model_is_never_tied_up(url: str) -> None:
+    """A within-budget request longer than the timeout (A, 16 images x 100 steps) holds the model; B
+    waits for it, C is one too many (429); A gets MLflow's 504 and its generation stops there: B
+    and then D are answered at once, not after A's remaining images."""
+    long = {"inputs": ["a"] * 4, "params": {"num_images_per_prompt": 4, "num_inference_steps": 100}}
+    short = {"inputs": ["b"], "params": {"num_inference_steps": 2}}
+    answers: dict[str, tuple[int, dict | str, float]] = {}
+
+    def send(name: str, body: dict, delay: float) -> None:
+        time.sleep(delay)
+        start = time.monotonic()
+        request = urllib.request.Request(f"{url}/invocations", data=json.dumps(body).encode(),
+                                         headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(request, timeout=120) as resp:
+                answers[name] = resp.status, json.loads(resp.read()), time.monotonic() - start
+        except urllib.error.HTTPError as err:
+            answers[name] = err.code, err.read().decode(), time.monotonic() - start
+
+    threads = [threading.Thread(target=send, args=a) for a in (("A", long, 0), ("B", short, 1), ("C", short, 2))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    (a, a_body, a_s), (b, _, b_s), (c, c_body, c_s) = answers["A"], answers["B"], answers["C"]
+    assert a == 504 and TIMEOUT_S - 1 < a_s < TIMEOUT_S + 5, (a, a_s, a_body)
+    assert c == 429 and c_s < 5, (c, c_s, c_body)
+    error = json.loads(c_body)
+    assert "busy: one request generating and 1 waiting" in error["message"] and error["retry_after_s"] >= 1
+    assert b == 200 and b_s < a_s + 5, f"B waited {b_s:.1f} s: the model was held after A's 504"
+    start = time.monotonic()
+    assert _post(url, short)[0] == 200 and time.monotonic() - start < 5
 
 
 @pytest.mark.e2e
 @pytest.mark.timeout(900)
 def test_models_serve_answers_with_png_images(project: Path, tmp_path: Path) -> None:
+    import mlflow
+
     result = register(project / "models/finetuned", project / "models/openvino",
                       project / "reports/evaluate.json", project / "dvc.lock", project / "params.yaml")
+    config = mlflow.models.get_model_info(result.model_uri).flavors["python_function"]["config"]
+    assert config == {"budget_images": 4.0, "max_waiting": 4}, "register's defaults, logged with the model"
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     log = tmp_path / "serve.log"
     with open(log, "wb") as sink:
         proc = subprocess.Popen(
             [sys.executable, "-m", "mlflow", "models", "serve", "-m", "models:/sd-test@champion",
-             "--env-manager", "local", "--host", "127.0.0.1", "--port", str(port), "--workers", "1"],
+             "--env-manager", "local", "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
+             "--timeout", str(TIMEOUT_S)],
             stdout=sink, stderr=subprocess.STDOUT, start_new_session=True,
             # It execs `uvicorn` by name: this venv's bin must be on PATH (an activated venv).
-            env={**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"})
+            env={**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
+                 "MLFLOW_PYFUNC_INFERENCE_CONFIG": json.dumps(SERVE_CONFIG)})
     try:
         ready_s = _wait_ready(url, proc, log)
         body = {"inputs": ["a photo of sks toy", "a red sks toy"],
@@ -98,5 +149,7 @@ def test_models_serve_answers_with_png_images(project: Path, tmp_path: Path) -> 
             assert status == 400 and message in str(answer.get("message")), (bad, status, str(answer)[:500])
         status, answer = _post(url, {"inputs": ["a"], "params": {"num_inference_steps": 1, "seed": 9}})
         assert status == 200 and answer["predictions"][0]["seed"] == 9, "still serving after bad requests"
+        _check_the_model_is_never_tied_up(url)
+        assert "stopped a request at image" in log.read_text(), log.read_text()[-2000:]
     finally:
         stop_process_group(proc)
