@@ -82,7 +82,7 @@ def test_shipped_params_are_valid_and_the_surface_is_frozen() -> None:
         "enable_bucket", "min_bucket_reso", "max_bucket_reso", "bucket_reso_steps", "aspect_ratio_buckets",
         "max_train_steps", "gradient_accumulation_steps", "gradient_checkpointing", "learning_rate", "scale_lr",
         "lr_scheduler", "lr_warmup_steps", "lr_num_cycles", "lr_power", "use_8bit_adam", "adam_beta1",
-        "adam_beta2", "adam_weight_decay", "adam_epsilon", "max_grad_norm", "mixed_precision", "allow_tf32",
+        "adam_beta2", "adam_weight_decay", "adam_epsilon", "max_grad_norm", "mixed_precision", "full_bf16", "allow_tf32",
         "prediction_type", "snr_gamma", "noise_offset",
         "weighting_scheme", "logit_mean", "logit_std", "mode_scale", "guidance_scale", "max_sequence_length",
         "use_ema", "ema_decay", "offload_ema", "ema_update_every",
