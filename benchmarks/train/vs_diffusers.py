@@ -21,11 +21,13 @@ memory the kernel had to map and zero) do not depend on the machine's load.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
 import shutil
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -63,14 +65,19 @@ METHODS = {m.name: m for m in [
 ]}
 
 
-def make_images(work: Path) -> dict[str, Path]:
-    """2 instance and 2 class images at 512 px: imagefolders (images + metadata.jsonl with `text`)
-    for our stage and train_text_to_image.py, and the images alone for the DreamBooth and TI scripts."""
+def make_images(work: Path, images: str = "synthetic") -> dict[str, Path]:
+    """Instance and class images at 512 px (`synthetic`: 2 generated instance images), or the demo
+    subject's six pictures as instance images (`demo`: data/demo/subject, drawn if missing):
+    imagefolders (images + metadata.jsonl with `text`) for our stage and train_text_to_image.py, and
+    the images alone for the DreamBooth and TI scripts. Class images are 2 generated ones either way."""
     sys.path.insert(0, str(ROOT))
     from tests.train.conftest import write_imagefolder
 
-    folders = {"instance": write_imagefolder(work / "instance", 2, INSTANCE, 0, size=(512, 512)),
-               "class": write_imagefolder(work / "class", 2, CLASS, 1, size=(512, 512))}
+    folders = {"class": write_imagefolder(work / "class", 2, CLASS, 1, size=(512, 512))}
+    if images == "demo":
+        folders["instance"] = demo_imagefolder(work / "instance")
+    else:
+        folders["instance"] = write_imagefolder(work / "instance", 2, INSTANCE, 0, size=(512, 512))
     for name in ("instance", "class"):
         bare = work / f"{name}-images"
         bare.mkdir(exist_ok=True)
@@ -80,11 +87,44 @@ def make_images(work: Path) -> dict[str, Path]:
     return folders
 
 
+def demo_imagefolder(folder: Path) -> Path:
+    """The demo subject's pictures with the instance prompt as their `text` (both sides train on the prompt)."""
+    subject = ROOT / "data/demo/subject"
+    if not sorted(subject.glob("*.png")):
+        subprocess.run([sys.executable, str(ROOT / "data/demo/generate.py"), "--out", str(subject)], check=True)
+    folder.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for image in sorted(subject.glob("*.png")):
+        shutil.copy(image, folder / image.name)
+        rows.append(json.dumps({"file_name": image.name, "text": INSTANCE}))
+    (folder / "metadata.jsonl").write_text("\n".join(rows) + "\n")
+    return folder
+
+
+def machine() -> dict[str, object]:
+    """The CPU (model, bf16 and AMX flags) and the threads the runs had."""
+    model, flags = platform.processor() or platform.machine(), set()
+    with contextlib.suppress(OSError), open("/proc/cpuinfo") as fh:
+        for line in fh:
+            key, _, value = line.partition(":")
+            if key.strip() == "model name":
+                model = value.strip()
+            elif key.strip() == "flags":
+                flags = set(value.split())
+                break
+    wanted = ("avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
+    return {"cpu": model, "cpu_flags": [f for f in wanted if f in flags], "threads": len(os.sched_getaffinity(0))}
+
+
 #: our stage with one setting changed, to measure what it gives (issue 15's list): `ours-native` and
 #: `ours-ipex` are for the IPEX side environment (`.venv-ipex/bin/python -m benchmarks.train.vs_diffusers`),
 #: where `ours` would pick IPEX by itself; `ours-compile`'s first step includes the compilation.
 OURS_VARIANTS = {"ours": {}, "ours-native": {"cpu_backend": "native"}, "ours-ipex": {"cpu_backend": "ipex"},
-                 "ours-compile": {"torch_compile": True}}
+                 "ours-compile": {"torch_compile": True},
+                 # what `auto` gives where tcmalloc is not installed (a fresh machine), and glibc as it comes
+                 "ours-glibc": {"launch": {"preload_allocator": "glibc"}},
+                 "ours-glibc-defaults": {"launch": {"preload_allocator": "none"}},
+                 "ours-fp32-weights": {"full_bf16": False}}
 LOOPS = ["theirs", "theirs-tcmalloc", *OURS_VARIANTS]
 
 
@@ -136,11 +176,24 @@ def run_pair(method: Method, base: Path, work: Path, data: dict[str, Path], args
             command = theirs_command(method, base, work, data, resolution, args.steps)
         row = {"run": run, "model": "sd15-arch", "method": method.name, "resolution": resolution, "batch": 1,
                "images_per_step": 2 if method.prior else 1, "precision": "bf16", "date": time.strftime("%Y-%m-%d"),
-               "cpu": platform.processor() or platform.machine(), "threads": os.cpu_count(), **versions(),
+               "images": args.images, "instance_images": len(list(data["instance-images"].glob("*.png"))),
+               "steps": args.steps, "warmup": args.warmup, **machine(), **versions(),
                **timed(loop, command, work, args.warmup, {**env, **extra.get(loop, {})})}
+        row["allocator"] = allocator_of(loop, work)
+        if loop in OURS_VARIANTS:  # the loss curve (step, loss), to compare variants' training
+            row["losses"] = [[int(float(a)), round(float(b), 5)] for a, b, *_ in
+                             (line.split(",") for line in (work / "ours-loss.csv").read_text().split()[1:])]
         print(json.dumps(row), flush=True)
         rows.append(row)
     return rows
+
+
+def allocator_of(loop: str, work: Path) -> str:
+    """What the run's allocator was: our stage says it in its report; their script runs on glibc's
+    malloc as it comes, unless `theirs-tcmalloc` preloaded tcmalloc."""
+    if loop in OURS_VARIANTS:
+        return json.loads((work / "ours-report.json").read_text()).get("allocator", "unknown")
+    return "tcmalloc" if loop == "theirs-tcmalloc" else "glibc-defaults"
 
 
 def versions() -> dict[str, str]:
@@ -158,27 +211,39 @@ def tcmalloc() -> str:
 
 
 def table(results: list[dict]) -> str:
-    """Markdown: per method, resolution and loop, the median s/step over runs (min-max), the speed-up
-    against their script (their median over this loop's), page faults per step, peak RSS."""
-    rows = ["| method | px | loop | runs | s/step median (min-max) | theirs / this | page faults per step "
-            "| peak RSS GB, training / at exit |", "|---|---|---|---|---|---|---|---|"]
+    """Markdown: what the rows ran on (CPU, its bf16/AMX flags, threads, torch, steps), then per
+    images, method, resolution and loop the median s/step over runs (min-max), the speed-up against
+    their script (their median over this loop's), the allocator, page faults per step, peak RSS."""
+    rows = [_ran_on(results), "",
+            "| method | px | images | loop | allocator | runs | s/step median (min-max) | theirs / this "
+            "| page faults per step | peak RSS GB, training / at exit |", "|---|---|---|---|---|---|---|---|---|---|"]
     cells: dict[tuple, dict[str, list[dict]]] = {}
     for r in results:
-        cells.setdefault((r["method"], r["resolution"]), {}).setdefault(r["loop"], []).append(r)
-    for (method, px), loops in cells.items():
+        cells.setdefault((r["method"], r["resolution"], r.get("images", "synthetic")), {}).setdefault(
+            r["loop"], []).append(r)
+    for (method, px, images), loops in cells.items():
         theirs = statistics.median(r["s_per_step"] for r in loops["theirs"]) if "theirs" in loops else None
-        for loop in LOOPS:
-            if loop not in loops:
-                continue
+        for loop in [name for name in LOOPS if name in loops]:
             s = [r["s_per_step"] for r in loops[loop]]
             faults = [r["page_faults_per_step"] for r in loops[loop] if r.get("page_faults_per_step") is not None]
             ratio = f"{theirs / statistics.median(s):.2f}x" if theirs else ""
             fault_cell = int(statistics.median(faults)) if faults else ""
-            rows.append(f"| {method} | {px} | {loop} | {len(s)} | "
+            allocators = "/".join(sorted({r.get("allocator", "?") for r in loops[loop]}))
+            rows.append(f"| {method} | {px} | {images} | {loop} | {allocators} | {len(s)} | "
                         f"{statistics.median(s):.2f} ({min(s):.2f}-{max(s):.2f}) | {ratio} | {fault_cell} | "
                         f"{max(r['peak_rss_train_gb'] for r in loops[loop]):.1f} / "
                         f"{max(r['peak_rss_gb'] for r in loops[loop]):.1f} |")
     return "\n".join(rows)
+
+
+def _ran_on(results: list[dict]) -> str:
+    def values(key: str) -> str:
+        return ", ".join(sorted({str(r.get(key, "?")) for r in results}))
+
+    return (f"Ran on: {values('cpu')} (flags {values('cpu_flags')}), {values('threads')} threads, torch "
+            f"{values('torch')}, diffusers {values('diffusers')}; {values('steps')} steps of which "
+            f"{values('warmup')} warm-up; load average {min(r.get('load_average', 0) for r in results):.1f}-"
+            f"{max(r.get('load_average', 0) for r in results):.1f}")
 
 
 def main() -> None:
@@ -187,6 +252,8 @@ def main() -> None:
     parser.add_argument("--work", type=Path, default=ROOT / ".cache/bench/train-vs-diffusers")
     parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
     parser.add_argument("--resolutions", nargs="+", type=int, default=[256])
+    parser.add_argument("--images", choices=["synthetic", "demo"], default="synthetic",
+                        help="instance images: 2 generated ones, or the demo subject's six (data/demo/subject)")
     parser.add_argument("--loops", nargs="+", default=["ours", "theirs"], choices=LOOPS,
                         help="theirs-tcmalloc: their script with the allocator our stage preloads; ours-*: "
                              "our stage with one setting changed (OURS_VARIANTS)")
@@ -203,7 +270,7 @@ def main() -> None:
                          f"import build_sd15; build_sd15('{args.base}')\"`")
     shutil.rmtree(args.work, ignore_errors=True)
     args.work.mkdir(parents=True)
-    data = make_images(args.work)
+    data = make_images(args.work, args.images)
     results = json.loads(args.results.read_text()) if args.results.is_file() else []
     for run in range(args.first_run, args.first_run + args.runs):
         for resolution in args.resolutions:
