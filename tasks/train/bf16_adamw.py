@@ -89,7 +89,19 @@ class StochasticAdamW(torch.optim.Optimizer):
                              hyper.to(p.device), salt.to(p.device))
         return loss
 
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """As torch's, but the moments stay float32: torch casts every state tensor to its parameter's
+        dtype (bf16 here), which would round the moments on every resume."""
+        moments = {pid: {k: v for k, v in s.items() if k in _MOMENTS} for pid, s in state_dict["state"].items()}
+        rest = {pid: {k: v for k, v in s.items() if k not in _MOMENTS} for pid, s in state_dict["state"].items()}
+        super().load_state_dict({**state_dict, "state": rest})
+        ids = [pid for g in state_dict["param_groups"] for pid in g["params"]]
+        params = dict(zip(ids, [p for g in self.param_groups for p in g["params"]], strict=True))
+        for pid, values in moments.items():
+            self.state[params[pid]].update({k: v.to(params[pid].device, torch.float32) for k, v in values.items()})
 
+
+_MOMENTS = ("exp_avg", "exp_avg_sq")
 _COMPILED: Callable[..., None] | None = None
 
 
