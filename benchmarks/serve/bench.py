@@ -221,14 +221,7 @@ def level(server: Server, clients: int, seconds: float, max_requests: int, steps
             elif kind == "busy":
                 time.sleep(retry_after(digest))
 
-    sampler = RssSampler(server.ps)
-    sampler.start()
-    start = time.perf_counter()
-    with ThreadPoolExecutor(clients) as pool:
-        for _ in range(clients):
-            pool.submit(client)
-    wall = time.perf_counter() - start
-    rss = sampler.stop()
+    wall, rss, sampler = _drive(server, clients, client)
     latencies = sorted(took for kind, took in results if kind == "ok") or [0.0]
     q = statistics.quantiles(latencies, n=20, method="inclusive") if len(latencies) > 1 else latencies * 19
     return {
@@ -284,14 +277,7 @@ def long_run(server: Server, clients: int, seconds: float, over_share: float, st
             if kind == "busy":
                 time.sleep(retry_after(answer))
 
-    sampler = RssSampler(server.ps)
-    sampler.start()
-    start = time.perf_counter()
-    with ThreadPoolExecutor(clients) as pool:
-        for _ in range(clients):
-            pool.submit(client)
-    wall = time.perf_counter() - start
-    rss = sampler.stop()
+    wall, rss, sampler = _drive(server, clients, client)
     timeline = rss_timeline(sampler.times, rss)
     latencies.sort()
     q = statistics.quantiles(latencies, n=20, method="inclusive") if len(latencies) > 1 else (latencies or [0]) * 19
@@ -377,6 +363,19 @@ def report(result: dict) -> None:
                   f"{r['rss_mb_peak']} |")
     print(f"ready after {result['ready_s']} s; RSS idle {result['rss_mb_idle']:.0f} MB, after warm-up "
           f"{result['rss_mb_after_warmup']:.0f} MB; load average at the end {result['load_avg_at_end']}")
+
+
+
+def _drive(server, clients: int, client) -> tuple[float, list, RssSampler]:
+    """Run `client` on `clients` threads against `server` while sampling its RSS: (wall s, RSS samples, sampler)."""
+    sampler = RssSampler(server.ps)
+    sampler.start()
+    start = time.perf_counter()
+    with ThreadPoolExecutor(clients) as pool:
+        for _ in range(clients):
+            pool.submit(client)
+    wall = time.perf_counter() - start
+    return wall, sampler.stop(), sampler
 
 
 def main() -> None:
