@@ -215,8 +215,8 @@ def table(results: list[dict]) -> str:
     images, method, resolution and loop the median s/step over runs (min-max), the speed-up against
     their script (their median over this loop's), the allocator, page faults per step, peak RSS."""
     rows = [_ran_on(results), "",
-            "| method | px | images | loop | allocator | runs | s/step median (min-max) | theirs / this "
-            "| page faults per step | peak RSS GB, training / at exit |", "|---|---|---|---|---|---|---|---|---|---|"]
+            "| method | px | images | loop | allocator | runs | s/step: median of runs (fastest-slowest step) "
+            "| theirs / this | page faults per step | peak RSS GB, training / at exit |", "|---" * 10 + "|"]
     cells: dict[tuple, dict[str, list[dict]]] = {}
     for r in results:
         cells.setdefault((r["method"], r["resolution"], r.get("images", "synthetic")), {}).setdefault(
@@ -225,12 +225,13 @@ def table(results: list[dict]) -> str:
         theirs = statistics.median(r["s_per_step"] for r in loops["theirs"]) if "theirs" in loops else None
         for loop in [name for name in LOOPS if name in loops]:
             s = [r["s_per_step"] for r in loops[loop]]
+            every = [x for r in loops[loop] for x in r.get("step_seconds", [r["s_per_step"]])]
             faults = [r["page_faults_per_step"] for r in loops[loop] if r.get("page_faults_per_step") is not None]
             ratio = f"{theirs / statistics.median(s):.2f}x" if theirs else ""
             fault_cell = int(statistics.median(faults)) if faults else ""
             allocators = "/".join(sorted({r.get("allocator", "?") for r in loops[loop]}))
             rows.append(f"| {method} | {px} | {images} | {loop} | {allocators} | {len(s)} | "
-                        f"{statistics.median(s):.2f} ({min(s):.2f}-{max(s):.2f}) | {ratio} | {fault_cell} | "
+                        f"{statistics.median(s):.2f} ({min(every):.2f}-{max(every):.2f}) | {ratio} | {fault_cell} | "
                         f"{max(r['peak_rss_train_gb'] for r in loops[loop]):.1f} / "
                         f"{max(r['peak_rss_gb'] for r in loops[loop]):.1f} |")
     return "\n".join(rows)
@@ -238,7 +239,8 @@ def table(results: list[dict]) -> str:
 
 def _ran_on(results: list[dict]) -> str:
     def values(key: str) -> str:
-        return ", ".join(sorted({str(r.get(key, "?")) for r in results}))
+        found = {" ".join(v) if isinstance(v := r.get(key, "?"), list) else str(v) for r in results}
+        return ", ".join(sorted(found))
 
     return (f"Ran on: {values('cpu')} (flags {values('cpu_flags')}), {values('threads')} threads, torch "
             f"{values('torch')}, diffusers {values('diffusers')}; {values('steps')} steps of which "
