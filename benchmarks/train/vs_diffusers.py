@@ -3,6 +3,7 @@
     .venv/bin/python benchmarks/diffusers_scripts.py          # once: the reference scripts (installed tag)
     make bench-env                                             # once: .venv-bench (torchvision for theirs)
     .venv-bench/bin/python -m benchmarks.train.vs_diffusers --resolutions 256 512 --runs 3
+    .venv-bench/bin/python -m benchmarks.train.vs_diffusers --images demo --steps 30 --loops theirs ours-glibc
     .venv-bench/bin/python -m benchmarks.train.vs_diffusers --table
 
 For each method, resolution and run: our stage (`python -m tasks.train`), then diffusers' script
@@ -15,7 +16,8 @@ saving and writing the output included). Their scripts get their fastest flags f
 bf16 mixed precision (they cast the frozen parts to bf16 themselves), precomputed text embeddings
 where the script offers it, `--set_grads_to_none`, and the foreach EMA update. Our stage preloads
 tcmalloc when it is installed (launch.preload_allocator); `--loops ... theirs-tcmalloc` runs their
-script with it too, to show what the allocator alone gives. Page faults per step (minor faults:
+script with it too, to show what the allocator alone gives; `ours-glibc` runs ours on glibc's malloc
+tuned by GLIBC_TUNABLES, what `auto` gives on a machine without tcmalloc. Page faults per step (minor faults:
 memory the kernel had to map and zero) do not depend on the machine's load.
 """
 from __future__ import annotations

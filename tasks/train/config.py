@@ -9,6 +9,8 @@ setting fails before minutes of loading.
 from __future__ import annotations
 
 import importlib.util
+import os
+import shutil
 from pathlib import Path
 from typing import Any, Literal
 
@@ -61,6 +63,11 @@ SCORING_FOLLOWS = {
 
 #: the methods that train a model's own weights (`full_bf16` holds them in bf16)
 BF16_WEIGHT_METHODS = ("dreambooth", "full")
+
+
+def cxx_compiler() -> str | None:
+    """The C++ compiler torch.compile's CPU code needs (inductor's: $CXX, else g++), or None."""
+    return shutil.which(os.environ.get("CXX") or "g++")
 
 class XlaConfig(StageConfig):
     """`train.xla`: PyTorch/XLA (TPU, or CPU with PJRT_DEVICE=CPU) options, after diffusers' SDXL-on-TPU script."""
@@ -314,11 +321,12 @@ class TrainConfig(StageConfig):
         return None
 
     def bf16_weights(self, device_type: str) -> bool:
-        """Whether the trained weights are held in bf16 (`full_bf16`; null: where measured to win)."""
+        """Whether the trained weights are held in bf16 (`full_bf16`; null: where measured to win, which
+        needs the fused update, so a C++ compiler for torch.compile)."""
         if self.full_bf16 is not None:
             return self.full_bf16
         return (device_type == "cpu" and self.mixed_precision == "bf16" and self.method in BF16_WEIGHT_METHODS
-                and not (self.use_8bit_adam or self.use_ema or self.cpu_backend == "ipex"))
+                and not (self.use_8bit_adam or self.use_ema or self.cpu_backend == "ipex") and bool(cxx_compiler()))
 
     def _method_problem(self) -> str | None:
         if self.method == "textual_inversion":

@@ -8,10 +8,12 @@ from pydantic import ValidationError
 from safetensors.torch import load_file
 
 from tasks.train.bf16_adamw import StochasticAdamW, _hash_bits
-from tasks.train.config import TrainConfig
+from tasks.train.config import TrainConfig, cxx_compiler
 from tasks.train.core import train
 
 UNET = "unet/diffusion_pytorch_model.safetensors"
+needs_compiler = pytest.mark.skipif(cxx_compiler() is None, reason="torch.compile needs a C++ compiler: apt-get "
+                                    "install g++ (.ci/run installs it)")
 
 
 def test_the_rounding_bits_are_uniform() -> None:
@@ -21,7 +23,7 @@ def test_the_rounding_bits_are_uniform() -> None:
     assert (counts / counts.mean() - 1).abs().max() < 0.02, counts
 
 
-@pytest.mark.parametrize("fused", [True, False])
+@pytest.mark.parametrize("fused", [pytest.param(True, marks=needs_compiler), False])
 def test_stochastic_rounding_follows_float32_adamw_where_rounding_to_nearest_stands_still(fused) -> None:
     """200 steps at a learning rate of 5e-6 on weights of about 0.05 (a bf16 step there is 2.4e-4): the
     bf16 weights move as far as float32 AdamW's, and stay near them; rounding to nearest loses nearly
@@ -47,7 +49,7 @@ def test_stochastic_rounding_follows_float32_adamw_where_rounding_to_nearest_sta
     assert set(optimizers[1].state[sr]) == {"step", "exp_avg", "exp_avg_sq"}, "torch AdamW's keys: checkpoints alike"
 
 
-def test_refused_where_it_cannot_work() -> None:
+def test_refused_where_it_cannot_work(monkeypatch) -> None:
     with pytest.raises(ValidationError, match="full_bf16 needs mixed_precision: bf16"):
         TrainConfig(full_bf16=True)
     with pytest.raises(ValidationError, match="lora trains small tensors kept in float32"):
@@ -55,11 +57,15 @@ def test_refused_where_it_cannot_work() -> None:
     with pytest.raises(ValidationError, match="use_ema cannot go with it"):
         TrainConfig(full_bf16=True, mixed_precision="bf16", use_ema=True)
     auto = TrainConfig(mixed_precision="bf16")
-    assert auto.bf16_weights("cpu") and not auto.bf16_weights("cuda")
+    assert auto.bf16_weights("cpu") == bool(cxx_compiler()) and not auto.bf16_weights("cuda")
+    monkeypatch.setenv("CXX", "no-such-compiler")
+    assert not auto.bf16_weights("cpu"), "auto: off without the compiler the fused update needs"
+    monkeypatch.delenv("CXX")
     assert not TrainConfig(mixed_precision="bf16", method="lora").bf16_weights("cpu")
     assert not TrainConfig(mixed_precision="bf16", use_ema=True).bf16_weights("cpu"), "auto: off where it clashes"
 
 
+@needs_compiler
 def test_dreambooth_trains_bf16_weights_and_saves_float32(tmp_path, tiny_sd, instance_dir, class_dir, caplog,
                                                           monkeypatch) -> None:
     steps: list[int] = []
@@ -79,6 +85,7 @@ def test_dreambooth_trains_bf16_weights_and_saves_float32(tmp_path, tiny_sd, ins
         assert any(not torch.equal(saved[k], base[k]) for k in saved), f"{name} trained"
 
 
+@needs_compiler
 def test_six_bf16_steps_equal_three_plus_resume_plus_three(tmp_path, tiny_sd, instance_dir) -> None:
     """The rounding bits depend on the step, the tensor and the element, not on a generator's
     stream: a run stopped after step 3 and resumed rounds as the uninterrupted one, bit for bit."""
