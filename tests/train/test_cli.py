@@ -96,6 +96,14 @@ def test_sigterm_saves_a_checkpoint_and_the_next_run_resumes(
     runs = stage_runs(isolated_mlflow)
     assert [r.info.status for r in runs] == ["FINISHED", "FAILED"]  # newest first
     assert "SIGTERM" in runs[1].data.tags["train.interrupted"]
+    # the allocator each run actually ran on: the program re-executed itself under auto's choice,
+    # the in-process run is this test's own process
+    from tasks.common.allocator import find_allocators, in_use
+
+    assert runs[1].data.tags["train.allocator"] == ("tcmalloc" if "tcmalloc" in find_allocators() else "glibc-tuned")
+    assert runs[0].data.tags["train.allocator"] == data["allocator"] == in_use()
+    assert data["latent_cache_seconds"] > 0 and {"latent_cache_seconds", "text_cache_seconds"} <= set(
+        runs[0].data.metrics)
     client = MlflowClient(tracking_uri=isolated_mlflow)
     steps = sorted(m.step for m in client.get_metric_history(runs[0].info.run_id, "loss"))
     assert steps and all(s % 2 == 0 or s == stopped_at + 2 for s in steps), "throttled to log_every_steps"
