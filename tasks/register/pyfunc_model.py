@@ -202,6 +202,11 @@ def serving_config(model_config: dict[str, Any] | None) -> dict[str, Any]:
     return {"budget_images": float(budget), "max_waiting": waiting}
 
 
+def _sample_size(module: Any) -> Any:
+    config = getattr(module, "config", None) or {}
+    return config.get("sample_size") if isinstance(config, dict) else getattr(config, "sample_size", None)
+
+
 def model_size(pipe: Any) -> tuple[tuple[int, int], bool]:
     """((height, width) the pipeline makes by default, whether that is the only size it makes).
 
@@ -212,10 +217,10 @@ def model_size(pipe: Any) -> tuple[tuple[int, int], bool]:
     if isinstance(height, int) and isinstance(width, int) and height > 0 and width > 0:
         return (height, width), True
     sample = getattr(pipe, "default_sample_size", None)
-    if sample is None:
-        denoiser = getattr(pipe, "unet", None) or getattr(pipe, "transformer", None)
-        config = getattr(denoiser, "config", None) or {}
-        sample = config.get("sample_size") if isinstance(config, dict) else getattr(config, "sample_size", None)
+    if sample is None:  # the denoiser: the one component besides the VAE whose config has a sample size
+        components = getattr(pipe, "components", None) or {}
+        sizes = [_sample_size(module) for name, module in components.items() if name != "vae"]
+        sample = next((size for size in sizes if size is not None), None)
     if isinstance(sample, (list, tuple)):
         sample = sample[0]
     if not isinstance(sample, int) or sample <= 0:

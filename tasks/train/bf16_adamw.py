@@ -83,8 +83,9 @@ class StochasticAdamW(torch.optim.Optimizer):
                 hyper = torch.tensor([group["lr"], beta1, beta2, group["eps"], group["weight_decay"],
                                       1 - beta1 ** step, 1 - beta2 ** step], dtype=torch.float32)
                 salt = torch.tensor((step * 40503 + group_index * 7919 + index * 104729) % 2**31, dtype=torch.int32)
-                self._update(p.view(-1), p.grad.view(-1), state["exp_avg"].view(-1), state["exp_avg_sq"].view(-1),
-                             hyper.to(p.device), salt.to(p.device))
+                flat = _Flat(p)
+                self._update(flat.view(p), flat.read(p.grad), flat.view(state["exp_avg"]),
+                             flat.view(state["exp_avg_sq"]), hyper.to(p.device), salt.to(p.device))
         return loss
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -96,7 +97,26 @@ class StochasticAdamW(torch.optim.Optimizer):
         ids = [pid for g in state_dict["param_groups"] for pid in g["params"]]
         params = dict(zip(ids, [p for g in self.param_groups for p in g["params"]], strict=True))
         for pid, values in moments.items():
-            self.state[params[pid]].update({k: v.to(params[pid].device, torch.float32) for k, v in values.items()})
+            p = params[pid]  # in the parameter's layout (channels_last too), as step() reads them
+            self.state[p].update({k: torch.empty_like(p, dtype=torch.float32).copy_(v) for k, v in values.items()})
+
+
+class _Flat:
+    """One parameter's elements as a flat tensor in memory order, whatever its layout (channels_last:
+    a permuted view is contiguous); its moments share the layout (empty_like), its gradient may not."""
+
+    def __init__(self, p: torch.Tensor) -> None:
+        self.order = sorted(range(p.dim()), key=lambda d: (-p.stride(d), d))
+
+    def view(self, t: torch.Tensor) -> torch.Tensor:
+        moved = t.permute(self.order)
+        if not moved.is_contiguous():
+            raise TypeError("StochasticAdamW needs dense parameters and moments in the parameter's layout")
+        return moved.view(-1)
+
+    def read(self, t: torch.Tensor) -> torch.Tensor:
+        moved = t.permute(self.order)
+        return moved.view(-1) if moved.is_contiguous() else moved.reshape(-1)
 
 
 _MOMENTS = ("exp_avg", "exp_avg_sq")

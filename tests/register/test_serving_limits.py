@@ -62,11 +62,12 @@ def test_serving_config_fills_in_and_refuses_bad_values() -> None:
 
 
 def test_the_default_size_is_the_models_own() -> None:
-    unet = SimpleNamespace(config={"sample_size": 64})
-    assert model_size(SimpleNamespace(unet=unet, vae_scale_factor=8)) == ((512, 512), False)  # SD 1.x
+    parts = {"vae": SimpleNamespace(config={"sample_size": 512}),  # pixels: not the one that counts
+             "denoiser": SimpleNamespace(config={"sample_size": 64})}
+    assert model_size(SimpleNamespace(components=parts, vae_scale_factor=8)) == ((512, 512), False)  # SD 1.x
     assert model_size(SimpleNamespace(default_sample_size=128, vae_scale_factor=8)) == ((1024, 1024), False)
-    assert model_size(SimpleNamespace(height=64, width=96, unet=unet)) == ((64, 96), True)  # static export
-    assert model_size(SimpleNamespace(height=-1, width=-1, unet=unet, vae_scale_factor=2)) == ((128, 128), False)
+    assert model_size(SimpleNamespace(height=64, width=96, components=parts)) == ((64, 96), True)  # static export
+    assert model_size(SimpleNamespace(height=-1, width=-1, components=parts, vae_scale_factor=2)) == ((128, 128), False)
     assert model_size(SimpleNamespace()) == ((512, 512), False)
 
 
@@ -128,7 +129,7 @@ class SlowPipe:
 
     def __init__(self, step_s: float) -> None:
         self.step_s, self.steps = step_s, 0
-        self.unet = SimpleNamespace(config={"sample_size": 8})  # 64 px
+        self.components = {"denoiser": SimpleNamespace(config={"sample_size": 8})}  # 64 px
 
     def set_progress_bar_config(self, **_) -> None:
         pass
