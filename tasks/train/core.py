@@ -166,9 +166,10 @@ def _hand_over(result: LoopResult, method: TrainingMethod, accelerator: Any, che
     its state, accelerate's prepared objects, the EMA, the caches, the frozen modules. The output is
     then written (and the base loaded again for it) without the training's memory beside it."""
     trained, result.trained, result.ema, result.params = result.trained, {}, None, []
+    bf16 = accelerator.mixed_precision == "bf16" and method.cfg.bf16_weights(accelerator.device.type)
     for module in trained.values():
         module.to(memory_format=torch.contiguous_format)  # safetensors stores contiguous tensors
-        if next(module.parameters()).dtype == torch.bfloat16:  # full_bf16: the output in the base's float32
+        if bf16:  # full_bf16: the output in the base's float32
             module.float()
     checkpoints.untrack()
     accelerator.free_memory()  # prepared models, optimizer, LR scheduler, data loader

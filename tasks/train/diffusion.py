@@ -97,7 +97,6 @@ class LatentCache:
         stacked = torch.cat([r.to(param.device) for r in rows])
         return scale(vae, _sample(DiagonalGaussianDistribution(stacked), rand))
 
-
     def encode(self, vae: torch.nn.Module, key: str, pixels: torch.Tensor, original_size: Any,
                crop_top_left: Any) -> torch.Tensor:
         """Encode one image ([1, C, H, W]) into the store under `key`; returns its posterior parameters."""
