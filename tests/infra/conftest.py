@@ -14,9 +14,11 @@ from tests.e2e_util import e2e_env, free_port, stop_process_group
 from tests.infra.stack import (
     INFRA,
     NO_POSTGRES,
+    SECRETS,
     USER,
     Postgres,
     compose_command,
+    compose_env,
     debian_postgres_bin,
     needs_psycopg2,
     start_mlflow,
@@ -35,14 +37,23 @@ def postgres() -> Iterator[Postgres]:
     if os.geteuid() == 0:
         shutil.chown(root, "postgres", "postgres")
     pg = Postgres(bindir, root, free_port())
+    pwfile = root / "superuser-password"  # initdb reads it from a file, not its command line
+    pwfile.write_text(SECRETS["POSTGRES_PASSWORD"] + "\n")
+    if os.geteuid() == 0:
+        shutil.chown(pwfile, "postgres", "postgres")
     try:
         subprocess.run(pg._as_owner(str(bindir / "initdb"), "-D", str(pg.data), "-U", USER,
-                                    "--auth=trust", "-E", "UTF8", "--no-locale", "--no-sync"),
+                                    "--auth=scram-sha-256", f"--pwfile={pwfile}", "-E", "UTF8",
+                                    "--no-locale", "--no-sync"),
                        check=True, capture_output=True, timeout=120)
+        pwfile.unlink()
         pg.ctl("start")
-        subprocess.run([str(bindir / "psql"), "-h", "127.0.0.1", "-p", str(pg.port), "-U", USER,
-                        "-d", "postgres", "-v", "ON_ERROR_STOP=1", "-q",
-                        "-f", str(INFRA / "postgres/init.sql")], check=True, capture_output=True)
+        # compose's postgres runs it once on an empty volume, with these variables.
+        init_env = {**os.environ, **pg.superuser_env(),
+                    **{k: v for k, v in compose_env("postgres").items() if k.endswith("_DB_PASSWORD")}}
+        init_env["PATH"] = f"{bindir}{os.pathsep}{init_env['PATH']}"
+        subprocess.run(["sh", str(INFRA / "postgres/init.sh")], env=init_env, check=True,
+                       capture_output=True, timeout=120)
         yield pg
     finally:
         if (pg.data / "postmaster.pid").exists():
@@ -56,7 +67,8 @@ def prefect_on_postgres(
 ) -> Iterator[str]:
     home = tmp_path_factory.mktemp("prefect-server")
     port = free_port()
-    env = e2e_env(home, PREFECT_API_DATABASE_CONNECTION_URL=postgres.url("asyncpg", "prefect"))
+    env = e2e_env(home, **compose_env("prefect-server", PREFECT_SERVER_DATABASE_HOST="127.0.0.1",
+                                      PREFECT_SERVER_DATABASE_PORT=str(postgres.port)))
     env["PREFECT_HOME"] = str(home)
     command = compose_command("prefect-server", host="127.0.0.1", port=str(port))
     log = (home / "server.log").open("w")

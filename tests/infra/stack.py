@@ -1,13 +1,18 @@
 """The team stack's servers as tests start them: PostgreSQL from Debian's packages on loopback with
-a temporary data directory, and the MLflow and Prefect servers with infra/compose.yaml's command
-lines (fixtures in tests/infra/conftest.py)."""
+a temporary data directory, password authentication and infra/postgres/init.sh's roles, and the
+MLflow and Prefect servers with infra/compose.yaml's command lines and environments (its
+`${...}` filled with this session's SECRETS), doors locked as compose locks them (fixtures in
+tests/infra/conftest.py)."""
 from __future__ import annotations
 
 import asyncio
 import glob
 import os
+import re
+import secrets
 import shlex
 import subprocess
+import sys
 import time
 import urllib.request
 from dataclasses import dataclass
@@ -22,6 +27,45 @@ from tests.e2e_util import e2e_env, stop_process_group
 INFRA = REPO / "infra"
 COMPOSE = yaml.safe_load((INFRA / "compose.yaml").read_text())
 USER = "finetune"  # compose's default POSTGRES_USER
+
+
+def _secret(name: str) -> str:
+    # Random per session, unique to its variable (a leak names which), and made of the characters
+    # that break a password pasted into a URL unquoted.
+    return f"{name.lower()}/{secrets.token_hex(6)}@%:"
+
+
+#: infra/env.example's secrets with this session's values (compose's `${NAME}`).
+SECRETS = {name: _secret(name) for name in (
+    "POSTGRES_PASSWORD", "MLFLOW_DB_PASSWORD", "PREFECT_DB_PASSWORD", "MLFLOW_ADMIN_PASSWORD",
+    "MLFLOW_PIPELINE_PASSWORD", "MLFLOW_FLASK_SECRET_KEY", "PREFECT_AUTH_PASSWORD")}
+
+
+def compose_env(service: str, postgres: Postgres | None = None, **overrides: str) -> dict[str, str]:
+    """A service's `environment:` from infra/compose.yaml with `${NAME...}` filled from SECRETS
+    (or the default after `:-`), `postgres:5432` pointed at the test's server; S3 settings
+    (MinIO is not started here) left out."""
+    def fill(match: re.Match) -> str:
+        name, default = match.group(1), match.group(3) or ""
+        return SECRETS.get(name, default)
+
+    env = {}
+    for key, value in (COMPOSE["services"][service].get("environment") or {}).items():
+        if key.startswith(("AWS_", "MLFLOW_S3_")):
+            continue
+        value = re.sub(r"\$\{(\w+)(:-([^}]*)|:\?[^}]*)?\}", fill, str(value))
+        if postgres is not None:
+            value = value.replace("postgres:5432", f"127.0.0.1:{postgres.port}")
+        env[key] = value
+    env.update(overrides)
+    return env
+
+
+def pipeline_credentials() -> dict[str, str]:
+    """What compose's worker authenticates with: MLflow's `pipeline` user, Prefect's auth string."""
+    worker = compose_env("worker")
+    return {k: worker[k] for k in ("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD",
+                                   "PREFECT_API_AUTH_STRING")}
 NO_POSTGRES = "PostgreSQL's server is not installed: apt-get install postgresql (.ci/run does)"
 
 
@@ -52,14 +96,17 @@ class Postgres:
                                       "-t", "60", "-o", options, "-l", str(self.root / "log"),
                                       action), check=True, capture_output=True, timeout=120)
 
-    def url(self, driver: str, database: str) -> str:
-        return f"postgresql+{driver}://{USER}@127.0.0.1:{self.port}/{database}"
+    def superuser_env(self) -> dict[str, str]:
+        """libpq's variables for the superuser (psql, infra/postgres/init.sh)."""
+        return {"PGHOST": "127.0.0.1", "PGPORT": str(self.port), "POSTGRES_USER": USER,
+                "PGPASSWORD": SECRETS["POSTGRES_PASSWORD"]}
 
     def query(self, database: str, sql: str) -> list[tuple]:
         import asyncpg
 
         async def run() -> list[tuple]:
             conn = await asyncpg.connect(host="127.0.0.1", port=self.port, user=USER,
+                                         password=SECRETS["POSTGRES_PASSWORD"],
                                          database=database)
             try:
                 return [tuple(row) for row in await conn.fetch(sql)]
@@ -98,9 +145,28 @@ def needs_psycopg2() -> None:
                     "make install")
 
 
+def auth_config(postgres: Postgres, home: Path) -> Path:
+    """infra/mlflow/auth.ini, its database on the test's PostgreSQL."""
+    path = home / "auth.ini"
+    path.write_text((INFRA / "mlflow/auth.ini").read_text()
+                    .replace("postgres:5432", f"127.0.0.1:{postgres.port}"))
+    return path
+
+
+def bootstrap_mlflow(uri: str) -> str:
+    """compose's mlflow-init: infra/mlflow_access.py bootstrap, as the admin."""
+    init = compose_env("mlflow-init", MLFLOW_TRACKING_URI=uri)
+    proc = subprocess.run([sys.executable, str(INFRA / "mlflow_access.py"), "bootstrap"],
+                          env=e2e_env(REPO, **init), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    return proc.stdout
+
+
 def start_mlflow(postgres: Postgres, home: Path, port: int) -> subprocess.Popen:
-    """compose's `mlflow server` on `postgres`, artifacts proxied into home/artifacts; healthy."""
-    env = e2e_env(home, MLFLOW_BACKEND_STORE_URI=postgres.url("psycopg2", "mlflow"))
+    """compose's `mlflow server` (basic-auth app) on `postgres`, artifacts proxied into
+    home/artifacts; healthy, and mlflow-init's users and grants made."""
+    env = e2e_env(home, **compose_env("mlflow", postgres,
+                                      MLFLOW_AUTH_CONFIG_PATH=str(auth_config(postgres, home))))
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
     command = compose_command("mlflow", host="127.0.0.1", port=str(port), workers="1",
                               **{"artifacts-destination": (home / "artifacts").as_uri(),
@@ -110,6 +176,7 @@ def start_mlflow(postgres: Postgres, home: Path, port: int) -> subprocess.Popen:
                                 start_new_session=True)
     try:
         wait_healthy(f"http://127.0.0.1:{port}/health", proc)
+        bootstrap_mlflow(f"http://127.0.0.1:{port}")
     except BaseException:
         stop_process_group(proc)
         raise

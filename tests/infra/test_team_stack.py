@@ -26,6 +26,7 @@ from tests.infra.stack import (
     Postgres,
     debian_postgres_bin,
     needs_psycopg2,
+    pipeline_credentials,
     start_mlflow,
 )
 
@@ -59,7 +60,7 @@ print(model.predict([1, 2]))
 def mlflow_client(uri: str, tmp: Path, code: str) -> str:
     script = tmp / "client.py"
     script.write_text(code)
-    env = e2e_env(REPO, MLFLOW_TRACKING_URI=uri)
+    env = e2e_env(REPO, MLFLOW_TRACKING_URI=uri, **pipeline_credentials())
     done = subprocess.run([sys.executable, str(script)], cwd=tmp, env=env, capture_output=True,
                           text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
@@ -81,7 +82,7 @@ assert probe(int(sys.argv[1])) == int(sys.argv[1]) + 1
 def run_flow(api: str, tmp: Path, n: int) -> None:
     script = tmp / "probe.py"
     script.write_text(FLOW)
-    env = e2e_env(REPO, PREFECT_API_URL=api)
+    env = e2e_env(REPO, PREFECT_API_URL=api, **pipeline_credentials())
     env["PREFECT_HOME"] = str(tmp / "client")
     done = subprocess.run([sys.executable, str(script), str(n)], env=env, capture_output=True,
                           text=True, timeout=300)
@@ -156,6 +157,7 @@ def test_a_stage_whose_mlflow_server_dies_fails_within_the_bound_and_the_rerun_c
     uri = f"http://127.0.0.1:{port}"
     # A short retry budget, so the bound is seconds here (MLflow's defaults allow minutes).
     env = e2e_env(REPO, MLFLOW_TRACKING_URI=uri, MLFLOW_EXPERIMENT_NAME="fault",
+                  **pipeline_credentials(),
                   MLFLOW_HTTP_REQUEST_MAX_RETRIES="2", MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR="1",
                   MLFLOW_HTTP_REQUEST_TIMEOUT="10", FINETUNE_MLFLOW_WAIT_S="5")
     (work / "stage.py").write_text(STAGE)
