@@ -216,13 +216,22 @@ def test_a_champion_rescored_under_the_current_protocol_is_compared_on_that_scor
     without = register_with("new", 0.4)
     assert not without.champion_moved and "not comparable until the champion is re-scored" in (
         without.decision)
+    # Tags claiming a re-score are display only: only a re-score done by this flow run counts.
+    client.set_model_version_tag("sd-test", "1", "rescore.new", "dino=0.0")
+    client.set_model_version_tag("sd-test", "1", "protocol", "new (calibrated)")
+    forged = register_with("new", 0.4)
+    assert not forged.champion_moved and "not comparable until the champion is re-scored" in (
+        forged.decision)
+    assert forged.decision.endswith("; champion v1: tag protocol=new (calibrated) disagrees with its "
+                                    "lineage document (protocol old); the document is used")
+    client.set_model_version_tag("sd-test", "1", "protocol", "old (calibrated)")
     rescored = {"version": "1", "report": {"metrics": {"dino": 0.3}, "protocol": {"id": "new"},
                                            "seconds_total": 12.5}}
     result = register_with("new", 0.4, rescored)
-    assert result.champion_moved and result.version == "3"
+    assert result.champion_moved and result.version == "4"
     assert result.decision == ("promoted: the gate passed and it beats the champion (dino=0.4 vs "
                                "champion v1 dino=0.3, maximize) under protocol new")
-    v3 = client.get_model_version("sd-test", "3")
-    assert v3.tags["champion.rescored"] == (
+    v4 = client.get_model_version("sd-test", "4")
+    assert v4.tags["champion.rescored"] == (
         "v1 re-scored under protocol new: dino=0.3 (was 0.9 under old; 12.5 s)")
     assert client.get_model_version("sd-test", "1").tags["rescore.new"] == "dino=0.3"
