@@ -11,11 +11,12 @@ registered before lineage.json existed, or whose document was removed or damaged
 it is treated as a champion without a score (any candidate that passes the gate replaces it), and
 the reason says why. A re-scored champion's score counts only inside the flow run that computed
 it (flows/rescore.py hands the report to tasks/register in-process); the `rescore.<protocol>` tag
-it leaves on the champion is display only and is never read back.
+it leaves on the champion is display only and is never read back. Changing a document takes
+write access to the run's artifacts (MLflow's experiment permission), not to the model's tags.
 
 The race rule. MLflow moves an alias with no compare-and-set, so two registrations deciding
-against the same champion at once could each move it. A promoted version therefore moves
-`champion` and then reads it back, at most `MOVE_TRIES` times:
+against the same champion at once could each move it. A promoted version therefore reads
+`champion` just before moving it and again after, at most `MOVE_TRIES` moves:
 1. the holder is this version: done; if it took the alias from a version other than the champion
    it decided against (a concurrent registration), that version gets `champion.displaced`;
 2. another version holds it (moved since the decision, or between our move and our read): decide
@@ -26,8 +27,8 @@ against the same champion at once could each move it. A promoted version therefo
 Two registrations racing end with one champion, the better one whenever their moves overlap,
 and a record on the other. What no read-back can see is a whole move-and-check by another
 registration between our last read and our move (two consecutive requests): then the later mover
-holds the alias and the earlier one's record says it was promoted; its `champion.decision` and the
-alias itself, which MLflow keeps per version, say who holds it now.
+holds the alias, still one champion, but the earlier one's `champion.decision` says promoted; the
+alias (listed on every version) is what says who holds it.
 """
 from __future__ import annotations
 
