@@ -10,11 +10,15 @@ never from timestamps:
    are not changes: the run pulls them, as `dvc repro --allow-missing` would skip them.
 2. Every local folder source in `ingest.sources` must be a dependency of a stage in dvc.yaml;
    otherwise DVC cannot see its new files, so it counts as changed (and says why).
-3. dvc.lock against the last registered version's lineage (its `lineage.fingerprint` tag, a hash
-   of the output hashes and stage params tasks/register reads from the same dvc.lock; the
-   differences are named from the version's lineage.json): a workspace that is up to date with
+3. dvc.lock against the last registered version's lineage: the `inputs` (output hashes and stage
+   params tasks/register reads from the same dvc.lock) of the version's lineage document, read
+   from its own run (tasks/register/registry.py `read_lineage`), never its editable
+   `lineage.fingerprint` tag: a forged tag cannot make the nightly say "up to date", and one that
+   disagrees with the document is named in the summary. A workspace that is up to date with
    dvc.lock but whose outputs or parameters were never registered (a plain `dvc repro`, a failed
-   registration) counts as changed.
+   registration) counts as changed; so does a last version without a readable lineage document
+   (registered before lineage.json existed, or its document removed): what it was built from is
+   unknown, and the reason says so.
 4. No registered version of `register.model_name` yet: changed.
 """
 from __future__ import annotations
@@ -30,7 +34,8 @@ from tasks.ingest.deps import interpolate
 
 #: The model version tag naming the DVC experiment a version was built in (flows/finetune.py).
 EXPERIMENT_TAG = "dvc.experiment"
-#: The version tag identifying what it was built from (tasks/register/lineage.py writes it).
+#: The version tag showing what it was built from (tasks/register/lineage.py writes it; display
+#: only: the comparison reads the version's lineage document).
 FINGERPRINT_TAG = "lineage.fingerprint"
 
 
@@ -39,11 +44,13 @@ class Changes:
     changed: bool
     reasons: list[str] = field(default_factory=list)
     compared_with: str | None = None  # "sd-finetuned v3", when a registered version was found
+    notes: list[str] = field(default_factory=list)  # e.g. a tag that disagrees with the lineage
 
     def summary(self) -> str:
+        notes = "".join(f" (note: {n})" for n in self.notes)
         if not self.changed:
-            return f"up to date: nothing changed since {self.compared_with}"
-        return "changed: " + "; ".join(self.reasons)
+            return f"up to date: nothing changed since {self.compared_with}{notes}"
+        return "changed: " + "; ".join(self.reasons) + notes
 
 
 def _status_reasons(status: dict[str, Any], allow_missing: bool = False) -> list[str]:
@@ -99,29 +106,32 @@ def lineage_of_workspace(root: Path) -> dict[str, str] | None:
     return inputs(read_lock(root / "dvc.lock", required=()))
 
 
-def registered_inputs(version: Any) -> dict[str, str] | None:
-    """The `inputs` of a version's lineage.json (None when it cannot be read)."""
-    uri = (version.tags or {}).get("lineage")
-    if not uri:
-        return None
-    try:
-        import mlflow
+def registered_lineage(client: Any, version: Any, label: str) -> tuple[dict[str, str] | None, list[str]]:
+    """The `inputs` of a version's lineage document (None: it cannot be read, the first line says
+    why), and notes on a `lineage.fingerprint` tag that disagrees with the document."""
+    from tasks.register.lineage import fingerprint
+    from tasks.register.registry import read_lineage
 
-        return dict(mlflow.artifacts.load_dict(uri).get("inputs") or {})
-    except Exception:  # an unreadable artifact only costs the detail of the message
-        return None
+    doc, problem = read_lineage(client, version)
+    if doc is not None and not isinstance(doc.get("inputs"), dict):
+        doc, problem = None, "its lineage document names no inputs"
+    if doc is None:
+        return None, [f"what {label} was built from is unknown: {problem}"]
+    then = {str(k): str(v) for k, v in doc["inputs"].items()}
+    tagged = (version.tags or {}).get(FINGERPRINT_TAG)
+    if tagged is not None and tagged != fingerprint(then):
+        return then, [f"{label}'s tag {FINGERPRINT_TAG}={tagged} disagrees with its lineage "
+                      f"document ({fingerprint(then)}); the document is used"]
+    return then, []
 
 
-def last_registered(model_name: str, tracking_uri: str,
-                    include_experiments: bool = True) -> Any | None:
+def last_registered(client: Any, model_name: str, include_experiments: bool = True) -> Any | None:
     """The newest version of `model_name` (highest number), or None when there is none.
 
     Without `include_experiments`, versions registered from a DVC experiment (flow overrides,
     tag `dvc.experiment`) are passed over: they were not built from the workspace's params.yaml.
     """
-    from mlflow import MlflowClient
-
-    versions = MlflowClient(tracking_uri=tracking_uri).search_model_versions(f"name='{model_name}'")
+    versions = client.search_model_versions(f"name='{model_name}'")
     if not include_experiments:
         versions = [v for v in versions if EXPERIMENT_TAG not in (v.tags or {})]
     return max(versions, key=lambda v: int(v.version)) if versions else None
@@ -144,21 +154,20 @@ def detect_changes(root: Path, model_name: str, tracking_uri: str,
     reasons += [f"source folder {p} is not a dependency of any stage in dvc.yaml, so DVC cannot "
                 "tell whether it has new files (add it to the ingest stage's deps)"
                 for p in unwatched_sources(root)]
-    version = last_registered(model_name, tracking_uri, include_experiments)
+    from mlflow import MlflowClient
+
+    client = MlflowClient(tracking_uri=tracking_uri)
+    version = last_registered(client, model_name, include_experiments)
     if version is None:
         reasons.append(f"no version of model '{model_name}' is registered yet")
         return Changes(True, reasons)
     label = f"{model_name} v{version.version}"
     now = lineage_of_workspace(root)
+    then, notes = registered_lineage(client, version, label)
     if now is None:
         reasons.append("dvc.lock is missing: the pipeline has not run in this workspace")
-    else:
-        from tasks.register.lineage import fingerprint
-
-        then_fp = (version.tags or {}).get(FINGERPRINT_TAG)
-        if fingerprint(now) != then_fp:
-            then = registered_inputs(version)
-            detail = (_diff(now, then) or [""])[0] if then is not None else (
-                f"{FINGERPRINT_TAG}: {then_fp or '(none)'} -> {fingerprint(now)}")
-            reasons.append(f"dvc.lock differs from the lineage of {label}: {detail}")
-    return Changes(bool(reasons), reasons, label)
+    elif then is None:
+        reasons.append(notes.pop(0))
+    elif diff := _diff(now, then):
+        reasons.append(f"dvc.lock differs from the lineage of {label}: {diff[0]}")
+    return Changes(bool(reasons), reasons, label, notes)

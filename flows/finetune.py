@@ -267,21 +267,22 @@ def _rescore_champion(root: Path, workdir: Path, parent: ParentRun) -> dict[str,
     from mlflow.exceptions import MlflowException
 
     from flows import rescore
+    from tasks.register.registry import current_champion
 
     logger = get_run_logger()
-    name = load_config("register", RegisterConfig, workdir / "params.yaml").model_name
+    cfg = load_config("register", RegisterConfig, workdir / "params.yaml")
+    name = cfg.model_name
     report = _evaluation(workdir)
     if report is None:
         return None
-    try:
-        champion = parent.client.get_model_version_by_alias(name, "champion")
+    try:  # its protocol as its lineage document records it, not as its tag says
+        champion = current_champion(parent.client, name, cfg.primary_metric)
     except MlflowException:
         return None
-    if not rescore.needs_rescore(dict(champion.tags), report):
+    if champion is None or not rescore.needs_rescore(champion, report):
         return None
     logger.info("champion v%s was scored under protocol %s; re-scoring it under %s",
-                champion.version, champion.tags.get("protocol", "unknown"),
-                report["protocol"]["id"])
+                champion.version, champion.protocol or "unknown", report["protocol"]["id"])
     env = {PARENT_ENV: parent.run_id, "MLFLOW_TRACKING_URI": tracking_uri(root),
            "MLFLOW_EXPERIMENT_NAME": experiment_name()}
     try:

@@ -7,6 +7,13 @@ registered fine-tune, `--export` at its registered OpenVINO export, `--base` at 
 base when it was registered as adapters + base, and the outputs in a temporary folder) before registering, so the
 challenger and the champion are compared on the same yardstick. The evaluate run is logged as a
 child of the flow's run like any stage; the scores are recorded on both versions by tasks/register.
+
+Which protocol the champion was scored under is read from its lineage document
+(tasks/register/registry.py), not its `protocol` tag. The re-score is trusted because this flow
+run computed it and hands the report to tasks/register in-process; the `rescore.<protocol>` tag
+it leaves on the champion (and the new version's `champion.rescored`) are display only: nothing
+reads them back, so a forged one changes no decision. A later registration under the same new
+protocol re-scores the champion again rather than trust a tag.
 """
 from __future__ import annotations
 
@@ -22,18 +29,19 @@ from typing import Any
 import yaml
 
 from tasks.common.errors import UserError
+from tasks.register.promotion import Champion
 
 #: Arguments of the evaluate command that name where it writes (replaced by a temporary folder).
 _OUTPUT_ARGS = ("--out", "--report", "--metrics")
 
 
-def needs_rescore(champion_tags: Mapping[str, str] | None, report: Mapping[str, Any]) -> bool:
-    """True when a champion exists and its protocol differs from the current evaluation's."""
-    if champion_tags is None:
+def needs_rescore(champion: Champion | None, report: Mapping[str, Any]) -> bool:
+    """True when a champion exists and the protocol its lineage document records (None: unknown,
+    or no document) differs from the current evaluation's."""
+    if champion is None:
         return False
     current = (report.get("protocol") or {}).get("id")
-    theirs = (champion_tags.get("protocol") or "").split(" ")[0]
-    return bool(current) and theirs != current
+    return bool(current) and champion.protocol != current
 
 
 #: The registered model's artifacts that replace the evaluate command's inputs.

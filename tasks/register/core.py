@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,22 +26,19 @@ from tasks.register.lineage import (
     read_lock,
     summary_tags,
 )
-from tasks.register.promotion import (
-    Champion,
-    Goal,
-    candidate_score,
-    decide,
-    protocol_from_tags,
-    score_from_tags,
-)
+from tasks.register.promotion import Champion, Decision, Goal, candidate_score, decide
 from tasks.register.pyfunc_model import serving_config, signature
+from tasks.register.registry import (
+    CHAMPION,
+    LINEAGE_ARTIFACT,
+    Move,
+    current_champion,
+    move_champion,
+)
 
 log = logging.getLogger(__name__)
 
-#: The version's full lineage, one JSON document in its run (tasks/register/lineage.py).
-LINEAGE_ARTIFACT = "lineage.json"
 CANDIDATE = "candidate"
-CHAMPION = "champion"
 MODEL_CODE = Path(__file__).with_name("pyfunc_model.py")
 #: What the train stage writes for `train.method: lora` (tasks/train/methods/lora.py); without
 #: `fuse_lora` the folder holds only this file, and the model is registered with its base.
@@ -75,21 +73,6 @@ def pip_requirements() -> list[str]:
     return reqs
 
 
-def current_champion(client: Any, model_name: str, metric: str) -> Champion | None:
-    """The version holding `champion` now (None when the model or the alias does not exist)."""
-    from mlflow.exceptions import MlflowException
-
-    try:
-        mv = client.get_model_version_by_alias(model_name, CHAMPION)
-    except MlflowException as err:
-        if err.error_code in ("RESOURCE_DOES_NOT_EXIST", "INVALID_PARAMETER_VALUE"):
-            return None
-        raise
-    tags = dict(mv.tags)
-    return Champion(version=str(mv.version), score=score_from_tags(tags, metric),
-                    protocol=protocol_from_tags(tags))
-
-
 def _rescored(client: Any, model_name: str, champion: Champion | None,
               rescore: dict[str, Any] | None, metric: str) -> tuple[Champion | None, str]:
     """The champion with its score under the current protocol, when the flow re-scored it
@@ -107,7 +90,7 @@ def _rescored(client: Any, model_name: str, champion: Champion | None,
     client.set_model_version_tag(model_name, champion.version, f"rescore.{protocol}",
                                  f"{metric}={score:.6g}")
     log.info("%s", text)
-    return Champion(champion.version, float(score), protocol), text
+    return Champion(champion.version, float(score), protocol, note=champion.note), text
 
 
 def model_artifacts(finetuned: Path, openvino: Path, base: Path | None) -> dict[str, str]:
@@ -132,6 +115,27 @@ def model_artifacts(finetuned: Path, openvino: Path, base: Path | None) -> dict[
         raise UserError(adapters_only)
     families.read_index(base, adapters_only)
     return {**artifacts, "base": str(base)}
+
+
+def log_model(run_id: str, artifacts: dict[str, str], serving: dict[str, Any] | None,
+              tags: dict[str, str]) -> Any:
+    """Log the pyfunc (pyfunc_model.py with `artifacts`) into run `run_id`; MLflow's ModelInfo."""
+    import mlflow
+    from mlflow.models import Model
+
+    log.info("logging the pyfunc model (artifacts %s) into run %s", artifacts, run_id)
+    return Model.log(
+        artifact_path=None,
+        name="model",
+        flavor=mlflow.pyfunc,
+        run_id=run_id,
+        python_model=str(MODEL_CODE),
+        artifacts=artifacts,
+        signature=signature(),
+        pip_requirements=pip_requirements(),
+        model_config=serving_config(serving),  # every key logged: MLflow overrides only logged keys
+        metadata={"lineage": tags},
+    )
 
 
 def create_version(client: Any, model_name: str, info: Any, run_id: str, tags: dict[str, str],
@@ -171,8 +175,6 @@ def register_model(
 ) -> Registered:
     """Log the pyfunc in run `run_id`, register a version of `model_name`, tag it, set aliases."""
     import mlflow
-    from mlflow.exceptions import MlflowException
-    from mlflow.models import Model
 
     artifacts = model_artifacts(finetuned, openvino, base)
     candidate_score(evaluation, primary_metric)  # a misnamed metric fails before anything is logged
@@ -180,24 +182,12 @@ def register_model(
     tags = summary_tags(lock, evaluation, git_commit, primary_metric, extra_tags)
     tags["model.artifacts"] = "lora_adapters+base" if "base" in artifacts else "pipeline"
     record = lineage_record(lock, evaluation, params, git_commit, extra_tags)
-    log.info("logging the pyfunc model (artifacts %s) into run %s", artifacts, run_id)
-    info = Model.log(
-        artifact_path=None,
-        name="model",
-        flavor=mlflow.pyfunc,
-        run_id=run_id,
-        python_model=str(MODEL_CODE),
-        artifacts=artifacts,
-        signature=signature(),
-        pip_requirements=pip_requirements(),
-        model_config=serving_config(serving),  # every key logged: MLflow overrides only logged keys
-        metadata={"lineage": tags},
-    )
+    info = log_model(run_id, artifacts, serving, tags)
     champion = current_champion(client, model_name, primary_metric)
     champion, rescored = _rescored(client, model_name, champion, champion_rescore, primary_metric)
     decision = decide(evaluation, primary_metric, primary_metric_goal, champion,
                       promote_uncalibrated)
-    promote, reason = decision.promote, decision.reason
+    reason = decision.reason
     description = f"{describe(lock, evaluation, git_commit, primary_metric)} Champion: {reason}."
     record.update(champion=decision.tags(), model={"name": model_name, "source": info.model_uri,
                                                    "artifacts": sorted(artifacts)})
@@ -207,10 +197,52 @@ def register_model(
     if rescored:
         tags["champion.rescored"] = rescored
     version = create_version(client, model_name, info, run_id, tags, description)
-    aliases = [CANDIDATE, CHAMPION] if promote else [CANDIDATE]
+
+    def redecide(holder: Champion | None) -> Decision:
+        return decide(evaluation, primary_metric, primary_metric_goal, holder, promote_uncalibrated)
+
+    move = move_aliases(client, model_name, version, decision, redecide)
+    if move.note:
+        reason = _record_race(client, model_name, version, run_id, record, reason, move)
+    aliases = (CANDIDATE, CHAMPION) if move.holds else (CANDIDATE,)
+    log.info("registered %s version %s with aliases %s (%s)", model_name, version, aliases, reason)
+    return Registered(
+        name=model_name,
+        version=version,
+        run_id=run_id,
+        model_uri=f"models:/{model_name}/{version}",
+        aliases=aliases,
+        champion_moved=move.holds,
+        decision=reason,
+    )
+
+
+def _record_race(client: Any, model_name: str, version: str, run_id: str,
+                 record: dict[str, Any], reason: str, move: Move) -> str:
+    """Amend the decision of a version that met a concurrent registration while it moved
+    `champion` (won after deciding again, or lost): tag, lineage.json; the amended reason."""
+    reason = f"{reason}; {move.note}" if move.holds else f"not promoted: {move.note}"
+    record["champion"].update({"champion.decision": reason, "champion.race": move.note,
+                               "champion.promoted": str(move.holds).lower()})
+    client.log_dict(run_id, record, LINEAGE_ARTIFACT)
+    client.set_model_version_tag(model_name, version, "champion.decision", reason[:5000])
+    return reason
+
+
+def move_aliases(client: Any, model_name: str, version: str, decision: Decision,
+                 redecide: Callable[[Champion | None], Decision]) -> Move:
+    """Move `candidate` to `version`, and `champion` when promoted, read back after the move
+    (tasks/register/registry.py: the race rule)."""
+    from mlflow.exceptions import MlflowException
+
+    aliases = [CANDIDATE, CHAMPION] if decision.promote else [CANDIDATE]
     try:
-        for alias in aliases:
-            client.set_registered_model_alias(model_name, alias, version)
+        client.set_registered_model_alias(model_name, CANDIDATE, version)
+        if not decision.promote:
+            return Move(False, decision.champion.version if decision.champion else None)
+        return move_champion(client, model_name, version,
+                             decision.champion.version if decision.champion else None,
+                             redecide, decision.metric)
     except MlflowException as err:
         raise UserError(
             f"{model_name} version {version} is registered, complete with its tags and lineage, "
@@ -219,16 +251,6 @@ def register_model(
             f"MlflowClient().set_registered_model_alias('{model_name}', '<alias>', {version}), or "
             "run again"
         ) from None
-    log.info("registered %s version %s with aliases %s (%s)", model_name, version, aliases, reason)
-    return Registered(
-        name=model_name,
-        version=version,
-        run_id=run_id,
-        model_uri=f"models:/{model_name}/{version}",
-        aliases=tuple(aliases),
-        champion_moved=promote,
-        decision=reason,
-    )
 
 
 def register(

@@ -15,6 +15,10 @@ promoted and the reason says the champion must be re-scored.
 Scores from random-weight encoders (`uncalibrated`) promote only with
 `register.promote_uncalibrated: true`, an explicit choice (the offline demo makes it).
 
+The champion's score and protocol are read from its lineage document, never from its tags
+(tasks/register/registry.py); a champion without a readable document has no score, and a tag that
+disagrees with the document is named at the end of the reason (`Champion.note`).
+
 The decision is written on the new version (tag `champion.decision`, the end of its description)
 and, with both scores and the champion compared against, in its lineage.json.
 """
@@ -40,6 +44,9 @@ class Champion:
     version: str
     score: float | None
     protocol: str | None = None  # the protocol id its score was measured under
+    #: why it has no score, or which of its tags disagreed with its lineage document
+    #: (tasks/register/registry.py reads both from the document); said in the decision
+    note: str = ""
 
 
 @dataclass(frozen=True)
@@ -52,7 +59,8 @@ class Decision:
 
     def tags(self) -> dict[str, str]:
         """What is recorded on the new version."""
-        return {
+        note = {"champion.previous_note": self.champion.note} if self.champion and self.champion.note else {}
+        return {**note,
             "champion.decision": self.reason,
             "champion.promoted": str(self.promote).lower(),
             "champion.primary_metric": self.metric,
@@ -129,4 +137,6 @@ def decide(evaluation: Evaluation, metric: str, goal: Goal, champion: Champion |
             reason += f" under protocol {mine}"
     if promote and evaluation.uncalibrated:
         reason += " on uncalibrated scores (register.promote_uncalibrated: true)"
+    if champion is not None and champion.note:
+        reason += f"; champion v{champion.version}: {champion.note}"
     return Decision(promote, reason, metric, score, champion)

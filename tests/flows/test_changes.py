@@ -120,3 +120,37 @@ def test_the_data_dir_dependency_is_read_as_dvc_fills_it_in(tmp_path: Path) -> N
     stages["ingest"]["deps"] = ["tasks/ingest", "data/other"]
     (tmp_path / "dvc.yaml").write_text(yaml.safe_dump({"stages": stages}))
     assert unwatched_sources(tmp_path) == ["photos", "photos/more"]
+
+
+def test_a_forged_fingerprint_tag_does_not_make_the_nightly_up_to_date(
+        ws: Path, isolated_mlflow: str) -> None:
+    """Anyone who may tag a version could set its `lineage.fingerprint` (and its `lineage` link) to
+    match the workspace, and the nightly would never retrain: it reads the lineage document in the
+    version's own run instead, and names the tag that disagrees."""
+    version = _register(ws, isolated_mlflow)
+    registered_fp = fingerprint(lineage_of_workspace(ws))
+    (ws / "src/b.png").write_bytes(b"b")
+    _repro(ws)  # `dvc status` is clean; the registered lineage is older than dvc.lock
+    now = lineage_of_workspace(ws)
+    client = mlflow.MlflowClient(tracking_uri=isolated_mlflow)
+    forged_run = client.create_run(client.get_experiment_by_name("Default").experiment_id)
+    client.log_dict(forged_run.info.run_id, {"inputs": now}, "lineage.json")
+    client.set_model_version_tag("toy", version, "lineage.fingerprint", fingerprint(now))
+    client.set_model_version_tag("toy", version, "lineage", f"runs:/{forged_run.info.run_id}/lineage.json")
+    changes = detect_changes(ws, "toy", isolated_mlflow)
+    assert changes.changed
+    (reason,) = changes.reasons
+    assert reason.startswith("dvc.lock differs from the lineage of toy v1: dvc.md5.processed: ")
+    assert changes.notes == [f"toy v1's tag lineage.fingerprint={fingerprint(now)} disagrees with "
+                             f"its lineage document ({registered_fp}); the document is used"]
+    assert changes.summary().endswith(f"(note: {changes.notes[0]})")
+
+    # A version whose run holds no lineage document (registered before it existed): what it was
+    # built from is unknown, whatever its tag says, so the nightly retrains.
+    empty_run = client.create_run(client.get_experiment_by_name("Default").experiment_id)
+    client.create_model_version("toy", source=str(ws / "processed"), run_id=empty_run.info.run_id,
+                                tags={"lineage.fingerprint": fingerprint(now)})
+    changes = detect_changes(ws, "toy", isolated_mlflow)
+    assert changes.changed and changes.reasons == [
+        f"what toy v2 was built from is unknown: registered without a lineage document "
+        f"(lineage.json is not in run {empty_run.info.run_id})"]

@@ -182,11 +182,15 @@ def test_only_if_changed_and_the_run_summary_artifact(prefect_server, toy: Path)
     assert f"MLflow run: [{first['mlflow_run_id']}](http://127.0.0.1:5000/#/experiments/" in page
     assert "| second | ran |" in page and "Not registered" in page
 
-    # What tasks/register would leave: a version whose lineage is this workspace's dvc.lock.
+    # What tasks/register would leave: a version whose lineage is this workspace's dvc.lock
+    # (lineage.json in its run, which the comparison reads; the tag is for display).
     client = mlflow.MlflowClient()
     client.create_registered_model("toy")
-    client.create_model_version("toy", source=str(toy), tags={
-        "lineage.fingerprint": fingerprint(lineage_of_workspace(toy))})
+    built_from = lineage_of_workspace(toy)
+    run = client.create_run(client.get_experiment_by_name("Default").experiment_id).info.run_id
+    client.log_dict(run, {"inputs": built_from}, "lineage.json")
+    client.create_model_version("toy", source=str(toy), run_id=run, tags={
+        "lineage.fingerprint": fingerprint(built_from)})
     runs_before = len(mlflow.search_runs(search_all_experiments=True, output_format="list"))
 
     state = finetune_module.finetune(only_if_changed=True, return_state=True)

@@ -7,18 +7,22 @@ from pathlib import Path
 import pytest
 
 from flows.rescore import evaluate_command, needs_rescore
+from tasks.register.promotion import Champion
 from tests.conftest import REPO
 
 pytestmark = pytest.mark.quick  # make test-fast
 
 
 def test_a_champion_under_another_protocol_needs_a_rescore() -> None:
+    """The champion's protocol as its lineage document records it (tasks/register/registry.py)."""
     report = {"protocol": {"id": "new"}}
-    assert needs_rescore({"protocol": "old (calibrated)"}, report)
-    assert needs_rescore({}, report)  # registered before protocols were recorded
-    assert not needs_rescore({"protocol": "new (uncalibrated)"}, report)
+    assert needs_rescore(Champion("1", 0.5, "old"), report)
+    assert needs_rescore(Champion("1", 0.5, None), report)  # registered before protocols were recorded
+    assert needs_rescore(Champion("1", None, None, note="registered without a lineage document"),
+                         report)
+    assert not needs_rescore(Champion("1", 0.5, "new"), report)
     assert not needs_rescore(None, report)  # no champion
-    assert not needs_rescore({"protocol": "old (calibrated)"}, {})  # a report without protocol
+    assert not needs_rescore(Champion("1", 0.5, "old"), {})  # a report without protocol
 
 
 def test_the_rescore_runs_dvc_yamls_evaluate_command_on_the_champion(tmp_path: Path) -> None:

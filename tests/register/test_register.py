@@ -216,13 +216,78 @@ def test_a_champion_rescored_under_the_current_protocol_is_compared_on_that_scor
     without = register_with("new", 0.4)
     assert not without.champion_moved and "not comparable until the champion is re-scored" in (
         without.decision)
+    # Tags claiming a re-score are display only: only a re-score done by this flow run counts.
+    client.set_model_version_tag("sd-test", "1", "rescore.new", "dino=0.0")
+    client.set_model_version_tag("sd-test", "1", "protocol", "new (calibrated)")
+    forged = register_with("new", 0.4)
+    assert not forged.champion_moved and "not comparable until the champion is re-scored" in (
+        forged.decision)
+    assert forged.decision.endswith("; champion v1: tag protocol=new (calibrated) disagrees with its "
+                                    "lineage document (protocol old); the document is used")
+    client.set_model_version_tag("sd-test", "1", "protocol", "old (calibrated)")
     rescored = {"version": "1", "report": {"metrics": {"dino": 0.3}, "protocol": {"id": "new"},
                                            "seconds_total": 12.5}}
     result = register_with("new", 0.4, rescored)
-    assert result.champion_moved and result.version == "3"
+    assert result.champion_moved and result.version == "4"
     assert result.decision == ("promoted: the gate passed and it beats the champion (dino=0.4 vs "
                                "champion v1 dino=0.3, maximize) under protocol new")
-    v3 = client.get_model_version("sd-test", "3")
-    assert v3.tags["champion.rescored"] == (
+    v4 = client.get_model_version("sd-test", "4")
+    assert v4.tags["champion.rescored"] == (
         "v1 re-scored under protocol new: dino=0.3 (was 0.9 under old; 12.5 s)")
     assert client.get_model_version("sd-test", "1").tags["rescore.new"] == "dino=0.3"
+
+
+def _register_with(project: Path, dino: float, passed: bool = True):
+    report = {**EVAL_PASS, "metrics": {**EVAL_PASS["metrics"], "dino": dino},
+              "gate": {**EVAL_PASS["gate"], "passed": passed}}
+    (project / "reports/evaluate.json").write_text(json.dumps(report))
+    return register(project / "models/finetuned", project / "models/openvino",
+                    project / "reports/evaluate.json", project / "dvc.lock", project / "params.yaml")
+
+
+def test_a_forged_score_tag_does_not_keep_the_champion(project: Path) -> None:
+    """Whoever may tag versions sets the champion's metric.dino very high: the better candidate
+    is still promoted (the score is read from the champion's lineage.json), and says why."""
+    client = mlflow.MlflowClient()
+    assert _register_with(project, 0.4).champion_moved
+    client.set_model_version_tag("sd-test", "1", "metric.dino", "1000.0")
+    result = _register_with(project, 0.45)
+    assert result.champion_moved and result.aliases == ("candidate", "champion")
+    assert result.decision == (
+        "promoted: the gate passed and it beats the champion (dino=0.45 vs champion v1 dino=0.4, "
+        "maximize); champion v1: tag metric.dino=1000.0 disagrees with its lineage document "
+        "(dino=0.4); the document is used")
+    v2 = client.get_model_version("sd-test", "2")
+    assert v2.tags["champion.decision"] == result.decision
+    champion = mlflow.artifacts.load_dict(v2.tags["lineage"])["champion"]
+    assert champion["champion.previous_score"] == "0.4"
+    assert champion["champion.previous_note"].startswith("tag metric.dino=1000.0 disagrees")
+
+
+def test_a_registration_that_loses_the_race_for_champion_says_so(
+        project: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """v3 (dino 0.5) beats the champion v1 (0.4); between its move of `champion` and its
+    read-back a concurrent registration moves the alias to v2 (0.6). One champion, v2; v3 keeps
+    `candidate` and its record (tag, decision, lineage.json) names the version holding it."""
+    client = mlflow.MlflowClient()
+    assert _register_with(project, 0.4).champion_moved
+    assert not _register_with(project, 0.6, passed=False).champion_moved  # v2: a better score
+
+    class Racing(mlflow.MlflowClient):  # the real client, raced once
+        def set_registered_model_alias(self, name: str, alias: str, version: str) -> None:
+            super().set_registered_model_alias(name, alias, version)
+            if alias == "champion" and str(version) == "3":
+                super().set_registered_model_alias(name, alias, "2")
+
+    monkeypatch.setattr(mlflow, "MlflowClient", Racing)
+    result = _register_with(project, 0.5)
+    assert (result.version, result.champion_moved, result.aliases) == ("3", False, ("candidate",))
+    assert str(client.get_model_version_by_alias("sd-test", "champion").version) == "2"
+    assert [v for v in ("1", "2", "3") if "champion" in client.get_model_version("sd-test", v).aliases] == ["2"]
+    v3 = client.get_model_version("sd-test", "3")
+    lost = ("v2 holds champion, moved there while this version was registered; not promoted: the "
+            "gate passed but it does not beat the champion (dino=0.5 vs champion v2 dino=0.6, maximize)")
+    assert v3.tags["champion.lost_race"] == lost
+    assert v3.tags["champion.decision"] == result.decision == f"not promoted: lost the race for champion: {lost}"
+    champion = mlflow.artifacts.load_dict(v3.tags["lineage"])["champion"]
+    assert champion["champion.promoted"] == "false" and champion["champion.decision"] == result.decision
