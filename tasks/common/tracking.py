@@ -13,6 +13,7 @@
 """
 from __future__ import annotations
 
+import base64
 import logging
 import os
 import subprocess
@@ -98,6 +99,7 @@ def wait_for_server(uri: str | None = None, timeout: float | None = None) -> flo
         try:
             with urllib.request.urlopen(f"{uri.rstrip('/')}/health", timeout=5) as resp:
                 if resp.status == 200:
+                    check_credentials(uri)
                     return time.monotonic() - start
                 last = f"HTTP {resp.status}"
         except urllib.error.HTTPError as err:
@@ -117,6 +119,53 @@ def wait_for_server(uri: str | None = None, timeout: float | None = None) -> flo
                         timeout)
             announced = True
         time.sleep(min(2.0, max(0.0, timeout - waited)))
+
+
+def _user() -> str:
+    user = os.environ.get("MLFLOW_TRACKING_USERNAME")
+    return f"user '{user}'" if user else "no user (MLFLOW_TRACKING_USERNAME is not set)"
+
+
+def check_credentials(uri: str) -> None:
+    """A UserError, before any work, when the server asks for a user this process does not give
+    (MLflow's basic-auth app: infra/README.md, "Users and permissions")."""
+    from mlflow.utils.credentials import get_default_host_creds
+
+    from tasks.common.errors import UserError
+
+    creds = get_default_host_creds(uri)
+    request = urllib.request.Request(f"{uri.rstrip('/')}/api/2.0/mlflow/experiments/search"
+                                     "?max_results=1")
+    if creds.username:
+        token = base64.b64encode(f"{creds.username}:{creds.password or ''}".encode()).decode()
+        request.add_header("Authorization", f"Basic {token}")
+    elif creds.token:
+        request.add_header("Authorization", f"Bearer {creds.token}")
+    try:
+        urllib.request.urlopen(request, timeout=10).close()
+    except urllib.error.HTTPError as err:
+        if err.code == 401:
+            raise UserError(
+                f"the MLflow tracking server {uri} refused {_user()} (HTTP 401): set "
+                "MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD to a user of that server "
+                "(its admin adds one: infra/README.md, \"Users and permissions\"). Nothing ran"
+            ) from None
+    except (urllib.error.URLError, OSError):
+        pass  # an outage is for the caller's bounded wait and the run's own retries
+
+
+def access_refused(err: Exception, stage: str) -> None:
+    """A UserError when the server refused this user an operation (HTTP 403)."""
+    from tasks.common.errors import UserError
+
+    if getattr(err, "error_code", None) != "PERMISSION_DENIED":
+        return
+    raise UserError(
+        f"the MLflow tracking server {tracking_uri()} refused stage '{stage}' an operation as "
+        f"{_user()} ({err}). The pipeline's user needs EDIT on its experiment and registered "
+        "model: ask the server's admin (infra/README.md, \"Users and permissions\"), or run as "
+        "the pipeline's user"
+    ) from None
 
 
 def configure() -> None:
@@ -194,7 +243,11 @@ def stage_run(stage: str, params: Mapping[str, Any] | None = None) -> Iterator[S
     from mlflow.exceptions import MlflowException
 
     wait_for_server()  # before any work: never train without a record
-    configure()
+    try:
+        configure()
+    except MlflowException as err:
+        access_refused(err, stage)
+        raise
     tags = {"stage": stage}
     parent = os.environ.get(PARENT_ENV)
     if parent:
@@ -212,6 +265,7 @@ def stage_run(stage: str, params: Mapping[str, Any] | None = None) -> Iterator[S
             log.info("MLflow run %s (stage %s) at %s", run_id, stage, tracking_uri())
             yield handle
     except MlflowException as err:
+        access_refused(err, stage)
         lost_server(err, stage, run_id)
         raise
 

@@ -98,7 +98,7 @@ class Postgres:
 
     def superuser_env(self) -> dict[str, str]:
         """libpq's variables for the superuser (psql, infra/postgres/init.sh)."""
-        return {"PGHOST": "127.0.0.1", "PGPORT": str(self.port), "POSTGRES_USER": USER,
+        return {"PGHOST": "127.0.0.1", "PGPORT": str(self.port), "PGUSER": USER, "POSTGRES_USER": USER,
                 "PGPASSWORD": SECRETS["POSTGRES_PASSWORD"]}
 
     def query(self, database: str, sql: str) -> list[tuple]:
@@ -181,3 +181,56 @@ def start_mlflow(postgres: Postgres, home: Path, port: int) -> subprocess.Popen:
         stop_process_group(proc)
         raise
     return proc
+
+
+class CommandLineWatch:
+    """Samples every process's command line (/proc/*/cmdline) while it runs, keeping any that holds
+    one of SECRETS' values: what `ps` would show anyone on the machine."""
+
+    def __init__(self, interval: float = 0.2) -> None:
+        import threading
+
+        self.interval, self.samples, self.found = interval, 0, set()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> CommandLineWatch:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        values = [v.encode() for v in SECRETS.values()]
+        while not self._stop.wait(self.interval):
+            self.samples += 1
+            for path in Path("/proc").glob("[0-9]*/cmdline"):
+                try:
+                    line = path.read_bytes()
+                except OSError:
+                    continue
+                if any(v in line for v in values):
+                    self.found.add(line.replace(b"\0", b" ").decode(errors="replace")[:200])
+
+
+def leaked_secrets(postgres: Postgres, places: list[Path]) -> dict[str, list[str]]:
+    """Which of SECRETS' values appear (name -> where) in a dump of every database on `postgres`
+    (MLflow's runs, params, tags, registry; its users; Prefect's runs, logs, artifacts) or in any
+    file under `places` (logs, the artifact store, the checkout)."""
+    found: dict[str, list[str]] = {}
+    dumps = postgres.root / "dumps"
+    dumps.mkdir(exist_ok=True)
+    for database in ("mlflow", "mlflow_auth", "prefect"):
+        out = dumps / f"{database}.sql"
+        subprocess.run([str(postgres.bindir / "pg_dump"), "-d", database, "-f", str(out)],
+                       env={**os.environ, **postgres.superuser_env()}, check=True,
+                       capture_output=True, timeout=300)
+        places.append(out)
+    for name, value in SECRETS.items():
+        hits = subprocess.run(["grep", "-r", "-l", "-F", "-e", value, *map(str, places)],
+                              capture_output=True, text=True).stdout.split()
+        if hits:
+            found[name] = hits
+    return found

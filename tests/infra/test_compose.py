@@ -1,8 +1,10 @@
 """infra/compose.yaml without Docker: it parses, every command's flags exist in the installed
 `mlflow`/`prefect` CLIs (their real --help), every environment variable is one the program
-reads, image/package pins match requirements.lock, and no secret is committed."""
+reads, image/package pins match requirements.lock, no secret is committed or pasted into a URL,
+preflight refuses placeholders, and each MinIO user's policy names its own bucket only."""
 from __future__ import annotations
 
+import os
 import re
 import shlex
 import subprocess
@@ -18,11 +20,18 @@ from tests.conftest import REPO
 INFRA = REPO / "infra"
 COMPOSE = yaml.safe_load((INFRA / "compose.yaml").read_text())
 SERVICES = COMPOSE["services"]
-# Variables the third-party images and boto3 read (their documented names).
+# Variables the third-party images read (their documented names), and libpq's password.
 IMAGE_ENV = {
     "postgres": {"POSTGRES_USER", "POSTGRES_PASSWORD", "POSTGRES_DB"},
     "minio": {"MINIO_ROOT_USER", "MINIO_ROOT_PASSWORD"},
-    "minio-init": {"MINIO_ROOT_USER", "MINIO_ROOT_PASSWORD"},
+    "mlflow": {"PGPASSWORD"},
+}
+# The project's own scripts a service runs: a variable it is given must appear in one of them.
+SCRIPTS = {
+    "preflight": ["preflight.sh"],
+    "postgres": ["postgres/init.sh"],
+    "minio-init": ["minio_access.py"],
+    "mlflow-init": ["mlflow_access.py"],
 }
 # botocore's (MLflow's S3 client, and DVC's S3 remote through s3fs): credentials and the endpoint.
 BOTO_ENV = {"AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_ENDPOINT_URL_S3"}
@@ -55,13 +64,17 @@ def cli_help(program: str, *subcommand: str) -> str:
 
 def test_the_team_services_are_all_there() -> None:
     assert set(SERVICES) >= {"postgres", "minio", "mlflow", "prefect-server", "worker"}
-    init = (INFRA / "postgres/init.sql").read_text()
+    init = (INFRA / "postgres/init.sh").read_text()
     mlflow_db = SERVICES["mlflow"]["environment"]["MLFLOW_BACKEND_STORE_URI"]
-    prefect_db = SERVICES["prefect-server"]["environment"]["PREFECT_API_DATABASE_CONNECTION_URL"]
-    assert mlflow_db.startswith("postgresql+psycopg2://") and mlflow_db.endswith("@postgres:5432/mlflow")
-    assert prefect_db.startswith("postgresql+asyncpg://") and prefect_db.endswith("@postgres:5432/prefect")
-    assert "CREATE DATABASE mlflow;" in init and "CREATE DATABASE prefect;" in init
+    prefect_db = SERVICES["prefect-server"]["environment"]
+    assert mlflow_db == "postgresql+psycopg2://mlflow@postgres:5432/mlflow"  # password: PGPASSWORD
+    assert (prefect_db["PREFECT_SERVER_DATABASE_USER"], prefect_db["PREFECT_SERVER_DATABASE_NAME"]) \
+        == ("prefect", "prefect")
+    for sql in ("CREATE DATABASE mlflow OWNER mlflow;", "CREATE DATABASE mlflow_auth OWNER mlflow;",
+                "CREATE DATABASE prefect OWNER prefect;"):
+        assert sql in init
     assert "--artifacts-destination s3://" in SERVICES["mlflow"]["command"]
+    assert "--app-name basic-auth" in SERVICES["mlflow"]["command"]
     assert SERVICES["worker"]["environment"]["MLFLOW_TRACKING_URI"] == "http://mlflow:5000"
 
 
@@ -101,12 +114,16 @@ def test_environment_variables_are_read_by_their_programs() -> None:
     prefect_names = set(_get_valid_setting_names(Settings))
     ours = {SERVER_WAIT_ENV}
     for name, service in SERVICES.items():
+        scripts = " ".join((INFRA / f).read_text() for f in SCRIPTS.get(name, []))
         for var in service.get("environment") or {}:
-            known = (IMAGE_ENV.get(name, set()) | BOTO_ENV | mlflow_names | prefect_names | ours)
+            named = re.search(rf"\b{var}\b", scripts) or var in (service.get("command") or [])
+            read_by_script = {var} if named and name in SCRIPTS else set()
+            known = (IMAGE_ENV.get(name, set()) | BOTO_ENV | mlflow_names | prefect_names | ours
+                     | read_by_script)
             assert var in known, f"{name}: {var} is read by nothing installed"
-            if var.startswith("PREFECT_"):
+            if var.startswith("PREFECT_") and not read_by_script:
                 assert var in prefect_names
-            if var.startswith("MLFLOW_"):
+            if var.startswith("MLFLOW_") and not read_by_script:
                 assert var in mlflow_names
 
 
@@ -118,8 +135,18 @@ def test_no_secret_is_committed_and_every_variable_is_documented() -> None:
     for key, value in example.items():
         if "PASSWORD" in key or "SECRET" in key:
             assert value.startswith("change-me"), f"{key} in env.example must be a placeholder"
-    # Passwords have no default in compose: it refuses to start without infra/.env.
-    assert "${POSTGRES_PASSWORD:?" in (INFRA / "compose.yaml").read_text()
+    # Secrets have no default in compose: it refuses to start without them, and preflight checks
+    # each one (every secret of env.example) before any server starts.
+    text = (INFRA / "compose.yaml").read_text()
+    secret_vars = {k for k in example if "PASSWORD" in k or "SECRET" in k}
+    assert set(SERVICES["preflight"]["command"]) == secret_vars
+    for var in secret_vars:
+        assert f"${{{var}:?" in text, f"{var} has no `:?` guard in compose.yaml"
+    for name, service in SERVICES.items():
+        if name != "preflight":
+            assert service.get("depends_on"), f"{name} may start before preflight"
+    # No secret is pasted into a URL (where an `@`, `/` or `%` in it would break or redirect it).
+    assert not re.search(r"://[^\s]*\$\{\w*(PASSWORD|SECRET)", text)
     assert {".env", "worker.env"} <= set((INFRA / ".gitignore").read_text().split())
     tracked = subprocess.run(["git", "ls-files", "infra"], cwd=REPO, capture_output=True,
                              text=True).stdout.split()
@@ -127,7 +154,7 @@ def test_no_secret_is_committed_and_every_variable_is_documented() -> None:
 
 
 def test_pins_match_requirements_lock() -> None:
-    mlflow_pin = re.search(r"mlflow==([\d.]+)", (INFRA / "Dockerfile.mlflow").read_text())
+    mlflow_pin = re.search(r"mlflow\[auth\]==([\d.]+)", (INFRA / "Dockerfile.mlflow").read_text())
     assert mlflow_pin and mlflow_pin.group(1) == _lock_version("mlflow")
     driver_pin = re.search(r"psycopg2-binary==([\d.]+)", (INFRA / "Dockerfile.mlflow").read_text())
     assert driver_pin and driver_pin.group(1) == _lock_version("psycopg2-binary")
@@ -138,3 +165,36 @@ def test_pins_match_requirements_lock() -> None:
     cuda_torch = re.search(r"torch==([\d.]+)", (INFRA / "Dockerfile.cuda").read_text())
     wanted = re.search(r"^torch==([\d.]+)$", (REPO / "requirements.in").read_text(), re.M)
     assert cuda_torch and wanted and cuda_torch.group(1) == wanted.group(1), "Dockerfile.cuda's torch is not the pin"
+
+
+@pytest.mark.parametrize("value, refused", [
+    (None, "is not set"), ("change-me", "placeholder"), ("change-me-at-least-8-chars", "placeholder"),
+    ("tiny-pw", "shorter than 12"), ("a/long@secret%:value", None)])
+def test_preflight_refuses_unset_placeholder_and_short_secrets(value: str | None,
+                                                              refused: str | None) -> None:
+    env = {"PATH": os.environ["PATH"], "OTHER_PASSWORD": "a-real-secret-1234"}
+    if value is not None:
+        env["DB_PASSWORD"] = value
+    done = subprocess.run(["sh", str(INFRA / "preflight.sh"), "DB_PASSWORD", "OTHER_PASSWORD"],
+                          env=env, capture_output=True, text=True)
+    if refused is None:
+        assert done.returncode == 0 and "the 2 secrets are set" in done.stdout, done.stderr
+    else:
+        assert done.returncode == 1 and "error: DB_PASSWORD " in done.stderr \
+            and refused in done.stderr, done.stderr
+        assert "OTHER_PASSWORD" not in done.stderr and (value or "\0") not in done.stderr
+
+
+def test_each_minio_user_reaches_only_its_own_bucket() -> None:
+    import runpy
+
+    access = runpy.run_path(str(INFRA / "minio_access.py"))
+    users = access["services"]({"MLFLOW_BUCKET": "mlflow", "DVC_BUCKET": "dvc"})
+    assert users == {"mlflow": ("mlflow", "MLFLOW_S3_SECRET"), "worker": ("dvc", "WORKER_S3_SECRET")}
+    for bucket in ("mlflow", "dvc"):
+        resources = {r for statement in access["bucket_policy"](bucket)["Statement"]
+                     for r in statement["Resource"]}
+        assert resources == {f"arn:aws:s3:::{bucket}", f"arn:aws:s3:::{bucket}/*"}
+    env = SERVICES["worker"]["environment"]
+    assert env["AWS_ACCESS_KEY_ID"] == "worker" and "MINIO_ROOT" not in str(env)
+    assert SERVICES["mlflow"]["environment"]["AWS_ACCESS_KEY_ID"] == "mlflow"

@@ -14,7 +14,9 @@ from __future__ import annotations
 import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -22,8 +24,10 @@ from tests.conftest import REPO
 from tests.e2e_util import e2e_env, free_port, stop_process_group
 from tests.infra.stack import (
     COMPOSE,
+    INFRA,
     NO_POSTGRES,
     Postgres,
+    compose_env,
     debian_postgres_bin,
     needs_psycopg2,
     pipeline_credentials,
@@ -202,3 +206,150 @@ def test_a_stage_whose_mlflow_server_dies_fails_within_the_bound_and_the_rerun_c
                               "order by r.start_time")
     # The first run stays open in the database (nobody could close it); the rerun is recorded.
     assert [s for (s,) in statuses] == ["RUNNING", "FINISHED"]
+
+
+def _status(method: str, url: str, auth: tuple[str, str] | None = None, **kwargs: Any) -> int:
+    import requests
+
+    return requests.request(method, url, auth=auth, timeout=30, **kwargs).status_code
+
+
+def add_reader(uri: str, name: str, password: str) -> None:
+    """infra/README.md's way to add a user: the admin runs mlflow_access.py, the password on stdin."""
+    admin = compose_env("mlflow-init", MLFLOW_TRACKING_URI=uri)
+    done = subprocess.run([sys.executable, str(INFRA / "mlflow_access.py"), "add-user", name],
+                          input=password + "\n", env=e2e_env(REPO, **admin), capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0 and "created as reader" in done.stdout, done.stderr[-2000:]
+
+
+def test_mlflow_lets_in_only_the_pipeline_to_write_its_model(
+    mlflow_on_postgres: tuple[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import mlflow
+
+    uri, _ = mlflow_on_postgres
+    model = compose_env("mlflow-init")["REGISTERED_MODEL"]
+    reader = ("alice", f"reader/{uuid.uuid4().hex}")
+    add_reader(uri, *reader)
+    for key, value in pipeline_credentials().items():
+        monkeypatch.setenv(key, value)
+    pipeline = mlflow.MlflowClient(tracking_uri=uri)
+    run = pipeline.create_run(pipeline.create_experiment(f"doors-{uuid.uuid4().hex[:8]}"))
+    source = f"{run.info.artifact_uri}/model"
+    v1 = pipeline.create_model_version(model, source=source, run_id=run.info.run_id)
+    pipeline.set_registered_model_alias(model, "champion", v1.version)
+
+    api = f"{uri}/api/2.0/mlflow"
+    writes = {
+        "register a version": ("POST", "/model-versions/create",
+                               {"json": {"name": model, "source": source,
+                                         "run_id": run.info.run_id}}),
+        "move an alias": ("POST", "/registered-models/alias",
+                          {"json": {"name": model, "alias": "champion", "version": v1.version}}),
+        "forge a tag": ("POST", "/model-versions/set-tag",
+                        {"json": {"name": model, "version": v1.version, "key": "metric.dino",
+                                  "value": "1.0"}}),
+        "delete a version": ("DELETE", "/model-versions/delete",
+                             {"json": {"name": model, "version": v1.version}}),
+        "write the run's lineage.json": (
+            "PUT", f"-artifacts/artifacts/{run.info.experiment_id}/{run.info.run_id}/artifacts/"
+                   "lineage.json", {"data": b"{}"}),
+    }
+    refused = {}
+    for what, (method, path, kwargs) in writes.items():
+        url = api + path if not path.startswith("-") else f"{uri}/api/2.0/mlflow{path}"
+        refused[what] = (_status(method, url, **kwargs), _status(method, url, reader, **kwargs),
+                         _status(method, url, ("pipeline", "not-its-password"), **kwargs))
+    print(f"(anonymous, reader, wrong password) per write: {refused}")
+    assert all(codes == (401, 403, 401) for codes in refused.values()), refused
+    get = f"{api}/registered-models/get"
+    assert _status("GET", get, params={"name": model}) == 401
+    assert _status("GET", get, reader, params={"name": model}) == 200  # readers read
+    # The pipeline holds EDIT, not MANAGE: it cannot delete what it registered.
+    pipeline_auth = ("pipeline", pipeline_credentials()["MLFLOW_TRACKING_PASSWORD"])
+    assert _status(*writes["delete a version"][:1], api + writes["delete a version"][1],
+                   pipeline_auth, **writes["delete a version"][2]) == 403
+    assert pipeline.get_model_version_by_alias(model, "champion").version == v1.version
+
+
+def test_prefect_refuses_requests_without_the_auth_string_or_a_csrf_token(
+    prefect_on_postgres: str
+) -> None:
+    import requests
+
+    api = prefect_on_postgres
+    auth = tuple(pipeline_credentials()["PREFECT_API_AUTH_STRING"].split(":", 1))
+    deployment = {"name": "intruder", "flow_id": str(uuid.uuid4()), "work_pool_name": "finetune",
+                  "pull_steps": [{"prefect.deployments.steps.run_shell_script":
+                                  {"script": "echo owned"}}]}
+    assert _status("POST", f"{api}/deployments/", json=deployment) in (401, 403)
+    assert _status("GET", f"{api}/csrf-token", params={"client": "x"}) == 401
+    # Prefect's own client fetches a CSRF token first, as the worker and `prefect deploy` do.
+    session = requests.Session()
+    session.auth = auth
+    token = session.get(f"{api}/csrf-token", params={"client": "doors"}, timeout=30).json()["token"]
+    csrf = {"Prefect-Csrf-Token": token, "Prefect-Csrf-Client": "doors"}
+    # A valid token without the auth string, or with a wrong one: refused by the auth check.
+    assert _status("POST", f"{api}/deployments/", headers=csrf, json=deployment) == 401
+    assert _status("POST", f"{api}/deployments/", ("finetune", "guess"), headers=csrf,
+                   json=deployment) == 401
+    # The right auth string but no CSRF token (a browser page replaying it): refused.
+    assert _status("POST", f"{api}/deployments/", auth, json=deployment) == 403
+    assert _status("POST", f"{api}/flows/filter", auth, json={}) == 403
+    flows = session.post(f"{api}/flows/filter", json={}, timeout=30, headers=csrf)
+    assert flows.status_code == 200, flows.text
+    # A web page elsewhere may not call the API from a browser: no CORS grant for its origin.
+    preflight = requests.options(f"{api}/deployments/", timeout=30, headers={
+        "Origin": "http://evil.example", "Access-Control-Request-Method": "POST"})
+    assert preflight.headers.get("access-control-allow-origin") != "http://evil.example"
+    ui = compose_env("prefect-server")["PREFECT_SERVER_API_CORS_ALLOWED_ORIGINS"]
+    allowed = requests.options(f"{api}/deployments/", timeout=30, headers={
+        "Origin": ui, "Access-Control-Request-Method": "POST"})
+    assert allowed.headers.get("access-control-allow-origin") == ui
+
+
+OWN_STAGE = """
+import pathlib
+from tasks.common.errors import main_guard
+from tasks.common.tracking import stage_run
+
+@main_guard
+def main():
+    with stage_run("toy", params={"lr": 0.1}):
+        pathlib.Path("trained").write_text("yes")
+
+main()
+"""
+
+
+def test_a_stage_run_as_the_wrong_user_fails_before_any_work_naming_the_fix(
+    mlflow_on_postgres: tuple[str, Path], tmp_path: Path
+) -> None:
+    uri, _ = mlflow_on_postgres
+    reader = ("bob", f"reader/{uuid.uuid4().hex}")
+    add_reader(uri, *reader)
+    (tmp_path / "stage.py").write_text(OWN_STAGE)
+    pipeline = pipeline_credentials()
+
+    def stage(user: str | None, password: str = "") -> subprocess.CompletedProcess:
+        (tmp_path / "trained").unlink(missing_ok=True)
+        env = e2e_env(REPO, MLFLOW_TRACKING_URI=uri, MLFLOW_EXPERIMENT_NAME="pipeline-owned")
+        for key in ("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD"):
+            env.pop(key, None)
+        if user:
+            env.update(MLFLOW_TRACKING_USERNAME=user, MLFLOW_TRACKING_PASSWORD=password)
+        return subprocess.run([sys.executable, "stage.py"], cwd=tmp_path, env=env, text=True,
+                              capture_output=True, timeout=300)
+
+    done = stage("pipeline", pipeline["MLFLOW_TRACKING_PASSWORD"])  # creates its experiment
+    assert done.returncode == 0 and (tmp_path / "trained").exists(), done.stderr[-3000:]
+    for user, password, said in [
+        (None, "", "refused no user (MLFLOW_TRACKING_USERNAME is not set) (HTTP 401): set "
+                   "MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD"),
+        ("bob", "wrong", "refused user 'bob' (HTTP 401)"),
+        ("bob", reader[1], "refused stage 'toy' an operation as user 'bob'"),
+    ]:
+        done = stage(user, password)
+        assert done.returncode == 2 and said in done.stderr, done.stderr[-3000:]
+        assert "Traceback" not in done.stderr and not (tmp_path / "trained").exists()

@@ -32,7 +32,17 @@ import pytest
 import yaml
 
 from tests.e2e_util import copy_repo, e2e_env, free_port, stop_process_group
-from tests.infra.stack import COMPOSE, Postgres, needs_psycopg2, start_mlflow
+from tests.infra.stack import (
+    COMPOSE,
+    SECRETS,
+    CommandLineWatch,
+    Postgres,
+    compose_env,
+    leaked_secrets,
+    needs_psycopg2,
+    pipeline_credentials,
+    start_mlflow,
+)
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1800)]
 
@@ -93,10 +103,9 @@ def team_setup(root: Path, remote: Path) -> str:
 
 
 def worker_env(root: Path, api: str, uri: str) -> dict[str, str]:
-    """compose's worker environment (less the MinIO credentials), with this stack's addresses and
-    the short retry budget."""
-    compose = COMPOSE["services"]["worker"]["environment"]
-    env = e2e_env(root, **{k: str(v) for k, v in compose.items() if "${" not in str(v)})
+    """compose's worker environment (its credentials: MLflow's `pipeline` user and Prefect's auth
+    string; less MinIO's), with this stack's addresses and the short retry budget."""
+    env = e2e_env(root, **compose_env("worker"))
     env.update(PREFECT_API_URL=api, MLFLOW_TRACKING_URI=uri, PREFECT_CLI_PROMPT="false",
                PREFECT_WORKER_QUERY_SECONDS="2", **SHORT_RETRIES)
     env.pop("PREFECT_UI_API_URL", None)
@@ -115,6 +124,7 @@ class Team:
     mlflow_port: int
     mlflow: subprocess.Popen
     worker_log: Path
+    watch: CommandLineWatch
     timings: dict[str, float] = field(default_factory=dict)
 
     @property
@@ -144,7 +154,9 @@ def team(postgres: Postgres, prefect_on_postgres: str,
         worker = subprocess.Popen(COMPOSE["services"]["worker"]["command"], shell=True, cwd=a,
                                   env=env, stdout=sink, stderr=subprocess.STDOUT,
                                   start_new_session=True)
-    team = Team(postgres, a, remote, model, prefect_on_postgres, env, home, port, server, log)
+    watch = CommandLineWatch().__enter__()
+    team = Team(postgres, a, remote, model, prefect_on_postgres, env, home, port, server, log,
+                watch)
     try:
         deadline = time.monotonic() + 300
         while "started!" not in log.read_text():  # flows.serve deployed, then started the worker
@@ -153,10 +165,21 @@ def team(postgres: Postgres, prefect_on_postgres: str,
         team.timings["set-up"] = time.monotonic() - start
         yield team
     finally:
+        watch.__exit__()
         stop_process_group(worker)
         if team.mlflow.poll() is None:
             stop_process_group(team.mlflow)
         print(f"\nteam worker timings (s): {json.dumps({k: round(v, 1) for k, v in team.timings.items()})}")
+
+
+def pipeline_client(uri: str, monkeypatch: pytest.MonkeyPatch):
+    """An MlflowClient authenticated as the pipeline (MLflow reads the credentials from the
+    environment when a request is made; set for this test only)."""
+    import mlflow
+
+    for key, value in pipeline_credentials().items():
+        monkeypatch.setenv(key, value)
+    return mlflow.MlflowClient(tracking_uri=uri)
 
 
 def _model_files(artifacts: Path) -> list[Path]:
@@ -192,8 +215,7 @@ def test_a_registration_cut_off_by_a_dead_server_leaves_nothing_registered(team:
 
 
 def test_the_rerun_registers_moves_champion_and_loads_in_another_process(
-        team: Team, tmp_path: Path) -> None:
-    import mlflow
+        team: Team, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
 
     team.mlflow = start_mlflow(team.postgres, team.mlflow_home, team.mlflow_port)
     start = time.monotonic()
@@ -204,7 +226,7 @@ def test_the_rerun_registers_moves_champion_and_loads_in_another_process(
     gate = json.loads((team.a / "reports/evaluate.json").read_text())["gate"]
     assert gate["passed"], gate  # the demo's gate passes a healthy model: champion must move
 
-    client = mlflow.MlflowClient(tracking_uri=team.uri)
+    client = pipeline_client(team.uri, monkeypatch)
     v1 = client.get_model_version_by_alias(team.model, "champion")
     assert str(v1.version) == "1" and set(v1.aliases) == {"candidate", "champion"}
     assert v1.tags["dvc.remote"] == f"team {team.remote}"
@@ -218,14 +240,13 @@ def test_the_rerun_registers_moves_champion_and_loads_in_another_process(
     script = tmp_path / "load.py"
     script.write_text(LOAD)
     printed = run(tmp_path, sys.executable, str(script), f"models:/{team.model}@champion",
-                  env=e2e_env(team.a, MLFLOW_TRACKING_URI=team.uri))
+                  env=e2e_env(team.a, MLFLOW_TRACKING_URI=team.uri, **pipeline_credentials()))
     team.timings["load + predict in a second process"] = time.monotonic() - start
     assert "1 iVBORw0K" in printed.splitlines()  # one base64 PNG
 
 
 def test_a_second_machine_pulls_what_it_needs_and_registers_the_same_model(
-        team: Team, tmp_path: Path) -> None:
-    import mlflow
+        team: Team, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
 
     # The team shares the run's dvc.lock through git; machine B clones it, with no DVC cache.
     run(team.a, "git", "add", "-A")
@@ -233,7 +254,8 @@ def test_a_second_machine_pulls_what_it_needs_and_registers_the_same_model(
     b = tmp_path / "machine-b"
     run(tmp_path, "git", "clone", "-q", str(team.a), str(b))
     assert not (b / "models").exists() and not (b / "data/demo/subject").exists()
-    env = {**e2e_env(b, PREFECT_API_URL=team.api, MLFLOW_TRACKING_URI=team.uri), **SHORT_RETRIES}
+    env = {**e2e_env(b, PREFECT_API_URL=team.api, MLFLOW_TRACKING_URI=team.uri,
+                     **pipeline_credentials()), **SHORT_RETRIES}
 
     start = time.monotonic()
     nightly = run(b, sys.executable, "-m", "flows.finetune", "--only-if-changed", env=env)
@@ -243,7 +265,7 @@ def test_a_second_machine_pulls_what_it_needs_and_registers_the_same_model(
     start = time.monotonic()
     run(b, sys.executable, "-m", "flows.finetune", env=env)
     team.timings["machine B: flow run (pull, registration)"] = time.monotonic() - start
-    client = mlflow.MlflowClient(tracking_uri=team.uri)
+    client = pipeline_client(team.uri, monkeypatch)
     v1 = client.get_model_version(team.model, "1")
     v2 = client.get_model_version_by_alias(team.model, "candidate")
     assert str(v2.version) == "2"
@@ -257,3 +279,17 @@ def test_a_second_machine_pulls_what_it_needs_and_registers_the_same_model(
     assert json.loads(status) == {}
     subject = sorted(p.name for p in (team.a / "data/demo/subject").iterdir())
     assert sorted(p.name for p in (b / "data/demo/subject").iterdir()) == subject
+
+
+def test_no_credential_in_a_log_a_record_or_a_command_line(team: Team) -> None:
+    """After the runs above (a failed one, a registration, a second machine): none of the stack's
+    passwords is in the worker's log, MLflow's or Prefect's databases (params, tags, logs,
+    artifacts' metadata, flow run parameters), the artifact store, the checkouts, or any process's
+    command line seen while they ran."""
+    team.watch.__exit__()
+    places = [team.worker_log, team.mlflow_home, team.a, team.a.parent]
+    leaks = leaked_secrets(team.postgres, places)
+    assert team.watch.samples > 100, "the command lines were hardly sampled"
+    assert not leaks, f"secrets found: {leaks}"
+    assert not team.watch.found, f"secrets on command lines: {team.watch.found}"
+    assert set(SECRETS) >= {"MLFLOW_PIPELINE_PASSWORD", "PREFECT_AUTH_PASSWORD"}
