@@ -1,10 +1,12 @@
 """The team stack's servers started for real, as infra/compose.yaml runs them: PostgreSQL from
-Debian's packages on loopback with a temporary data directory (databases from
-infra/postgres/init.sql); the Prefect server and the MLflow server (proxied artifacts, here into a
-local folder instead of MinIO) on it, with compose's command lines and database URLs. Runs and
-registrations land in PostgreSQL, and survive a PostgreSQL restart between runs. A stage whose
-MLflow server is killed during its run fails within a bound with a clear message, and its rerun
-against the restarted server completes.
+Debian's packages on loopback with a temporary data directory, password authentication and the
+roles and databases of infra/postgres/init.sh; the Prefect server and the MLflow server (basic-auth
+app; proxied artifacts, here into a local folder instead of MinIO) on it, with compose's command
+lines and environments. Runs and registrations land in PostgreSQL, and survive a PostgreSQL
+restart between runs. A stage whose MLflow server is killed during its run fails within a bound
+with a clear message, and its rerun against the restarted server completes. The doors are locked:
+anonymous, reader and wrong-password writes refused on MLflow, deployments refused on Prefect
+without the auth string or a CSRF token, a stage run as the wrong user stopped before any work.
 
 The real pipeline run by a worker on this stack, two clones sharing a DVC remote, and a
 registration cut off by a dead server: tests/infra/test_team_worker.py. Not tested here
