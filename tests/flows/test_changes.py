@@ -10,7 +10,7 @@ import mlflow
 import pytest
 import yaml
 
-from flows.changes import detect_changes, lineage_of_workspace, unwatched_sources
+from flows.changes import _status_reasons, detect_changes, lineage_of_workspace, unwatched_sources
 from tasks.register.lineage import fingerprint
 
 INGEST = "import pathlib, shutil; shutil.copytree('src', 'processed', dirs_exist_ok=True)"
@@ -120,3 +120,15 @@ def test_the_data_dir_dependency_is_read_as_dvc_fills_it_in(tmp_path: Path) -> N
     stages["ingest"]["deps"] = ["tasks/ingest", "data/other"]
     (tmp_path / "dvc.yaml").write_text(yaml.safe_dump({"stages": stages}))
     assert unwatched_sources(tmp_path) == ["photos", "photos/more"]
+
+
+def test_changed_params_are_a_change_also_when_missing_data_is_not() -> None:
+    # `dvc status` names a params file's changed keys in a dict: with a DVC remote
+    # (allow_missing), the nightly check read that dict as a status word and crashed.
+    status = {"train": [{"changed deps": {"params.yaml": {"train.seed": "modified"},
+                                          "data/processed": "deleted"}},
+                        {"changed outs": {"models/finetuned": "not in cache"}}]}
+    assert _status_reasons(status, allow_missing=True) == [
+        "stage 'train': changed deps: params.yaml {'train.seed': 'modified'}"]
+    assert _status_reasons({"ingest": [{"changed outs": {"data/processed": "deleted"}}]},
+                           allow_missing=True) == []
