@@ -34,12 +34,12 @@ def _log_offset(stack: Stack) -> int:
 
 def quiet_run(stack: Stack, label: str) -> dict[str, Any]:
     """A nightly run with nothing killed (the warm-up and the calibration run)."""
-    start = time.monotonic()
+    offset, start = _log_offset(stack), time.monotonic()
     flow_run = nightly.start(stack.api)
     final = nightly.wait(stack.api, flow_run, timeout=3600)
     record = {"run": label, "target": "none", "killed": None, "first_state": final["name"],
               "run_s": round(time.monotonic() - start, 1)}
-    record.update(_after_rerun(stack, final, 0))
+    record.update(_after_rerun(stack, final, offset))
     return record
 
 
@@ -59,11 +59,24 @@ def _kill_during(stack: Stack, flow_run: str, target: str, delay: float) -> kill
     return None
 
 
+def _summary(stack: Stack, offset: int, wait_s: float) -> dict[str, Any]:
+    """The flow's `pipeline done` summary logged after `offset`; the worker relays the flow
+    run's output a moment after the run's state is final, so it is waited for."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        with stack.worker_log.open("rb") as log:
+            log.seek(offset)
+            done = nightly.summary(log.read().decode(errors="replace"))
+        if done is not None or time.monotonic() > deadline:
+            return done or {}
+        time.sleep(0.5)
+
+
 def _after_rerun(stack: Stack, final: dict[str, str], offset: int) -> dict[str, Any]:
     """What a finished (re)run left: its summary, the workspace fingerprint, `candidate`."""
     import mlflow
 
-    done = nightly.summary(stack.worker_log.read_text(errors="replace")[offset:]) or {}
+    done = _summary(stack, offset, wait_s=20 if final["type"] == "COMPLETED" else 0)
     record: dict[str, Any] = {"rerun_state": final["name"], "rerun_message": final["message"],
                               "up_to_date": bool(done.get("up_to_date")),
                               "registered": (done.get("registered") or {}).get("version"),
@@ -82,12 +95,14 @@ def rerun(stack: Stack, timeout: float) -> tuple[dict[str, Any], float]:
     """The rerun with everything up, repeated while it fails (MAX_RERUNS in all)."""
     for attempt in range(1, MAX_RERUNS + 1):
         offset, start = _log_offset(stack), time.monotonic()
-        final = nightly.wait(stack.api, nightly.start(stack.api), timeout)
+        flow_run = nightly.start(stack.api)
+        final = nightly.wait(stack.api, flow_run, timeout)
+        seconds = time.monotonic() - start
         record = _after_rerun(stack, final, offset)
-        record.update(reruns=attempt, rerun_s=round(time.monotonic() - start, 1))
+        record.update(reruns=attempt, rerun_s=round(seconds, 1), rerun_flow_run=flow_run)
         if final["type"] == "COMPLETED":
             break
-    return record, time.monotonic()
+    return record, start + seconds
 
 
 def chaos_run(stack: Stack, number: int, rng: random.Random, calibration: float) -> dict[str, Any]:
@@ -105,6 +120,7 @@ def chaos_run(stack: Stack, number: int, rng: random.Random, calibration: float)
         "restarted_s": round(done.restarted_s, 1) if done else None,
         "first_state": first["name"], "first_message": first["message"],
         "run_s": round(time.monotonic() - start, 1)}
+    record["flow_run"] = flow_run
     result, finished = rerun(stack, timeout=3 * calibration + 600)
     record.update(result)
     record["recovery_s"] = round(finished - done.at, 1) if done else None
