@@ -141,7 +141,7 @@ class Stack:
                                            cwd=self.repo, env=self.worker_env(), stdout=sink,
                                            stderr=subprocess.STDOUT, start_new_session=True)
         deadline = time.monotonic() + timeout
-        while WORKER_READY not in self.worker_log.read_text(errors="replace")[start:]:
+        while WORKER_READY.encode() not in self.worker_log.read_bytes()[start:]:  # a byte offset
             if self.worker.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError("the worker did not start:\n"
                                    + self.worker_log.read_text(errors="replace")[-3000:])
