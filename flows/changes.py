@@ -61,7 +61,9 @@ def _status_reasons(status: dict[str, Any], allow_missing: bool = False) -> list
             if isinstance(entry, dict):
                 for kind, what in entry.items():  # {"changed deps": {"data/x": "modified"}}
                     if allow_missing and isinstance(what, dict):
-                        what = {k: v for k, v in what.items() if v not in MISSING}
+                        # A params file's entry is a dict of its changed keys, never "missing".
+                        what = {k: v for k, v in what.items()
+                                if not (isinstance(v, str) and v in MISSING)}
                         if not what:
                             continue
                     items = ", ".join(f"{k} {v}" for k, v in what.items()) if isinstance(what, dict) else what

@@ -37,6 +37,25 @@ class ParentRun:
         self.client.log_dict(self.run_id, data, name)
 
 
+#: The error tag of a stage run that its killed process left RUNNING (closed by its parent).
+KILLED_STAGE = ("its stage process was killed (SIGKILL, out of memory) before it could end this run; "
+                "the stage was retried or the pipeline run ended. Closed by the parent run")
+
+
+def close_killed_stages(client: Any, experiment_id: str, run_id: str) -> list[str]:
+    """The parent's stage runs still RUNNING as it ends, set to KILLED: the flow runs one stage at
+    a time and waits for it, so such a run's process died without ending it."""
+    children = client.search_runs([experiment_id],
+                                  filter_string=f"tags.mlflow.parentRunId = '{run_id}'")
+    closed = []
+    for child in children:
+        if child.info.status == "RUNNING":
+            client.set_tag(child.info.run_id, "error", KILLED_STAGE)
+            client.set_terminated(child.info.run_id, "KILLED")
+            closed.append(child.info.run_id)
+    return closed
+
+
 @contextmanager
 def parent_run(root: Path, flow_run_id: str | None) -> Iterator[ParentRun]:
     """Open the parent run (FINISHED on success, FAILED if the body raises)."""
@@ -59,7 +78,9 @@ def parent_run(root: Path, flow_run_id: str | None) -> Iterator[ParentRun]:
     except BaseException as err:
         if uri.startswith(("http://", "https://")) and not server_answers(uri):
             raise  # the lost server is the failure: the run stays RUNNING there
+        close_killed_stages(client, experiment.experiment_id, run.info.run_id)
         client.set_tag(run.info.run_id, "error", str(err)[:5000])
         client.set_terminated(run.info.run_id, "FAILED")
         raise
+    close_killed_stages(client, experiment.experiment_id, run.info.run_id)
     client.set_terminated(run.info.run_id, "FINISHED")

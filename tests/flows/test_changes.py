@@ -10,7 +10,7 @@ import mlflow
 import pytest
 import yaml
 
-from flows.changes import detect_changes, lineage_of_workspace, unwatched_sources
+from flows.changes import _status_reasons, detect_changes, lineage_of_workspace, unwatched_sources
 from tasks.register.lineage import fingerprint
 
 INGEST = "import pathlib, shutil; shutil.copytree('src', 'processed', dirs_exist_ok=True)"
@@ -154,3 +154,15 @@ def test_a_forged_fingerprint_tag_does_not_make_the_nightly_up_to_date(
     assert changes.changed and changes.reasons == [
         f"what toy v2 was built from is unknown: registered without a lineage document "
         f"(lineage.json is not in run {empty_run.info.run_id})"]
+
+
+def test_changed_params_are_a_change_also_when_missing_data_is_not() -> None:
+    # `dvc status` names a params file's changed keys in a dict: with a DVC remote
+    # (allow_missing), the nightly check read that dict as a status word and crashed.
+    status = {"train": [{"changed deps": {"params.yaml": {"train.seed": "modified"},
+                                          "data/processed": "deleted"}},
+                        {"changed outs": {"models/finetuned": "not in cache"}}]}
+    assert _status_reasons(status, allow_missing=True) == [
+        "stage 'train': changed deps: params.yaml {'train.seed': 'modified'}"]
+    assert _status_reasons({"ingest": [{"changed outs": {"data/processed": "deleted"}}]},
+                           allow_missing=True) == []

@@ -11,6 +11,7 @@ import os
 import re
 import secrets
 import shlex
+import shutil
 import subprocess
 import sys
 import time
@@ -22,7 +23,7 @@ import pytest
 import yaml
 
 from tests.conftest import REPO
-from tests.e2e_util import e2e_env, stop_process_group
+from tests.e2e_util import e2e_env, free_port, stop_process_group
 
 INFRA = REPO / "infra"
 COMPOSE = yaml.safe_load((INFRA / "compose.yaml").read_text())
@@ -114,6 +115,40 @@ class Postgres:
                 await conn.close()
 
         return asyncio.run(run())
+
+
+def start_postgres(bindir: Path, root: Path) -> Postgres:
+    """A cluster in `root` as compose's postgres makes one: scram-sha-256 passwords (the
+    superuser's read from a file, not initdb's command line), then infra/postgres/init.sh's roles
+    and databases with compose's variables. Started; the caller stops it (`ctl("stop")`)."""
+    if os.geteuid() == 0:  # initdb and postgres refuse root: Debian's `postgres` user runs them
+        shutil.chown(root, "postgres", "postgres")
+    pg = Postgres(bindir, root, free_port())
+    pwfile = root / "superuser-password"
+    pwfile.write_text(SECRETS["POSTGRES_PASSWORD"] + "\n")
+    if os.geteuid() == 0:
+        shutil.chown(pwfile, "postgres", "postgres")
+    subprocess.run(pg._as_owner(str(bindir / "initdb"), "-D", str(pg.data), "-U", USER,
+                                "--auth=scram-sha-256", f"--pwfile={pwfile}", "-E", "UTF8",
+                                "--no-locale", "--no-sync"),
+                   check=True, capture_output=True, timeout=120)
+    pwfile.unlink()
+    pg.ctl("start")
+    init_env = {**os.environ, **pg.superuser_env(),
+                **{k: v for k, v in compose_env("postgres").items() if k.endswith("_DB_PASSWORD")}}
+    init_env["PATH"] = f"{bindir}{os.pathsep}{init_env['PATH']}"
+    subprocess.run(["sh", str(INFRA / "postgres/init.sh")], env=init_env, check=True,
+                   capture_output=True, timeout=120)
+    return pg
+
+
+def prefect_env(postgres: Postgres, home: Path) -> dict[str, str]:
+    """compose's prefect-server environment (its auth string, CSRF, CORS, its own role) on
+    `postgres`, Prefect's state in `home`."""
+    env = e2e_env(home, **compose_env("prefect-server", PREFECT_SERVER_DATABASE_HOST="127.0.0.1",
+                                      PREFECT_SERVER_DATABASE_PORT=str(postgres.port)))
+    env["PREFECT_HOME"] = str(home)
+    return env
 
 
 def compose_command(service: str, **options: str) -> list[str]:
