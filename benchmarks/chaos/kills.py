@@ -67,7 +67,7 @@ def _kill_mlflow(stack: Stack) -> Kill:
     at = time.monotonic()
     stack.mlflow.wait()
     time.sleep(RESTART_DELAY_S)
-    stack.start_mlflow()
+    stack.start_mlflow(bootstrap=False)  # restarted on the same databases
     return Kill("mlflow", f"mlflow server pid {stack.mlflow.pid}", at, time.monotonic() - at)
 
 

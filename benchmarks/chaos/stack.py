@@ -106,8 +106,8 @@ class Stack:
                                             start_new_session=True)
         wait_healthy(f"{self.api}/health", self.prefect)
 
-    def start_mlflow(self) -> None:
-        self.mlflow = start_mlflow(self.pg, self.mlflow_home, self.mlflow_port)
+    def start_mlflow(self, bootstrap: bool = True) -> None:
+        self.mlflow = start_mlflow(self.pg, self.mlflow_home, self.mlflow_port, bootstrap)
 
     def worker_env(self) -> dict[str, str]:
         """compose's worker environment (less MinIO's credentials): MLflow's default retry budget

@@ -197,9 +197,11 @@ def bootstrap_mlflow(uri: str) -> str:
     return proc.stdout
 
 
-def start_mlflow(postgres: Postgres, home: Path, port: int) -> subprocess.Popen:
+def start_mlflow(postgres: Postgres, home: Path, port: int,
+                 bootstrap: bool = True) -> subprocess.Popen:
     """compose's `mlflow server` (basic-auth app) on `postgres`, artifacts proxied into
-    home/artifacts; healthy, and mlflow-init's users and grants made."""
+    home/artifacts; healthy, and (`bootstrap`) mlflow-init's users and grants made: a server
+    restarted on the same databases finds them there."""
     env = e2e_env(home, **compose_env("mlflow", postgres,
                                       MLFLOW_AUTH_CONFIG_PATH=str(auth_config(postgres, home))))
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
@@ -211,7 +213,8 @@ def start_mlflow(postgres: Postgres, home: Path, port: int) -> subprocess.Popen:
                                 start_new_session=True)
     try:
         wait_healthy(f"http://127.0.0.1:{port}/health", proc)
-        bootstrap_mlflow(f"http://127.0.0.1:{port}")
+        if bootstrap:
+            bootstrap_mlflow(f"http://127.0.0.1:{port}")
     except BaseException:
         stop_process_group(proc)
         raise

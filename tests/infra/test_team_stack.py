@@ -195,7 +195,7 @@ def test_a_stage_whose_mlflow_server_dies_fails_within_the_bound_and_the_rerun_c
     assert failed_after < 120
     assert not (work / "trained").exists(), "no work is reported done without its record"
 
-    server = start_mlflow(postgres, home, port)  # restarted on the same database
+    server = start_mlflow(postgres, home, port, bootstrap=False)  # restarted, same database
     try:
         second = stage()
         (work / "go").touch()

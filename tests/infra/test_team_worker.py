@@ -221,7 +221,8 @@ def test_a_registration_cut_off_by_a_dead_server_leaves_nothing_registered(team:
 def test_the_rerun_registers_moves_champion_and_loads_in_another_process(
         team: Team, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
 
-    team.mlflow = start_mlflow(team.postgres, team.mlflow_home, team.mlflow_port)
+    team.mlflow = start_mlflow(team.postgres, team.mlflow_home, team.mlflow_port,
+                               bootstrap=False)  # restarted on the same databases
     start = time.monotonic()
     watch = team.deployment_run()
     out = watch.communicate(timeout=900)[0]
