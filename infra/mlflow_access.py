@@ -31,12 +31,12 @@ def _client():
     return get_app_client("basic-auth", tracking_uri=os.environ["MLFLOW_TRACKING_URI"])
 
 
-def ensure_user(username: str, password: str) -> bool:
-    """Create `username` unless it exists; True when created."""
+def _unless_exists(call, *args: str) -> bool:
+    """call(*args); False when what it creates exists already (running again changes nothing)."""
     from mlflow.exceptions import MlflowException
 
     try:
-        _client().create_user(username, password)
+        call(*args)
     except MlflowException as err:
         if err.error_code != "RESOURCE_ALREADY_EXISTS":
             raise
@@ -44,26 +44,21 @@ def ensure_user(username: str, password: str) -> bool:
     return True
 
 
+def ensure_user(username: str, password: str) -> bool:
+    """Create `username` unless it exists; True when created."""
+    return _unless_exists(_client().create_user, username, password)
+
+
 def ensure_model(name: str) -> None:
     import mlflow
-    from mlflow.exceptions import MlflowException
 
-    try:
-        mlflow.MlflowClient().create_registered_model(name)
-    except MlflowException as err:
-        if err.error_code != "RESOURCE_ALREADY_EXISTS":
-            raise
+    _unless_exists(mlflow.MlflowClient().create_registered_model, name)
 
 
 def grant_model(username: str, model: str, permission: str) -> None:
     """Grant `permission` on `model`; a grant that exists is kept as an admin may have changed it."""
-    from mlflow.exceptions import MlflowException
-
-    try:
-        _client().grant_user_permission(username, "registered_model", model, permission)
-    except MlflowException as err:
-        if err.error_code != "RESOURCE_ALREADY_EXISTS":
-            raise
+    _unless_exists(_client().grant_user_permission, username, "registered_model", model,
+                   permission)
 
 
 def bootstrap() -> None:

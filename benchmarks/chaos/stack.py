@@ -19,12 +19,10 @@ from tests.e2e_util import copy_repo, e2e_env, free_port, stop_process_group
 from tests.infra.stack import (
     COMPOSE,
     Postgres,
-    compose_command,
     compose_env,
     debian_postgres_bin,
-    prefect_env,
     start_mlflow,
-    wait_healthy,
+    start_prefect,
 )
 from tests.infra.stack import start_postgres as start_test_postgres
 from tests.infra.test_team_worker import team_setup
@@ -99,12 +97,7 @@ class Stack:
     def start_prefect(self) -> None:
         home = self.home / "prefect-server"
         home.mkdir(exist_ok=True)
-        env = prefect_env(self.pg, home)
-        command = compose_command("prefect-server", host="127.0.0.1", port=str(self.prefect_port))
-        with (home / "server.log").open("a") as log:
-            self.prefect = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                            start_new_session=True)
-        wait_healthy(f"{self.api}/health", self.prefect)
+        self.prefect = start_prefect(self.pg, home, self.prefect_port)
 
     def start_mlflow(self, bootstrap: bool = True) -> None:
         self.mlflow = start_mlflow(self.pg, self.mlflow_home, self.mlflow_port, bootstrap)

@@ -13,7 +13,6 @@
 """
 from __future__ import annotations
 
-import base64
 import logging
 import os
 import subprocess
@@ -129,29 +128,24 @@ def _user() -> str:
 def check_credentials(uri: str) -> None:
     """A UserError, before any work, when the server asks for a user this process does not give
     (MLflow's basic-auth app: infra/README.md, "Users and permissions")."""
+    from mlflow.exceptions import MlflowException
     from mlflow.utils.credentials import get_default_host_creds
+    from mlflow.utils.rest_utils import http_request
 
     from tasks.common.errors import UserError
 
-    creds = get_default_host_creds(uri)
-    request = urllib.request.Request(f"{uri.rstrip('/')}/api/2.0/mlflow/experiments/search"
-                                     "?max_results=1")
-    if creds.username:
-        token = base64.b64encode(f"{creds.username}:{creds.password or ''}".encode()).decode()
-        request.add_header("Authorization", f"Basic {token}")
-    elif creds.token:
-        request.add_header("Authorization", f"Bearer {creds.token}")
-    try:
-        urllib.request.urlopen(request, timeout=10).close()
-    except urllib.error.HTTPError as err:
-        if err.code == 401:
-            raise UserError(
-                f"the MLflow tracking server {uri} refused {_user()} (HTTP 401): set "
-                "MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD to a user of that server "
-                "(its admin adds one: infra/README.md, \"Users and permissions\"). Nothing ran"
-            ) from None
-    except (urllib.error.URLError, OSError):
-        pass  # an outage is for the caller's bounded wait and the run's own retries
+    try:  # MLflow's own client request: the credentials as every later request sends them
+        response = http_request(get_default_host_creds(uri), "/api/2.0/mlflow/experiments/search",
+                                "GET", params={"max_results": 1}, max_retries=0, timeout=10,
+                                raise_on_status=False)
+    except MlflowException:
+        return  # an outage is for the caller's bounded wait and the run's own retries
+    if response.status_code == 401:
+        raise UserError(
+            f"the MLflow tracking server {uri} refused {_user()} (HTTP 401): set "
+            "MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD to a user of that server "
+            "(its admin adds one: infra/README.md, \"Users and permissions\"). Nothing ran"
+        ) from None
 
 
 def access_refused(err: Exception, stage: str) -> None:

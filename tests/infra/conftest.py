@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import shutil
-import subprocess
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -13,13 +12,11 @@ from tests.e2e_util import free_port, stop_process_group
 from tests.infra.stack import (
     NO_POSTGRES,
     Postgres,
-    compose_command,
     debian_postgres_bin,
     needs_psycopg2,
-    prefect_env,
     start_mlflow,
     start_postgres,
-    wait_healthy,
+    start_prefect,
 )
 
 
@@ -47,17 +44,11 @@ def prefect_on_postgres(
 ) -> Iterator[str]:
     home = tmp_path_factory.mktemp("prefect-server")
     port = free_port()
-    env = prefect_env(postgres, home)
-    command = compose_command("prefect-server", host="127.0.0.1", port=str(port))
-    log = (home / "server.log").open("w")
-    proc = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT,
-                            start_new_session=True)
+    proc = start_prefect(postgres, home, port)
     try:
-        wait_healthy(f"http://127.0.0.1:{port}/api/health", proc)
         yield f"http://127.0.0.1:{port}/api"
     finally:
         stop_process_group(proc)
-        log.close()
 
 
 @pytest.fixture(scope="module")

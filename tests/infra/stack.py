@@ -18,6 +18,7 @@ import time
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -142,13 +143,14 @@ def start_postgres(bindir: Path, root: Path) -> Postgres:
     return pg
 
 
-def prefect_env(postgres: Postgres, home: Path) -> dict[str, str]:
-    """compose's prefect-server environment (its auth string, CSRF, CORS, its own role) on
-    `postgres`, Prefect's state in `home`."""
+def start_prefect(postgres: Postgres, home: Path, port: int) -> subprocess.Popen:
+    """compose's `prefect server start` with its environment (its auth string, CSRF, CORS, its own
+    role) on `postgres`, Prefect's state and log in `home`; healthy."""
     env = e2e_env(home, **compose_env("prefect-server", PREFECT_SERVER_DATABASE_HOST="127.0.0.1",
                                       PREFECT_SERVER_DATABASE_PORT=str(postgres.port)))
     env["PREFECT_HOME"] = str(home)
-    return env
+    command = compose_command("prefect-server", host="127.0.0.1", port=str(port))
+    return launch(command, env, home, f"http://127.0.0.1:{port}/api/health")
 
 
 def compose_command(service: str, **options: str) -> list[str]:
@@ -170,6 +172,20 @@ def wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 180) -> floa
         except OSError:
             time.sleep(1)
     pytest.fail(f"{url} not healthy after {timeout} s")
+
+
+def launch(command: list[str], env: dict[str, str], home: Path, health: str) -> subprocess.Popen:
+    """A server in a process group of its own, its output in home/server.log: healthy at
+    `health`, or stopped."""
+    with (home / "server.log").open("a") as log:
+        proc = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+    try:
+        wait_healthy(health, proc)
+    except BaseException:
+        stop_process_group(proc)
+        raise
+    return proc
 
 
 def needs_psycopg2() -> None:
@@ -208,17 +224,24 @@ def start_mlflow(postgres: Postgres, home: Path, port: int,
     command = compose_command("mlflow", host="127.0.0.1", port=str(port), workers="1",
                               **{"artifacts-destination": (home / "artifacts").as_uri(),
                                  "allowed-hosts": f"127.0.0.1:{port},localhost:{port}"})
-    with (home / "server.log").open("a") as log:
-        proc = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+    proc = launch(command, env, home, f"http://127.0.0.1:{port}/health")
     try:
-        wait_healthy(f"http://127.0.0.1:{port}/health", proc)
         if bootstrap:
             bootstrap_mlflow(f"http://127.0.0.1:{port}")
     except BaseException:
         stop_process_group(proc)
         raise
     return proc
+
+
+def pipeline_client(uri: str, monkeypatch: pytest.MonkeyPatch) -> Any:
+    """An MlflowClient authenticated as the pipeline (MLflow reads the credentials from the
+    environment when a request is made; set for this test only)."""
+    import mlflow
+
+    for key, value in pipeline_credentials().items():
+        monkeypatch.setenv(key, value)
+    return mlflow.MlflowClient(tracking_uri=uri)
 
 
 class CommandLineWatch:
@@ -232,11 +255,11 @@ class CommandLineWatch:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
-    def __enter__(self) -> CommandLineWatch:
+    def start(self) -> CommandLineWatch:
         self._thread.start()
         return self
 
-    def __exit__(self, *exc: object) -> None:
+    def stop(self) -> None:
         self._stop.set()
         self._thread.join()
 

@@ -32,6 +32,7 @@ from tests.infra.stack import (
     compose_env,
     debian_postgres_bin,
     needs_psycopg2,
+    pipeline_client,
     pipeline_credentials,
     start_mlflow,
 )
@@ -228,15 +229,12 @@ def add_reader(uri: str, name: str, password: str) -> None:
 def test_mlflow_lets_in_only_the_pipeline_to_write_its_model(
     mlflow_on_postgres: tuple[str, Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import mlflow
 
     uri, _ = mlflow_on_postgres
     model = compose_env("mlflow-init")["REGISTERED_MODEL"]
     reader = ("alice", f"reader/{uuid.uuid4().hex}")
     add_reader(uri, *reader)
-    for key, value in pipeline_credentials().items():
-        monkeypatch.setenv(key, value)
-    pipeline = mlflow.MlflowClient(tracking_uri=uri)
+    pipeline = pipeline_client(uri, monkeypatch)
     run = pipeline.create_run(pipeline.create_experiment(f"doors-{uuid.uuid4().hex[:8]}"))
     source = f"{run.info.artifact_uri}/model"
     v1 = pipeline.create_model_version(model, source=source, run_id=run.info.run_id)
@@ -260,7 +258,7 @@ def test_mlflow_lets_in_only_the_pipeline_to_write_its_model(
     }
     refused = {}
     for what, (method, path, kwargs) in writes.items():
-        url = api + path if not path.startswith("-") else f"{uri}/api/2.0/mlflow{path}"
+        url = api + path  # `-artifacts/...`: the artifact proxy, /api/2.0/mlflow-artifacts/...
         refused[what] = (_status(method, url, **kwargs), _status(method, url, reader, **kwargs),
                          _status(method, url, ("pipeline", "not-its-password"), **kwargs))
     print(f"(anonymous, reader, wrong password) per write: {refused}")
@@ -270,8 +268,8 @@ def test_mlflow_lets_in_only_the_pipeline_to_write_its_model(
     assert _status("GET", get, reader, params={"name": model}) == 200  # readers read
     # The pipeline holds EDIT, not MANAGE: it cannot delete what it registered.
     pipeline_auth = ("pipeline", pipeline_credentials()["MLFLOW_TRACKING_PASSWORD"])
-    assert _status(*writes["delete a version"][:1], api + writes["delete a version"][1],
-                   pipeline_auth, **writes["delete a version"][2]) == 403
+    method, path, kwargs = writes["delete a version"]
+    assert _status(method, api + path, pipeline_auth, **kwargs) == 403
     assert pipeline.get_model_version_by_alias(model, "champion").version == v1.version
 
 

@@ -43,6 +43,7 @@ from tests.infra.stack import (
     compose_env,
     leaked_secrets,
     needs_psycopg2,
+    pipeline_client,
     pipeline_credentials,
     start_mlflow,
 )
@@ -158,7 +159,7 @@ def team(postgres: Postgres, prefect_on_postgres: str,
         worker = subprocess.Popen(COMPOSE["services"]["worker"]["command"], shell=True, cwd=a,
                                   env=env, stdout=sink, stderr=subprocess.STDOUT,
                                   start_new_session=True)
-    watch = CommandLineWatch().__enter__()
+    watch = CommandLineWatch().start()
     team = Team(postgres, a, remote, model, prefect_on_postgres, env, home, port, server, log,
                 watch)
     try:
@@ -169,21 +170,11 @@ def team(postgres: Postgres, prefect_on_postgres: str,
         team.timings["set-up"] = time.monotonic() - start
         yield team
     finally:
-        watch.__exit__()
+        watch.stop()
         stop_process_group(worker)
         if team.mlflow.poll() is None:
             stop_process_group(team.mlflow)
         print(f"\nteam worker timings (s): {json.dumps({k: round(v, 1) for k, v in team.timings.items()})}")
-
-
-def pipeline_client(uri: str, monkeypatch: pytest.MonkeyPatch):
-    """An MlflowClient authenticated as the pipeline (MLflow reads the credentials from the
-    environment when a request is made; set for this test only)."""
-    import mlflow
-
-    for key, value in pipeline_credentials().items():
-        monkeypatch.setenv(key, value)
-    return mlflow.MlflowClient(tracking_uri=uri)
 
 
 def _model_files(artifacts: Path) -> list[Path]:
@@ -300,7 +291,7 @@ def test_no_credential_in_a_log_a_record_or_a_command_line(team: Team) -> None:
     planted = SECRETS["MLFLOW_PIPELINE_PASSWORD"]
     canary = subprocess.Popen(["sh", "-c", "sleep 2", planted])
     canary.wait()
-    team.watch.__exit__()
+    team.watch.stop()
     seen = {line for line in team.watch.found if "sleep 2" in line}
     assert seen and planted in seen.pop(), "the command-line watch missed a planted password"
     with tempfile.TemporaryDirectory() as elsewhere:
