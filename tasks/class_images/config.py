@@ -33,4 +33,7 @@ class ClassImagesConfig(StageConfig):
             raise ValueError("launcher xla is for training: generate class images with local, mpirun or accelerate")
         if problem := launch_problem(self.launcher, self.launch):
             raise ValueError(problem)
+        if self.negative_prompt is not None and self.guidance_scale <= 1:
+            raise ValueError("negative_prompt is set, but guidance_scale <= 1 turns classifier-free guidance off, "
+                             "which is what reads it: set guidance_scale above 1, or remove negative_prompt")
         return self

@@ -204,7 +204,7 @@ class IngestConfig(StageConfig):
             raise ValidationError.from_exception_data(
                 cls.__name__, [_rewrite(e) for e in err.errors()]
             ) from None
-        problems = _place_in_data_dir(cfg)
+        problems = _place_in_data_dir(cfg) + _no_op_settings(cfg)
         if problems:
             raise ValidationError.from_exception_data(cls.__name__, problems)
         return cfg
@@ -234,6 +234,25 @@ def _place_in_data_dir(cfg: IngestConfig) -> list[InitErrorDetails]:
                 "reads data_dir itself)", {"data_dir": cfg.data_dir.as_posix()},
             )
             problems.append(InitErrorDetails(type=kind, loc=loc, input=src.path.as_posix()))
+    return problems
+
+
+#: key -> (does it matter for this config?, what makes it matter); refused when set away from its default
+NO_OP_RULES: dict[str, tuple[Any, str]] = {
+    "center_crop": (lambda c: c.output_size == "square", "only output_size: square crops"),
+    "resolution": (lambda c: c.output_size != "source", "output_size: source keeps every image's own size"),
+    "jpeg_quality": (lambda c: c.output_format == "jpeg", "only output_format: jpeg has a quality"),
+}
+
+
+def _no_op_settings(cfg: IngestConfig) -> list[InitErrorDetails]:
+    """A key set where it changes nothing (tasks/train/no_ops.py does the same for train)."""
+    problems = []
+    for key, (matters, why) in NO_OP_RULES.items():
+        if getattr(cfg, key) != IngestConfig.model_fields[key].default and not matters(cfg):
+            kind = PydanticCustomError("no_op", "is set, but {why}: remove it, or set what makes it matter",
+                                       {"why": why})
+            problems.append(InitErrorDetails(type=kind, loc=(key,), input=getattr(cfg, key)))
     return problems
 
 

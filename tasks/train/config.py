@@ -22,6 +22,7 @@ from tasks.common.errors import UserError
 from tasks.common.launch import LAUNCHERS, LaunchConfig, launch_problem
 from tasks.common.safe_remove import own_folder
 from tasks.common.scoring import IMAGE_METRICS
+from tasks.train.no_ops import config_no_ops, family_no_ops
 
 LR_SCHEDULERS = ("constant", "constant_with_warmup", "linear", "cosine", "cosine_with_restarts", "polynomial")
 METHOD_NAMES = ("dreambooth", "textual_inversion", "lora", "full")
@@ -356,6 +357,8 @@ class TrainConfig(StageConfig):
             return "cache_text_encoder_outputs_to_disk needs cache_text_encoder_outputs: true"
         if self.keep_tokens and not self.shuffle_tag_p:
             return "keep_tokens only matters with shuffle_tag_p > 0"
+        if no_ops := config_no_ops(self):
+            return "; ".join(no_ops)
         if problem := self._bucket_problem():
             return problem
         if self.resume not in ("latest", "none") and not Path(self.resume).is_dir():
@@ -406,6 +409,7 @@ class TrainConfig(StageConfig):
         for key, why in family.refused_options().items():
             if getattr(self, key) != defaults[key].default:
                 problems.append(f"train.{key}: {why}; remove it or set it to {defaults[key].default}")
+        problems += family_no_ops(self, family)
         if self.launcher == "xla" and not family.xla_tested:
             tested = ", ".join(f.title for f in families.FAMILIES if f.xla_tested)
             problems.append(f"train.launcher: xla has been run for {tested} only, not for "

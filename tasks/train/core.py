@@ -27,6 +27,7 @@ from tasks.train.data import METADATA
 from tasks.train.loop import LoopResult, make_accelerator, run_loop
 from tasks.train.methods import METHODS, TrainingMethod
 from tasks.train.models import load_components
+from tasks.train.no_ops import data_no_ops
 from tasks.train.optim import weight_dtype
 from tasks.train.selection import CheckpointJudge, best_record
 from tasks.train.steplog import Callback, StepLog
@@ -80,6 +81,15 @@ class TrainOutcome:
         }
 
 
+def _refuse_data_no_ops(cfg: TrainConfig, method: TrainingMethod, dataset: Any) -> None:
+    """A setting the instance images make moot (tasks/train/no_ops.py) fails before any weights load."""
+    captions_used = method.caption_column is not None and cfg.method != "textual_inversion"
+    records = dataset.instances
+    problems = data_no_ops(cfg, [r.image_size() for r in records], any(r.tags for r in records), captions_used)
+    if problems:
+        raise UserError("params.yaml: " + "; ".join(problems))
+
+
 def _settings(cfg: TrainConfig) -> None:
     if cfg.allow_tf32 and torch.cuda.is_available():
         torch.backends.cuda.matmul.allow_tf32 = True
@@ -111,6 +121,7 @@ def train(
     set_seed(cfg.seed)
     method = METHODS[cfg.method](cfg)
     dataset = method.dataset(Path(data_dir), Path(class_dir) if class_dir else None)  # fails fast on bad data
+    _refuse_data_no_ops(cfg, method, dataset)
     data_files = [Path(data_dir) / METADATA]
     if cfg.with_prior_preservation and class_dir is not None:
         data_files.append(Path(class_dir) / METADATA)

@@ -134,6 +134,8 @@ def test_config_errors_name_the_key() -> None:
         parse_section("class_images", {"resolution": 60}, ClassImagesConfig)
     with pytest.raises(UserError, match=r"class_images\.num_image: unknown key"):
         parse_section("class_images", {"num_image": 3}, ClassImagesConfig)
+    with pytest.raises(UserError, match=r"negative_prompt is set, but guidance_scale <= 1 turns .* off"):
+        parse_section("class_images", {"negative_prompt": "blurry", "guidance_scale": 1.0}, ClassImagesConfig)
     params = yaml.safe_load((REPO / "params.yaml").read_text())
     parse_section("class_images", params["class_images"], ClassImagesConfig)  # the shipped section is valid
 

@@ -80,6 +80,16 @@ def test_top_level_values_are_checked() -> None:
     assert "ingest.max_aspect_ratio" in error({"max_aspect_ratio": 0.5})
 
 
+def test_a_setting_that_would_change_nothing_is_refused() -> None:
+    assert "ingest.center_crop: is set, but only output_size: square crops" in error(
+        {"output_size": "short_side", "center_crop": False})
+    assert "ingest.resolution: is set, but output_size: source keeps every image's own size" in error(
+        {"output_size": "source", "resolution": 512})
+    assert "ingest.jpeg_quality: is set, but only output_format: jpeg has a quality" in error({"jpeg_quality": 80})
+    assert parse({"data_dir": "data/demo/subject", "output_size": "square", "center_crop": False,
+                  "output_format": "jpeg", "jpeg_quality": 80}).jpeg_quality == 80
+
+
 def test_a_source_without_path_reads_data_dir() -> None:
     cfg = parse({"data_dir": "photos", "sources": [
         {"type": "folder"}, {"type": "imagefolder", "path": "photos/more"},

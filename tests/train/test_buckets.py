@@ -144,3 +144,24 @@ def test_every_method_trains_on_buckets(tmp_path, tiny_sd, mixed_dir, method, ex
     outcome = train(cfg, tiny_sd, mixed_dir, None, tmp_path / "out")
     assert outcome.report()["steps"] == 4 and all(math.isfinite(h[1]) for h in outcome.losses)
     assert outcome.report()["buckets"] == {"24x40": 3, "32x32": 1, "40x24": 2}
+
+
+def test_buckets_over_square_images_and_tag_shuffling_without_tags_are_refused(tmp_path, monkeypatch, tiny_sd,
+                                                                                 instance_dir) -> None:
+    """Settings the data makes moot fail before any weights load, naming the setting that matters."""
+    import tasks.train.core as core
+    from tests.train.conftest import write_imagefolder
+
+    monkeypatch.setattr(core, "load_components", lambda *a, **k: pytest.fail("weights loaded before the check"))
+    square = write_imagefolder(tmp_path / "square", 3, "a photo of sks toy", 5)
+    base = dict(resolution=32, with_prior_preservation=False, num_validation_images=0, resume="none",
+                checkpoints_dir=tmp_path / "ck")
+    with pytest.raises(UserError, match=r"enable_bucket is true, but all 3 instance images are square.*"
+                                        r"ingest.output_size: short_side"):
+        train(TrainConfig(**base, **BUCKETS), tiny_sd, square, None, tmp_path / "out")
+    with pytest.raises(UserError, match=r"shuffle_tag_p is set, but the prompts are not the images' captions"):
+        train(TrainConfig(**base, shuffle_tag_p=0.5), tiny_sd, instance_dir, None, tmp_path / "out")
+    with pytest.raises(UserError, match=r"shuffle_tag_p is set, but no instance image has tags"):
+        train(TrainConfig(**base, shuffle_tag_p=0.5, caption_column="text"), tiny_sd, instance_dir, None,
+              tmp_path / "out")
+    assert not (tmp_path / "out").exists()

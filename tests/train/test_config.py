@@ -33,6 +33,29 @@ def test_textual_inversion_needs_its_tokens_and_no_class_images() -> None:
                 with_prior_preservation=False).num_vectors == 1
 
 
+@pytest.mark.parametrize("setting, says", [
+    (dict(lr_warmup_steps=2), "lr_warmup_steps is set to 2, but warm-up needs a schedule with one"),
+    (dict(lr_scheduler="cosine", lr_num_cycles=3), "lr_num_cycles .* only lr_scheduler: cosine_with_restarts"),
+    (dict(lr_scheduler="linear", lr_power=2.0), "lr_power .* only lr_scheduler: polynomial"),
+    (dict(ema_decay=0.5), "ema_decay .* needs use_ema: true"),
+    (dict(with_prior_preservation=False, prior_loss_weight=0.5), "prior_loss_weight .* with_prior_preservation"),
+    (dict(num_validation_images=0, validation_steps=5), "validation_steps .* num_validation_images > 0"),
+    (dict(method="dreambooth", rank=8), "rank is set to 8, but only method: lora reads it"),
+    (dict(method="lora", num_vectors=2), "num_vectors .* only method: textual_inversion"),
+])
+def test_a_setting_that_would_change_nothing_is_refused(setting, says) -> None:
+    with pytest.raises(UserError, match=says):
+        load(**setting)
+
+
+def test_the_same_settings_load_where_they_matter() -> None:
+    assert load(lr_scheduler="linear", lr_warmup_steps=2).lr_warmup_steps == 2
+    assert load(lr_scheduler="cosine_with_restarts", lr_num_cycles=3).lr_num_cycles == 3
+    assert load(use_ema=True, ema_decay=0.5).ema_decay == 0.5
+    assert load(method="lora", rank=8).rank == 8
+    assert load(method="dreambooth", rank=4).rank == 4, "a default value is not a setting"
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="fp16 is valid where CUDA is present")
 def test_fp16_on_cpu_fails_at_load() -> None:
     with pytest.raises(UserError, match=r"train: fp16 needs a CUDA GPU|mixed_precision fp16 needs a CUDA GPU"):

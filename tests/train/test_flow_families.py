@@ -112,6 +112,11 @@ def test_four_steps_equal_two_plus_resume_plus_two(tmp_path, tiny_flux, instance
     ("tiny_sd", dict(weighting_scheme="logit_normal"), "train.weighting_scheme"),
     ("tiny_sd3", dict(launcher="xla"), "train.launcher"),
     ("tiny_flux2", dict(train_text_encoder=True), "train.train_text_encoder"),
+    # settings the family never reads: refused, not ignored
+    ("tiny_sd", dict(guidance_scale=2.0), "train.guidance_scale"),
+    ("tiny_sd3", dict(guidance_scale=2.0), "train.guidance_scale"),
+    ("tiny_flux", dict(logit_std=2.0), "train.logit_std"),  # FLUX's scheme is none unless set
+    ("tiny_sd3", dict(mode_scale=1.0), "train.mode_scale"),  # SD3's is logit_normal
 ])
 def test_what_a_family_lacks_is_refused_before_loading(request, monkeypatch, tmp_path, instance_dir, base_name,
                                                         setting, key) -> None:

@@ -28,6 +28,11 @@ class StableDiffusion3(FlowMatchingFamily):
     default_max_sequence_length = 77
 
     @classmethod
+    def refused_options(cls) -> dict[str, str]:
+        return {**super().refused_options(),
+                "guidance_scale": f"the guidance input of guidance-distilled FLUX bases; {cls.title} has none"}
+
+    @classmethod
     def matches(cls, index: dict[str, Any]) -> bool:
         return index.get("_class_name", "").startswith("StableDiffusion3")
 
