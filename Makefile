@@ -137,6 +137,7 @@ lock-side-env-%:
 
 data: $(STAMP)
 	$(BIN)/python data/demo/generate.py --out data/demo/subject
+	$(BIN)/python data/demo/concepts.py --out data/demo/concepts
 
 demo: data
 	@start=$$(date +%s); \

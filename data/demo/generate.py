@@ -228,7 +228,7 @@ def build() -> dict[str, bytes]:
 def _up_to_date(out: Path, files: dict[str, bytes]) -> bool:
     if not out.is_dir() or out.is_symlink():
         return False
-    present = {p.name for p in out.iterdir()}
+    present = {p.relative_to(out).as_posix() for p in out.rglob("*") if not p.is_dir()}
     return present == set(files) and all((out / n).read_bytes() == b for n, b in files.items())
 
 
@@ -237,7 +237,8 @@ def write(out: Path, files: dict[str, bytes]) -> bool:
     if _up_to_date(out, files):
         return False
     with atomic_dir(out) as tmp:
-        for name, data in files.items():
+        for name, data in files.items():  # a name may hold sub-folders ("3_sks toy/sks_00.png")
+            (tmp / name).parent.mkdir(parents=True, exist_ok=True)
             (tmp / name).write_bytes(data)
             os.chmod(tmp / name, 0o644)
     return True

@@ -78,3 +78,27 @@ def test_rerun_leaves_identical_folder_untouched_and_repairs_a_changed_one(tmp_p
     assert gen.write(out, gen.build()) is True
     assert digest(out) == before
     assert [p.name for p in tmp_path.iterdir()] == ["s"]  # no temporary folders left behind
+
+
+def test_the_concepts_demo_has_two_kohya_folders_masks_and_missing_captions(tmp_path: Path) -> None:
+    script = REPO / "data" / "demo" / "concepts.py"
+    subprocess.run([sys.executable, str(script), "--out", str(tmp_path / "a")], check=True)
+    files = {p.relative_to(tmp_path / "a").as_posix(): p for p in sorted((tmp_path / "a").rglob("*.*"))}
+    spec = importlib.util.spec_from_file_location("demo_concepts", script)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    built = module.build()  # a second drawing, in this process: the same bytes
+    assert set(built) == set(files) and all(files[n].read_bytes() == b for n, b in built.items())
+    images = [n for n in files if n.endswith(".png") and not n.endswith("-masklabel.png")]
+    assert sorted({n.split("/")[0] for n in images}) == ["2_zwx ball", "3_sks toy"] and len(images) == 10
+    masks = [n for n in files if n.endswith("-masklabel.png")]
+    captions = [n for n in files if n.endswith(".txt")]
+    assert len(masks) == 4 and len(captions) == 3, "some robot images have masks, some captions; the ball none"
+    for mask in masks:
+        image = np.asarray(Image.open(files[mask.replace("-masklabel", "")]).convert("RGB")).astype(int)
+        m = np.asarray(Image.open(files[mask]))
+        assert m.shape == image.shape[:2] and set(np.unique(m)) == {0, 255}
+        red = (image[..., 0] > 150) & (image[..., 1] < 80) & (image[..., 2] < 80)  # the robot's red body
+        assert red.sum() > 50 and (m[red] == 255).mean() > 0.95, "the mask covers the robot"
+        assert 0.02 < (m == 255).mean() < 0.6, "and not the whole picture"
