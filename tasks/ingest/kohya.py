@@ -12,13 +12,10 @@ import re
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Any
 
 from tasks.common.concepts import concept_name_problem
 from tasks.common.errors import UserError
-
-if TYPE_CHECKING:
-    from tasks.ingest.sources import Item
 
 log = logging.getLogger(__name__)
 
@@ -70,8 +67,8 @@ def concept_folders(root: Path, key: str) -> dict[str, ConceptFolder]:
     return folders
 
 
-def tagged(items: Iterable[Item], folders: dict[str, ConceptFolder]) -> Iterator[Item]:
-    """The items with the concept, repeats and fallback caption of the sub-folder they lie in."""
+def tagged(items: Iterable[Any], folders: dict[str, ConceptFolder]) -> Iterator[Any]:
+    """The items (sources.Item) with the concept, repeats and fallback caption of the sub-folder they lie in."""
     for item in items:
         concept = folders.get(item.rel.split("/", 1)[0]) if "/" in item.rel else None
         if concept is not None:

@@ -14,11 +14,9 @@ resume and the per-example generators (tasks/train/data.py) are unchanged by it.
 """
 from __future__ import annotations
 
-import bisect
 import logging
 from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +25,7 @@ from pydantic import Field, field_validator
 from tasks.common.concepts import concept_name_problem
 from tasks.common.config import StageConfig
 from tasks.common.errors import UserError
+from tasks.train.layout import Group, Layout, repeated
 
 log = logging.getLogger(__name__)
 
@@ -70,57 +69,6 @@ def concepts_problem(cfg: Any) -> str | None:
     return None
 
 
-@dataclass(frozen=True)
-class Group:
-    """One concept's stretch of the dataset."""
-
-    name: str | None  # None: the one group of a run without train.concepts
-    slots: tuple[int, ...]  # instance indices, each as many times as it repeats
-    classes: tuple[int, ...] = ()  # class image indices of this concept (empty: no prior preservation)
-    prompt: Callable[..., str] | None = None  # None: the dataset's prompt function
-    class_prompt: str | None = None  # None: the dataset's class prompt
-    loss_weight: float = 1.0
-
-    def __len__(self) -> int:
-        return max(len(self.slots), len(self.classes))
-
-
-def repeated(indices: Sequence[int], repeats: Sequence[int]) -> tuple[int, ...]:
-    """Each index `repeats[k]` times: one pass over all, then again over those repeated more, ..."""
-    most = max(repeats, default=0)
-    return tuple(i for rep in range(most) for i, r in zip(indices, repeats) if r > rep)
-
-
-class Layout:
-    """Example index -> (group, instance index, class index or None), groups one after the other."""
-
-    def __init__(self, groups: Sequence[Group]) -> None:
-        self.groups = [g for g in groups if len(g)]
-        self.starts, total = [], 0
-        for group in self.groups:
-            self.starts.append(total)
-            total += len(group)
-        self.length = total
-
-    @classmethod
-    def single(cls, repeats: Sequence[int], num_classes: int) -> Layout:
-        """One group of every instance (each `repeats[i]` times) and every class image."""
-        return cls([Group(None, repeated(range(len(repeats)), repeats), tuple(range(num_classes)))])
-
-    def __len__(self) -> int:
-        return self.length
-
-    def locate(self, index: int) -> tuple[Group, int, int | None]:
-        index %= self.length
-        g = bisect.bisect_right(self.starts, index) - 1
-        group, j = self.groups[g], index - self.starts[g]
-        c = group.classes[j % len(group.classes)] if group.classes else None
-        return group, group.slots[j % len(group.slots)], c
-
-    def instance(self, index: int) -> int:
-        return self.locate(index)[1]
-
-
 def rows_by_concept(records: Sequence[Any]) -> dict[str | None, list[int]]:
     """Instance indices per row concept (None: rows without one), in row order."""
     out: dict[str | None, list[int]] = {}
@@ -156,7 +104,7 @@ def concept_layout(cfg: Any, records: Sequence[Any], data_dir: Path, class_dir: 
                    captions: Callable[..., str]) -> tuple[Layout, list[Any], list[Path]]:
     """The layout of train.concepts, the class images of all concepts (one after another) and the
     metadata files they come from. `captions` is the caption rule for concepts without instance_prompt."""
-    from tasks.train.data import METADATA, read_imagefolder
+    from tasks.train.data import METADATA, read_imagefolder  # torch: not at config load
 
     rows = check_rows(cfg, records, data_dir)
     groups, classes, files = [], [], []

@@ -29,7 +29,7 @@ from torch.utils.data import Dataset, Sampler
 
 from tasks.common.errors import UserError
 from tasks.common.images import apply_exif_orientation, to_rgb
-from tasks.train.concepts import Layout
+from tasks.train.layout import Layout
 
 log = logging.getLogger(__name__)
 

@@ -8,9 +8,10 @@ import pytest
 import torch
 
 from tasks.common.errors import UserError
-from tasks.train.concepts import Layout, examples_report, repeated
+from tasks.train.concepts import examples_report
 from tasks.train.config import TrainConfig
 from tasks.train.data import collate
+from tasks.train.layout import Layout, repeated
 from tasks.train.methods import METHODS
 from tests.train.conftest import write_imagefolder
 
