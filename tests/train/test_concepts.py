@@ -126,3 +126,16 @@ def test_loss_weights_multiply_each_examples_loss(tiny_sd, two_concepts) -> None
     assert loss([2.0, 1.0]) == pytest.approx(2 * dog + cat, rel=1e-5)
     assert loss([1.0, 1.0]) == pytest.approx(dog + cat, rel=1e-5)
     assert method.concepts_seen == {"sks dog": 4, "ohwx cat": 4}
+
+
+def test_a_run_reports_examples_seen_per_concept(tmp_path: Path, tiny_sd, two_concepts) -> None:
+    from tasks.train.core import train
+
+    data, classes = two_concepts
+    config = method_for(max_train_steps=3, train_batch_size=2, num_validation_images=0,
+                        checkpoints_dir=tmp_path / "ckpt", checkpointing_steps=1000).cfg
+    report = train(config, tiny_sd, data, classes, tmp_path / "out").report()
+    concepts = report["concepts"]
+    assert sum(c["examples_seen"] for c in concepts.values()) == 3 * 2, "every instance example, counted once"
+    assert {k: (c["images"], c["examples_per_epoch"], c["class_images"]) for k, c in concepts.items()} == {
+        "ohwx cat": (1, 3, 2), "sks dog": (2, 3, 3)}
