@@ -181,3 +181,12 @@ def concept_validation_prompts(cfg: Any, records: Sequence[Any]) -> list[str]:
     """One validation prompt per concept of train.concepts: its instance prompt, else its first caption."""
     first = {r.concept: r.text for r in reversed(records) if r.concept is not None}
     return [c.instance_prompt or first.get(c.name, "") for c in cfg.concepts]
+
+
+def weighted(losses: Any, batch: dict[str, Any], seen: Counter) -> Any:
+    """Per-example `losses` times each row's concept loss weight (train.concepts.*.loss_weight; the batch
+    has `loss_weights` only where one is not 1); the batch's instance examples are counted in `seen`."""
+    seen.update(c for c in batch.get("concepts", ()) if c is not None)
+    if "loss_weights" not in batch:
+        return losses
+    return losses * batch["loss_weights"].to(losses.device, losses.dtype)

@@ -22,7 +22,7 @@ from tqdm import tqdm
 
 from tasks.common.errors import UserError
 from tasks.common.memory import release_memory
-from tasks.train.concepts import concept_layout, concept_prompts, concept_validation_prompts, log_concepts
+from tasks.train.concepts import concept_layout, concept_prompts, concept_validation_prompts, log_concepts, weighted
 from tasks.train.config import TrainConfig
 from tasks.train.data import CaptionPolicy, Record, TrainDataset, collate, latent_key, prepare_image, read_imagefolder
 from tasks.train.diffusion import LatentCache, PromptCache, RowRandom, encode_latents
@@ -332,9 +332,7 @@ class TrainingMethod:
             sample = sample.contiguous(memory_format=torch.channels_last)
         pred = family.predict(modules[family.denoiser_name], sample, noised.timesteps, hidden, pooled, batch, cfg)
         losses = self.objective.loss(pred, noised)
-        if "loss_weights" in batch:  # each row's concept weight (train.concepts.*.loss_weight)
-            losses = losses * batch["loss_weights"].to(losses.device, losses.dtype)
-        self.concepts_seen.update(c for c in batch.get("concepts", ()) if c is not None)
+        losses = weighted(losses, batch, self.concepts_seen)  # each row's concept weight; examples counted
         n = batch["num_instances"]
         if n == losses.shape[0]:
             loss = losses.mean()
