@@ -270,6 +270,10 @@ def _tables(path: str, model: type[BaseModel], intro: str, level: int, missing: 
                 f"[`{kind}`](#{slug(_heading(dotted + ITEM, (tag, kind)))})" for _, kind in kinds)
             keys.append(Key(dotted, type_, default_of(field), "", description, "items", link))
             below += [(dotted + ITEM, item, kind) for item, kind in zip(items, kinds)]
+        elif len(items) == 1:  # a list of one model (train.concepts): its items' keys in a table of their own
+            link = f"[item keys below](#{slug(_heading(dotted + ITEM))})"
+            keys.append(Key(dotted, type_, default_of(field), "", description, "items", link))
+            below.append((dotted + ITEM, items[0], None))
         else:
             keys.append(Key(dotted, type_, default_of(field), ", ".join(allowed_values(field)), description))
     yield Table(_heading(path, item_type), intro, tuple(keys), level)

@@ -3,10 +3,27 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
+from tasks.common.concepts import concept_name_problem
 from tasks.common.config import StageConfig
 from tasks.common.launch import LAUNCHERS, LaunchConfig, launch_problem
+
+
+class ClassConcept(StageConfig):
+    """One entry of `class_images.concepts`: the class images of one concept, in <out>/<name>/."""
+
+    name: str = Field(min_length=1, max_length=128, description="the concept (as in train.concepts); its folder")
+    prompt: str = Field(min_length=1, description="its class prompt (train.concepts' class_prompt)")
+    num_images: int = Field(8, ge=0, le=100_000, description="class images of this concept")
+    negative_prompt: str | None = Field(None, description="null: class_images.negative_prompt")
+
+    @field_validator("name")
+    @classmethod
+    def _folder_name(cls, name: str) -> str:
+        if problem := concept_name_problem(name):
+            raise ValueError(problem)
+        return name
 
 
 class ClassImagesConfig(StageConfig):
@@ -26,6 +43,10 @@ class ClassImagesConfig(StageConfig):
         "local", description="local | accelerate | mpirun | xla: each rank generates its share of the images"
     )
     launch: LaunchConfig = Field(default_factory=LaunchConfig, description="topology and environment of a launch")
+    concepts: list[ClassConcept] = Field(
+        [], description="class images per concept, each in <out>/<name>/ with its prompt and count (seeds: seed + "
+                        "100000 x its position); empty: one set of `prompt` in <out>",
+    )
 
     @model_validator(mode="after")
     def _check(self) -> ClassImagesConfig:
@@ -36,4 +57,7 @@ class ClassImagesConfig(StageConfig):
         if self.negative_prompt is not None and self.guidance_scale <= 1:
             raise ValueError("negative_prompt is set, but guidance_scale <= 1 turns classifier-free guidance off, "
                              "which is what reads it: set guidance_scale above 1, or remove negative_prompt")
+        names = [c.name for c in self.concepts]
+        if twice := sorted({n for n in names if names.count(n) > 1}):
+            raise ValueError(f"concepts: {', '.join(map(repr, twice))} listed twice; name each concept once")
         return self

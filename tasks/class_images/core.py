@@ -199,10 +199,13 @@ class Summary:
     removed: int
     seconds: float
     base_fingerprint: str
+    per_concept: dict[str, Summary] = field(default_factory=dict)  # class_images.concepts: each one's
 
     def report(self) -> dict[str, Any]:
         """reports/class_images.json (DVC metrics: numbers only)."""
+        concepts = {name: s.report() for name, s in self.per_concept.items()}
         return {
+            **({"concepts": concepts} if concepts else {}),
             "num_images": self.num_images,
             "generated": self.generated,
             "reused": self.reused,

@@ -12,9 +12,11 @@ import logging
 from accelerate import PartialState
 from PIL import Image
 
+from tasks.class_images.concepts import image_paths, metadata_files, run_all
 from tasks.class_images.config import ClassImagesConfig
-from tasks.class_images.core import METADATA, Summary, image_name, run
+from tasks.class_images.core import Summary
 from tasks.common.allocator import say_allocator
+from tasks.common.concepts import metric_key
 from tasks.common.distributed import Worker
 from tasks.common.images import make_grid
 from tasks.common.outputs import write_json
@@ -30,8 +32,8 @@ def generate_and_record(args: argparse.Namespace, cfg: ClassImagesConfig, worker
         _record(args, cfg, None)
         return
     state = PartialState()  # every rank generates its share; rank 0 then reports
-    summary = run(cfg, args.base, args.out, rank=worker.rank, world_size=worker.world_size,
-                  barrier=state.wait_for_everyone, device=state.device)
+    summary = run_all(cfg, args.base, args.out, rank=worker.rank, world_size=worker.world_size,
+                      barrier=state.wait_for_everyone, device=state.device)
     if worker.is_main:
         _record(args, cfg, summary)
 
@@ -39,21 +41,24 @@ def generate_and_record(args: argparse.Namespace, cfg: ClassImagesConfig, worker
 def _record(args: argparse.Namespace, cfg: ClassImagesConfig, done: Summary | None) -> None:
     """Generate (unless `done` by the ranks already), then write the report and log to MLflow."""
     with stage_run("class_images", params=cfg.model_dump(mode="json")) as run_:
-        summary = done if done is not None else run(cfg, args.base, args.out)
+        summary = done if done is not None else run_all(cfg, args.base, args.out)
         report = summary.report()
         write_json(args.report, report)
         run_.set_tags({"class_images.base_fingerprint": summary.base_fingerprint,
                        "class_images.allocator": say_allocator("class_images")})
         metrics = {k: v for k, v in report.items() if isinstance(v, (int, float))}
+        metrics |= {f"concept.{metric_key(name)}.{k}": v for name, counts in report.get("concepts", {}).items()
+                    for k, v in counts.items()}
         if summary.generated:
             metrics["images_per_second"] = summary.generated / max(summary.seconds, 1e-9)
         run_.log_metrics(metrics)
-        shown = [Image.open(args.out / image_name(i)) for i in range(min(cfg.num_images, GRID_IMAGES))]
+        shown = [Image.open(path) for path in image_paths(cfg, args.out, GRID_IMAGES)]
         if shown:
             run_.log_image(make_grid(shown), "class_images_grid.png")
         run_.log_artifact(args.report)
-        run_.log_artifact(args.out / METADATA)
+        for path in metadata_files(cfg, args.out):
+            run_.log_artifact(path, f"concepts/{metric_key(path.parent.name)}" if cfg.concepts else None)
     log.info(
         "%d class images in %s (%d generated, %d reused, %d files removed) in %.1f s",
-        cfg.num_images, args.out, summary.generated, summary.reused, summary.removed, summary.seconds,
+        summary.num_images, args.out, summary.generated, summary.reused, summary.removed, summary.seconds,
     )

@@ -10,6 +10,7 @@ import argparse
 import logging
 from pathlib import Path
 
+from tasks.common.concepts import metric_key
 from tasks.common.config import load_config, read_params
 from tasks.common.errors import main_guard
 from tasks.common.images import make_grid
@@ -49,6 +50,7 @@ def main() -> None:
                 **{k: v for k, v in report.items() if isinstance(v, int)},
                 **{f"rejected.{k}": v for k, v in report["rejected_by_reason"].items()},
                 "cache_hits": summary.cache_hits,
+                **{f"concept.{metric_key(k)}.images": v for k, v in report.get("by_concept", {}).items()},
             }
         )
         run.log_image(make_grid(summary.samples), "ingest_samples.png")

@@ -12,6 +12,7 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, ValidationError, field_validator, model_validator
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
+from tasks.common.concepts import concept_name_problem
 from tasks.common.config import StageConfig
 from tasks.common.safe_remove import own_folder
 
@@ -26,7 +27,24 @@ TRAINING_TIME_KEYS = {
 }
 
 
-class FolderSource(StageConfig):
+class ConceptFields(StageConfig):
+    """What every source's rows say about their concept (several datasets trained in one run)."""
+
+    concept: str | None = Field(
+        None, min_length=1, max_length=128,
+        description="the concept its images belong to (train.concepts names it); null: none",
+    )
+    repeats: int = Field(1, ge=1, le=10_000, description="times an epoch shows each of its images (kohya's)")
+
+    @field_validator("concept")
+    @classmethod
+    def _concept_name(cls, name: str | None) -> str | None:
+        if name is not None and (problem := concept_name_problem(name)):
+            raise ValueError(problem)
+        return name
+
+
+class FolderSource(ConceptFields):
     """Images at any depth with sidecar captions (`name.txt`), or one prompt for all (DreamBooth)."""
 
     type: Literal["folder"]
@@ -39,6 +57,20 @@ class FolderSource(StageConfig):
     instance_prompt: str | None = Field(
         None, min_length=1, description="caption for every image (sidecars are then ignored)"
     )
+    kohya_folders: bool = Field(
+        False, description="each sub-folder `<repeats>_<name>` (kohya's, e.g. `10_sks dog`) is a concept: "
+        "`name` is its concept and the caption of its images without a sidecar, `repeats` its repeats",
+    )
+
+    @model_validator(mode="after")
+    def _kohya_alone(self) -> FolderSource:
+        if self.kohya_folders:
+            clash = [k for k in ("concept", "instance_prompt") if getattr(self, k) is not None]
+            clash += ["repeats"] if self.repeats != 1 else []
+            if clash:
+                raise ValueError(f"kohya_folders takes concept, repeats and captions from the sub-folders' names "
+                                 f"(`<repeats>_<name>`): remove {', '.join(clash)}, or set kohya_folders: false")
+        return self
 
     @field_validator("caption_extensions")
     @classmethod
@@ -49,7 +81,7 @@ class FolderSource(StageConfig):
         return tuple(e.lower() for e in exts)
 
 
-class MetadataJsonSource(StageConfig):
+class MetadataJsonSource(ConceptFields):
     """One JSON per image under `<path>/<metadata_dir>/` (any depth): `tags`, `score`, `path`.
 
     The filter rules carry the names of the training notes (seed 003) and apply in their order:
@@ -86,7 +118,7 @@ class MetadataJsonSource(StageConfig):
         return data
 
 
-class ImageFolderSource(StageConfig):
+class ImageFolderSource(ConceptFields):
     """A Hugging Face imagefolder: images plus metadata.jsonl / metadata.csv with `file_name`."""
 
     type: Literal["imagefolder"]
@@ -97,7 +129,7 @@ class ImageFolderSource(StageConfig):
     caption_column: str = Field("text", min_length=1, description="metadata column with captions")
 
 
-class HubSource(StageConfig):
+class HubSource(ConceptFields):
     """A dataset on the Hugging Face Hub, loaded with `datasets.load_dataset` (needs network).
 
     DVC cannot hash a hub dataset, so `revision` is required: pin a commit hash and the params

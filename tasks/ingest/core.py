@@ -58,6 +58,7 @@ class Summary:
     captions_truncated: int = 0
     cache_hits: int = 0
     samples: list[Image.Image] = field(default_factory=list)
+    by_concept: Counter = field(default_factory=Counter)  # kept images per concept (rows naming one)
 
     @property
     def rejected(self) -> int:
@@ -73,6 +74,7 @@ class Summary:
             "captions_from_fallback": self.captions_from_fallback,
             "captions_truncated": self.captions_truncated,
             "by_source": {k: dict(v) for k, v in self.by_source.items()},
+            **({"by_concept": dict(sorted(self.by_concept.items()))} if self.by_concept else {}),
         }
 
 
@@ -101,13 +103,17 @@ def iter_items(cfg: IngestConfig) -> Iterator[Item]:
     for i, src in enumerate(cfg.sources):
         key, name = f"ingest.sources.{i}", label(src)
         if isinstance(src, FolderSource):
-            yield from iter_folder(src, name, key)
+            items = iter_folder(src, name, key)
         elif isinstance(src, ImageFolderSource):
-            yield from iter_imagefolder(src, name, key)
+            items = iter_imagefolder(src, name, key)
         elif isinstance(src, HubSource):
-            yield from iter_hub(src, name, key)
+            items = iter_hub(src, name, key)
         else:
-            yield from iter_metadata_json(src, name, key)
+            items = iter_metadata_json(src, name, key)
+        for item in items:
+            if item.concept is None:  # a kohya folder's concept, else the source's
+                item.concept, item.repeats = src.concept, src.repeats
+            yield item
 
 
 def worker_count(cfg: IngestConfig) -> int:
@@ -224,6 +230,8 @@ class _Judge:
             text, how = item.text, item.caption_source
         else:
             text, how = outcome.caption, "file"
+        if not (text or "").strip() and item.concept_caption:  # kohya: the folder's class tokens
+            text, how = item.concept_caption, "instance_prompt"
         caption = captions.decide(text, how, item.tags, item.tag_separator, self.cfg.captions)
         first = self.exact.find(outcome.sha)
         if first is not None:
@@ -255,6 +263,8 @@ class _Judge:
             "sha256": sha,
             "phash": entry["phash"],
             **{k: entry[k] for k in ("width", "height", "source_width", "source_height")},
+            "concept": item.concept,
+            "repeats": item.repeats,
         }
         _write(self.meta, row)
         self.exact.add(sha, name)
@@ -262,6 +272,8 @@ class _Judge:
             self.near.add(int(entry["phash"], 16), name)
         s = self.summary
         s.kept += 1
+        if item.concept is not None:
+            s.by_concept[item.concept] += 1
         s.captions_from_fallback += caption.source == "fallback"
         s.captions_truncated += caption.truncated
         if len(s.samples) < MAX_SAMPLES:

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from tasks.common.errors import UserError
+from tasks.ingest import kohya
 from tasks.ingest.checks import Reject, read_bytes
 from tasks.ingest.config import FolderSource, ImageFolderSource
 from tasks.ingest.work import Task
@@ -48,6 +49,9 @@ class Item:
     score: float | None = None
     extra: dict[str, Any] = field(default_factory=dict)  # more columns for the rows
     reject: Reject | None = None
+    concept: str | None = None  # the concept its rows name (a kohya folder's, else the source's)
+    repeats: int = 1
+    concept_caption: str | None = None  # a kohya folder's class tokens: the caption when no sidecar has one
 
     @classmethod
     def rejected(cls, source: str, rel: str, reject: Reject, **extra: Any) -> Item:
@@ -107,8 +111,19 @@ def _is_image(name: str) -> bool:
 
 
 def iter_folder(src: FolderSource, label: str, key: str) -> Iterator[Item]:
-    """Images at any depth; caption from a sidecar (first of caption_extensions) or the prompt."""
+    """Images at any depth; caption from a sidecar (first of caption_extensions) or the prompt.
+
+    With `kohya_folders`, each sub-folder `<repeats>_<name>` is a concept (tasks/ingest/kohya.py).
+    """
     root = source_root(src.path, f"{key}.path")
+    if src.kohya_folders:
+        yield from kohya.tagged(_folder_items(src, root, label), kohya.concept_folders(root, key))
+    else:
+        kohya.hint_if_kohya_like(root, key)
+        yield from _folder_items(src, root, label)
+
+
+def _folder_items(src: FolderSource, root: Path, label: str) -> Iterator[Item]:
     for here, names, rejected in walk(root, label):
         yield from rejected
         present = set(names)

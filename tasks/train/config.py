@@ -22,6 +22,7 @@ from tasks.common.errors import UserError
 from tasks.common.launch import LAUNCHERS, LaunchConfig, launch_problem
 from tasks.common.safe_remove import own_folder
 from tasks.common.scoring import IMAGE_METRICS
+from tasks.train.concepts import ConceptConfig, concepts_problem
 from tasks.train.no_ops import config_no_ops, family_no_ops
 
 LR_SCHEDULERS = ("constant", "constant_with_warmup", "linear", "cosine", "cosine_with_restarts", "polynomial")
@@ -280,6 +281,11 @@ class TrainConfig(StageConfig):
         "local", description="local | accelerate | mpirun | xla: python -m tasks.train re-executes itself under it"
     )
     launch: LaunchConfig = Field(default_factory=LaunchConfig, description="topology and environment of a launch")
+    # --- several concepts in one run (kohya's subsets, OneTrainer's concepts) -------------------------
+    concepts: list[ConceptConfig] = Field(
+        [], description="datasets trained together, each with its prompts, class images, repeats and loss "
+                        "weight; empty: one dataset (instance_prompt / captions, class_prompt, the rows' repeats)",
+    )
 
     @field_validator("checkpoints_dir", "disk_cache_dir")
     @classmethod
@@ -289,7 +295,8 @@ class TrainConfig(StageConfig):
 
     @model_validator(mode="after")
     def _check(self) -> TrainConfig:
-        problems = [p for p in (self._precision_problem(), self._method_problem(), self._option_problem()) if p]
+        problems = [p for p in (self._precision_problem(), self._method_problem(), self._option_problem(),
+                                concepts_problem(self)) if p]
         if problems:
             raise ValueError("; ".join(problems))
         return self

@@ -8,6 +8,7 @@ import csv
 import logging
 import statistics
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,7 @@ from tasks.common.memory import release_memory
 from tasks.common.outputs import atomic_dir, atomic_file
 from tasks.train.backend import caches_on_host
 from tasks.train.checkpoints import CheckpointManager, run_key
+from tasks.train.concepts import examples_report
 from tasks.train.config import TrainConfig
 from tasks.train.data import METADATA
 from tasks.train.loop import LoopResult, make_accelerator, run_loop
@@ -55,6 +57,7 @@ class TrainOutcome:
     buckets: dict[str, int] = field(default_factory=dict)  # instance images per 'HxW' bucket
     cache_seconds: float = 0.0  # the latent cache filled before the first step
     text_cache_seconds: float = 0.0  # the text cache filled before the first step
+    concepts: dict[str, dict[str, Any]] = field(default_factory=dict)  # per concept: images, repeats, examples seen
 
     def report(self) -> dict[str, Any]:
         """reports/train.json (DVC metrics)."""
@@ -78,6 +81,7 @@ class TrainOutcome:
             "checkpoints": self.checkpoints,
             "selected_checkpoint": self.selected,
             **({"buckets": self.buckets} if self.buckets else {}),
+            **({"concepts": self.concepts} if self.concepts else {}),
         }
 
 
@@ -124,7 +128,7 @@ def train(
     _refuse_data_no_ops(cfg, method, dataset)
     data_files = [Path(data_dir) / METADATA]
     if cfg.with_prior_preservation and class_dir is not None:
-        data_files.append(Path(class_dir) / METADATA)
+        data_files += method.class_files or [Path(class_dir) / METADATA]  # train.concepts: one per concept
     key, info = run_key(cfg, base, data_files, accelerator.num_processes)
     checkpoints = CheckpointManager(Path(cfg.checkpoints_dir) / key, cfg.checkpoints_total_limit, accelerator, info,
                                     cfg.keep_checkpoints_every_steps)
@@ -160,6 +164,7 @@ def train(
         _drop(trained, method)
     accelerator.wait_for_everyone()
     peak = max((h.peak_memory_mb for h in result.history), default=0.0)
+    concepts = examples_report(dataset.layout, dataset.instances, _summed(method.concepts_seen, accelerator))
     return TrainOutcome(
         method=cfg.method, family=components.family.name, history=result.history, losses=result.state.history,
         seconds=result.seconds, total_seconds=time.perf_counter() - start, images=result.images, weights=weights,
@@ -167,8 +172,17 @@ def train(
         peak_memory_mb=peak, buckets=dataset.bucket_counts(), cache_seconds=result.cache_seconds,
         text_cache_seconds=method.text_cache_seconds,
         checkpoints=[_on_disk(r, checkpoints.run_dir / f"checkpoint-{r['step']}") for r in result.state.scores],
-        selected=selected,
+        selected=selected, concepts=concepts,
     )
+
+
+def _summed(counts: Counter, accelerator: Any) -> Counter:
+    """Examples seen per concept on every rank together."""
+    if accelerator.num_processes == 1:
+        return counts
+    from accelerate.utils import gather_object
+
+    return sum((Counter(c) for c in gather_object([dict(counts)])), Counter())
 
 
 def _hand_over(result: LoopResult, method: TrainingMethod, accelerator: Any, checkpoints: CheckpointManager

@@ -29,6 +29,7 @@ from torch.utils.data import Dataset, Sampler
 
 from tasks.common.errors import UserError
 from tasks.common.images import apply_exif_orientation, to_rgb
+from tasks.train.layout import Layout
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +46,8 @@ class Record:
     tag_separator: str = ", "
     score: float | None = None
     size: tuple[int, int] | None = None  # (height, width) when the metadata has them (the ingest writes them)
+    concept: str | None = None  # the row's concept (ingest: a source's, or a kohya folder's)
+    repeats: int = 1  # times an epoch shows it (ingest's; train.concepts may override)
 
     def image_size(self) -> tuple[int, int]:
         """(height, width) of the upright image: the metadata's, else read from the file's header."""
@@ -85,10 +88,16 @@ def read_imagefolder(folder: Path, what: str, fix: str, caption_column: str = "t
             records.append(Record(
                 path, str(row.get(caption_column) or ""), tuple(str(t) for t in tags),
                 row.get("tag_separator") or ", ", row.get("score"), _size(row),
+                row.get("concept"), _repeats(row),
             ))
     if not records:
         raise UserError(f"{what}: {folder} holds no images. {fix}")
     return records
+
+
+def _repeats(row: dict[str, Any]) -> int:
+    value = row.get("repeats")
+    return value if isinstance(value, int) and value >= 1 else 1
 
 
 def _size(row: dict[str, Any]) -> tuple[int, int] | None:
@@ -176,6 +185,7 @@ class TrainDataset(Dataset):
     random_flip: bool = False
     seed: int = 0
     buckets: list[tuple[int, int]] | None = None  # (height, width); None: square `resolution`
+    layout: Layout | None = None  # the concepts (tasks/train/concepts.py); None: one, rows repeated as ingest said
     classes_: list[Record] = field(init=False)
     bucket_of: list[int] = field(init=False)  # per instance image
     latent_store: Any = field(default=None, init=False)  # a DiskLatentStore read instead of decoding
@@ -184,17 +194,19 @@ class TrainDataset(Dataset):
         from tasks.train.buckets import assign
 
         self.classes_ = self.classes or []
+        if self.layout is None:
+            self.layout = Layout.single([r.repeats for r in self.instances], len(self.classes_))
         self.bucket_of = assign([r.image_size() for r in self.instances], self.buckets) if self.buckets else []
 
     def target(self, index: int) -> tuple[int, int]:
         """(height, width) the example at `index` trains at."""
         if not self.buckets:
             return (self.resolution, self.resolution)
-        return self.buckets[self.bucket_of[index % len(self.instances)]]
+        return self.buckets[self.bucket_of[self.layout.instance(index)]]
 
     def example_buckets(self) -> list[int]:
         """The bucket of every example index (for the batch sampler)."""
-        return [self.bucket_of[i % len(self.instances)] for i in range(len(self))]
+        return [self.bucket_of[self.layout.instance(i)] for i in range(len(self))]
 
     def bucket_counts(self) -> dict[str, int]:
         """Instance images per bucket ('HxW' -> count); empty without buckets."""
@@ -203,7 +215,7 @@ class TrainDataset(Dataset):
         return counts(self.buckets, self.bucket_of) if self.buckets else {}
 
     def __len__(self) -> int:
-        return max(len(self.instances), len(self.classes_))
+        return len(self.layout)
 
     def read_latents_from(self, store: Any) -> None:
         """With a disk latent store (tasks/train/latent_store.py), an example whose latent is there
@@ -218,9 +230,8 @@ class TrainDataset(Dataset):
         out = []
         for index in range(len(self)):
             target = self.target(index)
-            records = [self.instances[index % len(self.instances)]]
-            if self.classes_:
-                records.append(self.classes_[index % len(self.classes_)])
+            _, i, c = self.layout.locate(index)
+            records = [self.instances[i]] + ([self.classes_[c]] if c is not None else [])
             for record in records:
                 for flip in flips:
                     if (record.path, target, flip) not in seen:
@@ -257,14 +268,15 @@ class TrainDataset(Dataset):
         # The diffusion noise of each image (posterior sample, noise, timestep) is seeded per example
         # too, so a batch of 2b on one rank and b on each of two ranks train alike.
         noise_seeds = np.random.SeedSequence([self.seed, epoch, index, 1]).generate_state(2)
-        i, target = index % len(self.instances), self.target(index)
+        group, i, c = self.layout.locate(index)
+        target = self.target(index)
         instance = self._load("i", i, self.instances[i], rng, target)
         example = {"instance": {**instance, "noise_seed": int(noise_seeds[0])},
-                   "instance_prompt": self.prompt(self.instances[i], rng)}
-        if self.classes_:
-            c = index % len(self.classes_)
+                   "instance_prompt": (group.prompt or self.prompt)(self.instances[i], rng),
+                   "concept": self.instances[i].concept, "loss_weight": group.loss_weight}
+        if c is not None:
             example["class"] = {**self._load("c", c, self.classes_[c], rng, target), "noise_seed": int(noise_seeds[1])}
-            example["class_prompt"] = self.class_prompt
+            example["class_prompt"] = group.class_prompt or self.class_prompt
         return example
 
 
@@ -300,6 +312,7 @@ def collate(examples: list[dict[str, Any]]) -> dict[str, Any]:
     if "class" in examples[0]:
         parts += [e["class"] for e in examples]
         prompts += [e["class_prompt"] for e in examples]
+    weights = [e.get("loss_weight", 1.0) for e in examples] * (len(parts) // len(examples))
     decoded = [p["pixels"] for p in parts if p["pixels"] is not None]
     height, width = parts[0]["target_size"]
     cached = {"cached_latents": [p.get("latent") for p in parts]} if len(decoded) < len(parts) else {}
@@ -313,4 +326,7 @@ def collate(examples: list[dict[str, Any]]) -> dict[str, Any]:
         "crops_top_left": torch.tensor([p["crop_top_left"] for p in parts], dtype=torch.long),
         "target_sizes": torch.tensor([p["target_size"] for p in parts], dtype=torch.long),
         "num_instances": len(examples),
+        "concepts": [e.get("concept") for e in examples],  # of the instance rows (examples seen per concept)
+        # each row's concept loss weight (an instance and its class image share it); only where one is not 1
+        **({"loss_weights": torch.tensor(weights, dtype=torch.float32)} if any(w != 1.0 for w in weights) else {}),
     }

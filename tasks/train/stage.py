@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from tasks.common.allocator import say_allocator
+from tasks.common.concepts import metric_key
 from tasks.common.images import make_grid
 from tasks.common.outputs import write_json
 from tasks.common.scoring import IMAGE_METRICS
@@ -95,6 +96,9 @@ def train_and_record(args: argparse.Namespace, cfg: TrainConfig, main_process: b
                 "train_images_per_second": report["images_per_second"],
                 "peak_memory_mb": report["peak_memory_mb"],
             })
+            if report.get("concepts"):  # images, repeats, examples per epoch and seen, per concept
+                run.log_metrics({f"concept.{metric_key(name)}.{k}": v for name, counts in report["concepts"].items()
+                                 for k, v in counts.items()})
             run.log_dict(report["weights_sha256"], "weights_sha256.json")
             run.log_artifact(args.report)
             run.log_artifact(args.plot)

@@ -11,6 +11,7 @@ import hashlib
 import io
 import logging
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -21,6 +22,7 @@ from tqdm import tqdm
 
 from tasks.common.errors import UserError
 from tasks.common.memory import release_memory
+from tasks.train.concepts import concept_layout, concept_prompts, concept_validation_prompts, log_concepts, weighted
 from tasks.train.config import TrainConfig
 from tasks.train.data import CaptionPolicy, Record, TrainDataset, collate, latent_key, prepare_image, read_imagefolder
 from tasks.train.diffusion import LatentCache, PromptCache, RowRandom, encode_latents
@@ -58,6 +60,9 @@ class TrainingMethod:
         self.text_cache_seconds = 0.0  # encoding every prompt before the first step (release_text_encoders)
         self.sample_captions: list[str] = []
         self.instance_texts: set[str] = set()
+        self.class_files: list[Path] = []  # the concepts' class images' metadata files (part of the run key)
+        self.concept_prompts: list[str] = []  # validation: one prompt per concept
+        self.concepts_seen: Counter = Counter()  # instance examples per concept through compute_loss
 
     @property
     def components(self) -> Components:
@@ -128,15 +133,19 @@ class TrainingMethod:
 
     def prompts_vary(self) -> bool:
         """True when an image's prompt can change between epochs beyond caption dropout."""
-        return self.caption_column is not None and self.captions.varies
+        captioned = self.caption_column is not None or any(c.instance_prompt is None for c in self.cfg.concepts)
+        return captioned and self.captions.varies
 
     def dataset(self, data_dir: Path, class_dir: Path | None) -> TrainDataset:
         """Instance images (and class images with prior preservation); UserError when inputs are missing."""
         instances = read_imagefolder(data_dir, "instance images", INGEST_FIX, self.caption_column or "text")
         self.sample_captions = [r.text for r in instances[:4]]
+        self.concept_prompts = concept_validation_prompts(self.cfg, instances)
         self.instance_texts = {r.text for r in instances}
-        classes = None
-        if self.cfg.with_prior_preservation:
+        classes, layout = None, None
+        if self.cfg.concepts:  # several concepts: each its prompts, class images, repeats and weight
+            layout, classes, self.class_files = concept_layout(self.cfg, instances, data_dir, class_dir, self.captions)
+        elif self.cfg.with_prior_preservation:
             if class_dir is None or not Path(class_dir).is_dir():
                 raise UserError(f"prior preservation is on but the class images folder {class_dir} does not exist. "
                                 f"{CLASS_FIX}")
@@ -154,7 +163,8 @@ class TrainingMethod:
                  f", {len(classes)} class images" if classes else "")
         dataset = TrainDataset(instances, classes, self.prompt, self.cfg.class_prompt, self.cfg.resolution,
                                self.cfg.center_crop, self.cfg.random_flip, self.cfg.seed,
-                               self.cfg.buckets() if self.cfg.enable_bucket else None)
+                               self.cfg.buckets() if self.cfg.enable_bucket else None, layout)
+        log_concepts(self.cfg, dataset)
         if dataset.buckets:
             log.info("aspect-ratio buckets (height x width: instance images): %s",
                      ", ".join(f"{k}: {v}" for k, v in dataset.bucket_counts().items()))
@@ -168,6 +178,8 @@ class TrainingMethod:
 
     def validation_prompts(self) -> list[str]:
         """Prompts of the validation images when train.validation_prompts is null."""
+        if self.concept_prompts:
+            return self.concept_prompts
         if self.caption_column is not None and self.sample_captions:
             return self.sample_captions[:1]
         return [self.cfg.instance_prompt]
@@ -262,6 +274,7 @@ class TrainingMethod:
         prompts = {self.cfg.instance_prompt} if self.caption_column is None else set(self.instance_texts)
         if self.cfg.with_prior_preservation:
             prompts.add(self.cfg.class_prompt)
+        prompts |= concept_prompts(self.cfg, self.instance_texts)
         if self.cfg.proportion_empty_prompts > 0:
             prompts.add("")
         return prompts
@@ -319,6 +332,7 @@ class TrainingMethod:
             sample = sample.contiguous(memory_format=torch.channels_last)
         pred = family.predict(modules[family.denoiser_name], sample, noised.timesteps, hidden, pooled, batch, cfg)
         losses = self.objective.loss(pred, noised)
+        losses = weighted(losses, batch, self.concepts_seen)  # each row's concept weight; examples counted
         n = batch["num_instances"]
         if n == losses.shape[0]:
             loss = losses.mean()

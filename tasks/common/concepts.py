@@ -1,0 +1,23 @@
+"""Concepts: several datasets trained in one run (kohya's subsets, OneTrainer's concepts).
+
+A concept's name travels through the stages: ingest writes it in each row (`concept`), class_images
+makes `data/class_images/<name>/`, train pairs each image with its own concept's class images and
+reports per concept. So a name must be usable as a folder name; this rule is shared by the stages.
+"""
+from __future__ import annotations
+
+import re
+
+
+def concept_name_problem(name: str) -> str | None:
+    """Why `name` cannot name a concept (it becomes a folder, data/class_images/<name>/), or None."""
+    if not name.strip() or name != name.strip():
+        return f"a concept name has no leading or trailing spaces (got {name!r})"
+    if any(c in name for c in "/\\\0") or name.startswith("."):
+        return f"a concept name is a folder name: no '/', '\\' or leading '.' (got {name!r})"
+    return None
+
+
+def metric_key(name: str) -> str:
+    """The name as MLflow takes it in a metric or param key (letters, digits, _ - . space /)."""
+    return re.sub(r"[^\w\-. ]", "_", name)
