@@ -51,9 +51,10 @@ def config_no_ops(cfg: Any) -> list[str]:
 
 def family_no_ops(cfg: Any, family: Any) -> list[str]:
     """Weighting-scheme keys the family's scheme (the config's, else the family's own) never reads."""
-    if family.objective != "flow_matching":
-        return []  # the family's refused_options name the flow-matching keys for DDPM families
-    scheme = cfg.weighting_scheme or family.default_weighting_scheme
+    own = family.objective_options()  # the objective's settings where the config leaves them null
+    if "weighting_scheme" not in own:
+        return []  # an objective without schemes: the family's refused_options name these keys
+    scheme = cfg.weighting_scheme or own["weighting_scheme"]
     return [f"train.{key} is set, but only weighting_scheme: {needs} reads it ({family.title} trains with "
             f"{scheme!r}{'' if cfg.weighting_scheme else ', its default'}); remove it or set weighting_scheme: {needs}"
             for key, needs in SCHEME_KEYS.items() if _set_away_from_default(cfg, key) and scheme != needs]
