@@ -14,9 +14,10 @@ REPO = Path(__file__).resolve().parents[1]
 VENV_BIN = Path(sys.executable).parent
 
 
-def copy_repo(dst: Path) -> Path:
+def copy_repo(dst: Path, params: dict[str, dict[str, Any]] | None = None) -> Path:
     """Copy what a fresh clone has (tracked and untracked-not-ignored files) into a new git repo
-    at `dst`, plus the generated demo images, and commit it, so `dvc` and git lineage work there."""
+    at `dst`, plus the generated demo images, and commit it, so `dvc` and git lineage work there.
+    `params`: keys to set in params.yaml's sections first ({"train": {"max_train_steps": 3}})."""
     files = subprocess.run(
         ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
         cwd=REPO, capture_output=True, check=True,
@@ -27,8 +28,17 @@ def copy_repo(dst: Path) -> Path:
             (dst / rel).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(src, dst / rel)
     env = e2e_env(dst)
-    subprocess.run([sys.executable, "data/demo/generate.py", "--out", "data/demo/subject"],
-                   cwd=dst, env=env, check=True, capture_output=True)
+    for script, out in (("generate.py", "subject"), ("concepts.py", "concepts")):
+        subprocess.run([sys.executable, f"data/demo/{script}", "--out", f"data/demo/{out}"],
+                       cwd=dst, env=env, check=True, capture_output=True)
+    if params:
+        import yaml
+
+        path = dst / "params.yaml"
+        whole = yaml.safe_load(path.read_text())
+        for section, keys in params.items():
+            whole[section].update(keys)
+        path.write_text(yaml.safe_dump(whole, sort_keys=False))
     git = ["git", "-c", "user.name=e2e", "-c", "user.email=e2e@localhost"]
     subprocess.run(["git", "init", "-q"], cwd=dst, check=True)
     subprocess.run(["git", "add", "-A"], cwd=dst, check=True)
