@@ -25,6 +25,7 @@ from typing import Any
 from tasks.common.errors import UserError
 from tasks.ingest.checks import Reject, read_bytes
 from tasks.ingest.config import FolderSource, ImageFolderSource
+from tasks.ingest.masks import MASKLABEL_SUFFIX
 from tasks.ingest.work import Task
 
 log = logging.getLogger(__name__)
@@ -70,15 +71,15 @@ def source_root(path: Path, key: str) -> Path:
     return path.resolve()
 
 
-def walk(root: Path, label: str) -> Iterator[tuple[Path, list[str], list[Item]]]:
+def walk(root: Path, label: str, skip: Path | None = None) -> Iterator[tuple[Path, list[str], list[Item]]]:
     """(directory, its file names in order, rejected directory links) for each directory under root.
 
     Directory symlinks are not followed: one leading outside the root is rejected, one inside is
-    skipped (its files are listed at their real location).
+    skipped (its files are listed at their real location). `skip`: a folder not walked (masks).
     """
     for dirpath, dirnames, filenames in os.walk(root, followlinks=False):
         here = Path(dirpath)
-        dirnames.sort()
+        dirnames[:] = sorted(d for d in dirnames if skip is None or here / d != skip)
         rejected = []
         for d in dirnames:
             link = here / d
@@ -107,14 +108,18 @@ def _is_image(name: str) -> bool:
 
 
 def iter_folder(src: FolderSource, label: str, key: str) -> Iterator[Item]:
-    """Images at any depth; caption from a sidecar (first of caption_extensions) or the prompt."""
+    """Images at any depth; caption from a sidecar (first of caption_extensions) or the prompt;
+    mask from `mask_dir` or a `<stem>-masklabel.png` beside the image (tasks/ingest/masks.py)."""
     root = source_root(src.path, f"{key}.path")
-    for here, names, rejected in walk(root, label):
+    masks = _mask_root(root, src.mask_dir, f"{key}.mask_dir")
+    for here, names, rejected in walk(root, label, skip=masks):
         yield from rejected
         present = set(names)
+        labels = {n for n in names if n.lower().endswith(MASKLABEL_SUFFIX)}
+        image_stems = {Path(n).stem for n in names if _is_image(n) and n not in labels}
         by_stem: dict[str, str] = {}  # sidecar name -> the image name that consumes it
         for name in names:
-            if _is_image(name):
+            if _is_image(name) and name not in labels:
                 stem = Path(name).stem
                 for ext in src.caption_extensions:
                     candidates = [n for n in (stem + ext, stem + ext.upper()) if n in present]
@@ -122,17 +127,23 @@ def iter_folder(src: FolderSource, label: str, key: str) -> Iterator[Item]:
                         by_stem[candidates[0]] = name
                         break
         caption_of = {image: sidecar for sidecar, image in by_stem.items()}
+        in_mask_dir = _listing(masks / here.relative_to(root)) if masks is not None else {}
         for name in names:
             path = here / name
             rel = _rel(root, path)
-            if _is_image(name):
+            if name in labels:
+                if name[: -len(MASKLABEL_SUFFIX)] not in image_stems:
+                    yield Item.rejected(label, rel, Reject("orphan_mask", "no image with this stem beside it"))
+            elif _is_image(name):
+                mask, mask_source = _mask_of(name, here, present, in_mask_dir)
                 sidecar = caption_of.get(name)
                 if src.instance_prompt is not None:
-                    task = Task(root=str(root), path=str(path))
+                    task = Task(root=str(root), path=str(path), mask_path=mask, mask_source=mask_source)
                     yield Item(label, rel, task, src.instance_prompt, "instance_prompt")
                 else:
                     cap = str(here / sidecar) if sidecar else None
-                    task = Task(root=str(root), path=str(path), caption_path=cap)
+                    task = Task(root=str(root), path=str(path), caption_path=cap, mask_path=mask,
+                                mask_source=mask_source)
                     yield Item(label, rel, task, caption_source="file" if cap else "none")
             elif name in by_stem:
                 continue  # a caption, consumed by its image
@@ -142,6 +153,42 @@ def iter_folder(src: FolderSource, label: str, key: str) -> Iterator[Item]:
                 what = Path(name).suffix.lower() or "no extension"
                 reason = Reject("unsupported_extension", f"{what} is not an image type")
                 yield Item.rejected(label, rel, reason)
+
+
+def _mask_root(root: Path, mask_dir: str | None, key: str) -> Path | None:
+    """The source's mask folder (it must exist inside the root), or None."""
+    if mask_dir is None:
+        return None
+    folder = root / mask_dir
+    if not folder.is_dir() or folder.is_symlink():
+        raise UserError(f"{key}: {folder} is not a folder; create it with the masks (same relative path "
+                        "and stem as their images) or remove mask_dir.")
+    return folder
+
+
+def _listing(folder: Path) -> dict[str, str]:
+    """{stem: path} of the images in one folder of the mask tree (empty when it is absent)."""
+    try:
+        names = sorted(os.listdir(folder))
+    except OSError:
+        return {}
+    found: dict[str, str] = {}
+    for name in names:
+        if _is_image(name):
+            found.setdefault(Path(name).stem, str(folder / name))
+    return found
+
+
+def _mask_of(name: str, here: Path, present: set[str], in_mask_dir: dict[str, str],
+             ) -> tuple[str | None, str | None]:
+    """(mask file path, mask_source) of an image: the mask folder's file first, then its masklabel."""
+    stem = Path(name).stem
+    if stem in in_mask_dir:
+        return in_mask_dir[stem], "file"
+    label_name = stem + MASKLABEL_SUFFIX
+    if label_name in present:
+        return str(here / label_name), "masklabel"
+    return None, None
 
 
 def iter_imagefolder(src: ImageFolderSource, label: str, key: str) -> Iterator[Item]:

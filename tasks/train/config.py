@@ -279,6 +279,22 @@ class TrainConfig(StageConfig):
         "local", description="local | accelerate | mpirun | xla: python -m tasks.train re-executes itself under it"
     )
     launch: LaunchConfig = Field(default_factory=LaunchConfig, description="topology and environment of a launch")
+    # --- masked training (tasks/train/README.md "Masked training"; masks from the ingest stage) -------
+    masked_loss: bool = Field(
+        False, description="weight the loss by each image's subject mask (kohya's name): the background is not "
+        "learned; needs masks from the ingest stage (mask_dir, -masklabel.png, alpha_mask)",
+    )
+    masked_loss_unmasked_weight: float = Field(
+        0.0, ge=0.0, le=1.0, description="loss weight of the pixels outside the mask (OneTrainer's unmasked_weight)"
+    )
+    unmasked_probability: float = Field(
+        0.0, ge=0.0, le=1.0, description="chance that an example trains unmasked (OneTrainer's name; "
+        "SimpleTuner's masked_loss_probability is 1 minus this), drawn per example and epoch",
+    )
+    normalize_masked_area_loss: bool = Field(
+        False, description="divide each example's loss by its mask's mean weight, so a small subject "
+        "weighs as much as a large one (OneTrainer's name)",
+    )
 
     @field_validator("checkpoints_dir", "disk_cache_dir")
     @classmethod

@@ -49,7 +49,7 @@ def test_unknown_key_in_a_source_names_its_index_and_the_keys_it_takes() -> None
     message = error({"sources": [{"type": "folder", "path": "a"},
                                  {"type": "folder", "path": "b", "caption_ext": ".txt"}]})
     assert "ingest.sources.1.caption_ext: unknown key (misspelt?)" in message
-    assert "A 'folder' source takes: caption_extensions, instance_prompt, path, type" in message
+    assert "A 'folder' source takes: caption_extensions, instance_prompt, mask_dir, path, type" in message
 
 
 def test_missing_and_wrong_values_in_sources() -> None:
