@@ -368,6 +368,11 @@ class TrainConfig(StageConfig):
                     "num_validation_images > 0, or select_checkpoint: last")
         if self.cache_latents_to_disk and not self.cache_latents:
             return "cache_latents_to_disk needs cache_latents: true"
+        mask_options = {"masked_loss_unmasked_weight": self.masked_loss_unmasked_weight,
+                        "unmasked_probability": self.unmasked_probability,
+                        "normalize_masked_area_loss": self.normalize_masked_area_loss}
+        if not self.masked_loss and (on := [k for k, v in mask_options.items() if v]):
+            return f"{', '.join(on)} only act(s) with masked_loss: true; set masked_loss: true or remove them"
         if self.cache_text_encoder_outputs_to_disk and not self.cache_text_encoder_outputs:
             return "cache_text_encoder_outputs_to_disk needs cache_text_encoder_outputs: true"
         if self.keep_tokens and not self.shuffle_tag_p:
