@@ -92,4 +92,5 @@ def test_shipped_params_are_valid_and_the_surface_is_frozen() -> None:
         "select_checkpoint", "checkpoint_scoring",
         "validation_prompts", "num_validation_images", "validation_steps", "validation_inference_steps",
         "log_every_steps", "system_metrics_interval", "seed", "launcher", "launch",
+        "masked_loss", "masked_loss_unmasked_weight", "unmasked_probability", "normalize_masked_area_loss",
     ])
