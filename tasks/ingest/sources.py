@@ -115,7 +115,8 @@ def iter_folder(src: FolderSource, label: str, key: str) -> Iterator[Item]:
     for here, names, rejected in walk(root, label, skip=masks):
         yield from rejected
         present = set(names)
-        labels = {n for n in names if n.lower().endswith(MASKLABEL_SUFFIX)}
+        label_of = {n[: -len(MASKLABEL_SUFFIX)]: n for n in names if n.lower().endswith(MASKLABEL_SUFFIX)}
+        labels = set(label_of.values())
         image_stems = {Path(n).stem for n in names if _is_image(n) and n not in labels}
         by_stem: dict[str, str] = {}  # sidecar name -> the image name that consumes it
         for name in names:
@@ -135,7 +136,7 @@ def iter_folder(src: FolderSource, label: str, key: str) -> Iterator[Item]:
                 if name[: -len(MASKLABEL_SUFFIX)] not in image_stems:
                     yield Item.rejected(label, rel, Reject("orphan_mask", "no image with this stem beside it"))
             elif _is_image(name):
-                mask, mask_source = _mask_of(name, here, present, in_mask_dir)
+                mask, mask_source = _mask_of(name, here, label_of, in_mask_dir)
                 sidecar = caption_of.get(name)
                 if src.instance_prompt is not None:
                     task = Task(root=str(root), path=str(path), mask_path=mask, mask_source=mask_source)
@@ -179,15 +180,14 @@ def _listing(folder: Path) -> dict[str, str]:
     return found
 
 
-def _mask_of(name: str, here: Path, present: set[str], in_mask_dir: dict[str, str],
+def _mask_of(name: str, here: Path, label_of: dict[str, str], in_mask_dir: dict[str, str],
              ) -> tuple[str | None, str | None]:
     """(mask file path, mask_source) of an image: the mask folder's file first, then its masklabel."""
     stem = Path(name).stem
     if stem in in_mask_dir:
         return in_mask_dir[stem], "file"
-    label_name = stem + MASKLABEL_SUFFIX
-    if label_name in present:
-        return str(here / label_name), "masklabel"
+    if stem in label_of:
+        return str(here / label_of[stem]), "masklabel"
     return None, None
 
 
