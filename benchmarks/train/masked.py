@@ -2,6 +2,7 @@
 
     python -m benchmarks.train.masked --runs 3 --steps 4 --warmup 2      # SD 1.5 architecture, 256 px, LoRA
     python -m benchmarks.train.masked one --masked 1 --steps 4 --warmup 2  # one process, JSON on stdout
+    python -m benchmarks.train.masked overhead     # the mask's own work per step, no model (quiet figures)
 
 Each run is its own process (peak RSS is that run's alone), masked and unmasked in turn (A B A B:
 a drifting machine speed hits both alike). The model is the SD 1.5 architecture with seeded random
@@ -83,6 +84,45 @@ def compare(runs: int, steps: int, warmup: int, base: Path | None, method: str) 
     return rows
 
 
+def overhead(repeats: int = 200) -> list[str]:
+    """What the mask adds per example, in this process (no model): the data loader's mask crop and the
+    loss's weights and weighted mean, against the unmasked loss, at the latent shapes of SD 1.5 and FLUX."""
+    import numpy as np
+    import torch
+    from PIL import Image
+
+    from tasks.train.data import prepare_mask
+    from tasks.train.diffusion import per_example_loss
+    from tasks.train.masks import loss_weights
+
+    def best(func, *args) -> float:  # ms, the fastest of `repeats` calls: the least disturbed by other work
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            func(*args)
+            times.append(time.perf_counter() - start)
+        return min(times) * 1e3
+
+    def masked_loss(pred, target, batch):
+        return per_example_loss(pred, target, None, None, None, loss_weights(cfg, batch, pred))
+
+    cfg = type("Cfg", (), {"masked_loss": True, "masked_loss_unmasked_weight": 0.0,
+                           "normalize_masked_area_loss": True})()
+    rows = ["| shape (px -> latent) | mask crop in the loader ms | unmasked loss ms | masked loss (weights + mean) "
+            "ms |", "|---|---|---|---|"]
+    for label, px, shape in (("SD 1.5, 256 px", 256, (2, 4, 32, 32)), ("SD 1.5, 512 px", 512, (2, 4, 64, 64)),
+                             ("FLUX, 1024 px", 1024, (1, 16, 128, 128))):
+        image = Image.fromarray((np.random.default_rng(0).random((px * 2, px * 2)) > 0.5).astype(np.uint8) * 255)
+        crop = best(prepare_mask, image, (px * 2, px * 2), (px, px), (0, 0), True)
+        pred, target = torch.randn(shape), torch.randn(shape)
+        mask = prepare_mask(image, (px * 2, px * 2), (px, px), (0, 0), True)
+        batch = {"masks": [mask] * shape[0], "mask_off": [False] * shape[0]}
+        plain = best(per_example_loss, pred, target, None, None, None)
+        masked = best(masked_loss, pred, target, batch)
+        rows.append(f"| {label} {shape} | {crop:.2f} | {plain:.3f} | {masked:.3f} |")
+    return rows
+
+
 def table(rows: list[dict]) -> str:
     lines = ["| loss | runs | s/step: median of runs (min-max of runs) | peak RSS MB: median (min-max) |",
              "|---|---|---|---|"]
@@ -98,7 +138,7 @@ def table(rows: list[dict]) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("cmd", nargs="?", choices=["compare", "one", "table"], default="compare")
+    parser.add_argument("cmd", nargs="?", choices=["compare", "one", "table", "overhead"], default="compare")
     parser.add_argument("--masked", type=int, choices=[0, 1], default=1)
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--steps", type=int, default=4, help="timed steps")
@@ -112,6 +152,8 @@ def main() -> None:
 
         logging.disable(logging.WARNING)
         print(json.dumps(one(bool(args.masked), args.steps, args.warmup, args.base, args.method)))
+    elif args.cmd == "overhead":
+        print("\n".join(overhead()))
     elif args.cmd == "table":
         print(table(json.loads(args.out.read_text())))
     else:
