@@ -144,3 +144,24 @@ def test_a_short_masked_run_caches_the_latent_size_mask(tmp_path, tiny_sd, maske
     masked = [e for e in entries if "mask" in e]
     assert masked and all(e["mask"].shape[-2:] == e["parameters"].shape[-2:] for e in masked)
     assert all(e["mask"].shape[0] == 1 and e["mask"][0, :, -1].max() == 0 for e in masked)
+
+
+def test_unmasked_draws_are_per_example_and_leave_the_other_draws_alone(tmp_path, masked_dir) -> None:
+    """unmasked_probability draws from the example's own (seed, epoch, index) generator: the same in any
+    order (so resume stays exact), varying across epochs, and the flip and noise draws do not move."""
+    from tasks.train.methods import METHODS
+
+    def dataset(**kw):
+        return METHODS["dreambooth"](_config(tmp_path, random_flip=True, **kw)).dataset(masked_dir, None)
+
+    drawn, plain = dataset(unmasked_probability=0.5), dataset()
+    items = [(epoch, index) for epoch in range(6) for index in range(3)]
+    forward = {item: drawn[item]["instance"] for item in items}
+    backward = {item: drawn[item]["instance"] for item in reversed(items)}
+    assert all(forward[i]["mask_off"] == backward[i]["mask_off"] for i in items)
+    offs = [forward[(epoch, 0)]["mask_off"] for epoch in range(6)]
+    assert True in offs and False in offs
+    for item in items:
+        unmoved = plain[item]["instance"]
+        assert not unmoved["mask_off"] and unmoved["noise_seed"] == forward[item]["noise_seed"]
+        assert torch.equal(unmoved["pixels"], forward[item]["pixels"])  # the same flip and crop
