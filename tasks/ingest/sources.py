@@ -202,10 +202,16 @@ def iter_imagefolder(src: ImageFolderSource, label: str, key: str) -> Iterator[I
     yield from problems
     for here, names, rejected in walk(root, label):
         yield from rejected
+        label_of = {n[: -len(MASKLABEL_SUFFIX)]: n for n in names if n.lower().endswith(MASKLABEL_SUFFIX)}
         for name in names:
             path = here / name
             rel = _rel(root, path)
             if name in IMAGEFOLDER_METADATA:
+                continue
+            if name in label_of.values() and rel not in captions:  # a mask (unless the metadata lists it)
+                if not any(Path(n).stem == name[: -len(MASKLABEL_SUFFIX)] for n in names if _is_image(n)
+                           and n not in label_of.values()):
+                    yield Item.rejected(label, rel, Reject("orphan_mask", "no image with this stem beside it"))
                 continue
             text = captions.pop(rel, None)
             if not _is_image(name):
@@ -214,7 +220,9 @@ def iter_imagefolder(src: ImageFolderSource, label: str, key: str) -> Iterator[I
                 yield Item.rejected(label, rel, reason)
                 continue
             how = "metadata" if text is not None else "none"
-            yield Item(label, rel, Task(root=str(root), path=str(path)), text, how)
+            mask, mask_source = _mask_of(name, here, label_of, {})
+            yield Item(label, rel, Task(root=str(root), path=str(path), mask_path=mask, mask_source=mask_source),
+                       text, how)
     for rel in sorted(captions):  # rows whose file was not found on disk
         target = root / rel
         reject = (

@@ -94,3 +94,15 @@ def test_a_missing_mask_dir_is_a_user_error(tmp_path: Path) -> None:
     save(tmp_path / "ds" / "a.png", picture(1))
     with pytest.raises(UserError, match=r"sources\.0\.mask_dir"):
         run(config([{"type": "folder", "path": str(tmp_path / "ds"), "mask_dir": "masks"}]), tmp_path / "out")
+
+
+def test_an_imagefolder_reads_masklabels_beside_its_images(tmp_path: Path) -> None:
+    root = tmp_path / "hf"
+    save(root / "a.png", picture(1))
+    save(root / "a-masklabel.png", _mask((96, 96), (0, 0, 48, 96)))
+    save(root / "b.png", picture(2))
+    save(root / "c-masklabel.png", _mask((96, 96), (0, 0, 48, 96)))
+    (root / "metadata.jsonl").write_text('{"file_name": "a.png", "text": "a"}\n{"file_name": "b.png", "text": "b"}\n')
+    result = run(config([{"type": "imagefolder", "path": str(root)}]), tmp_path / "out")
+    assert result.reasons() == {"c-masklabel.png": "orphan_mask"}
+    assert {p: r["mask_source"] for p, r in result.by_path().items()} == {"a.png": "masklabel", "b.png": None}
