@@ -52,7 +52,7 @@ class Settings:
         if self.output_format != "jpeg":
             params.pop("jpeg_quality")
         if not self.invert_mask and not self.mask_min_value:
-            params.pop("invert_mask"), params.pop("mask_min_value")  # older cache sets stay valid
+            params.pop("invert_mask"), params.pop("mask_min_value")  # unset: not part of the fingerprint
         if not self.alpha_mask:
             params.pop("alpha_mask")
         return params
