@@ -8,6 +8,7 @@
     buckets     the same at 1k, 10k and 100k images of mixed sizes and aspect ratios, kept whole
                 for aspect-ratio bucketing (output_size short_side: no crop, width/height recorded)
     cache       a cold run over 10k small images, then a re-run after adding 10 images
+    masks       memory's small images, each with a `-masklabel.png` beside it, at --counts sizes
 
 Generated inputs are kept under --work and reused by later runs (delete it to start over).
 """
@@ -77,6 +78,20 @@ def make_small(folder: Path, n: int, start: int = 0) -> Path:
         blocks = rng.integers(0, 256, (8, 8, 3), dtype=np.uint8)
         Image.fromarray(blocks).resize((64, 64), Image.Resampling.NEAREST).save(sub / f"{i:06d}.png")
     folder.parent.mkdir(parents=True, exist_ok=True)
+    done.write_text("ok")
+    return folder
+
+
+def make_masked(folder: Path, n: int) -> Path:
+    """make_small's n images, each with a `<stem>-masklabel.png` beside it (a centred square); reused if present."""
+    done = folder.with_name(f".{folder.name}.complete-masks-{n}")
+    if done.exists():
+        return folder
+    make_small(folder, n)
+    mask = Image.new("L", (64, 64), 0)
+    mask.paste(255, (16, 8, 48, 56))
+    for i in range(n):
+        mask.save(folder / f"part_{i // 1000:03d}" / f"{i:06d}-masklabel.png")
     done.write_text("ok")
     return folder
 
@@ -247,7 +262,7 @@ def child_ingest(src: str, out: str, cache: str | None, workers: int, params: di
         seconds, summary = run_stage(Path(src), Path(out), **params, workers=workers, cache_dir=cache)
     print(json.dumps({
         "seconds": seconds, "total": summary.total, "kept": summary.kept,
-        "cache_hits": summary.cache_hits, "cpu_seconds": peak.cpu_seconds,
+        "cache_hits": summary.cache_hits, "cpu_seconds": peak.cpu_seconds, "masks": sum(summary.masks.values()),
         "main_peak_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         "worker_peak_mib": peak.worker / 2**20, "all_peak_mib": peak.total / 2**20,
     }))
@@ -270,6 +285,19 @@ def memory(work: Path) -> list[str]:
         rows.append(f"| {n:,} | {r['seconds']:.1f} s | {r['total'] / r['seconds']:.0f} | "
                     f"{r['main_peak_mib']:.0f} MiB | {r['worker_peak_mib']:.0f} MiB | "
                     f"{r['all_peak_mib']:.0f} MiB |")
+        print(rows[-1], flush=True)
+    return rows
+
+
+def masks(work: Path, counts: list[int]) -> list[str]:
+    rows = ["| images + masks (64 px PNG -> 32 px) | time | img/s | masks kept | peak RSS main | peak RSS per worker"
+            " | peak RSS all processes |", "|---|---|---|---|---|---|---|"]
+    for n in counts:
+        src = make_masked(work / f"masked_{n}", n)
+        r = in_child(src, work / f"out_masked_{n}")
+        assert r["kept"] == r["masks"] == n, r
+        rows.append(f"| {n:,} | {r['seconds']:.1f} s | {r['total'] / r['seconds']:.0f} | {r['masks']:,} | "
+                    f"{r['main_peak_mib']:.0f} MiB | {r['worker_peak_mib']:.0f} MiB | {r['all_peak_mib']:.0f} MiB |")
         print(rows[-1], flush=True)
     return rows
 
@@ -325,11 +353,11 @@ def main() -> None:
         child_ingest(src, out, store or None, int(workers), json.loads(params))
         return
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("what", choices=["throughput", "memory", "buckets", "cache", "all"])
+    parser.add_argument("what", choices=["throughput", "memory", "buckets", "cache", "masks", "all"])
     parser.add_argument("--work", type=Path, default=Path("/tmp/ingest-bench"))
     parser.add_argument("--n", type=int, default=600, help="images per throughput case")
     parser.add_argument("--counts", type=int, nargs="+", default=[1_000, 10_000, 100_000],
-                        help="dataset sizes of the buckets run")
+                        help="dataset sizes of the buckets and masks runs")
     args = parser.parse_args()
     os.environ.setdefault("TQDM_DISABLE", "1")
     import logging
@@ -347,6 +375,8 @@ def main() -> None:
         tables.append(buckets(args.work, args.counts))
     if args.what in ("cache", "all"):
         tables.append(cache(args.work))
+    if args.what in ("masks", "all"):
+        tables.append(masks(args.work, args.counts))
     print("\n\n".join("\n".join(t) for t in tables))
     print(f"load average after: {' '.join(Path('/proc/loadavg').read_text().split()[:3])}")
 

@@ -1,8 +1,10 @@
 """Content-addressed store of processed images, so a re-run processes only what is new.
 
 Layout: `<cache_dir>/<fingerprint>/<sha[:2]>/<sha>.json` (the outcome: kept image facts or a
-rejection) and `<sha>.<png|jpg>` (the processed image). `sha` is the SHA-256 of the source
-file's bytes; `fingerprint` hashes every parameter that changes the processed pixels and the
+rejection), `<sha>.<png|jpg>` (the processed image) and `<sha>.mask.png` (its processed mask,
+if it has one). `sha` is the SHA-256 of the source file's bytes, or, for an image with a mask
+file, of both files' hashes (a changed mask is a new entry, never a stale one); `fingerprint`
+hashes every parameter that changes the processed pixels and the
 source code that produces them, so a changed parameter or a code change never reuses stale
 results (it starts a new fingerprint directory; only the most recent ones are kept).
 
@@ -39,7 +41,7 @@ from tasks.common import safe_remove
 log = logging.getLogger(__name__)
 
 #: Source files whose code decides the processed pixels: part of the fingerprint.
-_CODE = ("tasks/ingest/checks.py", "tasks/ingest/work.py", "tasks/common/images.py")
+_CODE = ("tasks/ingest/checks.py", "tasks/ingest/work.py", "tasks/ingest/masks.py", "tasks/common/images.py")
 KEEP_FINGERPRINTS = 3  # parameter sets kept on disk (switching back and forth stays warm)
 USED = ".last_used"
 KIND = "ingest-cache"  # the marker's kind on each parameter set (and on a one-run staging folder)
@@ -79,24 +81,32 @@ class Store:
             return None
         if "reject" not in entry and not self.image_path(sha, entry["ext"]).is_file():
             return None
+        if "mask_source" in entry and not self.mask_path(sha).is_file():
+            return None
         return entry
 
     def image_path(self, sha: str, ext: str) -> Path:
         return self._base(sha).with_suffix(ext)
 
-    def put(self, sha: str, entry: dict[str, Any], image: bytes | None = None) -> None:
-        """Write the image (if any), then its entry; each appears atomically (write + rename)."""
+    def mask_path(self, sha: str) -> Path:
+        return self._base(sha).with_suffix(".mask.png")
+
+    def put(self, sha: str, entry: dict[str, Any], image: bytes | None = None, mask: bytes | None = None) -> None:
+        """Write the image and mask (if any), then the entry; each appears atomically (write + rename)."""
         base = self._base(sha)
         if self.persistent:
             base.parent.mkdir(parents=True, exist_ok=True)
         if image is not None:
             _write_atomic(self.image_path(sha, entry["ext"]), image)
+        if mask is not None:
+            _write_atomic(self.mask_path(sha), mask)
         if self.persistent:
             _write_atomic(base.with_suffix(".json"), json.dumps(entry, sort_keys=True).encode())
 
-    def materialize(self, sha: str, ext: str, dest: Path) -> None:
-        """Put the processed image at `dest`: a copy from a persistent cache, else a move."""
-        src = self.image_path(sha, ext)
+    def materialize(self, sha: str, ext: str, dest: Path, mask: bool = False) -> None:
+        """Put the processed image (or with `mask`, its mask) at `dest`: a copy from a persistent
+        cache, else a move."""
+        src = self.mask_path(sha) if mask else self.image_path(sha, ext)
         if self.persistent:
             shutil.copyfile(src, dest)
         else:

@@ -25,6 +25,7 @@ REASONS: tuple[str, ...] = (
     "empty_file",  # zero bytes
     "unsupported_extension",  # not an image extension (and not a caption or metadata file)
     "orphan_caption",  # a caption file with no image beside it
+    "orphan_mask",  # a `<stem>-masklabel.png` with no image of that stem beside it
     "missing_image",  # metadata names an image that does not exist
     "bad_metadata",  # metadata that cannot be parsed or lacks a required key
     # the metadata rules of the training notes (seed 003), by their names there
@@ -38,6 +39,7 @@ REASONS: tuple[str, ...] = (
     "too_large",  # more pixels than ingest.max_pixels (decompression bombs included)
     "too_small",  # short side below ingest.min_side
     "aspect_ratio",  # long side / short side above ingest.max_aspect_ratio
+    "bad_mask",  # its mask is unreadable, of another size than the image, or all black (detail: the mask)
     # the caption policy (ingest.captions)
     "empty_caption",  # no caption, and captions.empty is drop
     "long_caption",  # over captions.max_words, and captions.too_long is drop

@@ -71,6 +71,20 @@ class FolderSource(ConceptFields):
                 raise ValueError(f"kohya_folders takes concept, repeats and captions from the sub-folders' names "
                                  f"(`<repeats>_<name>`): remove {', '.join(clash)}, or set kohya_folders: false")
         return self
+    mask_dir: str | None = Field(
+        None, min_length=1,
+        description="folder of subject masks, relative to `path` (kohya's conditioning folder): an "
+        "image's mask has its relative path and stem, any image extension (`masks/sub/a.png` for "
+        "`sub/a.jpg`); files in it are never training images. `<stem>-masklabel.png` beside an "
+        "image (OneTrainer) is read without it",
+    )
+
+    @field_validator("mask_dir")
+    @classmethod
+    def _relative(cls, value: str | None) -> str | None:
+        if value is not None and (Path(value).is_absolute() or ".." in Path(value).parts):
+            raise ValueError(f"a folder inside the source's `path`, written relative to it (got {value!r})")
+        return value
 
     @field_validator("caption_extensions")
     @classmethod
@@ -212,6 +226,16 @@ class IngestConfig(StageConfig):
     cache_dir: Path | None = Field(
         Path(".cache/ingest"), description="content-hash cache outside the outs; null: off. Pruning "
         "removes only the cache's own folders; the repository, an ancestor, / or home is refused"
+    )
+
+    alpha_mask: bool = Field(
+        False, description="an image's alpha channel is its subject mask (kohya's and ai-toolkit's "
+        "name; a mask file wins); the RGB is still composited onto `background`",
+    )
+    invert_mask: bool = Field(False, description="invert every mask (ai-toolkit): 0 becomes the subject")
+    mask_min_value: float = Field(
+        0.0, ge=0.0, le=1.0, description="raise every mask pixel to at least this (0..1; ai-toolkit): "
+        "the background keeps some weight",
     )
 
     @field_validator("cache_dir")

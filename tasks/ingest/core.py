@@ -33,6 +33,7 @@ from tasks.ingest.checks import REASONS, Limits, Reject
 from tasks.ingest.config import FolderSource, HubSource, ImageFolderSource, IngestConfig, label
 from tasks.ingest.dedup import ExactIndex, NearIndex
 from tasks.ingest.hub import iter_hub
+from tasks.ingest.masks import MASK_SOURCES
 from tasks.ingest.metadata import iter_metadata_json
 from tasks.ingest.sources import Item, iter_folder, iter_imagefolder, source_root
 from tasks.ingest.work import Outcome, Settings, init_worker, run_batch, run_task
@@ -40,6 +41,7 @@ from tasks.ingest.work import Outcome, Settings, init_worker, run_batch, run_tas
 log = logging.getLogger(__name__)
 
 METADATA = "metadata.jsonl"  # the Hugging Face imagefolder metadata file
+MASKS = "masks"  # processed masks: <out>/masks/<stem of the image's file_name>.png
 MAX_SAMPLES = 16  # kept images shown in the preview grid
 BATCH = 8  # inputs per worker call
 IN_FLIGHT = 4  # batches queued per worker: enough to keep workers busy, little memory
@@ -57,6 +59,7 @@ class Summary:
     captions_from_fallback: int = 0
     captions_truncated: int = 0
     cache_hits: int = 0
+    masks: Counter = field(default_factory=Counter)  # kept images with a mask, per mask_source
     samples: list[Image.Image] = field(default_factory=list)
     by_concept: Counter = field(default_factory=Counter)  # kept images per concept (rows naming one)
 
@@ -75,6 +78,7 @@ class Summary:
             "captions_truncated": self.captions_truncated,
             "by_source": {k: dict(v) for k, v in self.by_source.items()},
             **({"by_concept": dict(sorted(self.by_concept.items()))} if self.by_concept else {}),
+            "masks_by_source": {source: self.masks[source] for source in MASK_SOURCES},
         }
 
 
@@ -87,6 +91,9 @@ def settings_of(cfg: IngestConfig) -> Settings:
         background=tuple(cfg.background),
         output_format=cfg.output_format,
         jpeg_quality=cfg.jpeg_quality,
+        alpha_mask=cfg.alpha_mask,
+        invert_mask=cfg.invert_mask,
+        mask_min_value=cfg.mask_min_value,
     )
 
 
@@ -247,7 +254,13 @@ class _Judge:
     def _keep(self, item: Item, outcome: Outcome, caption: captions.Caption, name: str) -> None:
         entry, sha = outcome.entry, outcome.sha
         file_name = output_name(item.extra.get("image", item.rel), sha, entry["ext"])
-        self.store.materialize(sha, entry["ext"], self.out_dir / file_name)
+        key = outcome.key or sha
+        self.store.materialize(key, entry["ext"], self.out_dir / file_name)
+        mask_source = entry.get("mask_source")
+        mask_file_name = f"{MASKS}/{Path(file_name).stem}.png" if mask_source else None
+        if mask_file_name:
+            (self.out_dir / MASKS).mkdir(exist_ok=True)
+            self.store.materialize(key, entry["ext"], self.out_dir / mask_file_name, mask=True)
         image_in_metadata = "image" in item.extra
         row = {
             "file_name": file_name,
@@ -265,6 +278,8 @@ class _Judge:
             **{k: entry[k] for k in ("width", "height", "source_width", "source_height")},
             "concept": item.concept,
             "repeats": item.repeats,
+            "mask_file_name": mask_file_name,
+            "mask_source": mask_source,
         }
         _write(self.meta, row)
         self.exact.add(sha, name)
@@ -276,6 +291,8 @@ class _Judge:
             s.by_concept[item.concept] += 1
         s.captions_from_fallback += caption.source == "fallback"
         s.captions_truncated += caption.truncated
+        if mask_source:
+            s.masks[mask_source] += 1
         if len(s.samples) < MAX_SAMPLES:
             with Image.open(self.out_dir / file_name) as im:
                 factor = max(1, max(im.size) // 256)  # a cheap box reduction for the preview

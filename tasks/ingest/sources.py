@@ -26,6 +26,7 @@ from tasks.common.errors import UserError
 from tasks.ingest import kohya
 from tasks.ingest.checks import Reject, read_bytes
 from tasks.ingest.config import FolderSource, ImageFolderSource
+from tasks.ingest.masks import MASKLABEL_SUFFIX
 from tasks.ingest.work import Task
 
 log = logging.getLogger(__name__)
@@ -74,15 +75,15 @@ def source_root(path: Path, key: str) -> Path:
     return path.resolve()
 
 
-def walk(root: Path, label: str) -> Iterator[tuple[Path, list[str], list[Item]]]:
+def walk(root: Path, label: str, skip: Path | None = None) -> Iterator[tuple[Path, list[str], list[Item]]]:
     """(directory, its file names in order, rejected directory links) for each directory under root.
 
     Directory symlinks are not followed: one leading outside the root is rejected, one inside is
-    skipped (its files are listed at their real location).
+    skipped (its files are listed at their real location). `skip`: a folder not walked (masks).
     """
     for dirpath, dirnames, filenames in os.walk(root, followlinks=False):
         here = Path(dirpath)
-        dirnames.sort()
+        dirnames[:] = sorted(d for d in dirnames if skip is None or here / d != skip)
         rejected = []
         for d in dirnames:
             link = here / d
@@ -111,25 +112,30 @@ def _is_image(name: str) -> bool:
 
 
 def iter_folder(src: FolderSource, label: str, key: str) -> Iterator[Item]:
-    """Images at any depth; caption from a sidecar (first of caption_extensions) or the prompt.
+    """Images at any depth; caption from a sidecar (first of caption_extensions) or the prompt;
+    mask from `mask_dir` or a `<stem>-masklabel.png` beside the image (tasks/ingest/masks.py).
 
     With `kohya_folders`, each sub-folder `<repeats>_<name>` is a concept (tasks/ingest/kohya.py).
     """
     root = source_root(src.path, f"{key}.path")
     if src.kohya_folders:
-        yield from kohya.tagged(_folder_items(src, root, label), kohya.concept_folders(root, key))
+        yield from kohya.tagged(_folder_items(src, root, label, key), kohya.concept_folders(root, key))
     else:
         kohya.hint_if_kohya_like(root, key)
-        yield from _folder_items(src, root, label)
+        yield from _folder_items(src, root, label, key)
 
 
-def _folder_items(src: FolderSource, root: Path, label: str) -> Iterator[Item]:
-    for here, names, rejected in walk(root, label):
+def _folder_items(src: FolderSource, root: Path, label: str, key: str) -> Iterator[Item]:
+    masks = _mask_root(root, src.mask_dir, f"{key}.mask_dir")
+    for here, names, rejected in walk(root, label, skip=masks):
         yield from rejected
         present = set(names)
+        label_of = {n[: -len(MASKLABEL_SUFFIX)]: n for n in names if n.lower().endswith(MASKLABEL_SUFFIX)}
+        labels = set(label_of.values())
+        image_stems = {Path(n).stem for n in names if _is_image(n) and n not in labels}
         by_stem: dict[str, str] = {}  # sidecar name -> the image name that consumes it
         for name in names:
-            if _is_image(name):
+            if _is_image(name) and name not in labels:
                 stem = Path(name).stem
                 for ext in src.caption_extensions:
                     candidates = [n for n in (stem + ext, stem + ext.upper()) if n in present]
@@ -137,17 +143,23 @@ def _folder_items(src: FolderSource, root: Path, label: str) -> Iterator[Item]:
                         by_stem[candidates[0]] = name
                         break
         caption_of = {image: sidecar for sidecar, image in by_stem.items()}
+        in_mask_dir = _listing(masks / here.relative_to(root)) if masks is not None else {}
         for name in names:
             path = here / name
             rel = _rel(root, path)
-            if _is_image(name):
+            if name in labels:
+                if name[: -len(MASKLABEL_SUFFIX)] not in image_stems:
+                    yield Item.rejected(label, rel, Reject("orphan_mask", "no image with this stem beside it"))
+            elif _is_image(name):
+                mask, mask_source = _mask_of(name, here, label_of, in_mask_dir)
                 sidecar = caption_of.get(name)
                 if src.instance_prompt is not None:
-                    task = Task(root=str(root), path=str(path))
+                    task = Task(root=str(root), path=str(path), mask_path=mask, mask_source=mask_source)
                     yield Item(label, rel, task, src.instance_prompt, "instance_prompt")
                 else:
                     cap = str(here / sidecar) if sidecar else None
-                    task = Task(root=str(root), path=str(path), caption_path=cap)
+                    task = Task(root=str(root), path=str(path), caption_path=cap, mask_path=mask,
+                                mask_source=mask_source)
                     yield Item(label, rel, task, caption_source="file" if cap else "none")
             elif name in by_stem:
                 continue  # a caption, consumed by its image
@@ -157,6 +169,41 @@ def _folder_items(src: FolderSource, root: Path, label: str) -> Iterator[Item]:
                 what = Path(name).suffix.lower() or "no extension"
                 reason = Reject("unsupported_extension", f"{what} is not an image type")
                 yield Item.rejected(label, rel, reason)
+
+
+def _mask_root(root: Path, mask_dir: str | None, key: str) -> Path | None:
+    """The source's mask folder (it must exist inside the root), or None."""
+    if mask_dir is None:
+        return None
+    folder = root / mask_dir
+    if not folder.is_dir() or folder.is_symlink():
+        raise UserError(f"{key}: {folder} is not a folder; create it with the masks (same relative path "
+                        "and stem as their images) or remove mask_dir.")
+    return folder
+
+
+def _listing(folder: Path) -> dict[str, str]:
+    """{stem: path} of the images in one folder of the mask tree (empty when it is absent)."""
+    try:
+        names = sorted(os.listdir(folder))
+    except OSError:
+        return {}
+    found: dict[str, str] = {}
+    for name in names:
+        if _is_image(name):
+            found.setdefault(Path(name).stem, str(folder / name))
+    return found
+
+
+def _mask_of(name: str, here: Path, label_of: dict[str, str], in_mask_dir: dict[str, str],
+             ) -> tuple[str | None, str | None]:
+    """(mask file path, mask_source) of an image: the mask folder's file first, then its masklabel."""
+    stem = Path(name).stem
+    if stem in in_mask_dir:
+        return in_mask_dir[stem], "file"
+    if stem in label_of:
+        return str(here / label_of[stem]), "masklabel"
+    return None, None
 
 
 def iter_imagefolder(src: ImageFolderSource, label: str, key: str) -> Iterator[Item]:
@@ -170,10 +217,16 @@ def iter_imagefolder(src: ImageFolderSource, label: str, key: str) -> Iterator[I
     yield from problems
     for here, names, rejected in walk(root, label):
         yield from rejected
+        label_of = {n[: -len(MASKLABEL_SUFFIX)]: n for n in names if n.lower().endswith(MASKLABEL_SUFFIX)}
         for name in names:
             path = here / name
             rel = _rel(root, path)
             if name in IMAGEFOLDER_METADATA:
+                continue
+            if name in label_of.values() and rel not in captions:  # a mask (unless the metadata lists it)
+                if not any(Path(n).stem == name[: -len(MASKLABEL_SUFFIX)] for n in names if _is_image(n)
+                           and n not in label_of.values()):
+                    yield Item.rejected(label, rel, Reject("orphan_mask", "no image with this stem beside it"))
                 continue
             text = captions.pop(rel, None)
             if not _is_image(name):
@@ -182,7 +235,9 @@ def iter_imagefolder(src: ImageFolderSource, label: str, key: str) -> Iterator[I
                 yield Item.rejected(label, rel, reason)
                 continue
             how = "metadata" if text is not None else "none"
-            yield Item(label, rel, Task(root=str(root), path=str(path)), text, how)
+            mask, mask_source = _mask_of(name, here, label_of, {})
+            yield Item(label, rel, Task(root=str(root), path=str(path), mask_path=mask, mask_source=mask_source),
+                       text, how)
     for rel in sorted(captions):  # rows whose file was not found on disk
         target = root / rel
         reject = (

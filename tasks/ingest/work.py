@@ -20,6 +20,7 @@ from PIL import Image
 from tasks.common.images import apply_exif_orientation, resize_and_crop, resize_short_side, to_rgb
 from tasks.ingest.cache import Store
 from tasks.ingest.checks import Limits, Reject, decode, read_bytes
+from tasks.ingest.masks import alpha_of, encode_png, finish, has_alpha, read_mask
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +38,9 @@ class Settings:
     background: tuple[int, int, int]
     output_format: str  # png | jpeg
     jpeg_quality: int
+    alpha_mask: bool = False  # the alpha channel is the mask (when there is no mask file)
+    invert_mask: bool = False
+    mask_min_value: float = 0.0
 
     def pixel_params(self) -> dict[str, Any]:
         params = {k: v for k, v in self.__dict__.items() if k != "limits"}
@@ -47,6 +51,10 @@ class Settings:
             params.pop("center_crop")
         if self.output_format != "jpeg":
             params.pop("jpeg_quality")
+        if not self.invert_mask and not self.mask_min_value:
+            params.pop("invert_mask"), params.pop("mask_min_value")  # unset: not part of the fingerprint
+        if not self.alpha_mask:
+            params.pop("alpha_mask")
         return params
 
     @property
@@ -62,6 +70,8 @@ class Task:
     path: str | None = None
     data: bytes | None = None
     caption_path: str | None = None  # sidecar caption, read through the same confinement
+    mask_path: str | None = None  # the image's mask file (tasks/ingest/masks.py), same confinement
+    mask_source: str | None = None  # file | masklabel
 
 
 @dataclass
@@ -73,6 +83,7 @@ class Outcome:
     entry: dict[str, Any] = field(default_factory=dict)
     caption: str | None = None
     cached: bool = False
+    key: str | None = None  # the store's key: `sha`, or with a mask file a hash of both files
 
 
 _worker: tuple[Settings, Store] | None = None
@@ -96,18 +107,33 @@ def run_task(task: Task, settings: Settings, store: Store) -> Outcome:
     try:
         data = task.data if task.data is not None else read_bytes(Path(task.root), Path(task.path))
         caption = read_caption(Path(task.root), Path(task.caption_path)) if task.caption_path else None
+        mask = read_mask_file(Path(task.root), Path(task.mask_path)) if task.mask_path else None
     except Reject as err:
         return Outcome(reject=err)
     if not data:
         return Outcome(reject=Reject("empty_file", "0 bytes"))
     sha = hashlib.sha256(data).hexdigest()
-    entry = store.get(sha)
+    key = sha  # a mask is part of the key: a changed mask is never served from the cache
+    if mask is not None:
+        key = hashlib.sha256(f"{sha}|{task.mask_source}|{hashlib.sha256(mask).hexdigest()}".encode()).hexdigest()
+    entry = store.get(key)
     cached = entry is not None
     if entry is None:
-        entry, encoded = process(data, settings)
-        store.put(sha, entry, encoded)
+        named = (mask, Path(task.mask_path).name, task.mask_source) if mask is not None else None
+        entry, encoded, encoded_mask = process(data, settings, named)
+        store.put(key, entry, encoded, encoded_mask)
     reject = Reject(entry["reject"], entry["detail"]) if "reject" in entry else None
-    return Outcome(sha=sha, reject=reject, entry=entry, caption=caption, cached=cached)
+    return Outcome(sha=sha, reject=reject, entry=entry, caption=caption, cached=cached, key=key)
+
+
+def read_mask_file(root: Path, path: Path) -> bytes:
+    """A mask file's bytes, read through the root confinement; any failure is the image's `bad_mask`."""
+    try:
+        return read_bytes(root, path)
+    except Reject as err:
+        if err.reason == "outside_root":
+            raise
+        raise Reject("bad_mask", f"mask {path.name}: {err}") from None
 
 
 def read_caption(root: Path, path: Path) -> str | None:
@@ -125,24 +151,26 @@ def read_caption(root: Path, path: Path) -> str | None:
     return text or None
 
 
-def process(data: bytes, s: Settings) -> tuple[dict[str, Any], bytes | None]:
-    """Decode and check, make upright 8-bit RGB, hash perceptually, resize/crop, encode."""
+def process(data: bytes, s: Settings, mask_file: tuple[bytes, str, str] | None = None
+            ) -> tuple[dict[str, Any], bytes | None, bytes | None]:
+    """Decode and check, make upright 8-bit RGB, hash perceptually, resize/crop, encode.
+
+    `mask_file`: (bytes, file name, mask source) of the image's mask; without it and with
+    `alpha_mask`, the alpha channel is the mask. The mask gets the image's geometry exactly.
+    """
     short_side = None if s.output_size == "source" else s.resolution
     try:
         image, stored_size = decode(data, s.limits, short_side)
     except Reject as err:
-        return {"reject": err.reason, "detail": err.detail}, None
+        return {"reject": err.reason, "detail": err.detail}, None, None
     try:  # decoded, yet odd files (a broken EXIF block, exotic modes) can still fail here
         upright = apply_exif_orientation(image)
         source_w, source_h = stored_size[::-1] if _swaps_axes(image) else stored_size
+        mask, mask_source = _mask(upright, (source_w, source_h), mask_file, s)
         rgb = to_rgb(upright, s.background)
         phash = perceptual_hash(rgb)
-        if s.output_size == "square":
-            out = resize_and_crop(rgb, s.resolution, center=s.center_crop)
-        elif s.output_size == "short_side":
-            out = resize_short_side(rgb, s.resolution)
-        else:
-            out = rgb
+        out = shape(rgb, s)
+        out_mask = shape(mask, s) if mask is not None else None
         if passes_through(image, stored_size, out, s):
             encoded = data
         else:
@@ -152,9 +180,12 @@ def process(data: bytes, s: Settings) -> tuple[dict[str, Any], bytes | None]:
             else:
                 out.save(buf, format="PNG", compress_level=PNG_COMPRESS_LEVEL)
             encoded = buf.getvalue()
+        encoded_mask = encode_png(out_mask, PNG_COMPRESS_LEVEL) if out_mask is not None else None
+    except Reject as err:
+        return {"reject": err.reason, "detail": err.detail}, None, None
     except Exception as err:
         log.warning("processing failed after decoding: %s: %s", type(err).__name__, err)
-        return {"reject": "corrupt", "detail": f"processing failed: {type(err).__name__}: {err}"}, None
+        return {"reject": "corrupt", "detail": f"processing failed: {type(err).__name__}: {err}"}, None, None
     entry = {
         "ext": s.ext,
         "width": out.width,
@@ -162,8 +193,31 @@ def process(data: bytes, s: Settings) -> tuple[dict[str, Any], bytes | None]:
         "source_width": source_w,
         "source_height": source_h,
         "phash": f"{phash:016x}",
+        **({"mask_source": mask_source} if mask_source else {}),
     }
-    return entry, encoded
+    return entry, encoded, encoded_mask
+
+
+def shape(image: Image.Image, s: Settings) -> Image.Image:
+    """The output geometry (`output_size`): the same for an image and its mask."""
+    if s.output_size == "square":
+        return resize_and_crop(image, s.resolution, center=s.center_crop)
+    if s.output_size == "short_side":
+        return resize_short_side(image, s.resolution)
+    return image
+
+
+def _mask(upright: Image.Image, source_size: tuple[int, int], mask_file: tuple[bytes, str, str] | None,
+          s: Settings) -> tuple[Image.Image | None, str | None]:
+    """(the upright "L" mask at the decoded image's size, its source), or (None, None) without one."""
+    if mask_file is not None:
+        data, name, source = mask_file
+        mask = read_mask(data, name, source_size, upright.size)
+    elif s.alpha_mask and has_alpha(upright):
+        mask, name, source = alpha_of(upright), "(the alpha channel)", "alpha"
+    else:
+        return None, None
+    return finish(mask, name, s.invert_mask, s.mask_min_value), source
 
 
 #: File metadata that says nothing about the pixels: a file with only these may pass through.

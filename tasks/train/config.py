@@ -286,6 +286,22 @@ class TrainConfig(StageConfig):
         [], description="datasets trained together, each with its prompts, class images, repeats and loss "
                         "weight; empty: one dataset (instance_prompt / captions, class_prompt, the rows' repeats)",
     )
+    # --- masked training (tasks/train/README.md "Masked training"; masks from the ingest stage) -------
+    masked_loss: bool = Field(
+        False, description="weight the loss by each image's subject mask (kohya's name): the background is not "
+        "learned; needs masks from the ingest stage (mask_dir, -masklabel.png, alpha_mask)",
+    )
+    masked_loss_unmasked_weight: float = Field(
+        0.0, ge=0.0, le=1.0, description="loss weight of the pixels outside the mask (OneTrainer's unmasked_weight)"
+    )
+    unmasked_probability: float = Field(
+        0.0, ge=0.0, le=1.0, description="chance that an example trains unmasked (OneTrainer's name; "
+        "SimpleTuner's masked_loss_probability is 1 minus this), drawn per example and epoch",
+    )
+    normalize_masked_area_loss: bool = Field(
+        False, description="divide each example's loss by its mask's mean weight, so a small subject "
+        "weighs as much as a large one (OneTrainer's name)",
+    )
 
     @field_validator("checkpoints_dir", "disk_cache_dir")
     @classmethod
@@ -360,6 +376,11 @@ class TrainConfig(StageConfig):
                     "num_validation_images > 0, or select_checkpoint: last")
         if self.cache_latents_to_disk and not self.cache_latents:
             return "cache_latents_to_disk needs cache_latents: true"
+        mask_options = {"masked_loss_unmasked_weight": self.masked_loss_unmasked_weight,
+                        "unmasked_probability": self.unmasked_probability,
+                        "normalize_masked_area_loss": self.normalize_masked_area_loss}
+        if not self.masked_loss and (on := [k for k, v in mask_options.items() if v]):
+            return f"{', '.join(on)} only act(s) with masked_loss: true; set masked_loss: true or remove them"
         if self.cache_text_encoder_outputs_to_disk and not self.cache_text_encoder_outputs:
             return "cache_text_encoder_outputs_to_disk needs cache_text_encoder_outputs: true"
         if self.keep_tokens and not self.shuffle_tag_p:

@@ -48,6 +48,7 @@ class Record:
     size: tuple[int, int] | None = None  # (height, width) when the metadata has them (the ingest writes them)
     concept: str | None = None  # the row's concept (ingest: a source's, or a kohya folder's)
     repeats: int = 1  # times an epoch shows it (ingest's; train.concepts may override)
+    mask: Path | None = None  # the subject mask (`mask_file_name`, from the ingest stage)
 
     def image_size(self) -> tuple[int, int]:
         """(height, width) of the upright image: the metadata's, else read from the file's header."""
@@ -81,6 +82,10 @@ def read_imagefolder(folder: Path, what: str, fix: str, caption_column: str = "t
                     f"{what}: {meta}:{line_no} is not a JSON object with a file_name ({err}). {fix}") from None
             if not path.is_file():
                 raise UserError(f"{what}: {meta}:{line_no} lists {row['file_name']}, which is missing. {fix}")
+            mask = folder / row["mask_file_name"] if row.get("mask_file_name") else None
+            if mask is not None and not mask.is_file():
+                raise UserError(f"{what}: {meta}:{line_no} lists the mask {row['mask_file_name']}, which is "
+                                f"missing. {fix}")
             if caption_column != "text" and caption_column not in row:
                 raise UserError(f"{what}: {meta}:{line_no} has no column {caption_column!r} "
                                 f"(train.caption_column); columns: {', '.join(sorted(row))}")
@@ -88,7 +93,7 @@ def read_imagefolder(folder: Path, what: str, fix: str, caption_column: str = "t
             records.append(Record(
                 path, str(row.get(caption_column) or ""), tuple(str(t) for t in tags),
                 row.get("tag_separator") or ", ", row.get("score"), _size(row),
-                row.get("concept"), _repeats(row),
+                row.get("concept"), _repeats(row), mask,
             ))
     if not records:
         raise UserError(f"{what}: {folder} holds no images. {fix}")
@@ -140,8 +145,7 @@ def prepare_image(
     th, tw = (resolution, resolution) if isinstance(resolution, int) else resolution
     image = to_rgb(apply_exif_orientation(image))
     original = (image.height, image.width)
-    scale = max(th / image.height, tw / image.width)
-    size = (max(tw, round(image.width * scale)), max(th, round(image.height * scale)))
+    size = _cover(original, (th, tw))
     if size != image.size:
         image = image.resize(size, Image.Resampling.BILINEAR)
     if center_crop or rng is None:
@@ -156,12 +160,40 @@ def prepare_image(
     return torch.from_numpy(array).permute(2, 0, 1).contiguous(), original, (top, left)
 
 
+def _cover(original: tuple[int, int], target: tuple[int, int]) -> tuple[int, int]:
+    """(width, height) an image of `original` (h, w) is resized to, to cover `target` (h, w)."""
+    (h, w), (th, tw) = original, target
+    scale = max(th / h, tw / w)
+    return (max(tw, round(w * scale)), max(th, round(h * scale)))
+
+
+def prepare_mask(mask: Image.Image, original: tuple[int, int], target: tuple[int, int], crop: tuple[int, int],
+                 flip: bool) -> torch.Tensor:
+    """A subject mask through its image's `prepare_image` geometry -> [1, H, W] weights in [0, 1].
+
+    `original`, `crop`: what prepare_image returned for the image (a mask of another size is
+    first stretched onto the image's)."""
+    (th, tw), (top, left) = target, crop
+    mask = apply_exif_orientation(mask).convert("L")
+    if mask.size != (original[1], original[0]):
+        mask = mask.resize((original[1], original[0]), Image.Resampling.BILINEAR)
+    size = _cover(original, target)
+    if size != mask.size:
+        mask = mask.resize(size, Image.Resampling.BILINEAR)
+    mask = mask.crop((left, top, left + tw, top + th))
+    if flip:
+        mask = mask.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
+    return torch.from_numpy(np.asarray(mask, dtype=np.float32) / 255.0)[None]
+
+
 PromptFn = Callable[[Record, np.random.Generator], str]
 
 
-def latent_key(digest: str, target: tuple[int, int], flip: bool) -> str:
-    """The latent cache's key: it names the pixels (the file's SHA-256, the size it is cropped to, the flip)."""
-    return f"{digest}:{target[0]}x{target[1]}:{int(flip)}"
+def latent_key(digest: str, target: tuple[int, int], flip: bool, mask_digest: str | None = None) -> str:
+    """The latent cache's key: it names the pixels (the file's SHA-256, the size it is cropped to, the flip)
+    and, in masked training, the mask file's SHA-256 (the entry then holds the latent-size mask)."""
+    key = f"{digest}:{target[0]}x{target[1]}:{int(flip)}"
+    return f"{key}:mask={mask_digest}" if mask_digest else key
 
 
 @dataclass
@@ -189,6 +221,8 @@ class TrainDataset(Dataset):
     classes_: list[Record] = field(init=False)
     bucket_of: list[int] = field(init=False)  # per instance image
     latent_store: Any = field(default=None, init=False)  # a DiskLatentStore read instead of decoding
+    masked: bool = False  # masked_loss: instance images' masks weight the loss
+    unmasked_probability: float = 0.0  # chance that an example trains unmasked
 
     def __post_init__(self) -> None:
         from tasks.train.buckets import assign
@@ -239,14 +273,31 @@ class TrainDataset(Dataset):
                         out.append((record, target, flip))
         return out
 
+    def masks(self, record: Record) -> bool:
+        """True when `record`'s mask weights its loss (masked_loss on, an instance image with a mask)."""
+        return self.masked and record.mask is not None
+
+    def mask_digest(self, record: Record, digest: Any = None) -> str | None:
+        """The mask file's SHA-256 for the latent key (None without a mask in use)."""
+        if not self.masks(record):
+            return None
+        return digest(record.mask) if digest else hashlib.sha256(record.mask.read_bytes()).hexdigest()
+
+    def load_mask(self, record: Record, original: tuple[int, int], target: tuple[int, int], crop: tuple[int, int],
+                  flip: bool) -> torch.Tensor:
+        """`record`'s mask with the geometry its image got ([1, H, W] in [0, 1])."""
+        with Image.open(record.mask) as mask:
+            return prepare_mask(mask, original, target, crop, flip)
+
     def _cached(self, record: Record, target: tuple[int, int], flip: bool) -> dict[str, Any] | None:
-        key = latent_key(self.latent_store.hashes.digest(record.path), target, flip)
+        digest = self.latent_store.hashes.digest
+        key = latent_key(digest(record.path), target, flip, self.mask_digest(record, digest))
         entry = self.latent_store.get(key)
-        if entry is None:
+        if entry is None or (self.masks(record) and "mask" not in entry):
             return None
         return {"pixels": None, "latent": entry["parameters"], "latent_key": key, "target_size": target,
                 "original_size": tuple(entry["original_size"].tolist()),
-                "crop_top_left": tuple(entry["crop_top_left"].tolist())}
+                "crop_top_left": tuple(entry["crop_top_left"].tolist()), "mask": entry.get("mask")}
 
     def _load(self, kind: str, position: int, record: Record, rng: np.random.Generator,
               target: tuple[int, int]) -> dict[str, Any]:
@@ -258,9 +309,11 @@ class TrainDataset(Dataset):
         data = record.path.read_bytes()
         with Image.open(io.BytesIO(data)) as im:
             pixels, original, crop = prepare_image(im, target, self.center_crop, flip, rng)
-        key = latent_key(hashlib.sha256(data).hexdigest(), target, flip) if self.center_crop else None
+        mask = self.load_mask(record, original, target, crop, flip) if self.masks(record) else None
+        key = (latent_key(hashlib.sha256(data).hexdigest(), target, flip, self.mask_digest(record))
+               if self.center_crop else None)
         return {"pixels": pixels, "original_size": original, "crop_top_left": crop, "target_size": target,
-                "latent_key": key}
+                "latent_key": key, "mask": mask}
 
     def __getitem__(self, item: tuple[int, int]) -> dict[str, Any]:
         epoch, index = item
@@ -271,11 +324,15 @@ class TrainDataset(Dataset):
         group, i, c = self.layout.locate(index)
         target = self.target(index)
         instance = self._load("i", i, self.instances[i], rng, target)
-        example = {"instance": {**instance, "noise_seed": int(noise_seeds[0])},
+        # unmasked_probability: a draw of its own (seed, epoch, index, 2), so the other draws stay as they are
+        mask_off = bool(self.unmasked_probability) and bool(
+            np.random.default_rng([self.seed, epoch, index, 2]).random() < self.unmasked_probability)
+        example = {"instance": {**instance, "noise_seed": int(noise_seeds[0]), "mask_off": mask_off},
                    "instance_prompt": (group.prompt or self.prompt)(self.instances[i], rng),
                    "concept": self.instances[i].concept, "loss_weight": group.loss_weight}
         if c is not None:
-            example["class"] = {**self._load("c", c, self.classes_[c], rng, target), "noise_seed": int(noise_seeds[1])}
+            example["class"] = {**self._load("c", c, self.classes_[c], rng, target), "noise_seed": int(noise_seeds[1]),
+                                "mask": None, "mask_off": True}  # prior preservation trains unmasked
             example["class_prompt"] = group.class_prompt or self.class_prompt
         return example
 
@@ -329,4 +386,8 @@ def collate(examples: list[dict[str, Any]]) -> dict[str, Any]:
         "concepts": [e.get("concept") for e in examples],  # of the instance rows (examples seen per concept)
         # each row's concept loss weight (an instance and its class image share it); only where one is not 1
         **({"loss_weights": torch.tensor(weights, dtype=torch.float32)} if any(w != 1.0 for w in weights) else {}),
+        # subject masks, per row: [1, H, W] at pixel size, or at latent size read from the disk cache;
+        # None without one. `mask_off`: the row trains unmasked (class images, unmasked_probability).
+        "masks": [p.get("mask") for p in parts],
+        "mask_off": [bool(p.get("mask_off", True)) for p in parts],
     }

@@ -91,21 +91,25 @@ class LatentCache:
                 self.hits += 1
                 rows.append(self.store[key]["parameters"])
                 continue
+            mask = (batch.get("masks") or [None] * len(keys))[i]
             rows.append(self.encode(vae, key, pixels[j : j + 1], batch["original_sizes"][i],
-                                    batch["crops_top_left"][i]))
+                                    batch["crops_top_left"][i], mask))
         # (`misses` counts encodings: with a disk store, entries an earlier run wrote are hits)
         stacked = torch.cat([r.to(param.device) for r in rows])
         return scale(vae, _sample(DiagonalGaussianDistribution(stacked), rand))
 
     def encode(self, vae: torch.nn.Module, key: str, pixels: torch.Tensor, original_size: Any,
-               crop_top_left: Any) -> torch.Tensor:
-        """Encode one image ([1, C, H, W]) into the store under `key`; returns its posterior parameters."""
+               crop_top_left: Any, mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Encode one image ([1, C, H, W]) into the store under `key`; returns its posterior parameters.
+        A subject mask ([1, H, W]) is stored beside them at the latent's size (`latent_mask`)."""
         param = next(vae.parameters())
         self.misses += 1
         dist = vae.encode(pixels.to(param.device, param.dtype)).latent_dist
         entry = {"parameters": dist.parameters.detach().float().cpu(),
                  "original_size": torch.as_tensor(original_size).cpu(),
                  "crop_top_left": torch.as_tensor(crop_top_left).cpu()}
+        if mask is not None:
+            entry["mask"] = latent_mask(mask, tuple(entry["parameters"].shape[-2:]))
         self.store[key] = entry
         return entry["parameters"]
 
@@ -177,15 +181,45 @@ def noise_latents(noise_scheduler: Any, latents: torch.Tensor, noise_offset: flo
     return NoisedBatch(noisy, timesteps, target)
 
 
+def latent_mask(mask: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
+    """A [1, H, W] (or [1, h', w']) mask brought to `size` by area averaging: [1, h, w], float32.
+
+    Area interpolation keeps each latent pixel's weight the share of its pixels that are subject."""
+    mask = mask.float()
+    if tuple(mask.shape[-2:]) == tuple(size):
+        return mask.reshape(1, *size)
+    return F.interpolate(mask.reshape(1, 1, *mask.shape[-2:]), size=size, mode="area")[0]
+
+
+@dataclass(frozen=True)
+class LossWeights:
+    """Per-element loss weights from subject masks: [B, 1, h, w] on the prediction's (unpacked) grid."""
+
+    weights: torch.Tensor
+    normalize: bool = False  # divide each example's loss by its mean weight (normalize_masked_area_loss)
+
+    def mean(self, err: torch.Tensor) -> torch.Tensor:
+        """Per-example mean of `err` ([B, C, h, w]) weighted by the masks."""
+        w = self.weights.to(err.device, err.dtype)
+        dims = list(range(1, err.ndim))
+        loss = (err * w).mean(dim=dims)
+        if self.normalize:
+            loss = loss / w.mean(dim=dims).clamp_min(1e-6)
+        return loss
+
+
 def per_example_loss(
-    pred: torch.Tensor, target: torch.Tensor, timesteps: torch.Tensor, noise_scheduler: Any, snr_gamma: float | None
+    pred: torch.Tensor, target: torch.Tensor, timesteps: torch.Tensor, noise_scheduler: Any, snr_gamma: float | None,
+    weights: LossWeights | None = None,
 ) -> torch.Tensor:
     """MSE per example (float32), Min-SNR weighted when `snr_gamma` is set (Hang et al. 2023).
 
     The weight is min(SNR, gamma) / SNR for epsilon and min(SNR, gamma) / (SNR + 1) for
-    v-prediction, with SNR from diffusers' compute_snr, as in train_text_to_image.py.
+    v-prediction, with SNR from diffusers' compute_snr, as in train_text_to_image.py. `weights`:
+    the subject masks' per-element weights (masked_loss).
     """
-    loss = F.mse_loss(pred.float(), target.float(), reduction="none").mean(dim=list(range(1, pred.ndim)))
+    err = F.mse_loss(pred.float(), target.float(), reduction="none")
+    loss = weights.mean(err) if weights is not None else err.mean(dim=list(range(1, pred.ndim)))
     if snr_gamma is None:
         return loss
     from diffusers.training_utils import compute_snr

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from tasks.train.diffusion import NoisedBatch, RowRandom, noise_latents, per_example_loss
+from tasks.train.diffusion import LossWeights, NoisedBatch, RowRandom, noise_latents, per_example_loss
 
 
 class Ddpm:
@@ -31,8 +31,8 @@ class Ddpm:
     def noise(self, latents: torch.Tensor, rand: RowRandom | None) -> NoisedBatch:
         return noise_latents(self.scheduler, latents, self.cfg.noise_offset, rand)
 
-    def loss(self, pred: torch.Tensor, noised: NoisedBatch) -> torch.Tensor:
-        return per_example_loss(pred, noised.target, noised.timesteps, self.scheduler, self.cfg.snr_gamma)
+    def loss(self, pred: torch.Tensor, noised: NoisedBatch, weights: LossWeights | None = None) -> torch.Tensor:
+        return per_example_loss(pred, noised.target, noised.timesteps, self.scheduler, self.cfg.snr_gamma, weights)
 
 
 class FlowMatching:
@@ -64,11 +64,15 @@ class FlowMatching:
         noisy = (1.0 - sigmas) * latents + sigmas * noise
         return NoisedBatch(noisy, timesteps, noise - latents, sigmas)
 
-    def loss(self, pred: torch.Tensor, noised: NoisedBatch) -> torch.Tensor:
+    def loss(self, pred: torch.Tensor, noised: NoisedBatch, weights: LossWeights | None = None) -> torch.Tensor:
+        """Per example; `weights`: the subject masks on the unpacked latent grid (families unpack
+        FLUX's 2x2 tokens in `predict`, so the mask lies on the prediction as on the image)."""
         from diffusers.training_utils import compute_loss_weighting_for_sd3
 
         weighting = compute_loss_weighting_for_sd3(self.scheme, noised.sigmas).float()
         err = weighting * (pred.float() - noised.target.float()) ** 2
+        if weights is not None:
+            return weights.mean(err)
         return err.reshape(err.shape[0], -1).mean(dim=1)
 
 

@@ -81,6 +81,12 @@ def build(root: Path) -> tuple[list[dict], dict[tuple[str, str], str]]:
     expected[(f, "notes.md")] = "unsupported_extension"
     (folder / "stray.caption").write_text("nobody's caption")
     expected[(f, "stray.caption")] = "orphan_caption"
+    photo("masked/kept.png", "kept", 13)  # a OneTrainer mask beside it
+    save(folder / "masked/kept-masklabel.png", Image.new("L", (96, 96), 200))
+    photo("masked/small.png", "bad_mask", 14)  # its mask is not its size
+    save(folder / "masked/small-masklabel.png", Image.new("L", (48, 48), 255))
+    save(folder / "masked/alone-masklabel.png", Image.new("L", (96, 96), 255))
+    expected[(f, "masked/alone-masklabel.png")] = "orphan_mask"
     (folder / "escape.png").symlink_to(outside / "secret.png")
     expected[(f, "escape.png")] = "outside_root"
     (folder / "outdir").symlink_to(outside, target_is_directory=True)

@@ -116,4 +116,5 @@ def test_shipped_params_are_valid_and_the_surface_is_frozen() -> None:
         "validation_prompts", "num_validation_images", "validation_steps", "validation_inference_steps",
         "log_every_steps", "system_metrics_interval", "seed", "launcher", "launch",
         "concepts",
+        "masked_loss", "masked_loss_unmasked_weight", "unmasked_probability", "normalize_masked_area_loss",
     ])

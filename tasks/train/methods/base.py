@@ -26,6 +26,7 @@ from tasks.train.concepts import concept_layout, concept_prompts, concept_valida
 from tasks.train.config import TrainConfig
 from tasks.train.data import CaptionPolicy, Record, TrainDataset, collate, latent_key, prepare_image, read_imagefolder
 from tasks.train.diffusion import LatentCache, PromptCache, RowRandom, encode_latents
+from tasks.train.masks import check_masks, loss_weights
 from tasks.train.models import Components, pipeline_from_modules
 from tasks.train.objectives import make_objective
 
@@ -168,6 +169,7 @@ class TrainingMethod:
         if dataset.buckets:
             log.info("aspect-ratio buckets (height x width: instance images): %s",
                      ", ".join(f"{k}: {v}" for k, v in dataset.bucket_counts().items()))
+        dataset.masked, dataset.unmasked_probability = check_masks(self.cfg, instances)
         return dataset
 
     def collate(self, examples: list[dict[str, Any]]) -> dict[str, Any]:
@@ -256,12 +258,14 @@ class TrainingMethod:
             for record, target, flip in bar:
                 data = None if hashes is not None else record.path.read_bytes()
                 digest = hashes.digest(record.path) if hashes is not None else hashlib.sha256(data).hexdigest()
-                key = latent_key(digest, target, flip)
+                mask_digest = dataset.mask_digest(record, hashes.digest if hashes is not None else None)
+                key = latent_key(digest, target, flip, mask_digest)
                 if key in cache.store:
                     continue
                 with Image.open(io.BytesIO(data) if data is not None else record.path) as image:
                     pixels, original, crop = prepare_image(image, target, True, flip)
-                cache.encode(vae, key, pixels[None], original, crop)
+                mask = dataset.load_mask(record, original, target, crop, flip) if mask_digest else None
+                cache.encode(vae, key, pixels[None], original, crop, mask)
         accelerator.wait_for_everyone()
         seconds = time.perf_counter() - start
         log.info("latent cache filled before the first step: %d of %d image crops encoded in %.1f s",
@@ -331,7 +335,7 @@ class TrainingMethod:
         if cfg.channels_last:
             sample = sample.contiguous(memory_format=torch.channels_last)
         pred = family.predict(modules[family.denoiser_name], sample, noised.timesteps, hidden, pooled, batch, cfg)
-        losses = self.objective.loss(pred, noised)
+        losses = self.objective.loss(pred, noised, loss_weights(cfg, batch, pred))
         losses = weighted(losses, batch, self.concepts_seen)  # each row's concept weight; examples counted
         n = batch["num_instances"]
         if n == losses.shape[0]:
