@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import re
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -31,9 +32,24 @@ def skipped_stages(output: str) -> list[str]:
     return re.findall(r"Stage '([\w-]+)' didn't change, skipping", output)
 
 
+#: A dataset as users bring it (data/demo/concepts.py): two concepts in kohya folders, four
+#: subject masks beside their images, seven images without a caption file. The models at ingest
+#: caption and mask the rest; class images and the loss are per concept; the loss is masked.
+CONCEPTS = {
+    "ingest": {"data_dir": "data/demo/concepts", "sources": [{"type": "folder", "kohya_folders": True}],
+               "captioner": {"model": "builtin:tiny-blip", "mode": "missing"},
+               "masker": {"model": "builtin:tiny-clipseg", "prompt": "toy", "threshold": None}},
+    "class_images": {"concepts": [{"name": "sks toy", "prompt": "a photo of a toy", "num_images": 3},
+                                  {"name": "zwx ball", "prompt": "a photo of a ball", "num_images": 2}]},
+    "train": {"masked_loss": True, "masked_loss_unmasked_weight": 0.1,
+              "concepts": [{"name": "sks toy", "class_prompt": "a photo of a toy"},
+                           {"name": "zwx ball", "class_prompt": "a photo of a ball", "loss_weight": 0.5}]},
+}
+
+
 @pytest.fixture(scope="module")
 def reproduced(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, subprocess.CompletedProcess[str]]:
-    root = copy_repo(tmp_path_factory.mktemp("dvc-e2e"))
+    root = copy_repo(tmp_path_factory.mktemp("dvc-e2e"), params=CONCEPTS)
     proc = dvc(root, "repro")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return root, proc
@@ -48,8 +64,8 @@ def test_first_repro_runs_every_stage_in_order(reproduced) -> None:
                 "reports/ingest.json", "reports/train.json", "reports/export.json",
                 "reports/evaluate.json", "reports/evaluate/grid.png"]:
         assert (root / out).is_file(), f"{out} missing after dvc repro"
-    assert len(list((root / "data/class_images").glob("*.png"))) == yaml.safe_load(
-        (root / "params.yaml").read_text())["class_images"]["num_images"]
+    for concept in CONCEPTS["class_images"]["concepts"]:
+        assert len(list((root / "data/class_images" / concept["name"]).glob("*.png"))) == concept["num_images"]
     lock = yaml.safe_load((root / "dvc.lock").read_text())
     assert set(lock["stages"]) == set(STAGES)
 
@@ -123,3 +139,29 @@ def test_a_param_change_reruns_only_the_stages_that_read_it(reproduced) -> None:
     assert proc.returncode == 0, proc.stderr
     assert ran_stages(proc.stdout) == ["evaluate"]
     assert sorted(skipped_stages(proc.stdout)) == sorted(STAGES[:-1])
+
+
+def test_masks_captions_and_concepts_reach_the_registered_model(reproduced) -> None:
+    """Every image is kept with its concept and a mask (its own or a made one) and a caption (its
+    file, the captioner's); the train report counts examples per concept; the model registers
+    (last in this module: registering adds a run the tests above do not expect)."""
+    root, _ = reproduced
+    rows = [json.loads(line) for line in (root / "data/processed/metadata.jsonl").read_text().splitlines()]
+    assert sorted(r["concept"] for r in rows) == ["sks toy"] * 6 + ["zwx ball"] * 4
+    assert sorted(r["mask_source"] for r in rows) == ["generated"] * 6 + ["masklabel"] * 4
+    assert all((root / "data/processed" / r["mask_file_name"]).is_file() for r in rows)
+    by_caption = {s: sum(r["caption_source"] == s for r in rows) for s in {r["caption_source"] for r in rows}}
+    assert by_caption == {"file": 3, "captioner": 7}, by_caption
+    ingest = json.loads((root / "reports/ingest.json").read_text())
+    assert ingest["masks_by_source"] == {"file": 0, "masklabel": 4, "alpha": 0, "generated": 6}
+    train = json.loads((root / "reports/train.json").read_text())
+    assert set(train["concepts"]) == {"sks toy", "zwx ball"}, train.get("concepts")
+    env = e2e_env(root, MLFLOW_TRACKING_URI=f"sqlite:///{root / 'mlflow.db'}")
+    done = subprocess.run([sys.executable, "-m", "tasks.register", "--finetuned", "models/finetuned",
+                           "--openvino", "models/openvino", "--evaluation", "reports/evaluate.json"],
+                          cwd=root, env=env, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    from mlflow.tracking import MlflowClient
+
+    versions = MlflowClient(tracking_uri=env["MLFLOW_TRACKING_URI"]).search_model_versions()
+    assert [v.version for v in versions] == ["1"], "one version, registered from this repro"
