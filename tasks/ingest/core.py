@@ -27,7 +27,7 @@ from PIL import Image
 from tqdm import tqdm
 
 from tasks.common.errors import UserError
-from tasks.ingest import captions
+from tasks.ingest import annotate, captions
 from tasks.ingest.cache import close_store, fingerprint, open_store
 from tasks.ingest.checks import REASONS, Limits, Reject
 from tasks.ingest.config import FolderSource, HubSource, ImageFolderSource, IngestConfig, label
@@ -40,6 +40,7 @@ from tasks.ingest.work import Outcome, Settings, init_worker, run_batch, run_tas
 log = logging.getLogger(__name__)
 
 METADATA = "metadata.jsonl"  # the Hugging Face imagefolder metadata file
+CAPTION_SOURCES = ("file", "instance_prompt", "metadata", "tags", "hub", "fallback", "captioner")
 MAX_SAMPLES = 16  # kept images shown in the preview grid
 BATCH = 8  # inputs per worker call
 IN_FLIGHT = 4  # batches queued per worker: enough to keep workers busy, little memory
@@ -58,6 +59,8 @@ class Summary:
     captions_truncated: int = 0
     cache_hits: int = 0
     samples: list[Image.Image] = field(default_factory=list)
+    captions_by_source: Counter = field(default_factory=Counter)
+    annotations: dict[str, dict[str, int]] = field(default_factory=dict)  # captioner, masker
 
     @property
     def rejected(self) -> int:
@@ -73,6 +76,9 @@ class Summary:
             "captions_from_fallback": self.captions_from_fallback,
             "captions_truncated": self.captions_truncated,
             "by_source": {k: dict(v) for k, v in self.by_source.items()},
+            "captions_by_source": {k: self.captions_by_source[k] for k in CAPTION_SOURCES},
+            "masks_generated": self.annotations.get("masker", {}).get("generated", 0),
+            "annotations": self.annotations,
         }
 
 
@@ -117,6 +123,7 @@ def worker_count(cfg: IngestConfig) -> int:
 def ingest(cfg: IngestConfig, out_dir: Path, rejected_path: Path) -> Summary:
     """Process every input into `out_dir` (images + metadata.jsonl) and `rejected_path` (JSONL)."""
     settings = settings_of(cfg)
+    post = annotate.prepare(cfg)  # models resolved and loaded first: offline fails before any work
     store = open_store(cfg.cache_dir, fingerprint(settings.pixel_params()), out_dir)
     summary = Summary()
     workers = worker_count(cfg)
@@ -133,6 +140,8 @@ def ingest(cfg: IngestConfig, out_dir: Path, rejected_path: Path) -> Summary:
         close_store(store)
     if summary.kept + summary.rejected != summary.total:
         raise RuntimeError("ingest bug: an input was neither kept nor rejected")
+    post.run(out_dir / METADATA, out_dir)  # captions and masks for the rows that lack them
+    annotate.finish(post, summary)
     return summary
 
 
@@ -264,6 +273,7 @@ class _Judge:
         s.kept += 1
         s.captions_from_fallback += caption.source == "fallback"
         s.captions_truncated += caption.truncated
+        s.captions_by_source[caption.source] += 1
         if len(s.samples) < MAX_SAMPLES:
             with Image.open(self.out_dir / file_name) as im:
                 factor = max(1, max(im.size) // 256)  # a cheap box reduction for the preview
