@@ -17,7 +17,7 @@ from tasks.ingest.config import Captions
 class Caption:
     text: str
     tags: list[str]
-    source: str  # file | instance_prompt | metadata | tags | hub | fallback
+    source: str  # file | instance_prompt | folder_name (kohya's) | metadata | tags | hub | fallback | captioner
     truncated: bool = False
 
 

@@ -15,6 +15,7 @@ from pydantic_core import InitErrorDetails, PydanticCustomError
 from tasks.common.concepts import concept_name_problem
 from tasks.common.config import StageConfig
 from tasks.common.safe_remove import own_folder
+from tasks.ingest.annotate_config import CaptionerConfig, MaskerConfig
 
 #: Options the seed's dataloader applies per batch; here they would bake one random draw into the
 #: data, so the stage stores `tags` as a list and the train stage applies them.
@@ -227,6 +228,12 @@ class IngestConfig(StageConfig):
         Path(".cache/ingest"), description="content-hash cache outside the outs; null: off. Pruning "
         "removes only the cache's own folders; the repository, an ancestor, / or home is refused"
     )
+    captioner: CaptionerConfig | None = Field(
+        None, description="captions made by a model at ingest (tasks/ingest/README.md); null: off"
+    )
+    masker: MaskerConfig | None = Field(
+        None, description="subject masks made by CLIPSeg at ingest (tasks/ingest/README.md); null: off"
+    )
 
     alpha_mask: bool = Field(
         False, description="an image's alpha channel is its subject mask (kohya's and ai-toolkit's "
@@ -260,7 +267,7 @@ class IngestConfig(StageConfig):
             raise ValidationError.from_exception_data(
                 cls.__name__, [_rewrite(e) for e in err.errors()]
             ) from None
-        problems = _place_in_data_dir(cfg) + _no_op_settings(cfg)
+        problems = _place_in_data_dir(cfg) + _no_op_settings(cfg) + _captioner_reachable(cfg)
         if problems:
             raise ValidationError.from_exception_data(cls.__name__, problems)
         return cfg
@@ -310,6 +317,18 @@ def _no_op_settings(cfg: IngestConfig) -> list[InitErrorDetails]:
                                        {"why": why})
             problems.append(InitErrorDetails(type=kind, loc=(key,), input=getattr(cfg, key)))
     return problems
+
+
+def _captioner_reachable(cfg: IngestConfig) -> list[InitErrorDetails]:
+    """captioner mode missing fills fallback captions; captions.empty: drop leaves none to fill."""
+    if cfg.captioner is None or cfg.captioner.mode != "missing" or cfg.captions.empty != "drop":
+        return []
+    kind = PydanticCustomError(
+        "captioner_unreachable", "captioner.mode: missing captions images without a caption, but "
+        "captions.empty: drop drops them first, so it would never run. Set captions.empty: "
+        "fallback (or captioner.mode: all)",
+    )
+    return [InitErrorDetails(type=kind, loc=("captioner", "mode"), input="missing")]
 
 
 def _rewrite(error: Any) -> InitErrorDetails:

@@ -27,7 +27,7 @@ from PIL import Image
 from tqdm import tqdm
 
 from tasks.common.errors import UserError
-from tasks.ingest import captions
+from tasks.ingest import annotate, captions
 from tasks.ingest.cache import close_store, fingerprint, open_store
 from tasks.ingest.checks import REASONS, Limits, Reject
 from tasks.ingest.config import FolderSource, HubSource, ImageFolderSource, IngestConfig, label
@@ -42,6 +42,7 @@ log = logging.getLogger(__name__)
 
 METADATA = "metadata.jsonl"  # the Hugging Face imagefolder metadata file
 MASKS = "masks"  # processed masks: <out>/masks/<stem of the image's file_name>.png
+CAPTION_SOURCES = ("file", "instance_prompt", "folder_name", "metadata", "tags", "hub", "fallback", "captioner")
 MAX_SAMPLES = 16  # kept images shown in the preview grid
 BATCH = 8  # inputs per worker call
 IN_FLIGHT = 4  # batches queued per worker: enough to keep workers busy, little memory
@@ -62,6 +63,8 @@ class Summary:
     masks: Counter = field(default_factory=Counter)  # kept images with a mask, per mask_source
     samples: list[Image.Image] = field(default_factory=list)
     by_concept: Counter = field(default_factory=Counter)  # kept images per concept (rows naming one)
+    captions_by_source: Counter = field(default_factory=Counter)
+    annotations: dict[str, dict[str, int]] = field(default_factory=dict)  # captioner, masker
 
     @property
     def rejected(self) -> int:
@@ -79,6 +82,8 @@ class Summary:
             "by_source": {k: dict(v) for k, v in self.by_source.items()},
             **({"by_concept": dict(sorted(self.by_concept.items()))} if self.by_concept else {}),
             "masks_by_source": {source: self.masks[source] for source in MASK_SOURCES},
+            "captions_by_source": {k: self.captions_by_source[k] for k in CAPTION_SOURCES},
+            "annotations": self.annotations,
         }
 
 
@@ -130,6 +135,7 @@ def worker_count(cfg: IngestConfig) -> int:
 def ingest(cfg: IngestConfig, out_dir: Path, rejected_path: Path) -> Summary:
     """Process every input into `out_dir` (images + metadata.jsonl) and `rejected_path` (JSONL)."""
     settings = settings_of(cfg)
+    post = annotate.prepare(cfg)  # models resolved and loaded first: offline fails before any work
     store = open_store(cfg.cache_dir, fingerprint(settings.pixel_params()), out_dir)
     summary = Summary()
     workers = worker_count(cfg)
@@ -146,6 +152,8 @@ def ingest(cfg: IngestConfig, out_dir: Path, rejected_path: Path) -> Summary:
         close_store(store)
     if summary.kept + summary.rejected != summary.total:
         raise RuntimeError("ingest bug: an input was neither kept nor rejected")
+    post.run(out_dir / METADATA, out_dir)  # captions and masks for the rows that lack them
+    annotate.finish(post, summary)
     return summary
 
 
@@ -238,7 +246,7 @@ class _Judge:
         else:
             text, how = outcome.caption, "file"
         if not (text or "").strip() and item.concept_caption:  # kohya: the folder's class tokens
-            text, how = item.concept_caption, "instance_prompt"
+            text, how = item.concept_caption, "folder_name"
         caption = captions.decide(text, how, item.tags, item.tag_separator, self.cfg.captions)
         first = self.exact.find(outcome.sha)
         if first is not None:
@@ -293,6 +301,7 @@ class _Judge:
         s.captions_truncated += caption.truncated
         if mask_source:
             s.masks[mask_source] += 1
+        s.captions_by_source[caption.source] += 1
         if len(s.samples) < MAX_SAMPLES:
             with Image.open(self.out_dir / file_name) as im:
                 factor = max(1, max(im.size) // 256)  # a cheap box reduction for the preview

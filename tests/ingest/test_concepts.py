@@ -23,8 +23,8 @@ def test_kohya_folders_give_concept_repeats_and_the_class_tokens_as_fallback_cap
     got = {p: (row["concept"], row["repeats"], row["text"], row["caption_source"]) for p, row in rows.items()}
     assert got == {
         "10_sks dog/a.png": ("sks dog", 10, "sks dog on grass", "file"),
-        "10_sks dog/b.png": ("sks dog", 10, "sks dog", "instance_prompt"),
-        "3_ohwx cat/nested/c.png": ("ohwx cat", 3, "ohwx cat", "instance_prompt"),
+        "10_sks dog/b.png": ("sks dog", 10, "sks dog", "folder_name"),
+        "3_ohwx cat/nested/c.png": ("ohwx cat", 3, "ohwx cat", "folder_name"),
     }
     assert r.summary.report()["by_concept"] == {"ohwx cat": 1, "sks dog": 2}
 
