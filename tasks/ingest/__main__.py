@@ -48,6 +48,7 @@ def main() -> None:
             {
                 **{k: v for k, v in report.items() if isinstance(v, int)},
                 **{f"rejected.{k}": v for k, v in report["rejected_by_reason"].items()},
+                **{f"captions.{k}": v for k, v in report["captions_by_source"].items()},
                 "cache_hits": summary.cache_hits,
             }
         )
