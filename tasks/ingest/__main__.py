@@ -50,6 +50,7 @@ def main() -> None:
                 **{k: v for k, v in report.items() if isinstance(v, int)},
                 **{f"rejected.{k}": v for k, v in report["rejected_by_reason"].items()},
                 **{f"masks.{k}": v for k, v in report["masks_by_source"].items()},
+                **{f"captions.{k}": v for k, v in report["captions_by_source"].items()},
                 "cache_hits": summary.cache_hits,
                 **{f"concept.{metric_key(k)}.images": v for k, v in report.get("by_concept", {}).items()},
             }

@@ -7,7 +7,7 @@ import pytest
 from pydantic import ValidationError
 
 from tasks.common.errors import UserError
-from tasks.ingest import core
+from tasks.ingest import annotate, core
 from tasks.ingest.captioner import Captioner
 from tasks.ingest.tiny_annotators import build_tiny_blip
 from tests.ingest.util import config, picture, run, save
@@ -36,8 +36,12 @@ def captioned(src: Path, out: Path, **captioner):
     return run(config(src, captioner={"batch_size": 2, **captioner}), out)
 
 
-def test_mode_missing_fills_only_images_without_a_caption_with_the_prefix(src: Path, tmp_path: Path, blip: str) -> None:
+def test_mode_missing_fills_only_images_without_a_caption_with_the_prefix(
+    src: Path, tmp_path: Path, blip: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(annotate, "ROWS_PER_CHUNK", 3)  # metadata.jsonl read in two chunks
     r = captioned(src, tmp_path / "out", model=blip, prefix="sks toy, ")
+    assert [row["path"] for row in r.kept] == ["bare1.png", "bare2.png", "cap1.png", "cap2.png"]
     rows = r.by_path()
     assert rows["cap1.png"]["text"] == "a red toy" and rows["cap1.png"]["caption_source"] == "file"
     assert rows["cap2.png"]["caption_source"] == "file"
