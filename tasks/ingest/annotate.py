@@ -102,12 +102,13 @@ class Annotator(Protocol):
 
     name: str
     batch_size: int
-    settings: dict[str, Any]  # what changes the model output, besides the image and the model
     identity: str
     outcomes: Counter  # what became of the results (captioned, empty, ...)
 
     def wants(self, row: dict[str, Any]) -> bool: ...
-    def compute(self, images: list[Image.Image]) -> list[bytes]: ...
+    def settings(self, row: dict[str, Any]) -> dict[str, Any]:
+        """What changes the model's output for this row, besides the image and the model (the cache key)."""
+    def compute(self, images: list[Image.Image], rows: list[dict[str, Any]]) -> list[bytes]: ...
     def apply(self, row: dict[str, Any], result: bytes, out_dir: Path) -> None: ...
 
 
@@ -130,8 +131,8 @@ class ResultCache:
     def __init__(self, root: Path | None) -> None:
         self.root = None if root is None else safe_remove.mark(root, KIND)
 
-    def key(self, annotator: Annotator, digest: str) -> str:
-        what = {"name": annotator.name, "model": annotator.identity, "settings": annotator.settings}
+    def key(self, annotator: Annotator, digest: str, row: dict[str, Any]) -> str:
+        what = {"name": annotator.name, "model": annotator.identity, "settings": annotator.settings(row)}
         return hashlib.sha256(json.dumps([what, digest], sort_keys=True).encode()).hexdigest()
 
     def get(self, key: str) -> bytes | None:
@@ -190,14 +191,14 @@ class PostPass:
                 if r["file_name"] not in digests:
                     data = (out_dir / r["file_name"]).read_bytes()
                     digests[r["file_name"]] = hashlib.sha256(data).hexdigest()
-                keys.append(self.cache.key(ann, digests[r["file_name"]]))
+                keys.append(self.cache.key(ann, digests[r["file_name"]], r))
             results = {k: got for k in keys if (got := self.cache.get(k)) is not None}
             self.counts.add(ann.name, "cache_hits", len(results))
             missing = [(r, k) for r, k in zip(todo, keys) if k not in results]
             for i in range(0, len(missing), ann.batch_size):
                 batch = missing[i : i + ann.batch_size]
                 images = [_open(out_dir / r["file_name"]) for r, _ in batch]
-                for (_, k), result in zip(batch, ann.compute(images)):
+                for (_, k), result in zip(batch, ann.compute(images, [r for r, _ in batch])):
                     self.cache.put(k, result)
                     results[k] = result
                 self.counts.add(ann.name, "computed", len(batch))

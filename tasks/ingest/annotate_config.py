@@ -75,6 +75,9 @@ class MaskerConfig(_ModelSection):
         CLIPSEG, min_length=1, description="a CLIPSeg model: builtin:tiny-clipseg | a local folder | a hub id"
     )
     prompt: str = Field(min_length=1, description="what the subject is: the class word, e.g. 'toy'")
+    prompts: dict[str, str] = Field(
+        {}, description="per concept (the rows' `concept`, e.g. a kohya folder's name): what its subject is; "
+                        "rows of other concepts use `prompt`")
     threshold: float | None = Field(
         0.4, gt=0.0, lt=1.0,
         description="pixels whose probability reaches it are subject (255), the rest 0; null: a soft "

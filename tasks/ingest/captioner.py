@@ -40,7 +40,6 @@ class Captioner:
             ) from err
         self.cfg, self.policy, self.identity = cfg, policy, identity
         self.batch_size = cfg.batch_size
-        self.settings = {"prompt": cfg.prompt, "max_new_tokens": cfg.max_new_tokens}
         self.outcomes: Counter = Counter(captioned=0, empty=0, policy_refused=0)
         self.replaced: Counter = Counter()  # caption_source the generated caption replaced
         log.info("captioner: %s (%s)", cfg.model, type(self.model).__name__)
@@ -68,7 +67,10 @@ class Captioner:
             return self.processor(images=images, text=[prompt] * len(images), return_tensors="pt")
         return self.processor(images=images, return_tensors="pt")
 
-    def compute(self, images: list[Image.Image]) -> list[bytes]:
+    def settings(self, row: dict[str, Any]) -> dict[str, Any]:
+        return {"prompt": self.cfg.prompt, "max_new_tokens": self.cfg.max_new_tokens}
+
+    def compute(self, images: list[Image.Image], rows: list[dict[str, Any]]) -> list[bytes]:
         """The raw generated text per image (UTF-8): what the cache keeps."""
         import torch
 

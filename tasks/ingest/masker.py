@@ -40,20 +40,26 @@ class Masker:
                 f"model with its processor: {err}"
             ) from err
         self.cfg, self.identity, self.batch_size = cfg, identity, cfg.batch_size
-        self.settings = {"prompt": cfg.prompt}  # the threshold is applied after the cache
         self.outcomes: Counter = Counter(generated=0, empty=0)
         log.info("masker: %s, prompt %r", cfg.model, cfg.prompt)
 
     def wants(self, row: dict[str, Any]) -> bool:
         return not row.get("mask_file_name")
 
-    def compute(self, images: list[Image.Image]) -> list[bytes]:
+    def prompt(self, row: dict[str, Any]) -> str:
+        """What the row's subject is: its concept's entry of `prompts`, else `prompt`."""
+        return self.cfg.prompts.get(row.get("concept") or "", self.cfg.prompt)
+
+    def settings(self, row: dict[str, Any]) -> dict[str, Any]:
+        return {"prompt": self.prompt(row)}  # the threshold is applied after the cache
+
+    def compute(self, images: list[Image.Image], rows: list[dict[str, Any]]) -> list[bytes]:
         """A soft mask per image (PNG, L, the image's size): probability x 255."""
         import torch
         import torch.nn.functional as F
 
         inputs = self.processor(
-            text=[self.cfg.prompt] * len(images), images=images, padding=True, return_tensors="pt"
+            text=[self.prompt(r) for r in rows], images=images, padding=True, return_tensors="pt"
         )
         with torch.inference_mode():
             logits = self.model(**inputs).logits

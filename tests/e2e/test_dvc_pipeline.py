@@ -38,7 +38,8 @@ def skipped_stages(output: str) -> list[str]:
 CONCEPTS = {
     "ingest": {"data_dir": "data/demo/concepts", "sources": [{"type": "folder", "kohya_folders": True}],
                "captioner": {"model": "builtin:tiny-blip", "mode": "missing"},
-               "masker": {"model": "builtin:tiny-clipseg", "prompt": "toy", "threshold": None}},
+               "masker": {"model": "builtin:tiny-clipseg", "prompt": "toy", "threshold": None,
+                          "prompts": {"zwx ball": "ball"}}},
     "class_images": {"concepts": [{"name": "sks toy", "prompt": "a photo of a toy", "num_images": 3},
                                   {"name": "zwx ball", "prompt": "a photo of a ball", "num_images": 2}]},
     "train": {"masked_loss": True, "masked_loss_unmasked_weight": 0.1,

@@ -112,3 +112,16 @@ def test_masker_config_needs_a_prompt_and_a_pinned_hub_revision(src: Path) -> No
         config(src, masker={"prompt": "toy"})
     with pytest.raises(ValidationError, match=r"masker.threshold\n"):
         config(src, masker={"model": "builtin:tiny-clipseg", "prompt": "toy", "threshold": 1.5})
+
+
+def test_each_concept_gets_its_own_prompt(tmp_path: Path, clipseg: str) -> None:
+    """The same picture in two rows: masked alike under one prompt, apart when their concepts' prompts differ."""
+    cfg = MaskerConfig(model=clipseg, prompt="toy", prompts={"zwx ball": "ball"})
+    got = resolve(cfg.model, cfg.revision, "ingest.masker.model", tmp_path)
+    masker = Masker(cfg, got.folder, got.identity)
+    image = picture(1, size=(96, 80))
+    toy, other, ball = [{"concept": c} for c in ("sks toy", None, "zwx ball")]
+    first, second, third = masker.compute([image] * 3, [toy, other, ball])
+    assert first == second, "rows of concepts without an entry use `prompt`"
+    assert third != first, "the concept's own prompt is the one the model reads"
+    assert masker.settings(ball) != masker.settings(toy), "and it keys the cache"
