@@ -19,6 +19,8 @@ COMMIT = re.compile(r"^[0-9a-f]{40}$")
 BLIP_BASE = "Salesforce/blip-image-captioning-base"
 BLIP_BASE_REVISION = "82a37760796d32b1411fe092ab5d4e227313294b"
 CLIPSEG = "CIDAS/clipseg-rd64-refined"
+#: a snapshot commit of it that public code loads from (the hub itself is out of reach here: check it)
+CLIPSEG_REVISION = "999e0328d9e10b484360c477313983f9afdd7050"
 
 
 def is_hub_id(model: str) -> bool:
@@ -73,6 +75,9 @@ class MaskerConfig(_ModelSection):
 
     model: str = Field(
         CLIPSEG, min_length=1, description="a CLIPSeg model: builtin:tiny-clipseg | a local folder | a hub id"
+    )
+    revision: str | None = Field(
+        CLIPSEG_REVISION, description="the hub model's commit (40 hex digits); required for a hub id"
     )
     prompt: str = Field(min_length=1, description="what the subject is: the class word, e.g. 'toy'")
     prompts: dict[str, str] = Field(

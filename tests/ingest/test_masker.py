@@ -11,7 +11,7 @@ from PIL import Image
 from pydantic import ValidationError
 
 from tasks.ingest.annotate import PostPass, resolve
-from tasks.ingest.annotate_config import MaskerConfig
+from tasks.ingest.annotate_config import CLIPSEG_REVISION, MaskerConfig
 from tasks.ingest.masker import Masker
 from tasks.ingest.tiny_annotators import build_tiny_clipseg
 from tests.ingest.util import config, picture, read_jsonl, run, save
@@ -109,7 +109,8 @@ def test_masker_config_needs_a_prompt_and_a_pinned_hub_revision(src: Path) -> No
     with pytest.raises(ValidationError, match=r"masker.prompt\n.*Field required"):
         config(src, masker={"model": "builtin:tiny-clipseg"})
     with pytest.raises(ValidationError, match=r"masker\n.*CIDAS/clipseg-rd64-refined is a hub id: pin `revision`"):
-        config(src, masker={"prompt": "toy"})
+        config(src, masker={"prompt": "toy", "revision": "main"})  # a branch moves: not a pin
+    assert config(src, masker={"prompt": "toy"}).masker.revision == CLIPSEG_REVISION, "the default is pinned"
     with pytest.raises(ValidationError, match=r"masker.threshold\n"):
         config(src, masker={"model": "builtin:tiny-clipseg", "prompt": "toy", "threshold": 1.5})
 
