@@ -3,9 +3,9 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, model_validator
 
-from tasks.common.concepts import concept_name_problem
+from tasks.common.concepts import ConceptName
 from tasks.common.config import StageConfig
 from tasks.common.launch import LAUNCHERS, LaunchConfig, launch_problem
 
@@ -13,17 +13,10 @@ from tasks.common.launch import LAUNCHERS, LaunchConfig, launch_problem
 class ClassConcept(StageConfig):
     """One entry of `class_images.concepts`: the class images of one concept, in <out>/<name>/."""
 
-    name: str = Field(min_length=1, max_length=128, description="the concept (as in train.concepts); its folder")
+    name: ConceptName = Field(description="the concept (as in train.concepts); its folder")
     prompt: str = Field(min_length=1, description="its class prompt (train.concepts' class_prompt)")
     num_images: int = Field(8, ge=0, le=100_000, description="class images of this concept")
     negative_prompt: str | None = Field(None, description="null: class_images.negative_prompt")
-
-    @field_validator("name")
-    @classmethod
-    def _folder_name(cls, name: str) -> str:
-        if problem := concept_name_problem(name):
-            raise ValueError(problem)
-        return name
 
 
 class ClassImagesConfig(StageConfig):

@@ -7,6 +7,9 @@ reports per concept. So a name must be usable as a folder name; this rule is sha
 from __future__ import annotations
 
 import re
+from typing import Annotated
+
+from pydantic import AfterValidator, Field
 
 
 def concept_name_problem(name: str) -> str | None:
@@ -16,6 +19,16 @@ def concept_name_problem(name: str) -> str | None:
     if any(c in name for c in "/\\\0") or name.startswith("."):
         return f"a concept name is a folder name: no '/', '\\' or leading '.' (got {name!r})"
     return None
+
+
+def _valid_name(name: str) -> str:
+    if problem := concept_name_problem(name):
+        raise ValueError(problem)
+    return name
+
+
+#: A concept's name in a stage config (class_images.concepts, train.concepts), checked as above.
+ConceptName = Annotated[str, Field(min_length=1, max_length=128), AfterValidator(_valid_name)]
 
 
 def metric_key(name: str) -> str:

@@ -15,7 +15,6 @@ from typing import Any
 
 from PIL import Image
 
-from tasks.common.errors import UserError
 from tasks.ingest import captions
 from tasks.ingest.annotate_config import CaptionerConfig
 from tasks.ingest.checks import Reject
@@ -28,16 +27,12 @@ class Captioner:
     name = "captioner"
 
     def __init__(self, cfg: CaptionerConfig, policy: Captions, folder: Path, identity: str) -> None:
-        from transformers import AutoModelForImageTextToText, AutoProcessor
+        from transformers import AutoModelForImageTextToText
 
-        try:
-            self.processor = AutoProcessor.from_pretrained(folder)
-            self.model = AutoModelForImageTextToText.from_pretrained(folder).eval()
-        except (OSError, ValueError, KeyError, TypeError) as err:
-            raise UserError(
-                f"ingest.captioner.model: could not load {cfg.model!r} from {folder} as an "
-                f"image-text-to-text model with its processor: {err}"
-            ) from err
+        from tasks.ingest.model_load import load_model
+
+        self.processor, self.model = load_model(AutoModelForImageTextToText, folder, "ingest.captioner.model",
+                                                cfg.model, "an image-text-to-text model")
         self.cfg, self.policy, self.identity = cfg, policy, identity
         self.batch_size = cfg.batch_size
         self.outcomes: Counter = Counter(captioned=0, empty=0, policy_refused=0)

@@ -17,7 +17,6 @@ from typing import Any
 
 from PIL import Image
 
-from tasks.common.errors import UserError
 from tasks.ingest.annotate_config import MaskerConfig
 
 log = logging.getLogger(__name__)
@@ -29,16 +28,12 @@ class Masker:
     name = "masker"
 
     def __init__(self, cfg: MaskerConfig, folder: Path, identity: str) -> None:
-        from transformers import AutoProcessor, CLIPSegForImageSegmentation
+        from transformers import CLIPSegForImageSegmentation
 
-        try:
-            self.processor = AutoProcessor.from_pretrained(folder)
-            self.model = CLIPSegForImageSegmentation.from_pretrained(folder).eval()
-        except (OSError, ValueError, KeyError, TypeError) as err:
-            raise UserError(
-                f"ingest.masker.model: could not load {cfg.model!r} from {folder} as a CLIPSeg "
-                f"model with its processor: {err}"
-            ) from err
+        from tasks.ingest.model_load import load_model
+
+        self.processor, self.model = load_model(CLIPSegForImageSegmentation, folder, "ingest.masker.model",
+                                                cfg.model, "a CLIPSeg model")
         self.cfg, self.identity, self.batch_size = cfg, identity, cfg.batch_size
         self.outcomes: Counter = Counter(generated=0, empty=0)
         log.info("masker: %s, prompt %r", cfg.model, cfg.prompt)

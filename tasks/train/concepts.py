@@ -20,9 +20,9 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from pydantic import Field, field_validator
+from pydantic import Field
 
-from tasks.common.concepts import concept_name_problem
+from tasks.common.concepts import ConceptName
 from tasks.common.config import StageConfig
 from tasks.common.errors import UserError
 from tasks.train.layout import Group, Layout, repeated
@@ -33,8 +33,8 @@ log = logging.getLogger(__name__)
 class ConceptConfig(StageConfig):
     """One entry of `train.concepts`: a dataset trained beside others in the run (tasks/train/README.md, Concepts)."""
 
-    name: str = Field(min_length=1, max_length=128,
-                      description="the rows' `concept` (ingest: a source's `concept`, or a kohya folder's name)")
+    name: ConceptName = Field(description="the rows' `concept` (ingest: a source's `concept`, or a kohya "
+                                          "folder's name)")
     instance_prompt: str | None = Field(
         None, min_length=1, description="prompt of every image of the concept; null: the rows' captions "
                                         "(train.caption_column, else 'text'), with the caption rules")
@@ -45,13 +45,6 @@ class ConceptConfig(StageConfig):
                                description="its examples' losses (instance and class) are multiplied by it")
     repeats: int | None = Field(None, ge=1, le=10_000,
                                 description="times an epoch shows each of its images; null: the rows' (ingest's)")
-
-    @field_validator("name")
-    @classmethod
-    def _folder_name(cls, name: str) -> str:
-        if problem := concept_name_problem(name):
-            raise ValueError(problem)
-        return name
 
 
 def concepts_problem(cfg: Any) -> str | None:

@@ -165,4 +165,4 @@ def test_masks_captions_and_concepts_reach_the_registered_model(reproduced) -> N
     from mlflow.tracking import MlflowClient
 
     versions = MlflowClient(tracking_uri=env["MLFLOW_TRACKING_URI"]).search_model_versions()
-    assert [v.version for v in versions] == ["1"], "one version, registered from this repro"
+    assert [str(v.version) for v in versions] == ["1"], "one version, registered from this repro"
