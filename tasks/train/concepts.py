@@ -105,7 +105,10 @@ def concept_layout(cfg: Any, records: Sequence[Any], data_dir: Path, class_dir: 
         indices = rows[concept.name]
         class_indices: tuple[int, ...] = ()
         if cfg.with_prior_preservation:
-            folder = class_folder(Path(class_dir or "data/class_images"), concept.name)
+            if class_dir is None:
+                raise UserError("prior preservation is on, but no class images folder was given (--class-data); "
+                                "pass it, or set train.with_prior_preservation: false")
+            folder = class_folder(Path(class_dir), concept.name)
             fix = (f"List concept {concept.name!r} in class_images.concepts (with prompt {concept.class_prompt!r}) "
                    "and run the `class_images` stage (dvc repro class_images), or set train.with_prior_preservation: "
                    "false.")

@@ -94,6 +94,8 @@ def test_concept_errors_name_the_problem_and_the_fix(tmp_path: Path, two_concept
         only_dog.dataset(data, classes)
     with pytest.raises(UserError, match=r"concept 'sks dog'.*List concept 'sks dog' in class_images.concepts"):
         method_for().dataset(data, tmp_path)
+    with pytest.raises(UserError, match=r"no class images folder was given \(--class-data\)"):
+        method_for().dataset(data, None)
     with pytest.raises(ValueError, match=r"'ohwx cat' without class_prompt"):
         TrainConfig(concepts=[CONCEPTS[0], {"name": "ohwx cat"}])
     with pytest.raises(ValueError, match="listed twice"):
