@@ -89,7 +89,8 @@ def _refuse_data_no_ops(cfg: TrainConfig, method: TrainingMethod, dataset: Any) 
     """A setting the instance images make moot (tasks/train/no_ops.py) fails before any weights load."""
     captions_used = method.caption_column is not None and cfg.method != "textual_inversion"
     records = dataset.instances
-    problems = data_no_ops(cfg, [r.image_size() for r in records], any(r.tags for r in records), captions_used)
+    sizes = [r.image_size() for r in records] if cfg.enable_bucket else []  # (from the metadata, else a header)
+    problems = data_no_ops(cfg, sizes, any(r.tags for r in records), captions_used)
     if problems:
         raise UserError("params.yaml: " + "; ".join(problems))
 
