@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -42,17 +43,37 @@ def small_params(root: Path, builtin: str) -> None:
     (root / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
 
 
-@pytest.fixture(scope="module", params=["sd3", "flux", "flux2"])
-def pipeline(request, tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Path]:
-    root = copy_repo(tmp_path_factory.mktemp(f"{request.param}-e2e"))
-    small_params(root, f"builtin:tiny-{request.param}")
+FAMILIES = ["sd3", "flux", "flux2"]
+
+
+def reproduce(root: Path, name: str) -> str | None:
+    """A copy of the repo on `builtin:tiny-<name>`: dvc repro, then registration; None, or what failed."""
+    small_params(root, f"builtin:tiny-{name}")
     env = e2e_env(root, MLFLOW_TRACKING_URI=f"sqlite:///{root / 'mlflow.db'}")
-    proc = subprocess.run(["dvc", "repro"], cwd=root, env=env, capture_output=True, text=True, timeout=1800)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    proc = subprocess.run([sys.executable, "-m", "tasks.register", "--finetuned", "models/finetuned",
-                           "--openvino", "models/openvino", "--evaluation", "reports/evaluate.json"],
-                          cwd=root, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    for cmd, timeout in ((["dvc", "repro"], 1800),
+                         ([sys.executable, "-m", "tasks.register", "--finetuned", "models/finetuned",
+                           "--openvino", "models/openvino", "--evaluation", "reports/evaluate.json"], 600)):
+        proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=timeout)
+        if proc.returncode != 0:
+            return f"{' '.join(cmd[:3])} failed:\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}"
+    return None
+
+
+@pytest.fixture(scope="module")
+def reproduced_families(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, Future]]:
+    """The three families' pipelines, run side by side: each is a chain of single-threaded stage
+    processes in its own copy, so two cores run them in about half the time one after another."""
+    roots = {name: copy_repo(tmp_path_factory.mktemp(f"{name}-e2e")) for name in FAMILIES}
+    pool = ThreadPoolExecutor(max_workers=len(FAMILIES))
+    yield {name: (root, pool.submit(reproduce, root, name)) for name, root in roots.items()}
+    pool.shutdown(wait=True)
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def pipeline(request, reproduced_families) -> tuple[str, Path]:
+    root, running = reproduced_families[request.param]
+    failure = running.result()
+    assert failure is None, failure
     return request.param, root
 
 
