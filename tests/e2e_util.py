@@ -14,6 +14,12 @@ REPO = Path(__file__).resolve().parents[1]
 VENV_BIN = Path(sys.executable).parent
 
 
+#: evaluate and export's parity check at the least work that still runs every path (the e2e tests
+#: check the chain, not the scores): what they would spend on the demo's full protocol is minutes.
+QUICK_CHECKS = {"evaluate": {"max_prompts": 2, "images_per_prompt": 1, "num_inference_steps": 4},
+                "export": {"parity": {"num_inference_steps": 2}}}
+
+
 def copy_repo(dst: Path, params: dict[str, dict[str, Any]] | None = None) -> Path:
     """Copy what a fresh clone has (tracked and untracked-not-ignored files) into a new git repo
     at `dst`, plus the generated demo images, and commit it, so `dvc` and git lineage work there.
@@ -37,7 +43,11 @@ def copy_repo(dst: Path, params: dict[str, dict[str, Any]] | None = None) -> Pat
         path = dst / "params.yaml"
         whole = yaml.safe_load(path.read_text())
         for section, keys in params.items():
-            whole[section].update(keys)
+            for key, value in keys.items():
+                if isinstance(value, dict) and isinstance(whole[section].get(key), dict):
+                    whole[section][key].update(value)
+                else:
+                    whole[section][key] = value
         path.write_text(yaml.safe_dump(whole, sort_keys=False))
     git = ["git", "-c", "user.name=e2e", "-c", "user.email=e2e@localhost"]
     subprocess.run(["git", "init", "-q"], cwd=dst, check=True)

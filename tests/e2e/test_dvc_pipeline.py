@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 from tests.conftest import stage_runs
-from tests.e2e_util import copy_repo, e2e_env
+from tests.e2e_util import QUICK_CHECKS, copy_repo, e2e_env
 
 pytestmark = pytest.mark.e2e
 
@@ -50,7 +50,7 @@ CONCEPTS = {
 
 @pytest.fixture(scope="module")
 def reproduced(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, subprocess.CompletedProcess[str]]:
-    root = copy_repo(tmp_path_factory.mktemp("dvc-e2e"), params=CONCEPTS)
+    root = copy_repo(tmp_path_factory.mktemp("dvc-e2e"), params={**CONCEPTS, **QUICK_CHECKS})
     proc = dvc(root, "repro")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return root, proc

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.e2e_util import copy_repo, e2e_env, free_port
+from tests.e2e_util import QUICK_CHECKS, copy_repo, e2e_env, free_port
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(3600)]
 
@@ -119,7 +119,7 @@ def _artifacts(api: str) -> list[str]:
 def test_deployment_run_registers_a_model(tmp_path_factory: pytest.TempPathFactory) -> None:
     import mlflow
 
-    root = copy_repo(tmp_path_factory.mktemp("prefect-e2e"))
+    root = copy_repo(tmp_path_factory.mktemp("prefect-e2e"), params=QUICK_CHECKS)
     port = free_port()
     uri = f"sqlite:///{root / 'mlflow.db'}"
     env = e2e_env(root, PREFECT_PORT=str(port), MLFLOW_TRACKING_URI=uri)
