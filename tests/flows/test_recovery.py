@@ -4,14 +4,11 @@ finished runs and other pools' runs are left alone."""
 from __future__ import annotations
 
 import mlflow
-import pytest
 from prefect import get_client
 from prefect.client.schemas.actions import WorkPoolCreate
 from prefect.states import Completed, Running
 
 from flows.recovery import MESSAGE, crash_orphans
-
-pytestmark = pytest.mark.quick  # make test-fast
 
 
 def _flow_run(client, pool: str, state):
