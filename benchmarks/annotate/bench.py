@@ -28,6 +28,7 @@ from PIL import Image
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from tasks.common.allocator import in_use
 from tasks.ingest.annotate_config import CaptionerConfig, MaskerConfig
 from tasks.ingest.captioner import Captioner
 from tasks.ingest.config import Captions
@@ -136,11 +137,12 @@ def captioner_fn(tmp: Path, tokens: int):
     config = CaptionerConfig(model="builtin:bench", revision=None, max_new_tokens=tokens)
     captioner = Captioner(config, Captions(), build_blip(tmp / "blip"), "bench")
     captioner.model.generation_config.min_new_tokens = tokens  # random weights stop anywhere
-    return captioner.compute
+    return lambda images: captioner.compute(images, [{}] * len(images))  # rows without a concept
 
 
 def masker_fn(tmp: Path):
-    return Masker(MaskerConfig(model="builtin:bench", prompt="toy"), build_clipseg(tmp / "clipseg"), "bench").compute
+    masker = Masker(MaskerConfig(model="builtin:bench", prompt="toy"), build_clipseg(tmp / "clipseg"), "bench")
+    return lambda images: masker.compute(images, [{}] * len(images))  # rows without a concept: `prompt`
 
 
 def main() -> None:
@@ -167,7 +169,7 @@ def main() -> None:
         for name, fn in models.items():
             for batch in (1, 8):
                 row = {"model": name, "batch": batch, **timed(fn, images, batch, args.repeats),
-                       "load_avg_1min": round(os.getloadavg()[0], 2)}
+                       "load_avg_1min": round(os.getloadavg()[0], 2), "allocator": in_use()}
                 print(json.dumps(row), flush=True)
                 rows.append(row)
                 save(rows, args)

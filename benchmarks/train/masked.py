@@ -50,6 +50,7 @@ def one(masked: bool, steps: int, warmup: int, base: Path | None, method: str) -
     import torch
 
     from benchmarks.train.bench import base_for, config, make_data, our_loop
+    from tasks.common.allocator import in_use
 
     base = base or base_for("sd15")
     with tempfile.TemporaryDirectory() as tmp:
@@ -63,7 +64,7 @@ def one(masked: bool, steps: int, warmup: int, base: Path | None, method: str) -
     return {"masked": masked, "method": method, "resolution": cfg.resolution, "steps": steps, "warmup": warmup,
             "median_step_s": round(statistics.median(timed), 4), "step_s": [round(t, 4) for t in times],
             "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024),
-            "wall_s": round(wall, 1), "threads": torch.get_num_threads()}
+            "wall_s": round(wall, 1), "threads": torch.get_num_threads(), "allocator": in_use()}
 
 
 def compare(runs: int, steps: int, warmup: int, base: Path | None, method: str) -> list[dict]:

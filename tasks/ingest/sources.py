@@ -17,7 +17,7 @@ import json
 import logging
 import os
 import posixpath
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -129,20 +129,11 @@ def _folder_items(src: FolderSource, root: Path, label: str, key: str) -> Iterat
     masks = _mask_root(root, src.mask_dir, f"{key}.mask_dir")
     for here, names, rejected in walk(root, label, skip=masks):
         yield from rejected
-        present = set(names)
         label_of = {n[: -len(MASKLABEL_SUFFIX)]: n for n in names if n.lower().endswith(MASKLABEL_SUFFIX)}
         labels = set(label_of.values())
         image_stems = {Path(n).stem for n in names if _is_image(n) and n not in labels}
-        by_stem: dict[str, str] = {}  # sidecar name -> the image name that consumes it
-        for name in names:
-            if _is_image(name) and name not in labels:
-                stem = Path(name).stem
-                for ext in src.caption_extensions:
-                    candidates = [n for n in (stem + ext, stem + ext.upper()) if n in present]
-                    if candidates and candidates[0] not in by_stem:
-                        by_stem[candidates[0]] = name
-                        break
-        caption_of = {image: sidecar for sidecar, image in by_stem.items()}
+        caption_of = _caption_files(names, labels, src.caption_extensions)
+        consumed = set(caption_of.values())
         in_mask_dir = _listing(masks / here.relative_to(root)) if masks is not None else {}
         for name in names:
             path = here / name
@@ -153,15 +144,8 @@ def _folder_items(src: FolderSource, root: Path, label: str, key: str) -> Iterat
             elif _is_image(name):
                 mask, mask_source = _mask_of(name, here, label_of, in_mask_dir)
                 sidecar = caption_of.get(name)
-                if src.instance_prompt is not None:
-                    task = Task(root=str(root), path=str(path), mask_path=mask, mask_source=mask_source)
-                    yield Item(label, rel, task, src.instance_prompt, "instance_prompt")
-                else:
-                    cap = str(here / sidecar) if sidecar else None
-                    task = Task(root=str(root), path=str(path), caption_path=cap, mask_path=mask,
-                                mask_source=mask_source)
-                    yield Item(label, rel, task, caption_source="file" if cap else "none")
-            elif name in by_stem:
+                yield _image_item(src, root, path, label, rel, here / sidecar if sidecar else None, mask, mask_source)
+            elif name in consumed:
                 continue  # a caption, consumed by its image
             elif Path(name).suffix.lower() in src.caption_extensions:
                 yield Item.rejected(label, rel, Reject("orphan_caption", "no image with this stem"))
@@ -169,6 +153,33 @@ def _folder_items(src: FolderSource, root: Path, label: str, key: str) -> Iterat
                 what = Path(name).suffix.lower() or "no extension"
                 reason = Reject("unsupported_extension", f"{what} is not an image type")
                 yield Item.rejected(label, rel, reason)
+
+
+def _caption_files(names: list[str], labels: set[str], extensions: Iterable[str]) -> dict[str, str]:
+    """{image: its caption file} in one folder's listing: the first of `extensions` (either case) with
+    the image's stem that no earlier image took (masklabels are not images)."""
+    present = set(names)
+    by_sidecar: dict[str, str] = {}  # sidecar name -> the image name that consumes it
+    for name in names:
+        if _is_image(name) and name not in labels:
+            stem = Path(name).stem
+            for ext in extensions:
+                candidates = [n for n in (stem + ext, stem + ext.upper()) if n in present]
+                if candidates and candidates[0] not in by_sidecar:
+                    by_sidecar[candidates[0]] = name
+                    break
+    return {image: sidecar for sidecar, image in by_sidecar.items()}
+
+
+def _image_item(src: FolderSource, root: Path, path: Path, label: str, rel: str, caption: Path | None,
+                mask: str | None, mask_source: str | None) -> Item:
+    """An image of a folder source: its caption file (or the source's instance prompt) and its mask."""
+    if src.instance_prompt is not None:
+        task = Task(root=str(root), path=str(path), mask_path=mask, mask_source=mask_source)
+        return Item(label, rel, task, src.instance_prompt, "instance_prompt")
+    cap = str(caption) if caption else None
+    task = Task(root=str(root), path=str(path), caption_path=cap, mask_path=mask, mask_source=mask_source)
+    return Item(label, rel, task, caption_source="file" if cap else "none")
 
 
 def _mask_root(root: Path, mask_dir: str | None, key: str) -> Path | None:

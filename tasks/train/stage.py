@@ -11,6 +11,7 @@ import logging
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
 from tasks.common.allocator import say_allocator
 from tasks.common.concepts import metric_key
@@ -77,38 +78,42 @@ def train_and_record(args: argparse.Namespace, cfg: TrainConfig, main_process: b
                 raise
             if not main_process:
                 return
-            write_loss_csv(args.plot, outcome.losses)
-            report = {**outcome.report(), "allocator": allocator}
-            write_json(args.report, report)
-            run.set_tags({"train.method": outcome.method, "train.family": outcome.family,
-                          "train.checkpoint_dir": str(outcome.checkpoint_dir),
-                          "train.selected_step": str(report["selected_checkpoint"]["step"])})
-            for record in report["checkpoints"]:
-                run.log_metrics({f"checkpoint_{k}": record[k] for k in IMAGE_METRICS},
-                                step=record["step"])
-            run.log_metrics({
-                "final_loss": report["final_loss"],
-                "train_seconds": report["seconds"],
-                "total_seconds": report["total_seconds"],
-                "latent_cache_seconds": report["latent_cache_seconds"],
-                "text_cache_seconds": report["text_cache_seconds"],
-                "median_step_seconds": report["median_step_seconds"],
-                "train_images_per_second": report["images_per_second"],
-                "peak_memory_mb": report["peak_memory_mb"],
-            })
-            if report.get("concepts"):  # images, repeats, examples per epoch and seen, per concept
-                run.log_metrics({f"concept.{metric_key(name)}.{k}": v for name, counts in report["concepts"].items()
-                                 for k, v in counts.items()})
-            run.log_dict(report["weights_sha256"], "weights_sha256.json")
-            run.log_artifact(args.report)
-            run.log_artifact(args.plot)
-            for prompt, images in outcome.validation.items():
-                run.log_image(make_grid(images), f"validation/final_{_slug(prompt)}.png")
-            if outcome.validation:
-                run.log_image(make_grid([im for ims in outcome.validation.values() for im in ims]),
-                              "validation_grid.png")
+            report = _record(run, args, outcome, allocator)
     except TrainingInterrupted as err:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(128 + err.signum)
     log.info("%s: %d steps in %.1f s (final loss %.4f); output written to %s",
              outcome.method, report["steps"], report["seconds"], report["final_loss"], args.out)
+
+
+def _record(run: Any, args: argparse.Namespace, outcome: Any, allocator: str) -> dict[str, Any]:
+    """Rank 0, after training: the loss CSV, the report, and the run's tags, metrics and artifacts."""
+    write_loss_csv(args.plot, outcome.losses)
+    report = {**outcome.report(), "allocator": allocator}
+    write_json(args.report, report)
+    run.set_tags({"train.method": outcome.method, "train.family": outcome.family,
+                  "train.checkpoint_dir": str(outcome.checkpoint_dir),
+                  "train.selected_step": str(report["selected_checkpoint"]["step"])})
+    for record in report["checkpoints"]:
+        run.log_metrics({f"checkpoint_{k}": record[k] for k in IMAGE_METRICS}, step=record["step"])
+    run.log_metrics({
+        "final_loss": report["final_loss"],
+        "train_seconds": report["seconds"],
+        "total_seconds": report["total_seconds"],
+        "latent_cache_seconds": report["latent_cache_seconds"],
+        "text_cache_seconds": report["text_cache_seconds"],
+        "median_step_seconds": report["median_step_seconds"],
+        "train_images_per_second": report["images_per_second"],
+        "peak_memory_mb": report["peak_memory_mb"],
+    })
+    if report.get("concepts"):  # images, repeats, examples per epoch and seen, per concept
+        run.log_metrics({f"concept.{metric_key(name)}.{k}": v for name, counts in report["concepts"].items()
+                         for k, v in counts.items()})
+    run.log_dict(report["weights_sha256"], "weights_sha256.json")
+    run.log_artifact(args.report)
+    run.log_artifact(args.plot)
+    for prompt, images in outcome.validation.items():
+        run.log_image(make_grid(images), f"validation/final_{_slug(prompt)}.png")
+    if outcome.validation:
+        run.log_image(make_grid([im for ims in outcome.validation.values() for im in ims]), "validation_grid.png")
+    return report
