@@ -80,6 +80,7 @@ class LatentCache:
             return encode_latents(vae, pixels, rand, scale)
         param = next(vae.parameters())
         given = batch.get("cached_latents") or [None] * len(keys)
+        masks = batch.get("masks") or [None] * len(keys)
         rows, decoded = [], iter(range(pixels.shape[0]))
         for i, key in enumerate(keys):
             if given[i] is not None:  # read by the data loader, the image left undecoded
@@ -91,9 +92,8 @@ class LatentCache:
                 self.hits += 1
                 rows.append(self.store[key]["parameters"])
                 continue
-            mask = (batch.get("masks") or [None] * len(keys))[i]
             rows.append(self.encode(vae, key, pixels[j : j + 1], batch["original_sizes"][i],
-                                    batch["crops_top_left"][i], mask))
+                                    batch["crops_top_left"][i], masks[i]))
         # (`misses` counts encodings: with a disk store, entries an earlier run wrote are hits)
         stacked = torch.cat([r.to(param.device) for r in rows])
         return scale(vae, _sample(DiagonalGaussianDistribution(stacked), rand))
