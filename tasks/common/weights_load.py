@@ -10,6 +10,10 @@ Same weights, same dtypes (tests/common/test_weights_load.py).
 
 Anything this reader does not cover exactly (no safetensors files, modules kept in float32, keys
 that do not match the model's) goes through `from_pretrained` as before.
+
+With a quantized base (`quantize`, tasks/common/quantize.py) each Linear layer is quantized as
+soon as its chunk has loaded, so the peak stays near the quantized size plus one chunk, never the
+whole model in the load precision.
 """
 from __future__ import annotations
 
@@ -25,11 +29,12 @@ log = logging.getLogger(__name__)
 CHUNK = 64  # tensors per mapping of the file: SD 1.5's UNet has 686, the largest 59 MB
 
 
-def load_in_dtype(cls: Any, base: Path, subfolder: str, dtype: torch.dtype) -> Any:
-    """`cls.from_pretrained(base, subfolder=subfolder, torch_dtype=dtype)`, with a lower peak."""
+def load_in_dtype(cls: Any, base: Path, subfolder: str, dtype: torch.dtype, quantize: Any = None) -> Any:
+    """`cls.from_pretrained(base, subfolder=subfolder, torch_dtype=dtype)`, with a lower peak;
+    `quantize` (a BasePrecision): its Linear layers quantized as they load."""
     files = _safetensors_files(Path(base) / subfolder)
-    if dtype == torch.float32 or not files or getattr(cls, "_keep_in_fp32_modules", None):
-        return cls.from_pretrained(base, subfolder=subfolder, torch_dtype=dtype)
+    if (dtype == torch.float32 and quantize is None) or not files or getattr(cls, "_keep_in_fp32_modules", None):
+        return _whole(cls, base, subfolder, dtype, quantize)
     from accelerate import init_empty_weights
     from safetensors import safe_open
 
@@ -41,12 +46,29 @@ def load_in_dtype(cls: Any, base: Path, subfolder: str, dtype: torch.dtype) -> A
             keys[path] = list(fh.keys())
     if {k for names in keys.values() for k in names} != set(model.state_dict()):
         log.info("%s: keys differ from the model's, loading with from_pretrained", subfolder)
-        return cls.from_pretrained(base, subfolder=subfolder, torch_dtype=dtype)  # renamed or missing keys
+        return _whole(cls, base, subfolder, dtype, quantize)  # renamed or missing keys
     for path, names in keys.items():
         for start in range(0, len(names), CHUNK):
             _load_chunk(model, path, names[start : start + CHUNK], dtype)
+            if quantize is not None:
+                quantize.quantize(model, _loaded_linears(model), dtype)
     model.register_to_config(_name_or_path=base)  # as from_pretrained records it
     return model.eval()
+
+
+def _whole(cls: Any, base: Path, subfolder: str, dtype: torch.dtype, quantize: Any) -> Any:
+    """from_pretrained, then quantized whole (the peak is the model in `dtype`)."""
+    model = cls.from_pretrained(base, subfolder=subfolder, torch_dtype=dtype)
+    if quantize is not None:
+        log.info("%s: quantized after a whole load (the chunked reader does not cover this model)", subfolder)
+        quantize.quantize(model, None, dtype)
+    return model
+
+
+def _loaded_linears(model: torch.nn.Module) -> list[str]:
+    """Plain Linear layers whose every tensor has loaded (none left on the meta device)."""
+    return [name for name, module in model.named_modules() if type(module) is torch.nn.Linear
+            and not any(t.is_meta for t in module.parameters())]
 
 
 def _load_chunk(model: torch.nn.Module, path: Path, names: list[str], dtype: torch.dtype) -> None:

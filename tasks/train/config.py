@@ -17,12 +17,13 @@ from typing import Any, Literal
 from pydantic import Field, field_validator, model_validator
 
 from tasks.common import families
+from tasks.common.adapters import ADAPTER_TYPES
 from tasks.common.config import StageConfig
 from tasks.common.errors import UserError
 from tasks.common.launch import LAUNCHERS, LaunchConfig, launch_problem
 from tasks.common.safe_remove import own_folder
 from tasks.train.concepts import ConceptConfig, concepts_problem
-from tasks.train.config_sections import CheckpointScoringConfig, XlaConfig
+from tasks.train.config_sections import CheckpointScoringConfig, XlaConfig, base_precision_problem
 from tasks.train.no_ops import config_no_ops, family_no_ops
 
 LR_SCHEDULERS = ("constant", "constant_with_warmup", "linear", "cosine", "cosine_with_restarts", "polynomial")
@@ -86,6 +87,13 @@ class TrainConfig(StageConfig):
     lora_alpha: float | None = Field(None, gt=0.0, description="LoRA alpha; null: equal to rank")
     lora_dropout: float = Field(0.0, ge=0.0, lt=1.0, description="dropout probability of the LoRA layers")
     fuse_lora: bool = Field(True, description="also write the base pipeline with the LoRA fused in (for export)")
+    lora_type: Literal[ADAPTER_TYPES] = Field(  # type: ignore[valid-type]
+        "lora", description="lora | dora (weight-decomposed) | lokr (Kronecker) | loha (Hadamard), peft's layers")
+    decompose_factor: int = Field(-1, ge=-1, description="LoKr: the Kronecker factor (peft's name); -1: automatic")
+    # --- a quantized frozen base (QLoRA) ----------------------------------------------------------
+    base_model_precision: str = Field(
+        "none", description="none | int8 | fp8 | nf4, or with a library: int8-quanto, int8-bnb, fp8-quanto "
+                            "(the denoiser's Linear layers quantized as they load; lora and textual_inversion)")
     # --- data ------------------------------------------------------------------------------------
     resolution: int = Field(64, ge=8, le=4096, multiple_of=8, description="training images are resized/cropped to this")
     center_crop: bool = Field(True, description="centre crop (false: random crop)")
@@ -232,7 +240,7 @@ class TrainConfig(StageConfig):
     @model_validator(mode="after")
     def _check(self) -> TrainConfig:
         problems = [p for p in (self._precision_problem(), self._method_problem(), self._option_problem(),
-                                concepts_problem(self)) if p]
+                                concepts_problem(self), base_precision_problem(self)) if p]
         if problems:
             raise ValueError("; ".join(problems))
         return self

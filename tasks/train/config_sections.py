@@ -1,4 +1,4 @@
-"""The `train` section's two sub-sections: `train.xla` and `train.checkpoint_scoring`."""
+"""The `train` section's two sub-sections (`train.xla`, `train.checkpoint_scoring`) and its quantized-base check."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -8,6 +8,7 @@ from pydantic import Field
 
 from tasks.common.config import StageConfig
 from tasks.common.errors import UserError
+from tasks.common.quantize import BasePrecision
 from tasks.common.scoring import IMAGE_METRICS
 
 #: What `train.checkpoint_scoring` follows when a key is null: (section, key, default when absent).
@@ -88,3 +89,25 @@ class CheckpointScoringConfig(StageConfig):
                 f"checkpoint's validation images cannot be scored on; set train.checkpoint_scoring.metric to one of "
                 f"{', '.join(IMAGE_METRICS)}")
         return name
+
+
+#: methods whose base weights stay frozen under adapters or a new embedding: a quantized base fits them
+QUANTIZABLE_METHODS = ("lora", "textual_inversion")
+
+
+def base_precision_problem(cfg: Any) -> str | None:
+    """Why `train.base_model_precision` cannot go with this config (value, package, method, adapter,
+    launcher), or None. The device is checked again once it is known (tasks/train/core.py)."""
+    try:
+        precision = BasePrecision.parse(cfg.base_model_precision)
+    except ValueError as err:
+        return str(err)
+    if precision is None:
+        return None
+    key = f"base_model_precision: {cfg.base_model_precision}"
+    if cfg.method not in QUANTIZABLE_METHODS:
+        return (f"{key}: method {cfg.method} updates the base's own weights, which a quantized base cannot train "
+                "(8- and 4-bit weights have no gradient step); use method: lora, or base_model_precision: none")
+    if cfg.launcher == "xla":
+        return f"{key}: XLA has none of the quantized kernels; use launcher local, accelerate or mpirun"
+    return precision.problem(adapter=cfg.lora_type if cfg.method == "lora" else None)

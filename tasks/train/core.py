@@ -21,6 +21,7 @@ from tasks.common.errors import UserError
 from tasks.common.fingerprint import weight_hashes
 from tasks.common.memory import release_memory
 from tasks.common.outputs import atomic_dir, atomic_file
+from tasks.common.quantize import BasePrecision
 from tasks.train.backend import caches_on_host
 from tasks.train.checkpoints import CheckpointManager, run_key
 from tasks.train.concepts import examples_report
@@ -139,7 +140,8 @@ def train(
     dtype = weight_dtype(accelerator.mixed_precision)
     if caches_on_host(accelerator):  # frozen parts in low precision; with the text cache on, text encoders gone
         method.place_frozen_first(accelerator.device, dtype)
-    components.load_denoiser(base, method.denoiser_load_dtype(dtype, accelerator.device))  # only now: never beside T5
+    quantize = base_precision(cfg, accelerator.device)
+    components.load_denoiser(base, method.denoiser_load_dtype(dtype, accelerator.device), quantize)  # never beside T5
     prompts = cfg.validation_prompts or method.validation_prompts()
     validate = live_validator(method, base, cfg, accelerator, prompts)
     judge = (CheckpointJudge(cfg.checkpoint_scoring, prompts, Path(data_dir), accelerator.is_main_process)
@@ -175,6 +177,14 @@ def train(
         checkpoints=[_on_disk(r, checkpoints.run_dir / f"checkpoint-{r['step']}") for r in result.state.scores],
         selected=selected, concepts=concepts,
     )
+
+
+def base_precision(cfg: TrainConfig, device: torch.device) -> BasePrecision | None:
+    """The quantized base `train.base_model_precision` asks for, refused where the device has no kernels."""
+    quantize = BasePrecision.parse(cfg.base_model_precision)
+    if quantize is not None and (problem := quantize.problem(device.type)):
+        raise UserError(f"params.yaml: {problem}")
+    return quantize
 
 
 def _summed(counts: Counter, accelerator: Any) -> Counter:

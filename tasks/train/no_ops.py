@@ -31,7 +31,11 @@ CONFIG_RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     **{key: (lambda c: c.method == "textual_inversion", "only method: textual_inversion reads it")
        for key in ("placeholder_token", "initializer_token", "num_vectors", "learnable_property")},
     **{key: (lambda c: c.method == "lora", "only method: lora reads it")
-       for key in ("rank", "lora_alpha", "lora_dropout", "fuse_lora")},
+       for key in ("rank", "lora_alpha", "fuse_lora", "lora_type")},
+    "lora_dropout": (lambda c: c.method == "lora" and c.lora_type in ("lora", "dora"),
+                     "only method: lora with lora_type lora or dora has LoRA's dropout (peft's LoKr and LoHa do not)"),
+    "decompose_factor": (lambda c: c.method == "lora" and c.lora_type == "lokr",
+                         "only method: lora with lora_type: lokr has a Kronecker factor"),
 }
 
 #: flow-matching keys that only one weighting scheme reads

@@ -44,11 +44,12 @@ class Components:
         if self.denoiser is not None:
             self.denoiser_config = dict(self.denoiser.config)
 
-    def load_denoiser(self, base: Path, dtype: Any = None) -> None:
+    def load_denoiser(self, base: Path, dtype: Any = None, quantize: Any = None) -> None:
         """Load the denoiser's weights now (after the prompts are encoded, the text encoders gone);
-        `dtype`: straight into that precision (where training keeps the denoiser's weights frozen)."""
+        `dtype`: straight into that precision (where training keeps the denoiser's weights frozen);
+        `quantize` (tasks/common/quantize.BasePrecision): its Linear layers quantized as they load."""
         if self.denoiser is None:
-            self.denoiser = self.family.load_denoiser(base, dtype)
+            self.denoiser = self.family.load_denoiser(base, dtype, quantize)
             self.modules = {self.family.denoiser_name: self.denoiser, **self.modules}
 
     def text_encoder_names(self) -> list[str]:
@@ -158,18 +159,20 @@ class ModelFamily:
         return Components(cls, tokenizers, encoders, vae, cls.load_denoiser(base), scheduler)
 
     @classmethod
-    def load_denoiser(cls, base: Path, dtype: Any = None) -> Any:
+    def load_denoiser(cls, base: Path, dtype: Any = None, quantize: Any = None) -> Any:
         """The denoiser (UNet or transformer) of a base folder, in the precision diffusers loads it
-        in, or in `dtype` (a frozen denoiser: loaded tensor by tensor, never the whole file beside it)."""
+        in, or in `dtype` (a frozen denoiser: loaded tensor by tensor, never the whole file beside it);
+        `quantize`: a frozen denoiser's Linear layers quantized as they load."""
         import diffusers
+        import torch
 
         index = _index(Path(base))
         model_class = getattr(diffusers, index[cls.denoiser_name][1])
-        if dtype is None:
+        if dtype is None and quantize is None:
             return model_class.from_pretrained(base, subfolder=cls.denoiser_name)
         from tasks.common.weights_load import load_in_dtype
 
-        return load_in_dtype(model_class, base, cls.denoiser_name, dtype)
+        return load_in_dtype(model_class, base, cls.denoiser_name, dtype or torch.float32, quantize)
 
     @classmethod
     def refused_options(cls) -> dict[str, str]:

@@ -22,6 +22,7 @@ from tqdm import tqdm
 
 from tasks.common.errors import UserError
 from tasks.common.memory import release_memory
+from tasks.common.quantize import has_quantized, place_quantized
 from tasks.train.concepts import concept_layout, concept_prompts, concept_validation_prompts, log_concepts, weighted
 from tasks.train.config import TrainConfig
 from tasks.train.data import CaptionPolicy, Record, TrainDataset, collate, latent_key, prepare_image, read_imagefolder
@@ -397,7 +398,9 @@ def _put(module: torch.nn.Module, name: str, device: torch.device, dtype: torch.
     trained ones in float32."""
     # fp16 VAEs overflow (SDXL's notably); bf16 has fp32's range.
     target = torch.float32 if trainable or (name == "vae" and dtype == torch.float16) else dtype
-    if target == torch.float32:
+    if has_quantized(module):
+        place_quantized(module, device, target)  # a quantized base: its 8/4-bit weights keep their format
+    elif target == torch.float32:
         module.to(device)  # already fp32 (passing a dtype makes diffusers warn for nothing)
     else:
         module.to(device, dtype=target)

@@ -1,5 +1,7 @@
 """LoRA (Hu et al. 2021) with peft: low-rank adapters on the denoiser's attention projections (the family's
 `lora_targets`), and on the text encoders' with `train_text_encoder`, as diffusers' train_dreambooth_lora*.py add them.
+`lora_type` picks peft's layer: LoRA, DoRA, LoKr or LoHa (tasks/common/adapters.py); on a quantized
+base (`base_model_precision`, tasks/common/quantize.py) the adapters train over 8- or 4-bit layers.
 
 The base weights stay frozen in the training precision; only the adapters train, in float32.
 Saves `pytorch_lora_weights.safetensors` (diffusers' format: `pipe.load_lora_weights(folder)`
@@ -15,7 +17,9 @@ from typing import Any
 import torch
 
 from tasks.common import families
+from tasks.common.adapters import DIFFUSERS_FORMAT, PEFT_DIR, apply_peft_adapters, peft_config, save_peft_adapters
 from tasks.common.lora import fuse_lora_file
+from tasks.common.quantize import is_quantized
 from tasks.train.config import TrainConfig
 from tasks.train.methods.base import TrainingMethod
 
@@ -32,11 +36,13 @@ class LoRA(TrainingMethod):
         self.fused_components: list[str] = []  # the pipeline components the saved file has layers for
 
     def _config(self, targets: tuple[str, ...]) -> Any:
-        from peft import LoraConfig
+        c = self.cfg
+        return peft_config(c.lora_type, c.rank, c.lora_alpha, c.lora_dropout, list(targets), c.decompose_factor)
 
-        return LoraConfig(r=self.cfg.rank, lora_alpha=self.cfg.lora_alpha or self.cfg.rank,
-                          lora_dropout=self.cfg.lora_dropout, init_lora_weights="gaussian",
-                          target_modules=list(targets))
+    @property
+    def diffusers_format(self) -> bool:
+        """LoRA and DoRA: diffusers' LoRA file; LoKr and LoHa: peft's folders (tasks/common/adapters.py)."""
+        return self.cfg.lora_type in DIFFUSERS_FORMAT
 
     def configure(self) -> None:
         """Freeze every base weight, then add adapters (their weights are the only trainable ones)."""
@@ -65,12 +71,19 @@ class LoRA(TrainingMethod):
             return
         for name in self.trainable():
             for param in self.components.modules[name].parameters():
-                param.data = param.data.to(torch.float32 if param.requires_grad else dtype)
+                if not is_quantized(param):  # a quantized base's weights keep their format
+                    param.data = param.data.to(torch.float32 if param.requires_grad else dtype)
 
     def save(self, base: Path, out_dir: Path, trained: dict[str, torch.nn.Module]) -> None:
-        """The adapters of the trained modules, in diffusers' LoRA file."""
+        """The adapters of the trained modules: diffusers' LoRA file, or peft's folders (LoKr, LoHa)."""
         from peft.utils import get_peft_model_state_dict
 
+        self.fused_components = self.components.family.lora_components(list(trained))
+        if not self.diffusers_format:
+            save_peft_adapters(out_dir / PEFT_DIR, trained)
+            log.info("saved %s adapters (%s, rank %d) to %s", self.cfg.lora_type, ", ".join(sorted(trained)),
+                     self.cfg.rank, out_dir / PEFT_DIR)
+            return
         layers: dict[str, Any] = {}
         for name, module in trained.items():
             layers[f"{name}_lora_layers"] = _diffusers_keys(get_peft_model_state_dict(module))
@@ -80,9 +93,8 @@ class LoRA(TrainingMethod):
             layers[f"{name}_lora_adapter_metadata"] = meta
         self.components.family.pipeline_class().save_lora_weights(
             out_dir, **layers, weight_name=WEIGHT_NAME, safe_serialization=True)
-        log.info("saved LoRA weights (%s, rank %d) to %s", ", ".join(sorted(trained)), self.cfg.rank,
-                 out_dir / WEIGHT_NAME)
-        self.fused_components = self.components.family.lora_components(list(trained))
+        log.info("saved %s weights (%s, rank %d) to %s", self.cfg.lora_type, ", ".join(sorted(trained)),
+                 self.cfg.rank, out_dir / WEIGHT_NAME)
 
     def complete_output(self, base: Path, out_dir: Path) -> None:
         """With `fuse_lora`: the base with the LoRA file fused in, loaded only now that the trained
@@ -93,7 +105,10 @@ class LoRA(TrainingMethod):
             return
         # In the precision the base is stored in (a bf16 SD3.5 stays bf16, not float32 at twice the size).
         pipe = DiffusionPipeline.from_pretrained(base, torch_dtype=families.stored_dtypes(base))
-        fuse_lora_file(pipe, out_dir / WEIGHT_NAME, self.fused_components)
+        if self.diffusers_format:
+            fuse_lora_file(pipe, out_dir / WEIGHT_NAME, self.fused_components)
+        else:
+            apply_peft_adapters(pipe, out_dir / PEFT_DIR, fuse=True)
         pipe.save_pretrained(out_dir, safe_serialization=True)
         log.info("saved the base pipeline with the LoRA fused in to %s", out_dir)
 
@@ -103,7 +118,10 @@ class LoRA(TrainingMethod):
         if self.cfg.fuse_lora:
             return DiffusionPipeline.from_pretrained(out_dir)
         pipe = DiffusionPipeline.from_pretrained(base)
-        pipe.load_lora_weights(out_dir, weight_name=WEIGHT_NAME)
+        if self.diffusers_format:
+            pipe.load_lora_weights(out_dir, weight_name=WEIGHT_NAME)
+        else:
+            apply_peft_adapters(pipe, out_dir / PEFT_DIR, fuse=False)
         return pipe
 
 
