@@ -4,8 +4,8 @@
   (`pytorch_lora_weights.safetensors`), which every family's `load_lora_weights` reads;
 - `lokr` (Kronecker product), `loha` (Hadamard product): diffusers has no loader for them, so they
   are saved in peft's own layout, one folder per adapted component under `peft_adapters/`
-  (`adapter_config.json` + `adapter_model.safetensors`, what `PeftModel.save_pretrained` writes),
-  and applied back through peft (`apply_peft_adapters`).
+  (`adapter_config.json` + `adapter_model.safetensors`, what `PeftModel.save_pretrained` writes):
+  `PeftModel.from_pretrained(pipe.unet, "peft_adapters/unet")` loads one (`apply_peft_adapters`).
 
 The train stage builds the configs; the export and evaluate stages (tasks/common/finetuned.py)
 and the LoRA method's fused output apply and fuse the peft folders.
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import logging
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +26,7 @@ DIFFUSERS_FORMAT = ("lora", "dora")
 PEFT_DIR = "peft_adapters"
 CONFIG_NAME = "adapter_config.json"
 WEIGHTS_NAME = "adapter_model.safetensors"
+PREFIX = "base_model.model."
 
 
 def peft_config(lora_type: str, rank: int, alpha: float | None, dropout: float, targets: list[str],
@@ -55,7 +57,8 @@ def save_peft_adapters(folder: Path, modules: dict[str, Any]) -> None:
         # peft keeps target_modules as a set: sorted, or the file's bytes vary with the hash seed.
         config = {k: sorted(v) if isinstance(v, set) else v for k, v in config.items()}
         (out / CONFIG_NAME).write_text(json.dumps(config, indent=2, sort_keys=True, default=str))
-        state = {k: v.detach().contiguous() for k, v in get_peft_model_state_dict(module).items()}
+        # PeftModel's key prefix: what `PeftModel.from_pretrained(component, folder)` loads.
+        state = {f"{PREFIX}{k}": v.detach().contiguous() for k, v in get_peft_model_state_dict(module).items()}
         save_file(state, str(out / WEIGHTS_NAME), metadata={"format": "pt"})
 
 
@@ -66,31 +69,23 @@ def peft_components(folder: Path) -> list[str]:
     return sorted(p.name for p in Path(folder).iterdir() if (p / CONFIG_NAME).is_file())
 
 
-def apply_peft_adapters(pipe: Any, folder: Path, fuse: bool = True) -> list[str]:
-    """Put the adapters of `folder` (save_peft_adapters' layout) on the pipeline's components; with
-    `fuse`, merge them into the weights and drop the adapter layers. Returns the components."""
-    from diffusers.utils.peft_utils import recurse_remove_peft_layers
-    from peft import PeftConfig, inject_adapter_in_model, set_peft_model_state_dict
-    from peft.tuners.tuners_utils import BaseTunerLayer
-    from safetensors.torch import load_file
+def apply_peft_adapters(pipe: Any, folder: Path) -> list[str]:
+    """Fuse the adapters of `folder` (save_peft_adapters' layout) into the pipeline's components
+    through peft's own loader (`PeftModel.from_pretrained(...).merge_and_unload()`); returns the
+    components. An adapter file whose tensors do not all load is refused, not half-applied."""
+    from peft import PeftModel
 
     names = peft_components(folder)
     for name in names:
         module = getattr(pipe, name, None)
         if module is None:
             raise ValueError(f"{folder / name} holds adapters for {name!r}, which the pipeline does not have")
-        config = PeftConfig.from_pretrained(str(Path(folder) / name))
-        inject_adapter_in_model(config, module, adapter_name="default")
-        result = set_peft_model_state_dict(module, load_file(str(Path(folder) / name / WEIGHTS_NAME)),
-                                           adapter_name="default")
-        if unexpected := getattr(result, "unexpected_keys", None):
-            raise ValueError(f"{folder / name}: {len(unexpected)} adapter tensors match no layer, e.g. {unexpected[0]}")
-        if fuse:
-            for layer in module.modules():
-                if isinstance(layer, BaseTunerLayer):
-                    layer.merge()
-            recurse_remove_peft_layers(module)
-            if hasattr(module, "peft_config"):
-                del module.peft_config  # plain weights again: nothing may save it as an adapter model
-    log.info("applied peft adapters (%s) from %s%s", ", ".join(names), folder, ", fused" if fuse else "")
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            model = PeftModel.from_pretrained(module, str(Path(folder) / name))
+        if missing := [w for w in caught if "missing adapter keys" in str(w.message)]:
+            raise ValueError(f"{folder / name}: its adapter tensors do not match the {name} layers "
+                             f"({str(missing[0].message)[:200]})")
+        setattr(pipe, name, model.merge_and_unload())
+    log.info("fused peft adapters (%s) from %s", ", ".join(names), folder)
     return names

@@ -4,9 +4,9 @@ Every training method's output is accepted, detected from the folder's contents:
 
 - a full pipeline (`model_index.json`: DreamBooth, full fine-tunes, textual inversion, LoRA saved
   with `fuse_lora`): loaded as it is;
-- adapters only (`pytorch_lora_weights.safetensors` and/or `learned_embeds.safetensors`, no
-  `model_index.json`): the base pipeline is loaded, the LoRA fused into its weights and the new
-  tokens added to its tokenizers.
+- adapters only (`pytorch_lora_weights.safetensors`, LoKr/LoHa in `peft_adapters/`, and/or
+  `learned_embeds.safetensors`, no `model_index.json`): the base pipeline is loaded, the adapters
+  fused into its weights and the new tokens added to its tokenizers.
 
 Used by the export stage (which saves the result and converts it) and by the evaluate stage
 (which generates with it in PyTorch fp32, beside the base, for like-with-like gains).
@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from tasks.common import families
+from tasks.common.adapters import PEFT_DIR, apply_peft_adapters, peft_components
 from tasks.common.errors import UserError
 from tasks.common.lora import fuse_lora_file
 
@@ -33,7 +34,7 @@ class SourceKind:
     """What a train output folder holds."""
 
     full_pipeline: bool
-    lora: Path | None
+    lora: Path | None  # diffusers' LoRA file (LoRA, DoRA), or peft's adapters folder (LoKr, LoHa)
     embeds: Path | None
 
     @property
@@ -53,12 +54,12 @@ def detect(src: Path) -> SourceKind:
             f"{src} does not exist: run the train stage first (dvc repro train) or pass a "
             "diffusers pipeline folder"
         )
-    lora = src / LORA_NAME if (src / LORA_NAME).is_file() else None
+    lora = next((p for p in (src / LORA_NAME, src / PEFT_DIR) if p.is_file() or peft_components(p)), None)
     embeds = src / EMBEDS_NAME if (src / EMBEDS_NAME).is_file() else None
     kind = SourceKind((src / "model_index.json").is_file(), lora, embeds)
     if not (kind.full_pipeline or lora or embeds):
         raise UserError(
-            f"{src} holds neither a pipeline (model_index.json) nor adapters ({LORA_NAME}, "
+            f"{src} holds neither a pipeline (model_index.json) nor adapters ({LORA_NAME}, {PEFT_DIR}/, "
             f"{EMBEDS_NAME}): pass the train stage's output folder"
         )
     return kind
@@ -126,7 +127,10 @@ def load_finetuned(src: Path, base: Path | None, token: str | None = None) -> tu
     if kind.lora is not None:
         # Fused into every component the file can have layers for (denoiser, text encoders), the
         # adapter modules dropped: plain tensors with the LoRA inside.
-        fuse_lora_file(pipe, kind.lora)
+        if kind.lora.is_dir():
+            apply_peft_adapters(pipe, kind.lora)
+        else:
+            fuse_lora_file(pipe, kind.lora)
         info["lora"] = str(kind.lora)
     if kind.embeds is not None:
         info["tokens"] = load_embeds(pipe, kind.embeds, token)

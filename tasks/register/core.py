@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from tasks.common import families
+from tasks.common.adapters import PEFT_DIR
 from tasks.common.config import load_config, read_params
 from tasks.common.errors import UserError
 from tasks.common.tracking import git_commit, stage_run
@@ -41,13 +42,14 @@ log = logging.getLogger(__name__)
 CANDIDATE = "candidate"
 MODEL_CODE = Path(__file__).with_name("pyfunc_model.py")
 #: What the train stage writes for `train.method: lora` (tasks/train/methods/lora.py); without
-#: `fuse_lora` the folder holds only this file, and the model is registered with its base.
+#: `fuse_lora` the folder holds only this file (LoKr and LoHa: peft's folders under PEFT_DIR),
+#: and the model is registered with its base.
 LORA_WEIGHTS = "pytorch_lora_weights.safetensors"
 
 #: What the model needs to load and predict, pinned to the versions that logged it (MLflow's
 #: own inference would load the model in a subprocess just to guess this list).
 _RUNTIME_PACKAGES = (
-    "mlflow", "torch", "diffusers", "transformers", "accelerate", "safetensors", "pillow",
+    "mlflow", "torch", "diffusers", "transformers", "accelerate", "peft", "safetensors", "pillow",
     "pandas", "numpy", "optimum", "optimum-intel", "openvino", "openvino-tokenizers",
 )
 
@@ -106,9 +108,9 @@ def model_artifacts(finetuned: Path, openvino: Path, base: Path | None) -> dict[
     artifacts = {"finetuned": str(finetuned), "openvino": str(openvino)}
     if (Path(finetuned) / "model_index.json").is_file():  # a full pipeline (LoRA weights beside it: fused)
         return artifacts
-    if not (Path(finetuned) / LORA_WEIGHTS).is_file():
-        raise UserError(f"{finetuned} holds neither a diffusers pipeline (model_index.json) nor LoRA "
-                        f"adapters ({LORA_WEIGHTS}): run the pipeline first (`dvc repro`)")
+    if not ((Path(finetuned) / LORA_WEIGHTS).is_file() or (Path(finetuned) / PEFT_DIR).is_dir()):
+        raise UserError(f"{finetuned} holds neither a diffusers pipeline (model_index.json) nor adapters "
+                        f"({LORA_WEIGHTS}, {PEFT_DIR}/): run the pipeline first (`dvc repro`)")
     adapters_only = (f"{finetuned} holds LoRA adapters only (train.fuse_lora: false); they are registered "
                      "with the base pipeline they apply to: pass --base models/base (run `dvc repro base` first)")
     if base is None:

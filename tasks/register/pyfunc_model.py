@@ -372,7 +372,8 @@ def _runtime_config(path: str) -> dict[str, str]:
 
 
 def _diffusers_pipeline(artifacts: dict[str, str]) -> Any:
-    """The fine-tuned pipeline; LoRA adapters registered unfused are loaded onto their base."""
+    """The fine-tuned pipeline; adapters registered unfused are loaded onto their base (LoRA and
+    DoRA with diffusers' loader, LoKr and LoHa fused through peft's)."""
     from diffusers import DiffusionPipeline
 
     path = artifacts["finetuned"]
@@ -381,7 +382,15 @@ def _diffusers_pipeline(artifacts: dict[str, str]) -> Any:
     if "base" not in artifacts:
         raise ValueError(f"{path} holds no pipeline (model_index.json) and the model has no base")
     pipe = DiffusionPipeline.from_pretrained(artifacts["base"])
-    pipe.load_lora_weights(path, weight_name="pytorch_lora_weights.safetensors")
+    peft_dir = os.path.join(path, "peft_adapters")
+    if not os.path.isdir(peft_dir):
+        pipe.load_lora_weights(path, weight_name="pytorch_lora_weights.safetensors")
+        return pipe
+    from peft import PeftModel  # LoKr/LoHa, which diffusers' LoRA loader does not read: peft's own
+
+    for name in sorted(os.listdir(peft_dir)):
+        setattr(pipe, name, PeftModel.from_pretrained(getattr(pipe, name), os.path.join(peft_dir, name))
+                .merge_and_unload())
     return pipe
 
 

@@ -108,7 +108,7 @@ class LoRA(TrainingMethod):
         if self.diffusers_format:
             fuse_lora_file(pipe, out_dir / WEIGHT_NAME, self.fused_components)
         else:
-            apply_peft_adapters(pipe, out_dir / PEFT_DIR, fuse=True)
+            apply_peft_adapters(pipe, out_dir / PEFT_DIR)
         pipe.save_pretrained(out_dir, safe_serialization=True)
         log.info("saved the base pipeline with the LoRA fused in to %s", out_dir)
 
@@ -121,7 +121,7 @@ class LoRA(TrainingMethod):
         if self.diffusers_format:
             pipe.load_lora_weights(out_dir, weight_name=WEIGHT_NAME)
         else:
-            apply_peft_adapters(pipe, out_dir / PEFT_DIR, fuse=False)
+            apply_peft_adapters(pipe, out_dir / PEFT_DIR)  # fused: same images
         return pipe
 
 
