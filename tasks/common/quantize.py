@@ -71,7 +71,7 @@ class BasePrecision:
             where = " and ".join(sorted(DEVICES[self.library]))
             return f"{key} has no kernels on {device_type}; it trains on {where}: set base_model_precision: none here"
         if adapter in UNSUPPORTED_ADAPTERS.get((self.precision, self.library), set()):
-            return (f"{key} cannot train lora_type: {adapter} (peft's {adapter} layer fails on its layers); with "
+            return (f"{key} cannot train lora_type: {adapter} (peft's {adapter} layer fails on these quantized layers); with "
                     f"{adapter} use one of {', '.join(choices_for(adapter))}")
         return None
 

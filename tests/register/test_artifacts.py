@@ -123,3 +123,35 @@ def test_the_method_table_covers_every_method() -> None:
 
     methods = set(TrainConfig.model_fields["method"].annotation.__args__)
     assert {m.split(",")[0] for m in METHOD_OUTPUTS} == methods
+
+
+def test_unfused_lokr_registers_and_predicts_through_peft(project: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """LoKr (train.lora_type: lokr), which diffusers' LoRA loader cannot read, saved in peft's layout
+    without fuse_lora: registered with its base, the pyfunc fuses it through peft."""
+    import torch
+    from diffusers import DiffusionPipeline
+
+    from tasks.common.adapters import apply_peft_adapters, peft_config, save_peft_adapters
+
+    root = project
+    shutil.move(root / "models/finetuned", root / "models/base")
+    base = DiffusionPipeline.from_pretrained(root / "models/base")
+    torch.manual_seed(0)
+    base.unet.add_adapter(peft_config("lokr", 4, 4, 0.0, ["to_q", "to_k", "to_v", "to_out.0"]))
+    for name, param in base.unet.named_parameters():
+        if "lokr_w1" in name:  # LoKr starts as a no-op (w1 zero): give it weights to see
+            torch.nn.init.normal_(param, std=0.5)
+    save_peft_adapters(root / "models/finetuned/peft_adapters", {"unet": base.unet})
+    result = register(root / "models/finetuned", root / "models/openvino", root / "reports/evaluate.json",
+                      root / "dvc.lock", root / "params.yaml", base=root / "models/base")
+    assert mlflow.MlflowClient().get_model_version(result.name, result.version).tags["model.artifacts"] == \
+        "lora_adapters+base"
+
+    monkeypatch.setenv("FINETUNE_PYFUNC_BACKEND", "diffusers")
+    out = mlflow.pyfunc.load_model(result.model_uri).predict([PROMPT], params={"num_inference_steps": 2, "seed": 7})
+    got = np.asarray(Image.open(io.BytesIO(base64.b64decode(out["image"][0]))).convert("RGB"))
+    expected = DiffusionPipeline.from_pretrained(root / "models/base")
+    plain = _image(expected)
+    apply_peft_adapters(expected, root / "models/finetuned/peft_adapters")
+    assert np.array_equal(got, _image(expected))
+    assert not np.array_equal(got, plain)
