@@ -71,8 +71,8 @@ class BasePrecision:
             where = " and ".join(sorted(DEVICES[self.library]))
             return f"{key} has no kernels on {device_type}; it trains on {where}: set base_model_precision: none here"
         if adapter in UNSUPPORTED_ADAPTERS.get((self.precision, self.library), set()):
-            return (f"{key} cannot train lora_type: {adapter} (peft's {adapter} layer fails on these quantized layers); with "
-                    f"{adapter} use one of {', '.join(choices_for(adapter))}")
+            return (f"{key} cannot train lora_type: {adapter} (peft's {adapter} layer fails on these quantized "
+                    f"layers); with {adapter} use one of {', '.join(choices_for(adapter))}")
         return None
 
     def quantize(self, model: torch.nn.Module, names: Iterable[str] | None = None, dtype: torch.dtype | None = None

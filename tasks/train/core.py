@@ -21,7 +21,7 @@ from tasks.common.errors import UserError
 from tasks.common.fingerprint import weight_hashes
 from tasks.common.memory import release_memory
 from tasks.common.outputs import atomic_dir, atomic_file
-from tasks.common.quantize import BasePrecision
+from tasks.common.quantize import BasePrecision, is_quantized
 from tasks.train.backend import caches_on_host
 from tasks.train.checkpoints import CheckpointManager, run_key
 from tasks.train.concepts import examples_report
@@ -59,6 +59,7 @@ class TrainOutcome:
     cache_seconds: float = 0.0  # the latent cache filled before the first step
     text_cache_seconds: float = 0.0  # the text cache filled before the first step
     concepts: dict[str, dict[str, Any]] = field(default_factory=dict)  # per concept: images, repeats, examples seen
+    base_precision: dict[str, Any] = field(default_factory=dict)  # the frozen base's: name, quantized layers
 
     def report(self) -> dict[str, Any]:
         """reports/train.json (DVC metrics)."""
@@ -83,6 +84,8 @@ class TrainOutcome:
             "selected_checkpoint": self.selected,
             **({"buckets": self.buckets} if self.buckets else {}),
             **({"concepts": self.concepts} if self.concepts else {}),
+            "base_model_precision": self.base_precision.get("name", "none"),
+            **({"quantized_layers": self.base_precision["layers"]} if self.base_precision else {}),
         }
 
 
@@ -142,6 +145,7 @@ def train(
         method.place_frozen_first(accelerator.device, dtype)
     quantize = base_precision(cfg, accelerator.device)
     components.load_denoiser(base, method.denoiser_load_dtype(dtype, accelerator.device), quantize)  # never beside T5
+    base_info = quantized_report(quantize, components.denoiser)
     prompts = cfg.validation_prompts or method.validation_prompts()
     validate = live_validator(method, base, cfg, accelerator, prompts)
     judge = (CheckpointJudge(cfg.checkpoint_scoring, prompts, Path(data_dir), accelerator.is_main_process)
@@ -175,7 +179,7 @@ def train(
         peak_memory_mb=peak, buckets=dataset.bucket_counts(), cache_seconds=result.cache_seconds,
         text_cache_seconds=method.text_cache_seconds,
         checkpoints=[_on_disk(r, checkpoints.run_dir / f"checkpoint-{r['step']}") for r in result.state.scores],
-        selected=selected, concepts=concepts,
+        selected=selected, concepts=concepts, base_precision=base_info,
     )
 
 
@@ -185,6 +189,15 @@ def base_precision(cfg: TrainConfig, device: torch.device) -> BasePrecision | No
     if quantize is not None and (problem := quantize.problem(device.type)):
         raise UserError(f"params.yaml: {problem}")
     return quantize
+
+
+def quantized_report(quantize: BasePrecision | None, denoiser: torch.nn.Module) -> dict[str, Any]:
+    """{name, layers}: the quantized base's precision and how many of the denoiser's Linear layers hold it."""
+    if quantize is None:
+        return {}
+    layers = sum(1 for m in denoiser.modules() if isinstance(m, torch.nn.Linear) and is_quantized(m.weight))
+    log.info("%s: %d Linear layers of the denoiser quantized as they loaded", quantize.name, layers)
+    return {"name": quantize.name, "layers": layers}
 
 
 def _summed(counts: Counter, accelerator: Any) -> Counter:

@@ -1,7 +1,7 @@
 """SD3, FLUX.1 and FLUX.2 klein end to end with the real `dvc`: `base.model: builtin:tiny-<family>`
-and `train.method: lora`, then registration; every output is loaded by the family's own classes
-(diffusers' pipeline with `load_lora_weights`, optimum-intel's OpenVINO pipeline, the MLflow pyfunc
-in a second process and over HTTP with `mlflow models serve`).
+and `train.method: lora` (FLUX.1: DoRA on an int8 base), then registration; every output is loaded
+by the family's own classes (diffusers' pipeline with `load_lora_weights`, optimum-intel's OpenVINO
+pipeline, the MLflow pyfunc in a second process and over HTTP with `mlflow models serve`).
 Small settings: the point is the chain, not the images."""
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from safetensors.torch import load_file
 
 from tests.e2e_util import copy_repo, e2e_env
 
@@ -27,13 +28,18 @@ SMALL = {
 }
 
 
+#: FLUX.1 trains DoRA on an int8 base (torchao), as a 24 GB user of the real 12B model would
+QUANTIZED = {"flux": {"base_model_precision": "int8", "lora_type": "dora"}}
+
+
 def small_params(root: Path, builtin: str) -> None:
     from tasks.common.families import BUILTINS
 
     params = yaml.safe_load((root / "params.yaml").read_text())
     params["base"]["model"] = builtin
     with_text = bool(BUILTINS[builtin].trainable_text_encoders)  # FLUX.2 klein trains no text encoder
-    small = {**SMALL, "train": {**SMALL["train"], "train_text_encoder": with_text}}
+    quantized = QUANTIZED.get(builtin.removeprefix("builtin:tiny-"), {})
+    small = {**SMALL, "train": {**SMALL["train"], "train_text_encoder": with_text, **quantized}}
     for section, values in small.items():
         for key, value in values.items():
             if isinstance(value, dict):
@@ -85,12 +91,16 @@ def test_the_lora_loads_with_the_family_pipeline(pipeline) -> None:
     cls = {"sd3": StableDiffusion3Pipeline, "flux": FluxPipeline, "flux2": Flux2KleinPipeline}[name]
     pipe = cls.from_pretrained(root / "models/base")
     before = {k: v.clone() for k, v in pipe.transformer.state_dict().items() if "to_q" in k}
+    keys = load_file(root / "models/finetuned/pytorch_lora_weights.safetensors").keys()
+    assert any("lora_magnitude_vector" in k for k in keys) == (name in QUANTIZED)  # DoRA's magnitudes
     pipe.load_lora_weights(root / "models/finetuned")
     pipe.fuse_lora()
     pipe.unload_lora_weights()
     assert any(not torch.equal(v, pipe.transformer.state_dict()[k]) for k, v in before.items())
     report = json.loads((root / "reports/train.json").read_text())
     assert report["family"] == name and report["method"] == "lora"
+    assert report["base_model_precision"] == ("int8-torchao" if name in QUANTIZED else "none")
+    assert (report.get("quantized_layers", 0) > 0) == (name in QUANTIZED)
 
 
 def test_the_export_loads_with_optimum_intel_and_generates(pipeline) -> None:

@@ -91,14 +91,15 @@ FAMILY_CASES = [("sdxl", "int8", "loha"), ("sd3", "fp8", "lokr"), ("flux", "int8
 @pytest.mark.parametrize(("name", "precision", "adapter"), FAMILY_CASES, ids=[c[0] for c in FAMILY_CASES])
 def test_each_family_trains_on_a_quantized_base_and_fuses(request, tmp_path, one_image, name, precision,
                                                           adapter) -> None:
-    """Fused output (fuse_lora: true) from the base's own files, equal to what export and evaluate
-    fuse from the adapters (tasks/common/finetuned.py)."""
+    """With gradient checkpointing through the quantized layers; the fused output (fuse_lora: true)
+    from the base's own files, equal to what export and evaluate fuse from the adapters
+    (tasks/common/finetuned.py)."""
     from diffusers import DiffusionPipeline
 
     from tasks.common.finetuned import load_finetuned
 
     base = request.getfixturevalue(f"tiny_{name}")
-    _, out = _train(tmp_path, base, one_image, precision, adapter)
+    _, out = _train(tmp_path, base, one_image, precision, adapter, gradient_checkpointing=True)
     _no_quantized_tensor(out)
     fused = DiffusionPipeline.from_pretrained(out)
     denoiser = detect(base).denoiser_name
@@ -166,6 +167,7 @@ def test_a_missing_library_is_named_with_its_install(monkeypatch) -> None:
     import importlib.util
 
     real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "bitsandbytes" else real(name, *a))
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "bitsandbytes" else real(name, *a))
     assert "needs the bitsandbytes package (pip install bitsandbytes)" in BasePrecision.parse("nf4").problem()
     assert "has no kernels on xla" in BasePrecision.parse("int8").problem("xla")
