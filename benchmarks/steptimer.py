@@ -8,6 +8,9 @@ the script or module as __main__ in this process. At exit, OUT.json gets the ste
 (perf_counter seconds), the peak RSS at each step's end and at exit, and the wall time. Our stage
 and diffusers' example scripts are timed by the same hook, so s/step means the same for both.
 STEPTIMER_MEMORY_LOG=FILE also writes the current and peak RSS at every log record to FILE.
+On a CUDA run it also records the peak of torch's CUDA allocator within each step (the peak is
+reset at each step's end), and over the whole run. STEPTIMER_SDPA_DISABLE=cudnn,... turns off those
+attention kernels of torch's for every loop alike (benchmarks/flux_dev/README.md: cuDNN's faulted).
 `timed()` runs a command this way from a benchmark and summarises what it recorded.
 """
 from __future__ import annotations
@@ -66,15 +69,24 @@ def main() -> None:
     ends: list[float] = []
     rss: list[float] = []
     faults: list[int] = []  # minor page faults so far (blocks the kernel had to map and zero): load-independent
+    cuda: list[float] = []  # the CUDA allocator's peak since the last step's end (GB)
+    cuda_peak = [0.0]
 
+    import torch
     from torch.optim.optimizer import register_optimizer_step_post_hook
 
     def step_end(*_: object) -> None:
         ends.append(time.perf_counter())
         rss.append(_peak_rss_gb())
         faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt)
+        if torch.cuda.is_initialized():
+            cuda.append(torch.cuda.max_memory_allocated() / 1024 ** 3)
+            cuda_peak[0] = max(cuda_peak[0], cuda[-1])
+            torch.cuda.reset_peak_memory_stats()
 
     register_optimizer_step_post_hook(step_end)
+    for backend in filter(None, os.environ.get("STEPTIMER_SDPA_DISABLE", "").split(",")):
+        getattr(torch.backends.cuda, f"enable_{backend}_sdp")(False)  # one that faults (flux_dev/README.md)
     if os.environ.get("STEPTIMER_MEMORY_LOG"):
         _log_memory(os.environ["STEPTIMER_MEMORY_LOG"])
 
@@ -84,6 +96,8 @@ def main() -> None:
             "peak_rss_gb": _peak_rss_gb(),  # the whole process: loading, training, saving
             "peak_rss_at_step_gb": rss,  # the peak so far, at the end of each step
             "minor_faults_at_step": faults,
+            **({"cuda_peak_at_step_gb": cuda, "cuda_peak_gb": max(
+                cuda_peak[0], torch.cuda.max_memory_allocated() / 1024 ** 3)} if torch.cuda.is_initialized() else {}),
             "wall_seconds": time.perf_counter() - start,
         }))
 
@@ -115,6 +129,11 @@ def timed(name: str, command: list[str], work: Path, warmup: int, env: dict[str,
                           capture_output=True, text=True)
     if proc.returncode != 0:
         raise SystemExit(f"{name} failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
+    return {**summary(name, out, warmup), "wall_s": round(time.perf_counter() - start, 1)}
+
+
+def summary(name: str, out: Path, warmup: int) -> dict:
+    """What `timed` reports, from the timing file a run wrote."""
     timing = json.loads(out.read_text())
     ends = timing["step_ends"]
     steps = [b - a for a, b in zip(ends, ends[1:])][warmup - 1:]  # intervals after the warm-up steps
@@ -123,9 +142,11 @@ def timed(name: str, command: list[str], work: Path, warmup: int, env: dict[str,
     return {"loop": name, "s_per_step": round(statistics.median(steps), 3), "steps_timed": len(steps),
             "step_seconds": [round(s, 3) for s in steps], "first_step_end_s": round(ends[0], 1),
             "peak_rss_train_gb": round(timing["peak_rss_at_step_gb"][-1], 2),
-            "peak_rss_gb": round(timing["peak_rss_gb"], 2), "wall_s": round(time.perf_counter() - start, 1),
+            "peak_rss_gb": round(timing["peak_rss_gb"], 2), "wall_s": round(timing["wall_seconds"], 1),
             "page_faults_per_step": int(statistics.median(step_faults)) if step_faults else None,
-            "load_average": os.getloadavg()[0]}
+            "load_average": os.getloadavg()[0],
+            **({"peak_cuda_steps_gb": round(max(timing["cuda_peak_at_step_gb"][warmup:]), 2),
+                "peak_cuda_gb": round(timing["cuda_peak_gb"], 2)} if "cuda_peak_gb" in timing else {})}
 
 
 if __name__ == "__main__":

@@ -14,8 +14,12 @@ counts on top of them).
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import gc
+import os
+import threading
+from collections.abc import Iterator
 
 
 def release_memory() -> None:
@@ -47,3 +51,58 @@ def return_free_heap() -> list[str]:
         trim(0)
         asked.append("glibc")
     return asked
+
+
+class PhasePeaks:
+    """The peak resident memory (MB) of each named phase of a run: `with peaks.phase("load"): ...`.
+
+    A daemon thread reads the process's RSS every `interval` seconds while a phase is open; the
+    kernel's own high-water mark (VmHWM) is read at each phase's start and end, so a phase that
+    sets a new peak for the process gets the exact figure, and one that does not gets the sampled
+    maximum (a spike shorter than the interval can be missed there). Linux only: elsewhere the
+    phases are recorded with no figures."""
+
+    def __init__(self, interval: float = 0.05) -> None:
+        self.interval = interval
+        self.peaks: dict[str, float] = {}
+
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        if _status_mb("VmRSS") is None:
+            yield
+            return
+        done = threading.Event()
+        sampled = [_status_mb("VmRSS") or 0.0]
+
+        def sample() -> None:
+            while not done.wait(self.interval):
+                sampled[0] = max(sampled[0], _statm_rss_mb())
+
+        before = _status_mb("VmHWM") or 0.0
+        thread = threading.Thread(target=sample, name=f"rss-{name}", daemon=True)
+        thread.start()
+        try:
+            yield
+        finally:
+            done.set()
+            thread.join()
+            after = _status_mb("VmHWM") or 0.0
+            peak = max(sampled[0], _statm_rss_mb(), after if after > before else 0.0)
+            self.peaks[name] = round(max(peak, self.peaks.get(name, 0.0)), 1)
+
+
+def _status_mb(field: str) -> float | None:
+    """A `kB` field of /proc/self/status in MB, or None where there is no /proc."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as fh:
+            for line in fh:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        return None
+    return None
+
+
+def _statm_rss_mb() -> float:
+    with open("/proc/self/statm", encoding="ascii") as fh:
+        return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 1024 ** 2

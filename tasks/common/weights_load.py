@@ -13,7 +13,10 @@ that do not match the model's) goes through `from_pretrained` as before.
 
 With a quantized base (`quantize`, tasks/common/quantize.py) each Linear layer is quantized as
 soon as its chunk has loaded, so the peak stays near the quantized size plus one chunk, never the
-whole model in the load precision.
+whole model in the load precision. The freed load-precision weights go back to the system after
+each chunk: under the train stage's tuned glibc (mmap off, no trimming; tasks/common/allocator.py)
+they stayed mapped and were not reused, and FLUX.1-dev's int8 load grew by 2.7 bytes a parameter,
+past this machine's 24 GB, instead of 0.9 (benchmarks/flux_dev/README.md).
 """
 from __future__ import annotations
 
@@ -23,6 +26,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from tasks.common.memory import return_free_heap
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +57,7 @@ def load_in_dtype(cls: Any, base: Path, subfolder: str, dtype: torch.dtype, quan
             _load_chunk(model, path, names[start : start + CHUNK], dtype)
             if quantize is not None:
                 quantize.quantize(model, _loaded_linears(model), dtype)
+                return_free_heap()  # the chunk's bf16 weights, now int8/nf4: see the module's docstring
     model.register_to_config(_name_or_path=base)  # as from_pretrained records it
     return model.eval()
 
@@ -78,7 +84,10 @@ def _load_chunk(model: torch.nn.Module, path: Path, names: list[str], dtype: tor
 
     with safe_open(path, "pt") as fh:
         for name in names:  # integer buffers keep their dtype (accelerate casts floating-point values only)
-            set_module_tensor_to_device(model, name, "cpu", value=fh.get_tensor(name), dtype=dtype)
+            value = fh.get_tensor(name)
+            if value.dtype == dtype:  # no cast, so no copy: the tensor would hold the file's mapping open
+                value = value.clone()
+            set_module_tensor_to_device(model, name, "cpu", value=value, dtype=dtype)
 
 
 def _safetensors_files(folder: Path) -> list[Path]:

@@ -23,7 +23,12 @@ from tasks.common.errors import UserError
 from tasks.common.launch import LAUNCHERS, LaunchConfig, launch_problem
 from tasks.common.safe_remove import own_folder
 from tasks.train.concepts import ConceptConfig, concepts_problem
-from tasks.train.config_sections import CheckpointScoringConfig, XlaConfig, base_precision_problem
+from tasks.train.config_sections import (
+    CheckpointScoringConfig,
+    XlaConfig,
+    base_precision_problem,
+    text_precision_problem,
+)
 from tasks.train.no_ops import config_no_ops, family_no_ops
 
 LR_SCHEDULERS = ("constant", "constant_with_warmup", "linear", "cosine", "cosine_with_restarts", "polynomial")
@@ -94,6 +99,9 @@ class TrainConfig(StageConfig):
     base_model_precision: str = Field(
         "none", description="none | int8 | fp8 | nf4, or with a library: int8-quanto, int8-bnb, fp8-quanto "
                             "(the denoiser's Linear layers quantized as they load; lora and textual_inversion)")
+    text_encoder_precision: str = Field(
+        "none", description="the frozen text encoders quantized as they load, while they build the text cache "
+                            "(T5-XXL, Qwen3): none | int8 (torchao)")
     # --- data ------------------------------------------------------------------------------------
     resolution: int = Field(64, ge=8, le=4096, multiple_of=8, description="training images are resized/cropped to this")
     center_crop: bool = Field(True, description="centre crop (false: random crop)")
@@ -240,7 +248,8 @@ class TrainConfig(StageConfig):
     @model_validator(mode="after")
     def _check(self) -> TrainConfig:
         problems = [p for p in (self._precision_problem(), self._method_problem(), self._option_problem(),
-                                concepts_problem(self), base_precision_problem(self)) if p]
+                                concepts_problem(self), base_precision_problem(self),
+                                text_precision_problem(self)) if p]
         if problems:
             raise ValueError("; ".join(problems))
         return self

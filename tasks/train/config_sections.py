@@ -111,3 +111,27 @@ def base_precision_problem(cfg: Any) -> str | None:
     if cfg.launcher == "xla":
         return f"{key}: XLA has none of the quantized kernels; use launcher local, accelerate or mpirun"
     return precision.problem(adapter=cfg.lora_type if cfg.method == "lora" else None)
+
+
+def text_precision_problem(cfg: Any) -> str | None:
+    """Why `train.text_encoder_precision` cannot go with this config, or None: the encoders must stay
+    frozen (textual inversion and train_text_encoder train through them)."""
+    try:
+        precision = BasePrecision.parse(cfg.text_encoder_precision)
+    except ValueError as err:
+        return str(err).replace("base_model_precision", "text_encoder_precision")
+    if precision is None:
+        return None
+    key = f"text_encoder_precision: {cfg.text_encoder_precision}"
+    if cfg.method == "textual_inversion" or cfg.train_text_encoder:
+        trains = "textual_inversion trains an embedding" if cfg.method == "textual_inversion" else \
+            "train_text_encoder: true trains"
+        return (f"{key}: {trains} through the text encoder, which a quantized one cannot give gradients to; "
+                "set text_encoder_precision: none")
+    if precision.name != "int8-torchao":
+        return (f"{key}: the text encoders take torchao's int8 only (bitsandbytes' 4-bit, quanto's and "
+                "torchao's fp8 CLIP failed to encode here); use text_encoder_precision: int8")
+    if cfg.launcher == "xla":
+        return f"{key}: XLA has none of the quantized kernels; use launcher local, accelerate or mpirun"
+    problem = precision.problem()
+    return problem.replace("base_model_precision", "text_encoder_precision") if problem else None

@@ -19,7 +19,7 @@ from PIL import Image
 from tasks.common import families
 from tasks.common.errors import UserError
 from tasks.common.fingerprint import weight_hashes
-from tasks.common.memory import release_memory
+from tasks.common.memory import PhasePeaks, release_memory
 from tasks.common.outputs import atomic_dir, atomic_file
 from tasks.common.quantize import BasePrecision, is_quantized
 from tasks.train.backend import caches_on_host
@@ -60,6 +60,7 @@ class TrainOutcome:
     text_cache_seconds: float = 0.0  # the text cache filled before the first step
     concepts: dict[str, dict[str, Any]] = field(default_factory=dict)  # per concept: images, repeats, examples seen
     base_precision: dict[str, Any] = field(default_factory=dict)  # the frozen base's: name, quantized layers
+    phase_peaks_mb: dict[str, float] = field(default_factory=dict)  # peak RSS of text_cache, load, steps, save
 
     def report(self) -> dict[str, Any]:
         """reports/train.json (DVC metrics)."""
@@ -79,13 +80,15 @@ class TrainOutcome:
             "median_step_seconds": round(statistics.median(step_seconds), 4) if step_seconds else 0.0,
             "images_per_second": round(self.images / self.seconds, 3) if self.seconds > 0 and self.images else 0.0,
             "peak_memory_mb": round(self.peak_memory_mb, 1),
+            "peak_rss_mb_by_phase": self.phase_peaks_mb,
             "weights_sha256": self.weights,
             "checkpoints": self.checkpoints,
             "selected_checkpoint": self.selected,
             **({"buckets": self.buckets} if self.buckets else {}),
             **({"concepts": self.concepts} if self.concepts else {}),
             "base_model_precision": self.base_precision.get("name", "none"),
-            **({"quantized_layers": self.base_precision["layers"]} if self.base_precision else {}),
+            "text_encoder_precision": self.base_precision.get("text", "none"),
+            **({"quantized_layers": self.base_precision["layers"]} if "layers" in self.base_precision else {}),
         }
 
 
@@ -138,19 +141,25 @@ def train(
     checkpoints = CheckpointManager(Path(cfg.checkpoints_dir) / key, cfg.checkpoints_total_limit, accelerator, info,
                                     cfg.keep_checkpoints_every_steps)
     resume_from = checkpoints.resolve(cfg.resume)
-    components = load_components(base, cfg.prediction_type, denoiser=False)
-    method.bind(components)
-    dtype = weight_dtype(accelerator.mixed_precision)
-    if caches_on_host(accelerator):  # frozen parts in low precision; with the text cache on, text encoders gone
-        method.place_frozen_first(accelerator.device, dtype)
+    peaks = PhasePeaks()
     quantize = base_precision(cfg, accelerator.device)
-    components.load_denoiser(base, method.denoiser_load_dtype(dtype, accelerator.device), quantize)  # never beside T5
-    base_info = quantized_report(quantize, components.denoiser)
+    text_quantize = base_precision(cfg, accelerator.device, "text_encoder_precision")
+    with peaks.phase("text_cache"):
+        components = load_components(base, cfg.prediction_type, denoiser=False, text_quantize=text_quantize)
+        method.bind(components)
+        dtype = weight_dtype(accelerator.mixed_precision)
+        if caches_on_host(accelerator):  # frozen parts in low precision; with the text cache on, text encoders gone
+            method.place_frozen_first(accelerator.device, dtype)
+    with peaks.phase("load"):  # never beside T5
+        components.load_denoiser(base, method.denoiser_load_dtype(dtype, accelerator.device), quantize)
+    base_info = {**quantized_report(quantize, components.denoiser),
+                 **({"text": text_quantize.name} if text_quantize else {})}
     prompts = cfg.validation_prompts or method.validation_prompts()
     validate = live_validator(method, base, cfg, accelerator, prompts)
     judge = (CheckpointJudge(cfg.checkpoint_scoring, prompts, Path(data_dir), accelerator.is_main_process)
              if cfg.scores_checkpoints else None)  # rank 0 scores; the others receive its records
-    result = run_loop(method, dataset, cfg, accelerator, checkpoints, resume_from, callbacks, validate, judge)
+    with peaks.phase("steps"):  # the latent cache's fill included
+        result = run_loop(method, dataset, cfg, accelerator, checkpoints, resume_from, callbacks, validate, judge)
     selected = _select_output(cfg, result, checkpoints)
     result.anchor.check(result.params, cfg.method, result.state.step, result.last_lr)  # never an unmoved output
 
@@ -161,7 +170,7 @@ def train(
     del validate, judge  # the live validator and the scoring encoders are done
     trained = _hand_over(result, method, accelerator, checkpoints)
     if accelerator.is_main_process:
-        with atomic_dir(out_dir) as tmp:
+        with peaks.phase("save"), atomic_dir(out_dir) as tmp:
             method.save(base, tmp, trained)
             _drop(trained, method)
             method.complete_output(base, tmp)  # LoRA: loads the base to fuse into, with nothing beside it
@@ -179,15 +188,16 @@ def train(
         peak_memory_mb=peak, buckets=dataset.bucket_counts(), cache_seconds=result.cache_seconds,
         text_cache_seconds=method.text_cache_seconds,
         checkpoints=[_on_disk(r, checkpoints.run_dir / f"checkpoint-{r['step']}") for r in result.state.scores],
-        selected=selected, concepts=concepts, base_precision=base_info,
+        selected=selected, concepts=concepts, base_precision=base_info, phase_peaks_mb=peaks.peaks,
     )
 
 
-def base_precision(cfg: TrainConfig, device: torch.device) -> BasePrecision | None:
-    """The quantized base `train.base_model_precision` asks for, refused where the device has no kernels."""
-    quantize = BasePrecision.parse(cfg.base_model_precision)
+def base_precision(cfg: TrainConfig, device: torch.device, key: str = "base_model_precision"
+                   ) -> BasePrecision | None:
+    """The quantized base `train.<key>` asks for, refused where the device has no kernels."""
+    quantize = BasePrecision.parse(getattr(cfg, key))
     if quantize is not None and (problem := quantize.problem(device.type)):
-        raise UserError(f"params.yaml: {problem}")
+        raise UserError(f"params.yaml: {problem.replace('base_model_precision', key)}")
     return quantize
 
 

@@ -14,11 +14,13 @@ from tasks.common.families import Components
 __all__ = ["Components", "load_components", "pipeline_from_modules"]
 
 
-def load_components(base: Path, prediction_type: str | None = None, denoiser: bool = True) -> Components:
+def load_components(base: Path, prediction_type: str | None = None, denoiser: bool = True,
+                    text_quantize: Any = None) -> Components:
     """Every part of a base folder; the noise scheduler is the family's training schedule.
-    `denoiser=False`: the denoiser's weights wait for `Components.load_denoiser`."""
+    `denoiser=False`: the denoiser's weights wait for `Components.load_denoiser`; `text_quantize`:
+    the text encoders quantized as they load (train.text_encoder_precision)."""
     base = Path(base)
-    return families.detect(base).load_components(base, prediction_type, denoiser)  # detect: read_index's check
+    return families.detect(base).load_components(base, prediction_type, denoiser, text_quantize)  # detect checks
 
 
 def pipeline_from_modules(

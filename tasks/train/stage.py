@@ -105,6 +105,7 @@ def _record(run: Any, args: argparse.Namespace, outcome: Any, allocator: str) ->
         "median_step_seconds": report["median_step_seconds"],
         "train_images_per_second": report["images_per_second"],
         "peak_memory_mb": report["peak_memory_mb"],
+        **{f"peak_rss_mb.{phase}": mb for phase, mb in report["peak_rss_mb_by_phase"].items()},
     })
     if report.get("concepts"):  # images, repeats, examples per epoch and seen, per concept
         run.log_metrics({f"concept.{metric_key(name)}.{k}": v for name, counts in report["concepts"].items()

@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -81,3 +82,20 @@ def test_freed_blocks_go_back_to_the_system_under_tcmalloc() -> None:
     assert allocator in mb["asked"]
     assert mb["held"] - mb["start"] > 500, mb  # freed, yet kept by the allocator
     assert mb["released"] - mb["start"] < 100, mb
+
+
+def test_each_phase_gets_its_own_peak_and_a_later_smaller_phase_is_not_given_an_earlier_peak() -> None:
+    from tasks.common.memory import PhasePeaks
+
+    peaks = PhasePeaks(interval=0.01)
+    base = rss_mb()
+    with peaks.phase("big"):
+        block = np.ones(400 * 2**20, dtype=np.uint8)  # 400 MB, touched
+        time.sleep(0.1)  # held for longer than the sampling interval (a shorter spike can be missed)
+        del block
+        release_memory()  # back to the system whatever the allocator
+    with peaks.phase("small"):
+        block = np.ones(40 * 2**20, dtype=np.uint8)
+        del block
+    assert peaks.peaks["big"] >= base + 390
+    assert peaks.peaks["small"] < peaks.peaks["big"] - 300, peaks.peaks

@@ -104,6 +104,10 @@ def test_sigterm_saves_a_checkpoint_and_the_next_run_resumes(
     assert runs[0].data.tags["train.allocator"] == data["allocator"] == in_use()
     assert data["latent_cache_seconds"] > 0 and {"latent_cache_seconds", "text_cache_seconds"} <= set(
         runs[0].data.metrics)
+    assert 0 < data["text_cache_seconds"] < data["total_seconds"]  # its own time, not the clock's origin
+    phases = {"text_cache", "load", "steps", "save"}
+    assert set(data["peak_rss_mb_by_phase"]) == phases and all(v > 0 for v in data["peak_rss_mb_by_phase"].values())
+    assert {f"peak_rss_mb.{p}" for p in phases} <= set(runs[0].data.metrics)
     client = MlflowClient(tracking_uri=isolated_mlflow)
     steps = sorted(m.step for m in client.get_metric_history(runs[0].info.run_id, "loss"))
     assert steps and all(s % 2 == 0 or s == stopped_at + 2 for s in steps), "throttled to log_every_steps"

@@ -156,6 +156,13 @@ def test_the_denoiser_is_quantized_as_it_loads(tiny_flux, monkeypatch) -> None:
     ({"method": "lora", "decompose_factor": 4}, "decompose_factor is set .* only .* lora_type: lokr"),
     ({"method": "lora", "lora_type": "loha", "lora_dropout": 0.1}, "lora_dropout is set .* LoKr and LoHa do not"),
     ({"method": "dreambooth", "lora_type": "dora"}, "lora_type is set .* only method: lora reads it"),
+    ({"method": "textual_inversion", "placeholder_token": "<s>", "initializer_token": "toy",
+      "text_encoder_precision": "int8"}, "text_encoder_precision: int8: textual_inversion trains an embedding"),
+    ({"method": "lora", "train_text_encoder": True, "text_encoder_precision": "fp8"},
+     "text_encoder_precision: fp8: train_text_encoder: true trains through the text encoder"),
+    ({"method": "lora", "text_encoder_precision": "nf4"}, "precision: nf4: the text encoders take torchao"),
+    ({"method": "lora", "text_encoder_precision": "fp8"}, "fp8: the text encoders take torchao's int8 only"),
+    ({"method": "lora", "text_encoder_precision": "int2"}, "text_encoder_precision: 'int2' is not one of"),
 ])
 def test_what_cannot_train_is_refused_naming_the_key(tmp_path, settings, message) -> None:
     with pytest.raises(ValueError, match=message):
@@ -171,3 +178,36 @@ def test_a_missing_library_is_named_with_its_install(monkeypatch) -> None:
                         lambda name, *a: None if name == "bitsandbytes" else real(name, *a))
     assert "needs the bitsandbytes package (pip install bitsandbytes)" in BasePrecision.parse("nf4").problem()
     assert "has no kernels on xla" in BasePrecision.parse("int8").problem("xla")
+
+
+def test_textual_inversion_trains_its_embedding_through_a_quantized_denoiser(tmp_path, tiny_sd, one_image) -> None:
+    config = cfg(tmp_path, method="textual_inversion", placeholder_token="<sks>", initializer_token="toy",
+                 base_model_precision="int8", max_train_steps=2, mixed_precision="bf16", learning_rate=5e-3)
+    outcome = train(config, tiny_sd, one_image, None, tmp_path / "out")
+    report = outcome.report()
+    assert all(math.isfinite(h.loss) for h in outcome.history) and report["steps"] == 2
+    assert report["base_model_precision"] == "int8-torchao" and report["quantized_layers"] > 0
+    _no_quantized_tensor(tmp_path / "out")
+
+
+def test_the_text_encoders_are_quantized_as_they_load_and_build_the_text_cache(
+        tmp_path, tiny_flux, one_image, monkeypatch) -> None:
+    from tasks.common.families.base import ModelFamily
+
+    quantized = []
+    real = ModelFamily.load_components.__func__
+
+    def spy(cls, *args, **kwargs):
+        components = real(cls, *args, **kwargs)
+        quantized.extend(sum(1 for p in m.parameters() if is_quantized(p)) for m in components.text_encoders)
+        return components
+
+    monkeypatch.setattr(ModelFamily, "load_components", classmethod(spy))
+    config = cfg(tmp_path, method="lora", text_encoder_precision="int8", base_model_precision="int8",
+                 max_train_steps=2, mixed_precision="bf16", max_sequence_length=SEQ)
+    outcome = train(config, tiny_flux, one_image, None, tmp_path / "out")
+    assert len(quantized) == 2 and all(n > 0 for n in quantized), quantized  # CLIP and T5
+    report = outcome.report()
+    assert report["text_encoder_precision"] == "int8-torchao"
+    assert all(math.isfinite(h.loss) for h in outcome.history) and report["steps"] == 2
+    _no_quantized_tensor(tmp_path / "out")

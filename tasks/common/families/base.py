@@ -134,20 +134,25 @@ class ModelFamily:
 
     # --- training parts --------------------------------------------------------------------------
     @classmethod
-    def load_components(cls, base: Path, prediction_type: str | None = None, denoiser: bool = True) -> Components:
+    def load_components(cls, base: Path, prediction_type: str | None = None, denoiser: bool = True,
+                        text_quantize: Any = None) -> Components:
         """Every part of a base folder; text encoders and tokenizers in `text_encoder_names` order.
-        `denoiser=False`: all but the denoiser's weights (`Components.load_denoiser` loads them later)."""
+        `denoiser=False`: all but the denoiser's weights (`Components.load_denoiser` loads them later).
+        `text_quantize` (a BasePrecision): the text encoders' Linear layers quantized as they load, by
+        transformers' own quantizers (tasks/common/quantize.py)."""
         import diffusers
         import transformers
 
         base = Path(base)
         index = _index(base)
+        quantized = {"quantization_config": text_quantize.transformers_config()} if text_quantize else {}
         tokenizers, encoders = [], []
         for tok_name, enc_name in zip(cls.tokenizer_names, cls.text_encoder_names):
             if (index.get(enc_name) or [None])[0] is None:
                 continue  # an optional encoder left out (SD3 without T5)
             tokenizers.append(getattr(transformers, index[tok_name][1]).from_pretrained(base, subfolder=tok_name))
-            encoders.append(getattr(transformers, index[enc_name][1]).from_pretrained(base, subfolder=enc_name))
+            encoders.append(getattr(transformers, index[enc_name][1]).from_pretrained(
+                base, subfolder=enc_name, **quantized))
         vae = getattr(diffusers, index["vae"][1]).from_pretrained(base, subfolder="vae")
         scheduler = cls.noise_scheduler(base, prediction_type)
         if not denoiser:

@@ -296,8 +296,8 @@ class TrainingMethod:
         prompts = sorted(self.fixed_prompts())
         device = device or next(c.denoiser.parameters()).device
         with torch.no_grad():  # in chunks: with the disk store, memory stays flat for any number of captions
-            for start in range(0, len(prompts), 64):
-                chunk = prompts[start : start + 64]
+            for first in range(0, len(prompts), 64):
+                chunk = prompts[first : first + 64]
                 ids = c.family.tokenize(c, chunk, self.cfg.max_sequence_length)
                 self.prompt_cache.lookup(chunk, ids, lambda one: c.family.encode_prompt(c, one), device)
         names = c.text_encoder_names()
