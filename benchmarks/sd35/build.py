@@ -105,12 +105,19 @@ def build_sd35_medium(out: Path, seed: int = 0, transformer_layers: int | None =
     for i, (name, build) in enumerate(parts.items()):
         library, cls, params[name] = _save(name, build, out, seed + i)
         index[name] = [library, cls]
-    for name, tokenizer in (("tokenizer", clip_tokenizer()[0]), ("tokenizer_2", clip_tokenizer()[0]),
-                            ("tokenizer_3", t5_tokenizer(max_length=256))):
+    tokenizers = {"tokenizer": clip_tokenizer()[0], "tokenizer_2": clip_tokenizer()[0],
+                  "tokenizer_3": t5_tokenizer(max_length=256)}
+    return finish(out, index, tokenizers, FlowMatchEulerDiscreteScheduler(shift=SCHEDULER_SHIFT), params)
+
+
+def finish(out: Path, index: dict[str, Any], tokenizers: dict[str, Any], scheduler: Any,
+           params: dict[str, int]) -> dict[str, int]:
+    """Write the tokenizers, the scheduler, model_index.json and parameters.json; returns `params`."""
+    for name, tokenizer in tokenizers.items():
         tokenizer.save_pretrained(out / name)
         index[name] = ["transformers", type(tokenizer).__name__]
-    FlowMatchEulerDiscreteScheduler(shift=SCHEDULER_SHIFT).save_pretrained(out / "scheduler")
-    index["scheduler"] = ["diffusers", "FlowMatchEulerDiscreteScheduler"]
+    scheduler.save_pretrained(out / "scheduler")
+    index["scheduler"] = ["diffusers", type(scheduler).__name__]
     index.update(image_encoder=[None, None], feature_extractor=[None, None])
     (out / "model_index.json").write_text(json.dumps(index, indent=2))
     (out / "parameters.json").write_text(json.dumps(params, indent=2))

@@ -58,7 +58,7 @@ def ours_command(base: Path, work: Path, data: Path, args: argparse.Namespace) -
         method="lora", instance_prompt=PROMPT, with_prior_preservation=False, resolution=args.resolution,
         train_batch_size=1, max_train_steps=args.steps, learning_rate=1e-4, mixed_precision="bf16", rank=args.rank,
         checkpointing_steps=10 ** 6, validation_prompts=[], num_validation_images=0, validation_steps=0,
-        checkpoints_dir=str(work / "checkpoints"), resume="none", seed=0,
+        checkpoints_dir=str(work / "checkpoints"), resume="none", seed=0, base_model_precision=args.precision,
     )
     params = work / "params.yaml"
     params.write_text(yaml.safe_dump({"train": train}))
@@ -102,6 +102,7 @@ def main() -> None:
     parser.add_argument("--resolution", type=int, default=256)
     parser.add_argument("--rank", type=int, default=4)
     parser.add_argument("--loops", nargs="+", default=["ours", "theirs"], choices=["ours", "theirs"])
+    parser.add_argument("--precision", default="none", help="ours: train.base_model_precision (theirs has none)")
     add_run_arguments(parser, HERE / "results_train.json")
     parser.add_argument("--model", default="sd3.5-medium", help="the model's name in the results")
     parser.add_argument("--ours-root", type=Path, default=ROOT,
@@ -127,6 +128,7 @@ def main() -> None:
                 shutil.rmtree(args.work / leftover, ignore_errors=True)
             row = {"run": run, "model": args.model, "method": "lora", "resolution": args.resolution,
                    "batch": 1, "rank": args.rank, "precision": "bf16", "date": time.strftime("%Y-%m-%d"),
+                   "base_model_precision": args.precision if loop == "ours" else "none",
                    "cpu": platform.processor() or platform.machine(), "threads": os.cpu_count(),
                    **({"label": args.label} if args.label else {}),
                    **timed(loop, commands[loop], args.work, args.warmup, {

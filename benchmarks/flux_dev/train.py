@@ -1,0 +1,137 @@
+"""FLUX.1-dev (11.9B) LoRA steps on this 24 GB machine: the train stage on a quantized base.
+
+    .venv/bin/python -m benchmarks.flux_dev.build                                  # once: 34 GB folder
+    .venv/bin/python -m benchmarks.flux_dev.train --precision int8 --steps 5       # appends to results.json
+    .venv/bin/python -m benchmarks.flux_dev.train --table
+
+One process runs `python -m tasks.train` (the DVC stage's command) on 4 images of 512 px trained at
+256 px: LoRA rank 16 on the attention projections, `base_model_precision` (int8 = torchao weight-only),
+`gradient_checkpointing`, `max_sequence_length` 128, bf16 autocast, batch 1, latents and prompts
+cached, `fuse_lora: false` (the adapters and the pinned base reference are the output). The step
+timer (benchmarks/steptimer.py) gives s/step after the warm-up and the peak RSS at the last step and
+at exit; the memory log (`flux-memory.log` in the work folder) has the RSS at every log record, so
+each phase's peak is in it. Afterwards the saved LoRA file is loaded into a FLUX.1-dev transformer
+(its base weights allocated, never written, so they take no memory) with diffusers' own loader,
+and its tensors compared with the file's.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import shutil
+import time
+from pathlib import Path
+
+import yaml
+
+from benchmarks.sd35.train import PROMPT, make_images
+from benchmarks.steptimer import add_run_arguments, summary, timed
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
+
+
+def ours_command(base: Path, work: Path, data: Path, args: argparse.Namespace) -> list[str]:
+    train = dict(
+        method="lora", instance_prompt=PROMPT, with_prior_preservation=False, resolution=args.resolution,
+        train_batch_size=1, max_train_steps=args.steps, learning_rate=1e-4, mixed_precision="bf16", rank=args.rank,
+        base_model_precision=args.precision, gradient_checkpointing=True, max_sequence_length=args.max_sequence_length,
+        fuse_lora=False, checkpointing_steps=10 ** 6, validation_prompts=[], num_validation_images=0,
+        validation_steps=0, checkpoints_dir=str(work / "checkpoints"), resume="none", seed=0,
+    )
+    params = work / "params.yaml"
+    params.write_text(yaml.safe_dump({"train": train}))
+    (work / "empty-class").mkdir(exist_ok=True)
+    return ["-m", "tasks.train", "--base", str(base), "--data", str(data), "--class-data", str(work / "empty-class"),
+            "--out", str(work / "out"), "--report", str(work / "report.json"),
+            "--plot", str(work / "loss.csv"), "--params", str(params)]
+
+
+def adapters_load(base: Path, out: Path) -> dict:
+    """Load the saved LoRA with diffusers' loader into a FLUX.1-dev transformer whose base weights are
+    allocated but never written (`to_empty`: untouched pages cost no memory), and count the adapter
+    tensors that hold one of the file's tensors exactly (in the base's bf16, as the loader casts them)."""
+    import torch
+    from accelerate import init_empty_weights
+    from diffusers import FluxPipeline, FluxTransformer2DModel
+    from safetensors.torch import load_file
+
+    with init_empty_weights():
+        transformer = FluxTransformer2DModel.from_config(FluxTransformer2DModel.load_config(base / "transformer"))
+    transformer = transformer.to(torch.bfloat16).to_empty(device="cpu")
+    state, alphas = FluxPipeline.lora_state_dict(out, return_alphas=True)
+    FluxPipeline.load_lora_into_transformer(state, network_alphas=alphas, transformer=transformer)
+    loaded = [p.detach() for n, p in transformer.named_parameters() if "lora_" in n]
+    saved = list(load_file(out / "pytorch_lora_weights.safetensors").values())
+    equal = sum(1 for p in loaded if any(t.shape == p.shape and torch.equal(p, t.to(p.dtype)) for t in saved))
+    return {"lora_tensors_in_file": len(saved), "lora_tensors_loaded": len(loaded), "lora_tensors_equal": equal,
+            "lora_parameters": sum(p.numel() for p in loaded)}
+
+
+def table(results: list[dict]) -> str:
+    rows = ["| base | steps timed | s/step median (min-max) | loss | peak RSS at last step, GB | peak RSS at exit, GB "
+            "| adapters loaded |", "|---|---|---|---|---|---|---|"]
+    for r in results:
+        s = r["step_seconds"]
+        rows.append(f"| {r['precision']} | {r['steps_timed']} | {r['s_per_step']:.1f} ({min(s):.1f}-{max(s):.1f}) | "
+                    f"{', '.join(f'{x:.3f}' for x in r['losses'])} | {r['peak_rss_train_gb']:.1f} | "
+                    f"{r['peak_rss_gb']:.1f} | {r['adapters']['lora_tensors_equal']}/"
+                    f"{r['adapters']['lora_tensors_in_file']} |")
+    return "\n".join(rows)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--base", type=Path, default=ROOT / ".cache/bench/flux1-dev")
+    parser.add_argument("--work", type=Path, default=ROOT / ".cache/bench/flux1-dev-train")
+    parser.add_argument("--precision", default="int8")
+    parser.add_argument("--resolution", type=int, default=256)
+    parser.add_argument("--rank", type=int, default=16)
+    parser.add_argument("--max-sequence-length", type=int, default=128)
+    add_run_arguments(parser, HERE / "results.json")
+    parser.add_argument("--summarize", action="store_true", help="report on the work folder's finished run, "
+                        "running nothing")
+    args = parser.parse_args()
+    if args.table:
+        print(table(json.loads(args.results.read_text())))
+        return
+    args.base, args.work = args.base.resolve(), args.work.resolve()
+    if not (args.base / "model_index.json").is_file():
+        raise SystemExit(f"{args.base} is missing: run `.venv/bin/python -m benchmarks.flux_dev.build --out "
+                         f"{args.base}`")
+    if args.summarize:
+        timing = summary("ours", args.work / "ours-timing.json", args.warmup)
+    else:
+        shutil.rmtree(args.work, ignore_errors=True)
+        args.work.mkdir(parents=True)
+        data, _ = make_images(args.work, 4)
+        env = {"MLFLOW_TRACKING_URI": f"sqlite:///{args.work / 'mlflow.db'}", "PYTHONPATH": str(ROOT),
+               "STEPTIMER_MEMORY_LOG": str(args.work / "flux-memory.log")}
+        timing = timed("ours", ours_command(args.base, args.work, data, args), args.work, args.warmup, env)
+    results = json.loads(args.results.read_text()) if args.results.is_file() else []
+    row = {"model": "flux.1-dev", "method": "lora", "precision": args.precision, "resolution": args.resolution,
+           "rank": args.rank, "max_sequence_length": args.max_sequence_length, "gradient_checkpointing": True,
+           "batch": 1, "date": time.strftime("%Y-%m-%d"), "cpu": _cpu(), "threads": os.cpu_count(), **timing}
+    report = json.loads((args.work / "report.json").read_text())
+    row["losses"] = [float(line.split(",")[1]) for line in (args.work / "loss.csv").read_text().splitlines()[1:]]
+    row["finite_loss"] = all(math.isfinite(x) for x in row["losses"])
+    row["report"] = {k: report.get(k) for k in ("base_model_precision", "quantized_layers", "peak_rss_mb_by_phase",
+                                                "text_cache_seconds", "latent_cache_seconds", "allocator", "steps")}
+    row["adapters"] = adapters_load(args.base, args.work / "out")
+    print(json.dumps(row), flush=True)
+    results.append(row)
+    args.results.write_text(json.dumps(results, indent=1) + "\n")
+
+
+def _cpu() -> str:
+    with open("/proc/cpuinfo", encoding="utf-8") as fh:
+        info = fh.read()
+    name = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")), "")
+    return f"{name or platform.machine()}{' (AMX)' if 'amx_bf16' in info else ''}"
+
+
+if __name__ == "__main__":
+    main()
