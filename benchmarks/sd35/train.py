@@ -59,6 +59,7 @@ def ours_command(base: Path, work: Path, data: Path, args: argparse.Namespace) -
         train_batch_size=1, max_train_steps=args.steps, learning_rate=1e-4, mixed_precision="bf16", rank=args.rank,
         checkpointing_steps=10 ** 6, validation_prompts=[], num_validation_images=0, validation_steps=0,
         checkpoints_dir=str(work / "checkpoints"), resume="none", seed=0, base_model_precision=args.precision,
+        text_encoder_precision=args.text_precision,
     )
     params = work / "params.yaml"
     params.write_text(yaml.safe_dump({"train": train}))
@@ -103,6 +104,7 @@ def main() -> None:
     parser.add_argument("--rank", type=int, default=4)
     parser.add_argument("--loops", nargs="+", default=["ours", "theirs"], choices=["ours", "theirs"])
     parser.add_argument("--precision", default="none", help="ours: train.base_model_precision (theirs has none)")
+    parser.add_argument("--text-precision", default="none", help="ours: train.text_encoder_precision")
     add_run_arguments(parser, HERE / "results_train.json")
     parser.add_argument("--model", default="sd3.5-medium", help="the model's name in the results")
     parser.add_argument("--ours-root", type=Path, default=ROOT,
@@ -129,11 +131,15 @@ def main() -> None:
             row = {"run": run, "model": args.model, "method": "lora", "resolution": args.resolution,
                    "batch": 1, "rank": args.rank, "precision": "bf16", "date": time.strftime("%Y-%m-%d"),
                    "base_model_precision": args.precision if loop == "ours" else "none",
+                   "text_encoder_precision": args.text_precision if loop == "ours" else "none",
                    "cpu": platform.processor() or platform.machine(), "threads": os.cpu_count(),
                    **({"label": args.label} if args.label else {}),
                    **timed(loop, commands[loop], args.work, args.warmup, {
                        **env, "PYTHONPATH": str(args.ours_root.resolve() if loop == "ours" else ROOT),
                        "STEPTIMER_MEMORY_LOG": str(args.work / f"{loop}-memory.log")})}  # RSS at each log record
+            report = args.work / "ours-report.json"
+            if loop == "ours" and report.is_file():
+                row["peak_rss_mb_by_phase"] = json.loads(report.read_text()).get("peak_rss_mb_by_phase")
             print(json.dumps(row), flush=True)
             results.append(row)
             args.results.write_text(json.dumps(results, indent=1) + "\n")

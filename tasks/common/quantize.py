@@ -90,16 +90,6 @@ class BasePrecision:
             model.get_submodule(name).register_forward_pre_hook(_autocast_input)
         return len(linears)
 
-    def transformers_config(self) -> Any:
-        """transformers' own quantization config for torchao's int8 (the one text encoders take,
-        tasks/train/config_sections.py): quantized by `from_pretrained` shard by shard as it loads."""
-        import transformers
-        from torchao.quantization import Int8WeightOnlyConfig
-
-        if self.name != "int8-torchao":
-            raise ValueError(f"{self.name}: the text encoders take torchao's int8 only")
-        return transformers.TorchAoConfig(quant_type=Int8WeightOnlyConfig())
-
 
 def _autocast_input(module: torch.nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
     """Autocast's cast for a quantized layer: the kernels of torchao's int8 and bitsandbytes' nf4 bypass

@@ -36,29 +36,42 @@ CHUNK = 64  # tensors per mapping of the file: SD 1.5's UNet has 686, the larges
 
 def load_in_dtype(cls: Any, base: Path, subfolder: str, dtype: torch.dtype, quantize: Any = None) -> Any:
     """`cls.from_pretrained(base, subfolder=subfolder, torch_dtype=dtype)`, with a lower peak;
-    `quantize` (a BasePrecision): its Linear layers quantized as they load."""
-    files = _safetensors_files(Path(base) / subfolder)
-    if (dtype == torch.float32 and quantize is None) or not files or getattr(cls, "_keep_in_fp32_modules", None):
+    `quantize` (a BasePrecision): its Linear layers quantized as they load. `cls`: a diffusers model
+    class, or a transformers one (a frozen text encoder: its tied weights are tied after the load)."""
+    transformers_model = hasattr(cls, "config_class")
+    files = _safetensors_files(Path(base) / subfolder, "model" if transformers_model else "diffusion_pytorch_model")
+    keep_fp32 = getattr(cls, "_keep_in_fp32_modules", None) or []  # T5's `wo`: read in float32 (transformers)
+    if (dtype == torch.float32 and quantize is None) or not files or (keep_fp32 and not transformers_model):
         return _whole(cls, base, subfolder, dtype, quantize)
     from accelerate import init_empty_weights
     from safetensors import safe_open
 
     with init_empty_weights():
-        model = cls.from_config(cls.load_config(base, subfolder=subfolder))
+        if transformers_model:
+            model = cls(cls.config_class.from_pretrained(base, subfolder=subfolder))
+        else:
+            model = cls.from_config(cls.load_config(base, subfolder=subfolder))
     keys: dict[Path, list[str]] = {}
     for path in files:
         with safe_open(path, "pt") as fh:
             keys[path] = list(fh.keys())
-    if {k for names in keys.values() for k in names} != set(model.state_dict()):
+    stored, wanted = {k for names in keys.values() for k in names}, set(model.state_dict())
+    if not stored <= wanted or (stored != wanted and not transformers_model):
         log.info("%s: keys differ from the model's, loading with from_pretrained", subfolder)
         return _whole(cls, base, subfolder, dtype, quantize)  # renamed or missing keys
     for path, names in keys.items():
         for start in range(0, len(names), CHUNK):
-            _load_chunk(model, path, names[start : start + CHUNK], dtype)
+            _load_chunk(model, path, names[start : start + CHUNK], dtype, keep_fp32)
             if quantize is not None:
                 quantize.quantize(model, _loaded_linears(model), dtype)
                 return_free_heap()  # the chunk's bf16 weights, now int8/nf4: see the module's docstring
-    model.register_to_config(_name_or_path=base)  # as from_pretrained records it
+    if transformers_model:
+        model.tie_weights()  # T5's encoder.embed_tokens is stored once, as shared
+        if any(t.is_meta for t in model.state_dict().values()):
+            log.info("%s: tensors the files do not hold, loading with from_pretrained", subfolder)
+            return _whole(cls, base, subfolder, dtype, quantize)
+    else:
+        model.register_to_config(_name_or_path=base)  # as from_pretrained records it
     return model.eval()
 
 
@@ -77,25 +90,28 @@ def _loaded_linears(model: torch.nn.Module) -> list[str]:
             and not any(t.is_meta for t in module.parameters())]
 
 
-def _load_chunk(model: torch.nn.Module, path: Path, names: list[str], dtype: torch.dtype) -> None:
-    """Cast one chunk of a file's tensors into the model; the file's mapping closes (and its pages go) after."""
+def _load_chunk(model: torch.nn.Module, path: Path, names: list[str], dtype: torch.dtype,
+                keep_fp32: list[str] = ()) -> None:  # type: ignore[assignment]
+    """Cast one chunk of a file's tensors into the model (modules named in `keep_fp32` into float32);
+    the file's mapping closes (and its pages go) after."""
     from accelerate.utils import set_module_tensor_to_device
     from safetensors import safe_open
 
     with safe_open(path, "pt") as fh:
         for name in names:  # integer buffers keep their dtype (accelerate casts floating-point values only)
             value = fh.get_tensor(name)
-            if value.dtype == dtype:  # no cast, so no copy: the tensor would hold the file's mapping open
+            target = torch.float32 if any(k in name.split(".") for k in keep_fp32) else dtype
+            if value.dtype == target:  # no cast, so no copy: the tensor would hold the file's mapping open
                 value = value.clone()
-            set_module_tensor_to_device(model, name, "cpu", value=value, dtype=dtype)
+            set_module_tensor_to_device(model, name, "cpu", value=value, dtype=target)
 
 
-def _safetensors_files(folder: Path) -> list[Path]:
+def _safetensors_files(folder: Path, stem: str) -> list[Path]:
     """The model's weight files as from_pretrained reads them (one file, or the shards of an index)."""
-    single = folder / "diffusion_pytorch_model.safetensors"
+    single = folder / f"{stem}.safetensors"
     if single.is_file():
         return [single]
-    index = folder / "diffusion_pytorch_model.safetensors.index.json"
+    index = folder / f"{stem}.safetensors.index.json"
     if index.is_file():
         return [folder / name for name in dict.fromkeys(json.loads(index.read_text())["weight_map"].values())]
     return []

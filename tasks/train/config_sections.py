@@ -129,8 +129,8 @@ def text_precision_problem(cfg: Any) -> str | None:
         return (f"{key}: {trains} through the text encoder, which a quantized one cannot give gradients to; "
                 "set text_encoder_precision: none")
     if precision.name != "int8-torchao":
-        return (f"{key}: the text encoders take torchao's int8 only (bitsandbytes' 4-bit, quanto's and "
-                "torchao's fp8 CLIP failed to encode here); use text_encoder_precision: int8")
+        return (f"{key}: the text encoders take torchao's int8 only (the one run here on every family's "
+                "encoders); use text_encoder_precision: int8")
     if cfg.launcher == "xla":
         return f"{key}: XLA has none of the quantized kernels; use launcher local, accelerate or mpirun"
     problem = precision.problem()

@@ -142,18 +142,7 @@ def train(
                                     cfg.keep_checkpoints_every_steps)
     resume_from = checkpoints.resolve(cfg.resume)
     peaks = PhasePeaks()
-    quantize = base_precision(cfg, accelerator.device)
-    text_quantize = base_precision(cfg, accelerator.device, "text_encoder_precision")
-    with peaks.phase("text_cache"):
-        components = load_components(base, cfg.prediction_type, denoiser=False, text_quantize=text_quantize)
-        method.bind(components)
-        dtype = weight_dtype(accelerator.mixed_precision)
-        if caches_on_host(accelerator):  # frozen parts in low precision; with the text cache on, text encoders gone
-            method.place_frozen_first(accelerator.device, dtype)
-    with peaks.phase("load"):  # never beside T5
-        components.load_denoiser(base, method.denoiser_load_dtype(dtype, accelerator.device), quantize)
-    base_info = {**quantized_report(quantize, components.denoiser),
-                 **({"text": text_quantize.name} if text_quantize else {})}
+    components, base_info = _load_parts(cfg, base, method, accelerator, peaks)
     prompts = cfg.validation_prompts or method.validation_prompts()
     validate = live_validator(method, base, cfg, accelerator, prompts)
     judge = (CheckpointJudge(cfg.checkpoint_scoring, prompts, Path(data_dir), accelerator.is_main_process)
@@ -190,6 +179,25 @@ def train(
         checkpoints=[_on_disk(r, checkpoints.run_dir / f"checkpoint-{r['step']}") for r in result.state.scores],
         selected=selected, concepts=concepts, base_precision=base_info, phase_peaks_mb=peaks.peaks,
     )
+
+
+def _load_parts(cfg: TrainConfig, base: Path, method: TrainingMethod, accelerator: Any, peaks: PhasePeaks
+                ) -> tuple[Any, dict[str, Any]]:
+    """The base's parts, bound to `method`: text encoders first (with the text cache on, they encode
+    every prompt and go), then the denoiser, never beside T5; each phase's peak RSS into `peaks`.
+    Returns the components and the quantized base's report entry."""
+    quantize = base_precision(cfg, accelerator.device)
+    text_quantize = base_precision(cfg, accelerator.device, "text_encoder_precision")
+    with peaks.phase("text_cache"):
+        components = load_components(base, cfg.prediction_type, denoiser=False, text_quantize=text_quantize)
+        method.bind(components)
+        dtype = weight_dtype(accelerator.mixed_precision)
+        if caches_on_host(accelerator):  # frozen parts in low precision; with the text cache on, text encoders gone
+            method.place_frozen_first(accelerator.device, dtype)
+    with peaks.phase("load"):
+        components.load_denoiser(base, method.denoiser_load_dtype(dtype, accelerator.device), quantize)
+    return components, {**quantized_report(quantize, components.denoiser),
+                        **({"text": text_quantize.name} if text_quantize else {})}
 
 
 def base_precision(cfg: TrainConfig, device: torch.device, key: str = "base_model_precision"

@@ -203,6 +203,9 @@ def test_the_text_encoders_are_quantized_as_they_load_and_build_the_text_cache(
         return components
 
     monkeypatch.setattr(ModelFamily, "load_components", classmethod(spy))
+    from tasks.common import weights_load
+
+    monkeypatch.setattr(weights_load, "_whole", lambda *a: pytest.fail(f"{a[2]} was loaded whole, not by chunks"))
     config = cfg(tmp_path, method="lora", text_encoder_precision="int8", base_model_precision="int8",
                  max_train_steps=2, mixed_precision="bf16", max_sequence_length=SEQ)
     outcome = train(config, tiny_flux, one_image, None, tmp_path / "out")

@@ -138,21 +138,26 @@ class ModelFamily:
                         text_quantize: Any = None) -> Components:
         """Every part of a base folder; text encoders and tokenizers in `text_encoder_names` order.
         `denoiser=False`: all but the denoiser's weights (`Components.load_denoiser` loads them later).
-        `text_quantize` (a BasePrecision): the text encoders' Linear layers quantized as they load, by
-        transformers' own quantizers (tasks/common/quantize.py)."""
+        `text_quantize` (a BasePrecision): the text encoders' Linear layers quantized as they load, in
+        bf16 (tasks/common/weights_load.py, as the denoiser)."""
         import diffusers
+        import torch
         import transformers
 
         base = Path(base)
         index = _index(base)
-        quantized = {"quantization_config": text_quantize.transformers_config()} if text_quantize else {}
         tokenizers, encoders = [], []
         for tok_name, enc_name in zip(cls.tokenizer_names, cls.text_encoder_names):
             if (index.get(enc_name) or [None])[0] is None:
                 continue  # an optional encoder left out (SD3 without T5)
             tokenizers.append(getattr(transformers, index[tok_name][1]).from_pretrained(base, subfolder=tok_name))
-            encoders.append(getattr(transformers, index[enc_name][1]).from_pretrained(
-                base, subfolder=enc_name, **quantized))
+            encoder_class = getattr(transformers, index[enc_name][1])
+            if text_quantize is None:
+                encoders.append(encoder_class.from_pretrained(base, subfolder=enc_name))
+            else:  # a chunk at a time, each chunk's bf16 weights given back once quantized
+                from tasks.common.weights_load import load_in_dtype
+
+                encoders.append(load_in_dtype(encoder_class, base, enc_name, torch.bfloat16, text_quantize))
         vae = getattr(diffusers, index["vae"][1]).from_pretrained(base, subfolder="vae")
         scheduler = cls.noise_scheduler(base, prediction_type)
         if not denoiser:
