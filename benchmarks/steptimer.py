@@ -145,7 +145,7 @@ def summary(name: str, out: Path, warmup: int) -> dict:
             "peak_rss_gb": round(timing["peak_rss_gb"], 2), "wall_s": round(timing["wall_seconds"], 1),
             "page_faults_per_step": int(statistics.median(step_faults)) if step_faults else None,
             "load_average": os.getloadavg()[0],
-            **({"peak_cuda_steps_gb": round(max(timing["cuda_peak_at_step_gb"][warmup:]), 2),
+            **({"peak_cuda_steps_gb": round(max(timing["cuda_peak_at_step_gb"][warmup:], default=0.0), 2),
                 "peak_cuda_gb": round(timing["cuda_peak_gb"], 2)} if "cuda_peak_gb" in timing else {})}
 
 

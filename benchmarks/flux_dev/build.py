@@ -5,14 +5,14 @@ FluxTransformer2DModel (19 double-stream and 38 single-stream blocks, 3072 wide,
 embedding), the 16-channel VAE (scaling 0.3611, shift 0.1159), CLIP ViT-L/14 and T5-v1.1-XXL
 (4.76B) text encoders, and the flow-matching scheduler with dynamic shifting. Nothing is downloaded.
 
-The transformer is 23.8 GB in bf16, as much as this machine's memory, so it is not built as a
+The transformer is 22.2 GB (GiB) in bf16, nearly all of this machine's memory, so it is not built as a
 module: its tensors are drawn one at a time from the distribution PyTorch's default init gives
 them (Linear and Conv weights and biases uniform in +-1/sqrt(fan_in), norm weights 1, norm biases
 0) and written in 2 GB shards with a safetensors index, as `save_pretrained(max_shard_size=...)`
 writes them. Peak memory is one shard. The other parts are built as modules (benchmarks/sd35/build.py,
 T5-XXL at 9.5 GB is the largest). The tokenizers are the project's locally made ones.
 
-    .venv/bin/python -m benchmarks.flux_dev.build --out .cache/bench/flux1-dev      # 34 GB on disk
+    .venv/bin/python -m benchmarks.flux_dev.build --out .cache/bench/flux1-dev      # 32 GB (GiB) on disk
 """
 from __future__ import annotations
 

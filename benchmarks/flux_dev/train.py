@@ -1,6 +1,6 @@
 """FLUX.1-dev (11.9B) LoRA steps on this 24 GB machine: the train stage on a quantized base.
 
-    .venv/bin/python -m benchmarks.flux_dev.build                                  # once: 34 GB folder
+    .venv/bin/python -m benchmarks.flux_dev.build                                  # once: 32 GB folder
     .venv/bin/python -m benchmarks.flux_dev.train --precision int8 --steps 5       # appends to results.json
     .venv/bin/python -m benchmarks.flux_dev.train --table
 

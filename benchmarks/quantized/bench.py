@@ -107,6 +107,9 @@ def main() -> None:
         print(json.dumps(one(args.precision, args.steps, args.warmup, args.base, args.lora_type)))
         return
     rows = compare(args.precisions.split(","), args.steps, args.warmup, args.base, args.lora_type)
+    kept = {r["precision"]: r for r in (json.loads(RESULTS.read_text()) if RESULTS.is_file() else [])}
+    kept.update({r["precision"]: r for r in rows})  # a rerun of some precisions replaces their rows only
+    rows = [kept[p] for p in PRECISIONS if p in kept] + [r for p, r in kept.items() if p not in PRECISIONS]
     RESULTS.write_text(json.dumps(rows, indent=1) + "\n")
     print(table(rows))
 

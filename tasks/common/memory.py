@@ -59,8 +59,9 @@ class PhasePeaks:
     A daemon thread reads the process's RSS every `interval` seconds while a phase is open; the
     kernel's own high-water mark (VmHWM) is read at each phase's start and end, so a phase that
     sets a new peak for the process gets the exact figure, and one that does not gets the sampled
-    maximum (a spike shorter than the interval can be missed there). Linux only: elsewhere the
-    phases are recorded with no figures."""
+    maximum (a spike shorter than the interval can be missed there). Linux only: elsewhere
+    `peaks` stays empty. What runs between two phases is in none of them, so the largest phase
+    can be below the process's own peak."""
 
     def __init__(self, interval: float = 0.05) -> None:
         self.interval = interval

@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from tasks.common.memory import return_free_heap
+from tasks.common.memory import release_memory, return_free_heap
 
 log = logging.getLogger(__name__)
 
@@ -40,8 +40,9 @@ def load_in_dtype(cls: Any, base: Path, subfolder: str, dtype: torch.dtype, quan
     class, or a transformers one (a frozen text encoder: its tied weights are tied after the load)."""
     transformers_model = hasattr(cls, "config_class")
     files = _safetensors_files(Path(base) / subfolder, "model" if transformers_model else "diffusion_pytorch_model")
-    keep_fp32 = getattr(cls, "_keep_in_fp32_modules", None) or []  # T5's `wo`: read in float32 (transformers)
-    if (dtype == torch.float32 and quantize is None) or not files or (keep_fp32 and not transformers_model):
+    keep_fp32 = _kept_in_fp32(cls, dtype) if transformers_model else []
+    if (dtype == torch.float32 and quantize is None) or not files or (
+            getattr(cls, "_keep_in_fp32_modules", None) and not transformers_model):
         return _whole(cls, base, subfolder, dtype, quantize)
     from accelerate import init_empty_weights
     from safetensors import safe_open
@@ -69,10 +70,20 @@ def load_in_dtype(cls: Any, base: Path, subfolder: str, dtype: torch.dtype, quan
         model.tie_weights()  # T5's encoder.embed_tokens is stored once, as shared
         if any(t.is_meta for t in model.state_dict().values()):
             log.info("%s: tensors the files do not hold, loading with from_pretrained", subfolder)
+            del model
+            release_memory()
             return _whole(cls, base, subfolder, dtype, quantize)
     else:
         model.register_to_config(_name_or_path=base)  # as from_pretrained records it
     return model.eval()
+
+
+def _kept_in_fp32(cls: Any, dtype: torch.dtype) -> list[str]:
+    """The modules transformers' from_pretrained keeps in float32 at `dtype`: `_keep_in_fp32_modules`
+    in float16 only, `_keep_in_fp32_modules_strict` in float16 and bfloat16."""
+    keep = list(getattr(cls, "_keep_in_fp32_modules_strict", None) or []) if dtype in (
+        torch.float16, torch.bfloat16) else []
+    return keep + list(getattr(cls, "_keep_in_fp32_modules", None) or []) if dtype == torch.float16 else keep
 
 
 def _whole(cls: Any, base: Path, subfolder: str, dtype: torch.dtype, quantize: Any) -> Any:
@@ -101,8 +112,8 @@ def _load_chunk(model: torch.nn.Module, path: Path, names: list[str], dtype: tor
         for name in names:  # integer buffers keep their dtype (accelerate casts floating-point values only)
             value = fh.get_tensor(name)
             target = torch.float32 if any(k in name.split(".") for k in keep_fp32) else dtype
-            if value.dtype == target:  # no cast, so no copy: the tensor would hold the file's mapping open
-                value = value.clone()
+            if value.dtype == target or not value.is_floating_point():  # no cast, no copy: the tensor
+                value = value.clone()  # would hold the file's mapping open
             set_module_tensor_to_device(model, name, "cpu", value=value, dtype=target)
 
 

@@ -101,7 +101,7 @@ class TrainConfig(StageConfig):
                             "(the denoiser's Linear layers quantized as they load; lora and textual_inversion)")
     text_encoder_precision: str = Field(
         "none", description="the frozen text encoders quantized as they load, while they build the text cache "
-                            "(T5-XXL, Qwen3): none | int8 (torchao)")
+                            "(CLIP, T5-XXL): none | int8 (torchao)")
     # --- data ------------------------------------------------------------------------------------
     resolution: int = Field(64, ge=8, le=4096, multiple_of=8, description="training images are resized/cropped to this")
     center_crop: bool = Field(True, description="centre crop (false: random crop)")

@@ -128,9 +128,13 @@ def text_precision_problem(cfg: Any) -> str | None:
             "train_text_encoder: true trains"
         return (f"{key}: {trains} through the text encoder, which a quantized one cannot give gradients to; "
                 "set text_encoder_precision: none")
+    if cfg.cache_text_encoder_outputs_to_disk:
+        return (f"{key}: the disk text cache is keyed by the encoders' weights, which quantized ones do not "
+                "expose as bytes; set cache_text_encoder_outputs_to_disk: false (the cache stays in memory) "
+                "or text_encoder_precision: none")
     if precision.name != "int8-torchao":
-        return (f"{key}: the text encoders take torchao's int8 only (the one run here on every family's "
-                "encoders); use text_encoder_precision: int8")
+        return (f"{key}: the text encoders take torchao's int8 only (the one run here: FLUX.1's and SD3.5's "
+                "CLIP and T5); use text_encoder_precision: int8")
     if cfg.launcher == "xla":
         return f"{key}: XLA has none of the quantized kernels; use launcher local, accelerate or mpirun"
     problem = precision.problem()

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import math
 
-import pytest
 import torch
 
 TINY = dict(patch_size=1, in_channels=16, num_layers=1, num_single_layers=2, attention_head_dim=16,
@@ -13,7 +12,6 @@ TINY = dict(patch_size=1, in_channels=16, num_layers=1, num_single_layers=2, att
             axes_dims_rope=(4, 6, 6))
 
 
-@pytest.mark.quick
 def test_the_streamed_transformer_is_sharded_indexed_and_loads_with_diffusers(tmp_path, monkeypatch) -> None:
     from diffusers import FluxTransformer2DModel
 

@@ -162,6 +162,8 @@ def test_the_denoiser_is_quantized_as_it_loads(tiny_flux, monkeypatch) -> None:
      "text_encoder_precision: fp8: train_text_encoder: true trains through the text encoder"),
     ({"method": "lora", "text_encoder_precision": "nf4"}, "precision: nf4: the text encoders take torchao"),
     ({"method": "lora", "text_encoder_precision": "fp8"}, "fp8: the text encoders take torchao's int8 only"),
+    ({"method": "lora", "text_encoder_precision": "int8", "cache_text_encoder_outputs_to_disk": True},
+     "int8: the disk text cache is keyed by the encoders' weights"),
     ({"method": "lora", "text_encoder_precision": "int2"}, "text_encoder_precision: 'int2' is not one of"),
 ])
 def test_what_cannot_train_is_refused_naming_the_key(tmp_path, settings, message) -> None:

@@ -203,9 +203,8 @@ class TrainingMethod:
         encode every prompt training can see and go: the largest (T5-XXL, 9.5 GB in bf16) and the
         denoiser are never in memory together."""
         trainable = set(self.trainable())
-        for name, module in self.components.modules.items():
-            if name not in trainable:
-                _put(module, name, device, dtype, trainable=False)
+        for name in [n for n in self.components.modules if n not in trainable]:  # no loop variable keeps
+            _put(self.components.modules[name], name, device, dtype, trainable=False)  # T5 alive after
         release_memory()
         if self.caches_prompts():
             self.prompt_cache = self._new_prompt_cache()
