@@ -233,8 +233,8 @@ def test_the_base_loads_for_the_output_with_training_let_go_of(tmp_path, tiny_sd
         refs.update({name: weakref.ref(module) for name, module in components.modules.items()})
         return components
 
-    def load_denoiser(self, base, dtype=None):
-        real_denoiser(self, base, dtype)
+    def load_denoiser(self, base, dtype=None, quantize=None):
+        real_denoiser(self, base, dtype, quantize)
         refs["unet"] = weakref.ref(self.denoiser)
 
     def make_optimizer(*args, **kwargs):
