@@ -77,7 +77,8 @@ install: $(STAMP)
 # Side environments for the back ends that need another torch than the project's: torch_xla
 # 2.9 runs only with torch 2.9, intel_extension_for_pytorch 2.8 only with torch 2.8. Each gets
 # requirements.lock (which holds no torch), then requirements-<name>.lock (the torch pair and what it adds
-# or changes), all --no-deps, then the project (editable). torchvision stays out (it breaks
+# or changes), all --no-deps, then the project (editable); torchao 0.18 leaves (it needs torch
+# 2.10+, and peft imports it when present). torchvision stays out (it breaks
 # transformers' imports here). Rebuilt only when a lock file changes (stamp .venv-<name>/.installed).
 # uv (pinned in requirements.lock) installs them from one cache inside the project and hardlinks
 # the files into each environment, so the CUDA packages both torch builds pull in (4.3 GB) and the
@@ -98,6 +99,7 @@ SIDE_ENVS_NEED_GB ?= 13
 	$(BIN)/uv pip install --quiet --python .venv-$*/bin/python --no-deps -r requirements.lock && \
 	$(BIN)/uv pip install --quiet --python .venv-$*/bin/python --no-deps -r requirements-$*.lock && \
 	$(BIN)/uv pip install --quiet --python .venv-$*/bin/python --no-deps -e . && \
+	$(BIN)/uv pip uninstall --quiet --python .venv-$*/bin/python torchao && \
 	if .venv-$*/bin/python -c "import torchvision" 2>/dev/null; then \
 	  echo "error: torchvision is installed in .venv-$*; it breaks transformers (uv pip uninstall --python .venv-$*/bin/python torchvision)"; exit 1; fi && \
 	echo ".venv-$* took $$(( $$(date +%s) - start )) s"

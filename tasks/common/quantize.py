@@ -18,9 +18,10 @@ import importlib.util
 import logging
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:  # torch loads in the stage's process only after the launcher (tests/train/test_launch.py)
+    import torch
 
 log = logging.getLogger(__name__)
 
@@ -80,6 +81,8 @@ class BasePrecision:
         """Quantize `model`'s plain Linear layers named in `names` (all: None) in place; returns how many
         (layers quantized before are left as they are: torchao keeps the Linear class).
         `dtype`: the precision the layers compute in (nf4's dequantized matmul)."""
+        import torch
+
         wanted = None if names is None else set(names)
         linears = {n: m for n, m in model.named_modules()
                    if type(m) is torch.nn.Linear and not is_quantized(m.weight) and (wanted is None or n in wanted)}
@@ -94,6 +97,8 @@ class BasePrecision:
 def _autocast_input(module: torch.nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
     """Autocast's cast for a quantized layer: the kernels of torchao's int8 and bitsandbytes' nf4 bypass
     autocast, and a float32 input (a UNet's timestep embedding) would come out float32 into bf16 layers."""
+    import torch
+
     x = args[0] if args else None
     if isinstance(x, torch.Tensor) and x.is_floating_point() and torch.is_autocast_enabled(x.device.type):
         dtype = torch.get_autocast_dtype(x.device.type)
@@ -136,6 +141,7 @@ def _quanto(model: torch.nn.Module, linears: dict[str, torch.nn.Module], precisi
 
 def _bnb(model: torch.nn.Module, linears: dict[str, torch.nn.Module], precision: str, dtype: Any) -> None:
     import bitsandbytes as bnb
+    import torch
 
     for name, linear in linears.items():
         args = (linear.in_features, linear.out_features, linear.bias is not None)
@@ -157,6 +163,8 @@ QUANTIZERS = {"torchao": _torchao, "quanto": _quanto, "bnb": _bnb}
 
 def is_quantized(tensor: torch.Tensor) -> bool:
     """A quantized weight (a tensor subclass of torchao or quanto, bitsandbytes' Int8Params/Params4bit)."""
+    import torch
+
     return type(tensor) not in (torch.Tensor, torch.nn.Parameter) or type(tensor.data) is not torch.Tensor
 
 
@@ -167,6 +175,8 @@ def has_quantized(module: torch.nn.Module) -> bool:
 def place_quantized(module: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> None:
     """`module.to(device, dtype)` for a module with quantized layers: their weights keep their
     format (casting would dequantize or fail), every plain floating-point tensor takes `dtype`."""
+    import torch
+
     for tensor in [*module.parameters(), *module.buffers()]:
         if not is_quantized(tensor) and tensor.is_floating_point():
             tensor.data = tensor.data.to(device, dtype)

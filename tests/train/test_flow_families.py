@@ -173,10 +173,10 @@ def test_prompts_are_encoded_before_the_transformer_loads(tmp_path, tiny_sd3, on
         encoders.update({n: weakref.ref(components.modules[n]) for n in components.text_encoder_names()})
         return components
 
-    def load_denoiser(self, base, dtype=None):
+    def load_denoiser(self, base, dtype=None, quantize=None):
         gc.collect()
         alive_at_load.append({n for n, ref in encoders.items() if ref() is not None})
-        real_denoiser(self, base, dtype)
+        real_denoiser(self, base, dtype, quantize)
 
     monkeypatch.setattr(core, "load_components", load_components)
     monkeypatch.setattr(Components, "load_denoiser", load_denoiser)
