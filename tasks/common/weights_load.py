@@ -44,18 +44,8 @@ def load_in_dtype(cls: Any, base: Path, subfolder: str, dtype: torch.dtype, quan
     if (dtype == torch.float32 and quantize is None) or not files or (
             getattr(cls, "_keep_in_fp32_modules", None) and not transformers_model):
         return _whole(cls, base, subfolder, dtype, quantize)
-    from accelerate import init_empty_weights
-    from safetensors import safe_open
-
-    with init_empty_weights():
-        if transformers_model:
-            model = cls(cls.config_class.from_pretrained(base, subfolder=subfolder))
-        else:
-            model = cls.from_config(cls.load_config(base, subfolder=subfolder))
-    keys: dict[Path, list[str]] = {}
-    for path in files:
-        with safe_open(path, "pt") as fh:
-            keys[path] = list(fh.keys())
+    model = _empty_model(cls, base, subfolder, transformers_model)
+    keys = _stored_keys(files)
     stored, wanted = {k for names in keys.values() for k in names}, set(model.state_dict())
     if not stored <= wanted or (stored != wanted and not transformers_model):
         log.info("%s: keys differ from the model's, loading with from_pretrained", subfolder)
@@ -76,6 +66,27 @@ def load_in_dtype(cls: Any, base: Path, subfolder: str, dtype: torch.dtype, quan
     else:
         model.register_to_config(_name_or_path=base)  # as from_pretrained records it
     return model.eval()
+
+
+def _empty_model(cls: Any, base: Path, subfolder: str, transformers_model: bool) -> Any:
+    """The model built from its config on the meta device (no memory)."""
+    from accelerate import init_empty_weights
+
+    with init_empty_weights():
+        if transformers_model:
+            return cls(cls.config_class.from_pretrained(base, subfolder=subfolder))
+        return cls.from_config(cls.load_config(base, subfolder=subfolder))
+
+
+def _stored_keys(files: list[Path]) -> dict[Path, list[str]]:
+    """Each weight file's tensor names, in file order."""
+    from safetensors import safe_open
+
+    keys: dict[Path, list[str]] = {}
+    for path in files:
+        with safe_open(path, "pt") as fh:
+            keys[path] = list(fh.keys())
+    return keys
 
 
 def _kept_in_fp32(cls: Any, dtype: torch.dtype) -> list[str]:
