@@ -151,6 +151,11 @@ demo: data
 # servers and stage subprocesses on 2 cores, and seeded weights then match across machines.
 test test-fast: export OMP_NUM_THREADS ?= 1
 
+# make test runs its files in TEST_WORKERS processes (pytest-xdist), each file whole in one of them
+# (--dist loadfile: a module's shared set-up is built once). Most tests wait on a subprocess, a server
+# or a single-threaded tiny model, so on 2 cores two workers keep both busy; TEST_WORKERS=0 runs serially.
+TEST_WORKERS ?= 2
+
 # The side environments are built first, so that tests/train/test_side_envs.py runs the XLA and
 # IPEX back ends instead of skipping; on a disk with less than SIDE_ENVS_NEED_GB free they are
 # left out with a warning (a failed install still fails the run).
@@ -161,7 +166,7 @@ test: data
 	    echo "warning: not building .venv-xla and .venv-ipex: $${free} GB free here, they need about $(SIDE_ENVS_NEED_GB) GB; tests/train/test_side_envs.py will skip (free disk, then make side-envs)"; \
 	  else $(MAKE) --no-print-directory side-envs || exit 1; fi; \
 	fi
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 # The quick tier (modules marked `pytestmark = pytest.mark.quick`): what needs no server, launcher,
 # side environment or minutes of model work, the tier to run before every commit; make test runs it too.
