@@ -16,6 +16,7 @@ from PIL import Image
 from tasks.common import families
 from tasks.common.errors import UserError
 from tasks.common.finetuned import load_finetuned
+from tasks.common.genai import is_runtime_export, open_runtime_export
 from tasks.common.openvino_model import (
     StaticShape,
     compiled_precisions,
@@ -87,19 +88,25 @@ class _Jobs:
 
 def _export_images(export: Path, prompts: list[str], cfg: EvaluateConfig) -> dict[str, Any]:
     """The export's images of the fidelity prompts, with its call shape, backend and precision."""
-    families.read_index(export, "run the export stage (dvc repro export), or set "
-                        "evaluate.export_fidelity.enabled: false")
-    pipe = load_ov_pipeline(export, static=True)
-    shape = static_shape(pipe)
-    backend = "openvino-static" if shape else "openvino-dynamic"
+    if is_runtime_export(export):  # export.adapters: runtime: GenAI, base + the run-time adapter
+        pipe = open_runtime_export(export, cfg.guidance_scale)
+        shape, backend = pipe.shape, "openvino-genai-adapter"
+    else:
+        families.read_index(export, "run the export stage (dvc repro export), or set "
+                            "evaluate.export_fidelity.enabled: false")
+        pipe = load_ov_pipeline(export, static=True)
+        shape = static_shape(pipe)
+        backend = "openvino-static" if shape else "openvino-dynamic"
     shape = shape or _default_shape(pipe)
     n = cfg.export_fidelity.max_prompts or len(prompts)
     images, seconds = generate(
         pipe, prompts[:n], shape, cfg.images_per_prompt, cfg.seed, cfg.num_inference_steps,
         cfg.guidance_scale, desc=f"fine-tuned ({backend}, export fidelity)")
     # what the export's openvino_runtime.json made OpenVINO compute in
+    precision = ({n: "f32" for n in families.of_pipeline(pipe).ov_component_names()}
+                 if backend == "openvino-genai-adapter" else compiled_precisions(pipe))
     return {"images": images, "seconds": seconds, "shape": shape, "backend": backend,
-            "precision": compiled_precisions(pipe)}
+            "precision": precision}
 
 
 def evaluate(model: Path, base: Path | None, instance_data: Path, cfg: EvaluateConfig,

@@ -18,6 +18,7 @@ from tasks.common.outputs import atomic_dir, write_json
 from tasks.common.tracking import stage_run
 from tasks.export.config import ExportConfig
 from tasks.export.core import export, numeric_metrics
+from tasks.export.runtime import export_runtime
 
 log = logging.getLogger("tasks.export")
 
@@ -36,7 +37,10 @@ def main() -> None:
     args = parser.parse_args()
     cfg = load_config("export", ExportConfig, args.params)
     with stage_run("export", params=cfg.model_dump()) as run, atomic_dir(args.out) as tmp:
-        report = export(args.model, tmp, cfg, base=args.base)
+        if cfg.adapters == "runtime":
+            report = export_runtime(args.model, tmp, cfg, base=args.base)
+        else:
+            report = export(args.model, tmp, cfg, base=args.base)
         report["output"] = str(args.out)
         write_json(args.report, report)
         run.log_metrics(numeric_metrics(report))
@@ -45,7 +49,7 @@ def main() -> None:
         run.set_tags(
             {"export.family": report["family"], "export.parity_passed": parity["passed"],
              "export.source_kind": report["source_kind"]["method"],
-             "export.compression": cfg.compression.mode,
+             "export.compression": cfg.compression.mode, "export.adapters": cfg.adapters,
              "export.inference_precision": cfg.inference_precision}
         )
         if not parity["passed"]:

@@ -82,9 +82,40 @@ class ExportConfig(StageConfig):
     placeholder_token: str | None = Field(
         None, description="token of an SDXL learned_embeds.safetensors (SD files carry theirs)"
     )
+    adapters: Literal["fused", "runtime"] = Field(
+        "fused",
+        description="fused: LoRA outputs are fused into a full export of their own; runtime: the "
+        "base is exported once (base/, shared by every fine-tune of it) and the LoRA is kept "
+        "beside it for OpenVINO GenAI to apply per call (SD 1.x/2.x, SDXL; plain LoRA; f32)",
+    )
+    base_cache_dir: str | None = Field(
+        ".cache/openvino-base",
+        description="runtime: base exports kept here by the base's fingerprint, so the next "
+        "fine-tune of the same base reuses it; null: export the base every time",
+    )
 
     @model_validator(mode="after")
     def _batch_not_huge(self) -> ExportConfig:
         if self.batch_size * self.num_images_per_prompt > 64:
             raise ValueError("batch_size x num_images_per_prompt must be at most 64")
+        return self
+
+    @model_validator(mode="after")
+    def _runtime_adapters(self) -> ExportConfig:
+        if self.adapters != "runtime":
+            return self
+        why = {
+            "batch_size": (self.batch_size != 1, "GenAI takes one prompt per call: set 1 (and "
+                           "num_images_per_prompt for more images)"),
+            "compression.mode": (self.compression.mode != "none", "the runtime base is exported "
+                                 "uncompressed for now: set none, or export.adapters: fused"),
+            "single_file": (self.single_file != "none", "a single file holds a fused model: set "
+                            "none, or export.adapters: fused"),
+            "inference_precision": (self.inference_precision not in ("auto", "f32"), "GenAI "
+                                    "2026.4's run-time LoRA gave wrong images at bf16 on this CPU "
+                                    "(21.6 dB, then 6.0 dB for the same adapter): set f32 or auto"),
+        }
+        for key, (bad, fix) in why.items():
+            if bad:
+                raise ValueError(f"export.adapters: runtime does not take this export.{key}: {fix}")
         return self

@@ -18,6 +18,7 @@ from typing import Any
 
 from tasks.common import families
 from tasks.common.errors import UserError
+from tasks.common.genai import export_tokenizers
 from tasks.common.memory import release_memory
 from tasks.common.openvino_model import (
     StaticShape,
@@ -95,8 +96,9 @@ def fix_static_shape(pipe: Any, shape: StaticShape) -> None:
     free_text_encoder_batch(pipe)
 
 
-def convert(src: Path, dst: Path, shape: StaticShape) -> dict[str, Any]:
-    """Convert `src` into `dst` (an empty folder) at `shape`; returns timings and the class used."""
+def convert(src: Path, dst: Path, shape: StaticShape | None) -> dict[str, Any]:
+    """Convert `src` into `dst` (an empty folder) at `shape` (None: dynamic shapes, with OpenVINO
+    tokenizers for GenAI); returns timings and the class used."""
     family = check_source(src)
     cls = family.ov_pipeline_class()
     log.info("exporting %s (%s) to OpenVINO with %s", src, family.title, cls.__name__)
@@ -113,8 +115,11 @@ def convert(src: Path, dst: Path, shape: StaticShape) -> dict[str, Any]:
         gc.unfreeze()
     export_s = time.perf_counter() - start
     start = time.perf_counter()
-    fix_static_shape(pipe, shape)
+    if shape is not None:
+        fix_static_shape(pipe, shape)
     pipe.save_pretrained(dst)
+    if shape is None:
+        export_tokenizers(pipe, dst)
     save_s = time.perf_counter() - start
     del pipe
     release_memory()  # the export leaves GBs of torch and OpenVINO objects in reference cycles

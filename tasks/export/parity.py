@@ -66,7 +66,13 @@ def pytorch_run(src: Path, shape: StaticShape, cfg: ParityConfig) -> PyTorchRun:
     import torch
     from diffusers import DiffusionPipeline
 
-    pt_pipe = DiffusionPipeline.from_pretrained(src, torch_dtype=torch.float32)
+    return pytorch_call(DiffusionPipeline.from_pretrained(src, torch_dtype=torch.float32), shape, cfg)
+
+
+def pytorch_call(pt_pipe: Any, shape: StaticShape, cfg: ParityConfig) -> PyTorchRun:
+    """pytorch_run's call on a loaded diffusers pipeline (fp32; a LoRA may be loaded, unfused)."""
+    import torch
+
     pt_pipe.set_progress_bar_config(disable=True)
     generator = torch.Generator().manual_seed(cfg.seed)
     family = families.of_pipeline(pt_pipe)
@@ -111,22 +117,8 @@ def run_parity(
     ov_s = time.perf_counter() - start
     ov_pipe.set_progress_bar_config(disable=False)
     pt_images = pt.images
-
-    psnr = psnr_db(pt_images, ov_images)
-    finite = bool(np.isfinite(ov_images).all() and np.isfinite(pt_images).all())
-    passed = finite and (cfg.min_psnr_db is None or psnr >= cfg.min_psnr_db)
-    parity = {
-        "enabled": True,
-        "prompt": cfg.prompt,
-        "num_inference_steps": cfg.num_inference_steps,
-        "seed": cfg.seed,
-        "image_psnr_db": round(psnr, 3),
-        "image_max_abs_diff": _max_abs(pt_images, ov_images),
-        "step1_latents_max_abs_diff": _max_abs(pt.step1_latents, ov_step[0]),
-        "finite": finite,
-        "min_psnr_db": cfg.min_psnr_db,
-        "passed": passed,
-    }
+    parity = parity_section(pt_images, ov_images, cfg)
+    parity["step1_latents_max_abs_diff"] = _max_abs(pt.step1_latents, ov_step[0])
     latency = {
         "images_per_call": int(pt.latents.shape[0]),
         "num_inference_steps": cfg.num_inference_steps,
@@ -134,8 +126,24 @@ def run_parity(
         "openvino_static_first_call": round(ov_first_s, 4),
         "openvino_static": round(ov_s, 4),
     }
-    log.info(
-        "parity: PSNR %.1f dB (%s); latency of one call: PyTorch %.2f s, OpenVINO %.2f s",
-        psnr, "ok" if passed else "FAILED", pt.seconds, ov_s,
-    )
+    log.info("parity: PSNR %.1f dB (%s); latency of one call: PyTorch %.2f s, OpenVINO %.2f s",
+             parity["image_psnr_db"], "ok" if parity["passed"] else "FAILED", pt.seconds, ov_s)
     return parity, latency, Reference(pt.latents, pt.kwargs, pt_images, ov_images)
+
+
+def parity_section(pt_images: np.ndarray, ov_images: np.ndarray, cfg: ParityConfig) -> dict[str, Any]:
+    """The report's parity section for two image batches in [0, 1]; `passed` is False when the
+    PSNR is below `cfg.min_psnr_db` or any output is not finite."""
+    psnr = psnr_db(pt_images, ov_images)
+    finite = bool(np.isfinite(ov_images).all() and np.isfinite(pt_images).all())
+    return {
+        "enabled": True,
+        "prompt": cfg.prompt,
+        "num_inference_steps": cfg.num_inference_steps,
+        "seed": cfg.seed,
+        "image_psnr_db": round(psnr, 3),
+        "image_max_abs_diff": _max_abs(pt_images, ov_images),
+        "finite": finite,
+        "min_psnr_db": cfg.min_psnr_db,
+        "passed": finite and (cfg.min_psnr_db is None or psnr >= cfg.min_psnr_db),
+    }

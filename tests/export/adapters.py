@@ -13,8 +13,9 @@ TOKEN = "<sks-toy>"
 
 
 def write_adapters(base: Path, out: Path, lora: bool = True, embeds: bool = True,
-                   seed: int = 0) -> Path:
-    """Adapter files for `base` written into `out` (only the files, no pipeline)."""
+                   seed: int = 0, text_encoder: bool = False) -> Path:
+    """Adapter files for `base` written into `out` (only the files, no pipeline); `text_encoder`:
+    the LoRA has text-encoder layers too (rank 2, alpha 4: a scale of 2)."""
     import torch
     from diffusers import StableDiffusionPipeline
     from diffusers.utils import convert_state_dict_to_diffusers
@@ -33,9 +34,22 @@ def write_adapters(base: Path, out: Path, lora: bool = True, embeds: bool = True
                 if "lora_B" in name:
                     param.copy_(torch.randn(param.shape, generator=generator) * 0.1)
         layers = convert_state_dict_to_diffusers(get_peft_model_state_dict(pipe.unet))
+        extra = {}
+        if text_encoder:
+            text_targets = ["q_proj", "k_proj", "v_proj", "out_proj"]
+            text_config = LoraConfig(r=2, lora_alpha=4, target_modules=text_targets)
+            pipe.text_encoder.add_adapter(text_config)
+            with torch.no_grad():
+                for name, param in pipe.text_encoder.named_parameters():
+                    if "lora_B" in name:
+                        param.copy_(torch.randn(param.shape, generator=generator) * 0.1)
+            extra = {"text_encoder_lora_layers": get_peft_model_state_dict(pipe.text_encoder),
+                     "text_encoder_lora_adapter_metadata": text_config.to_dict(),
+                     "unet_lora_adapter_metadata": LoraConfig(r=4, lora_alpha=4,
+                                                              target_modules=targets).to_dict()}
         StableDiffusionPipeline.save_lora_weights(
             out, unet_lora_layers=layers, weight_name="pytorch_lora_weights.safetensors",
-            safe_serialization=True,
+            safe_serialization=True, **extra,
         )
     if embeds:
         dim = pipe.text_encoder.get_input_embeddings().weight.shape[1]

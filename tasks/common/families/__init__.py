@@ -90,7 +90,8 @@ def detect(path: Path) -> type[ModelFamily]:
 def of_pipeline(pipe: Any) -> type[ModelFamily]:
     """The family of a loaded diffusers or optimum-intel pipeline object."""
     index = {k: list(v) for k, v in pipe.config.items() if isinstance(v, (list, tuple))}
-    index["_class_name"] = type(pipe).__name__.removeprefix("OV")
+    # a stand-in for a diffusers pipeline (tasks.common.genai.GenAIRunner) names the class it runs
+    index["_class_name"] = getattr(pipe, "diffusers_class_name", type(pipe).__name__.removeprefix("OV"))
     return from_index(index, type(pipe).__name__)
 
 

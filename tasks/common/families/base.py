@@ -106,6 +106,9 @@ class ModelFamily:
     #: keys of a textual-inversion embedding file per text encoder, in `text_encoder_names` order
     #: (None: one {token: rows} entry)
     embedding_keys: ClassVar[tuple[str, ...] | None] = None
+    #: kohya key prefix of each component's LoRA in the adapter file OpenVINO GenAI applies at run
+    #: time (export.adapters: runtime); None: not checked against GenAI, the export refuses it
+    genai_lora_prefixes: ClassVar[dict[str, str] | None] = None
 
     # --- recognising a folder -------------------------------------------------------------------
     @classmethod

@@ -19,6 +19,7 @@ class StableDiffusion(ModelFamily):
     pipeline_class_names = ("StableDiffusionPipeline",)
     ov_pipeline_class_name = "OVStableDiffusionPipeline"
     embedding_keys = None
+    genai_lora_prefixes = {"unet": "lora_unet", "text_encoder": "lora_te"}
 
     @classmethod
     def matches(cls, index: dict[str, Any]) -> bool:

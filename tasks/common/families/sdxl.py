@@ -26,6 +26,7 @@ class StableDiffusionXL(ModelFamily):
     text_encoder_names = ("text_encoder", "text_encoder_2")
     tokenizer_names = ("tokenizer", "tokenizer_2")
     embedding_keys = ("clip_l", "clip_g")
+    genai_lora_prefixes = {"unet": "lora_unet", "text_encoder": "lora_te1", "text_encoder_2": "lora_te2"}
 
     @classmethod
     def matches(cls, index: dict[str, Any]) -> bool:

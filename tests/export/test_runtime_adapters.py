@@ -1,0 +1,162 @@
+"""export.adapters: runtime: two LoRA fine-tunes of one tiny-sd base on one base export, applied by
+OpenVINO GenAI at run time (real optimum-intel export, real GenAI pipeline, real diffusers)."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import yaml
+
+from tasks.common.genai import ADAPTER_FILE, BASE_DIR, GENAI_LORA_NAME, GenAIRunner, is_runtime_export
+from tasks.common.openvino_model import StaticShape
+from tasks.common.psnr import psnr_db
+from tasks.export.config import ExportConfig
+from tests.export.adapters import write_adapters
+from tests.export.tiny_ov import PARITY_FAST, tiny_pipeline
+
+SHAPE = StaticShape(1, 64, 64, 2)
+CALL = dict(num_inference_steps=2, guidance_scale=7.5)
+
+
+def _config(tmp, **extra) -> ExportConfig:
+    return ExportConfig(adapters="runtime", num_images_per_prompt=SHAPE.num_images_per_prompt,
+                        parity=PARITY_FAST, base_cache_dir=str(tmp / "base-cache"), **extra)
+
+
+@pytest.fixture(scope="module")
+def two_fine_tunes(tmp_path_factory):
+    """(base, {name: (lora folder, runtime export, report)}): `a` a UNet LoRA, `b` UNet + text
+    encoder; a exported first (the base is converted), then b (the base comes from the cache)."""
+    from tasks.export.runtime import export_runtime
+
+    base = tiny_pipeline(tmp_path_factory, "builtin:tiny-sd")
+    tmp = tmp_path_factory.mktemp("runtime")
+    out = {}
+    for name, seed, text in (("a", 1, False), ("b", 2, True)):
+        lora = write_adapters(base, tmp / f"lora-{name}", embeds=False, seed=seed, text_encoder=text)
+        dst = tmp / f"export-{name}"
+        dst.mkdir()
+        out[name] = (lora, dst, export_runtime(lora, dst, _config(tmp), base))
+    return base, out
+
+
+def _pytorch_images(base, loras: list, weights: list[float]) -> np.ndarray:
+    """The PyTorch fine-tune's images (LoRAs loaded unfused, blended by weight) from seed 0."""
+    import torch
+    from diffusers import StableDiffusionPipeline
+
+    pipe = StableDiffusionPipeline.from_pretrained(base)
+    pipe.set_progress_bar_config(disable=True)
+    for i, lora in enumerate(loras):
+        pipe.load_lora_weights(lora, adapter_name=f"l{i}")
+    if loras:
+        pipe.set_adapters([f"l{i}" for i in range(len(loras))], weights)
+    return pipe("a photo of sks toy", num_images_per_prompt=2, height=64, width=64, output_type="np",
+                generator=torch.Generator().manual_seed(0), **CALL).images
+
+
+def test_both_fine_tunes_share_one_base_export_and_pass_parity(two_fine_tunes):
+    _, runs = two_fine_tunes
+    (_, a_dir, a), (_, b_dir, b) = runs["a"], runs["b"]
+    assert a["base_export"]["cache_hit"] is False and b["base_export"]["cache_hit"] is True
+    assert a["base_export"]["base_fingerprint"] == b["base_export"]["base_fingerprint"]
+    for report in (a, b):
+        assert report["parity"]["passed"] and report["parity"]["image_psnr_db"] >= 30
+        assert report["size_mb"]["adapter"] < 0.05 * report["size_mb"]["base"]
+    # b's base is a's, file for file (hard links into the cache where the filesystem allows)
+    files = sorted(p.relative_to(a_dir / BASE_DIR) for p in (a_dir / BASE_DIR).rglob("*") if p.is_file())
+    assert files and all((a_dir / BASE_DIR / f).read_bytes() == (b_dir / BASE_DIR / f).read_bytes()
+                         for f in files)
+    assert (a_dir / BASE_DIR / "tokenizer" / "openvino_tokenizer.xml").is_file()
+    info = json.loads((b_dir / ADAPTER_FILE).read_text())
+    assert info["lora_layers"] > 0 and info["static_shape"] == SHAPE.as_dict() and is_runtime_export(b_dir)
+
+
+def test_one_compiled_base_switches_and_blends_adapters_per_call(two_fine_tunes):
+    """Each adapter reproduces its own fine-tune, none reproduces the base, and 0.5/0.5 reproduces
+    diffusers' blend of the two; all from one compiled pipeline, in any order."""
+    import torch
+
+    from tasks.evaluate.generate import initial_latents
+
+    base, runs = two_fine_tunes
+    a_lora, b_lora = runs["a"][0], runs["b"][0]
+    files = {name: runs[name][1] / GENAI_LORA_NAME for name in runs}
+    runner = GenAIRunner(runs["a"][1] / BASE_DIR, SHAPE, CALL["guidance_scale"], "f32",
+                         [(files["a"], 0.0), (files["b"], 0.0)])
+    one = initial_latents([0], runner, 64, 64).shape[1:]  # the runner passes for a diffusers pipeline
+    latents = torch.randn((2, *one), generator=torch.Generator().manual_seed(0))  # what diffusers draws
+    wanted = {"a": ([a_lora], [1.0]), "b": ([b_lora], [1.0]), "blend": ([a_lora, b_lora], [0.5, 0.5]),
+              "base": ([], [])}
+    weights = {"a": (1.0, 0.0), "b": (0.0, 1.0), "blend": (0.5, 0.5), "base": (0.0, 0.0)}
+    got = {}
+    for name in ("a", "base", "blend", "b", "a"):
+        runner.adapters = [(adapter, w) for (adapter, _), w in zip(runner.adapters, weights[name])]
+        got[name] = runner(prompt=["a photo of sks toy"], latents=latents, output_type="np", **CALL).images
+    refs = {name: _pytorch_images(base, loras, w) for name, (loras, w) in wanted.items()}
+    for name, images in got.items():  # nearest its own PyTorch twin, by a margin (the LoRAs are small)
+        own = psnr_db(refs[name], images)
+        nearest_other = max(psnr_db(ref, images) for other, ref in refs.items() if other != name)
+        assert own >= 30 and own > nearest_other + 3, (name, own, nearest_other)
+
+
+def test_the_evaluate_stage_generates_through_the_runtime_export(two_fine_tunes):
+    """evaluate's export-fidelity images come from GenAI (base + adapter) and match PyTorch."""
+    from tasks.common.finetuned import load_finetuned
+    from tasks.evaluate.config import EvaluateConfig
+    from tasks.evaluate.core import _export_images
+    from tasks.evaluate.generate import generate
+
+    base, runs = two_fine_tunes
+    lora, export_dir, _ = runs["b"]
+    cfg = EvaluateConfig(prompt_set="object", num_inference_steps=2, images_per_prompt=3)
+    made = _export_images(export_dir, ["a photo of sks toy", "sks toy on a beach"], cfg)
+    assert made["backend"] == "openvino-genai-adapter" and made["shape"] == SHAPE
+    pipe, _, _ = load_finetuned(lora, base)
+    ref, _ = generate(pipe, ["a photo of sks toy", "sks toy on a beach"], SHAPE, 3, cfg.seed, 2,
+                      cfg.guidance_scale, desc="reference")
+    assert [len(row) for row in made["images"]] == [3, 3]
+    pairs = [(np.asarray(x, np.float32) / 255, np.asarray(y, np.float32) / 255)
+             for row_x, row_y in zip(made["images"], ref) for x, y in zip(row_x, row_y)]
+    assert min(psnr_db(x, y) for x, y in pairs) >= 30
+
+
+def test_runtime_refuses_what_genai_cannot_apply(tmp_path_factory, tmp_path):
+    from tasks.common.config import parse_section
+    from tasks.common.errors import UserError
+    from tasks.export.runtime import export_runtime
+
+    base = tiny_pipeline(tmp_path_factory, "builtin:tiny-sd")
+    for bad, key in (({"batch_size": 2}, "export.batch_size"),
+                     ({"inference_precision": "bf16"}, "export.inference_precision"),
+                     ({"compression": {"mode": "int8"}}, "export.compression.mode")):
+        with pytest.raises(UserError, match=key):
+            parse_section("export", {"adapters": "runtime", **bad}, ExportConfig)
+    embeds = write_adapters(base, tmp_path / "ti", lora=False)
+    with pytest.raises(UserError, match="textual-inversion"):
+        export_runtime(embeds, tmp_path / "out", _config(tmp_path), base)
+    with pytest.raises(UserError, match="holds no pytorch_lora_weights"):
+        export_runtime(base, tmp_path / "out", _config(tmp_path), base)
+    lora = write_adapters(base, tmp_path / "lora", embeds=False)
+    with pytest.raises(UserError, match="needs --base"):
+        export_runtime(lora, tmp_path / "out", _config(tmp_path), None)
+    assert not (tmp_path / "out").exists()
+
+
+def test_cli_writes_the_runtime_layout(two_fine_tunes, tmp_path, monkeypatch, capsys):
+    """The stage's CLI with export.adapters: runtime: base/, the adapter, and its report."""
+    from tests.export.test_export import _run_cli
+
+    base, runs = two_fine_tunes
+    params = tmp_path / "params.yaml"
+    params.write_text(yaml.safe_dump({"export": {
+        "adapters": "runtime", "parity": PARITY_FAST,
+        "base_cache_dir": str(runs["a"][1].parent / "base-cache")}}))  # the fixture's: a cache hit
+    out, report = tmp_path / "models" / "openvino", tmp_path / "export.json"
+    code = _run_cli(monkeypatch, capsys, "--model", str(runs["a"][0]), "--base", str(base),
+                    "--out", str(out), "--report", str(report), "--params", str(params))
+    assert code == 0, capsys.readouterr().err
+    assert sorted(p.name for p in out.iterdir()) == sorted(
+        [BASE_DIR, GENAI_LORA_NAME, ADAPTER_FILE, "openvino_runtime.json"])
+    assert json.loads(report.read_text())["adapters"] == "runtime"
