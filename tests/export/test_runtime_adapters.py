@@ -160,3 +160,42 @@ def test_cli_writes_the_runtime_layout(two_fine_tunes, tmp_path, monkeypatch, ca
     assert sorted(p.name for p in out.iterdir()) == sorted(
         [BASE_DIR, GENAI_LORA_NAME, ADAPTER_FILE, "openvino_runtime.json"])
     assert json.loads(report.read_text())["adapters"] == "runtime"
+
+
+def test_an_sdxl_lora_on_both_text_encoders_matches_through_genai(tmp_path_factory, tmp_path):
+    """SDXL's keys (lora_unet, lora_te1, lora_te2) are the ones GenAI applies: the run-time
+    adapter reproduces the PyTorch fine-tune."""
+    import torch
+    from diffusers import StableDiffusionXLPipeline
+    from peft import LoraConfig
+
+    from tasks.common.genai import generate, load_text2image, write_genai_lora
+    from tasks.export.runtime import base_export
+
+    base = tiny_pipeline(tmp_path_factory, "builtin:tiny-sdxl")
+    pipe = StableDiffusionXLPipeline.from_pretrained(base)
+    pipe.set_progress_bar_config(disable=True)
+    generator = torch.Generator().manual_seed(3)
+    pipe.unet.add_adapter(LoraConfig(r=4, lora_alpha=8, target_modules=["to_q", "to_k", "to_v", "to_out.0"]))
+    for name in ("text_encoder", "text_encoder_2"):
+        getattr(pipe, name).add_adapter(LoraConfig(r=2, lora_alpha=2, target_modules=["q_proj", "v_proj"]))
+    with torch.no_grad():
+        for model in (pipe.unet, pipe.text_encoder, pipe.text_encoder_2):
+            for name, param in model.named_parameters():
+                if "lora_B" in name:
+                    param.copy_(torch.randn(param.shape, generator=generator) * 0.2)
+    layers = write_genai_lora(pipe, tmp_path / GENAI_LORA_NAME)
+    ref = pipe("a photo of sks toy", num_images_per_prompt=2, height=64, width=64, output_type="np",
+               generator=torch.Generator().manual_seed(0), **CALL).images
+    pipe.disable_lora()
+    plain = pipe("a photo of sks toy", num_images_per_prompt=2, height=64, width=64, output_type="np",
+                 generator=torch.Generator().manual_seed(0), **CALL).images
+    del pipe
+    base_export(base, tmp_path / BASE_DIR, None)
+    runner = load_text2image(tmp_path / BASE_DIR, SHAPE, CALL["guidance_scale"], "f32",
+                             [tmp_path / GENAI_LORA_NAME])
+    import openvino_genai
+
+    got = generate(runner, "a photo of sks toy", SHAPE, CALL["num_inference_steps"], CALL["guidance_scale"], 0,
+                   [(openvino_genai.Adapter(str(tmp_path / GENAI_LORA_NAME)), 1.0)])
+    assert layers > 0 and psnr_db(ref, got) >= 30 and psnr_db(ref, got) > psnr_db(plain, got) + 3
