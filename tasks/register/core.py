@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import logging
+import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,7 +17,9 @@ from tasks.common import families
 from tasks.common.adapters import PEFT_DIR
 from tasks.common.config import load_config, read_params
 from tasks.common.errors import UserError
+from tasks.common.genai import is_runtime_export
 from tasks.common.tracking import git_commit, stage_run
+from tasks.register.base_export import BASE_SUFFIX, GENAI_CODE, find_base_version, stage_adapter, stage_base
 from tasks.register.config import RegisterConfig
 from tasks.register.lineage import (
     Evaluation,
@@ -28,7 +31,7 @@ from tasks.register.lineage import (
     summary_tags,
 )
 from tasks.register.promotion import Champion, Decision, Goal, candidate_score, decide
-from tasks.register.pyfunc_model import serving_config, signature
+from tasks.register.pyfunc_model import SETTINGS, serving_config, signature
 from tasks.register.registry import (
     CHAMPION,
     LINEAGE_ARTIFACT,
@@ -50,7 +53,7 @@ LORA_WEIGHTS = "pytorch_lora_weights.safetensors"
 #: own inference would load the model in a subprocess just to guess this list).
 _RUNTIME_PACKAGES = (
     "mlflow", "torch", "diffusers", "transformers", "accelerate", "peft", "safetensors", "pillow",
-    "pandas", "numpy", "optimum", "optimum-intel", "openvino", "openvino-tokenizers",
+    "pandas", "numpy", "optimum", "optimum-intel", "openvino", "openvino-tokenizers", "openvino-genai",
 )
 
 
@@ -104,6 +107,12 @@ def model_artifacts(finetuned: Path, openvino: Path, base: Path | None) -> dict[
     adapters-only folder (lora, fuse_lora: false) with `base`, loaded by the pyfunc as
     `DiffusionPipeline.from_pretrained(base).load_lora_weights(finetuned)`.
     """
+    if is_runtime_export(openvino):  # export.adapters: runtime: the adapter, its base export apart
+        if base is None or not (Path(finetuned) / LORA_WEIGHTS).is_file():
+            raise UserError(f"{openvino} is a run-time adapter export: register it with the LoRA it was "
+                            f"made from (--finetuned holding {LORA_WEIGHTS}) and --base models/base")
+        families.read_index(base, "run `dvc repro base` first")
+        return {"finetuned": str(finetuned), "base": str(base)}
     families.read_index(openvino, "run the pipeline first (`dvc repro`)")
     artifacts = {"finetuned": str(finetuned), "openvino": str(openvino)}
     if (Path(finetuned) / "model_index.json").is_file():  # a full pipeline (LoRA weights beside it: fused)
@@ -120,15 +129,17 @@ def model_artifacts(finetuned: Path, openvino: Path, base: Path | None) -> dict[
 
 
 def log_model(run_id: str, artifacts: dict[str, str], serving: dict[str, Any] | None,
-              tags: dict[str, str]) -> Any:
-    """Log the pyfunc (pyfunc_model.py with `artifacts`) into run `run_id`; MLflow's ModelInfo."""
+              tags: dict[str, str], name: str = "model") -> Any:
+    """Log the pyfunc (pyfunc_model.py with `artifacts`, genai_serving.py beside it) into run
+    `run_id` as `name`; MLflow's ModelInfo."""
     import mlflow
     from mlflow.models import Model
 
-    log.info("logging the pyfunc model (artifacts %s) into run %s", artifacts, run_id)
+    log.info("logging the pyfunc model %s (artifacts %s) into run %s", name, artifacts, run_id)
     return Model.log(
         artifact_path=None,
-        name="model",
+        name=name,
+        code_paths=[str(GENAI_CODE)],
         flavor=mlflow.pyfunc,
         run_id=run_id,
         python_model=str(MODEL_CODE),
@@ -184,7 +195,12 @@ def register_model(
     tags = summary_tags(lock, evaluation, git_commit, primary_metric, extra_tags)
     tags["model.artifacts"] = "lora_adapters+base" if "base" in artifacts else "pipeline"
     record = lineage_record(lock, evaluation, params, git_commit, extra_tags)
-    info = log_model(run_id, artifacts, serving, tags)
+    with tempfile.TemporaryDirectory(prefix="register-") as work:
+        if is_runtime_export(openvino):
+            artifacts["adapter"] = str(stage_adapter(openvino, Path(work)))
+            tags.update(_base_export_version(client, model_name, openvino, Path(work), base, run_id, serving))
+            tags["model.artifacts"] = "runtime_adapter+base"
+        info = log_model(run_id, artifacts, serving, tags)
     champion = current_champion(client, model_name, primary_metric)
     champion, rescored = _rescored(client, model_name, champion, champion_rescore, primary_metric)
     decision = decide(evaluation, primary_metric, primary_metric_goal, champion,
@@ -217,6 +233,25 @@ def register_model(
         champion_moved=move.holds,
         decision=reason,
     )
+
+
+def _base_export_version(client: Any, model_name: str, openvino: Path, work: Path, base: Path | None,
+                         run_id: str, serving: dict[str, Any] | None) -> dict[str, str]:
+    """The `<model>-base` version of this runtime export's base (registered now if it is the first
+    fine-tune of it); the adapter version's tags that point at it."""
+    base_dir, info = stage_base(openvino, work, SETTINGS["guidance_scale"].default)
+    base_name = f"{model_name}{BASE_SUFFIX}"
+    version = find_base_version(client, base_name, info["key"])
+    if version is None:
+        tags = {"base_export.key": info["key"], "base_export.fingerprint": info["base_fingerprint"],
+                "model.artifacts": "base_export"}
+        logged = log_model(run_id, {"openvino": str(base_dir), "finetuned": str(base)}, serving, tags,
+                           name="base_export")
+        version = create_version(client, base_name, logged, run_id, tags,
+                                 f"OpenVINO export of the base {info['base_fingerprint'][:12]} ({info['family']}); "
+                                 "serves its registered fine-tunes named in the `adapter` param.")
+        log.info("registered the base export as %s version %s", base_name, version)
+    return {"base_export.key": info["key"], "base_export.model": base_name, "base_export.version": version}
 
 
 def _record_race(client: Any, model_name: str, version: str, run_id: str,

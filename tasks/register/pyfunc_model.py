@@ -85,6 +85,8 @@ SETTINGS: dict[str, Setting] = {
     "width": Setting("long", None, 64, 1024),
     "num_images_per_prompt": Setting("long", 1, 1, 4),
 }
+#: The one text param: the registered adapters a base export's endpoint applies (genai_serving.py).
+ADAPTER_PARAM = "adapter"
 MAX_PROMPTS = 8
 MAX_PROMPT_CHARS = 1000
 MAX_IMAGES = 16  # prompts x num_images_per_prompt in one request: bounds its time and memory
@@ -104,7 +106,8 @@ def signature() -> Any:
     return ModelSignature(
         inputs=Schema([ColSpec("string")]),  # unnamed: a plain list of prompts validates
         outputs=Schema([ColSpec("string", "prompt"), ColSpec("long", "seed"), ColSpec("string", "image")]),
-        params=ParamSchema([ParamSpec(n, s.type, s.default) for n, s in SETTINGS.items()]),
+        params=ParamSchema([ParamSpec(n, s.type, s.default) for n, s in SETTINGS.items()]
+                           + [ParamSpec(ADAPTER_PARAM, "string", "")]),
     )
 
 
@@ -128,9 +131,12 @@ def _number(name: str, value: Any, setting: Setting) -> int | float:
 def check_settings(params: dict[str, Any] | None, size_multiple: int = 8) -> dict[str, Any]:
     """The request's settings with defaults filled in, or a bad_request naming the field and range."""
     params = dict(params or {})
+    adapter = params.pop(ADAPTER_PARAM, None) or ""
     if unknown := sorted(set(params) - set(SETTINGS)):
-        raise bad_request(f"unknown params {unknown}; allowed: {sorted(SETTINGS)}")
-    settings = dict(DEFAULTS)
+        raise bad_request(f"unknown params {unknown}; allowed: {sorted([*SETTINGS, ADAPTER_PARAM])}")
+    if not isinstance(adapter, str) or len(adapter) > MAX_PROMPT_CHARS:
+        raise bad_request(f"{ADAPTER_PARAM}: {adapter!r} is not a text of at most {MAX_PROMPT_CHARS} characters")
+    settings = {**DEFAULTS, ADAPTER_PARAM: adapter}
     for name, value in params.items():
         if value is not None:
             settings[name] = _number(name, value, SETTINGS[name])
@@ -398,10 +404,16 @@ class DiffusionImageModel(mlflow.pyfunc.PythonModel):
     """Prompts in, base64 PNGs out; the pipeline is loaded once per process."""
 
     def load_context(self, context: Any) -> None:
-        if _want_openvino():
+        path = context.artifacts.get("openvino")
+        if path and _want_openvino() and os.path.isfile(os.path.join(path, "genai_base.json")):
+            try:  # logged beside this file as the model's code
+                from genai_serving import AdapterServer
+            except ImportError:  # imported from the repository (tests)
+                from tasks.register.genai_serving import AdapterServer
+            pipe, backend = AdapterServer(path, _runtime_config(path)), "genai"
+        elif path and _want_openvino():
             from optimum.intel import OVDiffusionPipeline
 
-            path = context.artifacts["openvino"]
             pipe, backend = OVDiffusionPipeline.from_pretrained(path, ov_config=_runtime_config(path)), "openvino"
         else:
             path = context.artifacts["finetuned"]
@@ -431,6 +443,7 @@ class DiffusionImageModel(mlflow.pyfunc.PythonModel):
         deadline = None if self.timeout_s is None else time.monotonic() + self.timeout_s
         multiple = int(getattr(self.pipe, "vae_scale_factor", 8))
         prompts, settings = check_request(model_input, params, multiple, self.budget, self.size)
+        settings["adapters"] = self._adapters(settings.pop(ADAPTER_PARAM), settings)
         seed, per_prompt = settings["seed"], settings["num_images_per_prompt"]
         rows: list[dict[str, Any]] = []
         with self.turns.turn(deadline):
@@ -445,12 +458,29 @@ class DiffusionImageModel(mlflow.pyfunc.PythonModel):
                                 "server's --timeout") from None
         return pd.DataFrame(rows, columns=["prompt", "seed", "image"])
 
+    def _adapters(self, spec: str, settings: dict[str, Any]) -> dict[str, Any]:
+        """The `adapter` param as the pipeline call's extra argument (only a base export's endpoint
+        takes one); a bad_request names the field."""
+        if self.backend != "genai":
+            if spec:
+                raise bad_request(f"{ADAPTER_PARAM}: this endpoint serves one fine-tune; adapters are "
+                                  "applied by the endpoint of their registered base export (<model>-base)")
+            return {}
+        if settings["guidance_scale"] <= 1:
+            raise bad_request(f"guidance_scale: {settings['guidance_scale']:g}; this base export is compiled "
+                              "with classifier-free guidance: allowed above 1")
+        try:
+            return {"adapters": self.pipe.resolve(spec)}
+        except ValueError as err:
+            raise bad_request(str(err)) from None
+
     def _generate(self, prompt: str, seed: int, settings: dict[str, Any], deadline: float | None) -> dict[str, Any]:
         import torch
 
         if deadline is not None and time.monotonic() > deadline:
             raise PastDeadline("before its first step")
         image = self.pipe(
+            **settings["adapters"],
             prompt=prompt,  # by name: FLUX.2 klein's first positional argument is an input image
             num_inference_steps=settings["num_inference_steps"],
             guidance_scale=settings["guidance_scale"],

@@ -13,7 +13,7 @@ from tasks.common.openvino_model import StaticShape
 from tasks.common.psnr import psnr_db
 from tasks.export.config import ExportConfig
 from tests.export.adapters import write_adapters
-from tests.export.tiny_ov import PARITY_FAST, tiny_pipeline
+from tests.export.tiny_ov import PARITY_FAST, runtime_export, tiny_pipeline
 
 SHAPE = StaticShape(1, 64, 64, 2)
 CALL = dict(num_inference_steps=2, guidance_scale=7.5)
@@ -27,18 +27,10 @@ def _config(tmp, **extra) -> ExportConfig:
 @pytest.fixture(scope="module")
 def two_fine_tunes(tmp_path_factory):
     """(base, {name: (lora folder, runtime export, report)}): `a` a UNet LoRA, `b` UNet + text
-    encoder; a exported first (the base is converted), then b (the base comes from the cache)."""
-    from tasks.export.runtime import export_runtime
-
+    encoder; the session's first export converts the base, the next take it from the cache."""
     base = tiny_pipeline(tmp_path_factory, "builtin:tiny-sd")
-    tmp = tmp_path_factory.mktemp("runtime")
-    out = {}
-    for name, seed, text in (("a", 1, False), ("b", 2, True)):
-        lora = write_adapters(base, tmp / f"lora-{name}", embeds=False, seed=seed, text_encoder=text)
-        dst = tmp / f"export-{name}"
-        dst.mkdir()
-        out[name] = (lora, dst, export_runtime(lora, dst, _config(tmp), base))
-    return base, out
+    return base, {name: runtime_export(tmp_path_factory, name, seed, text)
+                  for name, seed, text in (("a", 1, False), ("b", 2, True))}
 
 
 def _pytorch_images(base, loras: list, weights: list[float]) -> np.ndarray:
@@ -59,7 +51,7 @@ def _pytorch_images(base, loras: list, weights: list[float]) -> np.ndarray:
 def test_both_fine_tunes_share_one_base_export_and_pass_parity(two_fine_tunes):
     _, runs = two_fine_tunes
     (_, a_dir, a), (_, b_dir, b) = runs["a"], runs["b"]
-    assert a["base_export"]["cache_hit"] is False and b["base_export"]["cache_hit"] is True
+    assert [a["base_export"]["cache_hit"], b["base_export"]["cache_hit"]] == [False, True]
     assert a["base_export"]["base_fingerprint"] == b["base_export"]["base_fingerprint"]
     for report in (a, b):
         assert report["parity"]["passed"] and report["parity"]["image_psnr_db"] >= 30
@@ -152,7 +144,7 @@ def test_cli_writes_the_runtime_layout(two_fine_tunes, tmp_path, monkeypatch, ca
     params = tmp_path / "params.yaml"
     params.write_text(yaml.safe_dump({"export": {
         "adapters": "runtime", "parity": PARITY_FAST,
-        "base_cache_dir": str(runs["a"][1].parent / "base-cache")}}))  # the fixture's: a cache hit
+        "base_cache_dir": str(runs["a"][1].parent / "base-cache")}}))  # the session's: a cache hit
     out, report = tmp_path / "models" / "openvino", tmp_path / "export.json"
     code = _run_cli(monkeypatch, capsys, "--model", str(runs["a"][0]), "--base", str(base),
                     "--out", str(out), "--report", str(report), "--params", str(params))

@@ -44,6 +44,27 @@ def exported(
     return src, out, json.loads(report_path.read_text())
 
 
+def runtime_export(tmp_path_factory: pytest.TempPathFactory, name: str, seed: int,
+                   text_encoder: bool = False) -> tuple[Path, Path, dict[str, Any]]:
+    """(LoRA folder, `export.adapters: runtime` export, report) of a hand-made LoRA `name` on
+    tiny-sd at 64 px, 2 images per call, once per session; every one shares the session's base cache."""
+    from tasks.export.config import ExportConfig
+    from tasks.export.runtime import export_runtime
+    from tests.export.adapters import write_adapters
+
+    base = tiny_pipeline(tmp_path_factory, "builtin:tiny-sd")
+    root = tmp_path_factory.getbasetemp() / "tiny-runtime"
+    lora, out = root / f"lora-{name}", root / f"export-{name}"
+    report_path = out.with_suffix(".json")
+    if not report_path.is_file():
+        write_adapters(base, lora, embeds=False, seed=seed, text_encoder=text_encoder)
+        cfg = ExportConfig(adapters="runtime", num_images_per_prompt=2, parity=PARITY_FAST,
+                           base_cache_dir=str(root / "base-cache"))
+        out.mkdir(parents=True)
+        report_path.write_text(json.dumps(export_runtime(lora, out, cfg, base)))
+    return lora, out, json.loads(report_path.read_text())
+
+
 def write_subject_images(folder: Path, n: int = 4, size: int = 64) -> Path:
     """`n` drawn pictures of one 'subject' (a coloured disc on a background) + metadata.jsonl."""
     folder.mkdir(parents=True, exist_ok=True)

@@ -36,7 +36,8 @@ BAD = [
     (["a"], {"height": 32}, r"height: 32 is out of range"),
     (["a"], {"num_images_per_prompt": 5}, r"num_images_per_prompt: 5 is out of range; allowed: an integer from 1 to 4"),
     (["a"] * 5, {"num_images_per_prompt": 4}, r"5 prompts x num_images_per_prompt 4 = 20 images; at most 16"),
-    (["a"], {"steps": 3}, r"unknown params \['steps'\]; allowed: \['guidance_scale', 'height'"),
+    (["a"], {"steps": 3}, r"unknown params \['steps'\]; allowed: \['adapter', 'guidance_scale', 'height'"),
+    (["a"], {"adapter": 3}, r"adapter: 3 is not a text of at most 1000 characters"),
 ]
 
 
@@ -51,7 +52,7 @@ def test_defaults_fill_in_and_good_values_pass() -> None:
     prompts, settings = check_request(pd.DataFrame({"prompt": ["a", "b"]}), {"seed": 4, "height": 128})
     assert prompts == ["a", "b"]
     assert settings == {"seed": 4, "num_inference_steps": 20, "guidance_scale": 7.5, "height": 128,
-                        "width": None, "num_images_per_prompt": 1}
+                        "width": None, "num_images_per_prompt": 1, "adapter": ""}
     assert check_request(["a"] * 4, {"num_images_per_prompt": 4, "guidance_scale": 0})[1]["guidance_scale"] == 0.0
     assert len(check_request(["a"] * 8, {"num_images_per_prompt": 2})[0]) * 2 == MAX_IMAGES
     assert check_request(["a"], {"height": 66}, size_multiple=2)[1]["height"] == 66, "the model's VAE factor rules"
@@ -59,5 +60,5 @@ def test_defaults_fill_in_and_good_values_pass() -> None:
 
 def test_the_signature_declares_every_setting_with_its_type_and_default() -> None:
     params = {p.name: (p.dtype.name, p.default) for p in signature().params.params}
-    assert params == {name: (s.type, s.default) for name, s in SETTINGS.items()}
+    assert params == {**{name: (s.type, s.default) for name, s in SETTINGS.items()}, "adapter": ("string", "")}
     assert signature().inputs.input_types()[0].name == "string"

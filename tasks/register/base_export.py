@@ -1,0 +1,69 @@
+"""Registering an `export.adapters: runtime` fine-tune: its adapter, and its base export once.
+
+The fine-tune's version holds the LoRA (the diffusers file and GenAI's form, `adapter/`) and the
+base pipeline it applies to, no OpenVINO model of its own; its tags point at the base export's
+version: a version of `<model>-base`, registered by the first fine-tune of that base (same
+`base_export.key`: the base's fingerprint and the converting libraries) and reused by every later
+one. That version's pyfunc serves the base with any registered adapter of it, named per request
+(`adapter` param; tasks/register/genai_serving.py).
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+from tasks.common.genai import ADAPTER_FILE, BASE_DIR
+from tasks.register.genai_serving import ADAPTER_ARTIFACT, BASE_INFO
+
+log = logging.getLogger(__name__)
+
+BASE_SUFFIX = "-base"
+GENAI_CODE = Path(__file__).with_name("genai_serving.py")
+
+
+def _linked(src: Path, dst: Path) -> None:
+    def link(a: str, b: str) -> None:
+        try:
+            os.link(a, b)
+        except OSError:
+            shutil.copy2(a, b)
+
+    shutil.copytree(src, dst, copy_function=link)
+
+
+def stage_adapter(openvino: Path, work: Path) -> Path:
+    """The runtime export without its base (the adapter files), as a folder under `work`."""
+    out = work / ADAPTER_ARTIFACT
+    out.mkdir(parents=True)
+    for item in Path(openvino).iterdir():
+        if item.name != BASE_DIR and item.is_file():
+            shutil.copy2(item, out / item.name)
+    return out
+
+
+def stage_base(openvino: Path, work: Path, guidance_scale: float) -> tuple[Path, dict[str, Any]]:
+    """The runtime export's base/ with BASE_INFO (key, family, the shape the endpoint compiles at)."""
+    adapter = json.loads((Path(openvino) / ADAPTER_FILE).read_text())
+    info = {"key": adapter["base_key"], "base_fingerprint": adapter["base_fingerprint"],
+            "family": adapter["family"], "guidance_scale": guidance_scale,
+            "static_shape": {**adapter["static_shape"], "num_images_per_prompt": 1, "batch_size": 1}}
+    out = work / "base-export"
+    _linked(Path(openvino) / BASE_DIR, out)
+    (out / BASE_INFO).write_text(json.dumps(info, indent=2) + "\n")
+    return out, info
+
+
+def find_base_version(client: Any, base_name: str, key: str) -> str | None:
+    """The version of `base_name` registered for base export `key`, if any (the newest)."""
+    from mlflow.exceptions import MlflowException
+
+    try:
+        versions = client.search_model_versions(f"name='{base_name}'")
+    except MlflowException:
+        return None
+    found = [int(v.version) for v in versions if v.tags.get("base_export.key") == key]
+    return str(max(found)) if found else None

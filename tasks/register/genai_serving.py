@@ -1,0 +1,159 @@
+"""One OpenVINO base export serving any number of registered LoRA fine-tunes (OpenVINO GenAI).
+
+Logged with the pyfunc as its code (MLflow `code_paths`), so, like pyfunc_model.py, it imports
+nothing from this repository. The registered base export (`<model>-base`, written by the register
+stage for `export.adapters: runtime`) loads this: its requests name the adapters in the `adapter`
+param, e.g. `sks-toy@champion`, `sks-toy/3`, or a blend `sks-toy/3:0.7,other@champion:0.3`.
+
+- A name is resolved through the MLflow registry the endpoint runs against (MLFLOW_TRACKING_URI):
+  an alias or a version of a registered model whose version was registered for this base (its
+  tag `base_export.key` equals the base's); anything else is a ValueError naming the field.
+- An adapter's files are downloaded on first use and kept in a bounded LRU cache
+  (`max_adapters`); one compiled pipeline serves them all, the LoRA applied per call.
+- GenAI applies, in MODE_DYNAMIC, only the layers it compiled LoRA branches for: a new adapter
+  whose layers the compiled set does not cover recompiles the pipeline once (seconds), with the
+  cached adapters and the new one.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import threading
+from collections import OrderedDict
+from typing import Any
+
+log = logging.getLogger("sd_pyfunc.genai")
+
+#: The file of a registered base export that says what it is (key, family, static shape).
+BASE_INFO = "genai_base.json"
+#: The registered adapter version's artifact: genai_lora.safetensors + runtime_adapter.json.
+ADAPTER_ARTIFACT = "adapter"
+_REF = re.compile(r"^(?P<name>[A-Za-z0-9][\w.\-]*)(?:@(?P<alias>[\w\-]+)|/(?P<version>\d+))"
+                  r"(?::(?P<weight>-?\d+(?:\.\d+)?))?$")
+MAX_BLEND = 4
+
+
+def parse_adapters(spec: str) -> list[tuple[str, str | None, str | None, float]]:
+    """`name@alias[:weight]` or `name/version[:weight]`, comma-separated (at most MAX_BLEND):
+    [(name, alias, version, weight)]; a ValueError says what is wrong."""
+    parts = [p.strip() for p in spec.split(",") if p.strip()]
+    if len(parts) > MAX_BLEND:
+        raise ValueError(f"adapter: {len(parts)} adapters named; a request blends at most {MAX_BLEND}")
+    out = []
+    for part in parts:
+        match = _REF.match(part)
+        if match is None:
+            raise ValueError(f"adapter: {part!r} is not <registered model>@<alias> or <registered "
+                             "model>/<version>, with an optional :<weight> (e.g. sks-toy@champion:0.5)")
+        weight = float(match["weight"]) if match["weight"] is not None else 1.0
+        if not -2.0 <= weight <= 2.0:
+            raise ValueError(f"adapter: weight {weight:g} of {part!r} is out of range; allowed: -2 to 2")
+        out.append((match["name"], match["alias"], match["version"], weight))
+    return out
+
+
+def _layers(path: str) -> set[str]:
+    from safetensors import safe_open
+
+    with safe_open(path, "np") as fh:
+        return {k.split(".")[0] for k in fh.keys()}  # noqa: SIM118  (safe_open is not iterable)
+
+
+class AdapterServer:
+    """GenAI's Text2ImagePipeline over one base export, called like a diffusers pipeline with
+    `adapters=[(file, weight)]`; `resolve()` turns the `adapter` param into those files."""
+
+    def __init__(self, export: str, ov_config: dict[str, str], max_adapters: int = 8) -> None:
+        with open(os.path.join(export, BASE_INFO)) as fh:
+            self.info = json.load(fh)
+        shape = self.info["static_shape"]
+        self.export, self.ov_config = export, ov_config
+        self.height, self.width = int(shape["height"]), int(shape["width"])
+        self.guidance = float(self.info["guidance_scale"])
+        self.max_adapters = max_adapters
+        self.cache: OrderedDict[str, tuple[Any, str]] = OrderedDict()  # "name/version" -> (Adapter, file)
+        self.covered: set[str] = set()
+        self.lock = threading.Lock()
+        self._compile([])
+
+    def _compile(self, files: list[str]) -> None:
+        import openvino_genai as genai
+
+        pipe = genai.Text2ImagePipeline(self.export)
+        pipe.reshape(1, self.height, self.width, self.guidance)
+        config = genai.AdapterConfig([genai.Adapter(f) for f in files], genai.AdapterConfig.Mode.MODE_DYNAMIC)
+        pipe.compile("CPU", adapters=config, **self.ov_config)
+        self.pipe = pipe
+        self.covered = set().union(*(_layers(f) for f in files)) if files else set()
+        log.info("compiled the base export with %d adapter(s)", len(files))
+
+    def set_progress_bar_config(self, **_: Any) -> None:
+        """GenAI draws no progress bar."""
+
+    def resolve(self, spec: str) -> list[tuple[Any, float]]:
+        """The `adapter` param as [(GenAI Adapter, weight)], downloading what is new."""
+        refs = parse_adapters(spec)
+        with self.lock:
+            return [(self._adapter(name, alias, version), weight) for name, alias, version, weight in refs]
+
+    def _adapter(self, name: str, alias: str | None, version: str | None) -> Any:
+        import mlflow
+        import openvino_genai as genai
+        from mlflow.exceptions import MlflowException
+
+        client = mlflow.MlflowClient()
+        ref = f"{name}@{alias}" if alias else f"{name}/{version}"
+        try:
+            mv = client.get_model_version_by_alias(name, alias) if alias else client.get_model_version(name, version)
+        except MlflowException:
+            raise ValueError(f"adapter: {ref} is not a registered model version here") from None
+        key = f"{name}/{mv.version}"
+        if key in self.cache:
+            self.cache.move_to_end(key)
+            return self.cache[key][0]
+        if mv.tags.get("base_export.key") != self.info["key"]:
+            raise ValueError(f"adapter: {ref} (version {mv.version}) was not registered for this base "
+                             "export (its tag base_export.key differs): serve it from its own base's endpoint")
+        folder = mlflow.artifacts.download_artifacts(f"models:/{name}/{mv.version}/artifacts/{ADAPTER_ARTIFACT}")
+        with open(os.path.join(folder, "runtime_adapter.json")) as fh:
+            file = os.path.join(folder, json.load(fh)["file"])
+        self.cache[key] = (genai.Adapter(file), file)
+        while len(self.cache) > self.max_adapters:
+            self.cache.popitem(last=False)
+        if not _layers(file) <= self.covered:
+            self._compile([f for _, f in self.cache.values()])
+        return self.cache[key][0]
+
+    def __call__(self, prompt: str, num_inference_steps: int, guidance_scale: float, generator: Any,
+                 callback_on_step_end: Any = None, adapters: Any = (), **_: Any) -> Any:
+        import numpy as np
+        import openvino_genai as genai
+        from PIL import Image
+
+        used = [(a, float(w)) for a, w in adapters if w != 0]  # zero weights: see tasks/common/genai.py
+        config = genai.AdapterConfig(used) if used else genai.AdapterConfig()
+
+        stopped: list[BaseException] = []
+
+        def step(index: int, steps: int, latent: Any) -> bool:
+            """The diffusers-style callback (the deadline) per step; True stops GenAI, and what the
+            callback raised is raised again after generate() returns."""
+            try:
+                if callback_on_step_end is not None:
+                    callback_on_step_end(self, index, None, {})
+            except BaseException as err:
+                stopped.append(err)
+                return True
+            return False
+
+        # compiled at one size: like a static optimum-intel export, it makes that size whatever was asked
+        result = self.pipe.generate(
+            prompt, width=self.width, height=self.height, num_inference_steps=num_inference_steps,
+            guidance_scale=guidance_scale, generator=genai.TorchGenerator(generator.initial_seed()),
+            adapters=config, callback=step)
+        if stopped:
+            raise stopped[0]
+        images = np.asarray(result.data)
+        return type("Output", (), {"images": [Image.fromarray(im) for im in images]})

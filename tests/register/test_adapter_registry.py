@@ -1,0 +1,112 @@
+"""Two run-time adapter fine-tunes of one tiny-sd base registered on one base export, and that base
+export's endpoint serving both by name and a blend of them (real MLflow registry, real GenAI)."""
+from __future__ import annotations
+
+import base64
+import io
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from tasks.common.psnr import psnr_db
+from tests.export.tiny_ov import runtime_export, tiny_pipeline
+from tests.register.conftest import DVC_LOCK, EVAL_PASS
+
+PROMPT = "a photo of sks toy"
+CALL = {"num_inference_steps": 2, "seed": 5}
+
+
+@pytest.fixture(scope="module")
+def exports(tmp_path_factory):
+    base = tiny_pipeline(tmp_path_factory, "builtin:tiny-sd")
+    return base, [runtime_export(tmp_path_factory, name, seed, text)
+                  for name, seed, text in (("a", 1, False), ("b", 2, True))]
+
+
+def _register(root: Path, lora: Path, export: Path, base: Path):
+    from tasks.register.core import register
+
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "params.yaml").write_text("register:\n  model_name: sd-test\n")
+    (root / "dvc.lock").write_text(DVC_LOCK)
+    (root / "evaluate.json").write_text(json.dumps(EVAL_PASS))
+    return register(lora, export, root / "evaluate.json", root / "dvc.lock", root / "params.yaml", base=base)
+
+
+def _images(frame) -> list[np.ndarray]:
+    return [np.asarray(Image.open(io.BytesIO(base64.b64decode(b))), np.float32) / 255 for b in frame["image"]]
+
+
+def _pytorch(base: Path, loras: list[Path], weights: list[float]) -> np.ndarray:
+    import torch
+    from diffusers import StableDiffusionPipeline
+
+    pipe = StableDiffusionPipeline.from_pretrained(base)
+    pipe.set_progress_bar_config(disable=True)
+    for i, lora in enumerate(loras):
+        pipe.load_lora_weights(lora, adapter_name=f"l{i}")
+    if loras:
+        pipe.set_adapters([f"l{i}" for i in range(len(loras))], weights)
+    return pipe(PROMPT, height=64, width=64, guidance_scale=7.5, output_type="np",
+                generator=torch.Generator().manual_seed(CALL["seed"]),
+                num_inference_steps=CALL["num_inference_steps"]).images[0]
+
+
+def test_two_fine_tunes_on_one_base_export_served_by_name_and_blended(exports, tmp_path):
+    import mlflow
+    from mlflow.exceptions import MlflowException
+
+    base, ((lora_a, export_a, _), (lora_b, export_b, _)) = exports
+    first = _register(tmp_path / "a", lora_a, export_a, base)
+    second = _register(tmp_path / "b", lora_b, export_b, base)
+    client = mlflow.MlflowClient()
+    assert [str(v.version) for v in client.search_model_versions("name='sd-test-base'")] == ["1"]
+    for done in (first, second):
+        tags = client.get_model_version("sd-test", done.version).tags
+        assert tags["base_export.model"] == "sd-test-base" and tags["base_export.version"] == "1"
+        assert tags["model.artifacts"] == "runtime_adapter+base"
+    stored = Path(mlflow.artifacts.download_artifacts(f"{second.model_uri}/artifacts"))
+    assert not list(stored.rglob("openvino_model.xml"))  # the base export is not copied per fine-tune
+    assert [p.parent.name for p in stored.rglob("genai_lora.safetensors")] == ["adapter"]
+
+    served = mlflow.pyfunc.load_model("models:/sd-test-base/1")
+    by = {spec: _images(served.predict([PROMPT], params={**CALL, "adapter": spec}))[0]
+          for spec in ("sd-test/1", "sd-test@candidate", "sd-test/1:0.5,sd-test/2:0.5", "")}
+    assert np.array_equal(by["sd-test@candidate"],  # the alias names version 2
+                          _images(served.predict([PROMPT], params={**CALL, "adapter": "sd-test/2"}))[0])
+    wanted = {"sd-test/1": ([lora_a], [1.0]), "sd-test@candidate": ([lora_b], [1.0]),
+              "sd-test/1:0.5,sd-test/2:0.5": ([lora_a, lora_b], [0.5, 0.5]), "": ([], [])}
+    refs = {spec: _pytorch(base, *args) for spec, args in wanted.items()}
+    for spec, image in by.items():  # each nearest its PyTorch twin
+        own = psnr_db(refs[spec], image)
+        assert own >= 30 and own > max(psnr_db(r, image) for s, r in refs.items() if s != spec) + 3, spec
+    for spec, field in (("nope@champion", "not a registered model version"), ("sd-test", "is not <registered"),
+                        ("sd-test/1:9", "out of range")):
+        with pytest.raises(MlflowException, match=f"adapter: .*{field}"):
+            served.predict([PROMPT], params={**CALL, "adapter": spec})
+
+
+def test_a_version_for_another_base_is_refused_and_the_adapter_version_serves_alone(exports, tmp_path):
+    import mlflow
+    from mlflow.exceptions import MlflowException
+
+    base, ((lora_a, export_a, _), _) = exports
+    _register(tmp_path / "a", lora_a, export_a, base)
+    other = tmp_path / "other-export"
+    shutil.copytree(export_a, other)
+    info = json.loads((other / "runtime_adapter.json").read_text())
+    (other / "runtime_adapter.json").write_text(json.dumps({**info, "base_key": "f" * 64}))
+    _register(tmp_path / "o", lora_a, other, base)
+    client = mlflow.MlflowClient()
+    assert len(client.search_model_versions("name='sd-test-base'")) == 2  # a second base export
+    served = mlflow.pyfunc.load_model("models:/sd-test-base/1")
+    with pytest.raises(MlflowException, match="adapter: sd-test/2 .*not registered for this base"):
+        served.predict([PROMPT], params={**CALL, "adapter": "sd-test/2"})
+    alone = mlflow.pyfunc.load_model("models:/sd-test/1")  # base + LoRA in diffusers
+    assert len(alone.predict([PROMPT], params=CALL)) == 1
+    with pytest.raises(MlflowException, match="adapter: this endpoint serves one fine-tune"):
+        alone.predict([PROMPT], params={**CALL, "adapter": "sd-test/1"})
