@@ -21,6 +21,7 @@ from tasks.common.genai import is_runtime_export
 from tasks.common.tracking import git_commit, stage_run
 from tasks.register.base_export import BASE_SUFFIX, GENAI_CODE, find_base_version, stage_adapter, stage_base
 from tasks.register.config import RegisterConfig
+from tasks.register.diffusers_flavor import HubBase, PyfuncWithDiffusersFlavor, fits, hub_reference
 from tasks.register.lineage import (
     Evaluation,
     Lock,
@@ -129,9 +130,9 @@ def model_artifacts(finetuned: Path, openvino: Path, base: Path | None) -> dict[
 
 
 def log_model(run_id: str, artifacts: dict[str, str], serving: dict[str, Any] | None,
-              tags: dict[str, str], name: str = "model") -> Any:
+              tags: dict[str, str], name: str = "model", hub: HubBase | None = None) -> Any:
     """Log the pyfunc (pyfunc_model.py with `artifacts`, genai_serving.py beside it) into run
-    `run_id` as `name`; MLflow's ModelInfo."""
+    `run_id` as `name`; with `hub`, MLflow's diffusers flavor too (diffusers_flavor.py). ModelInfo."""
     import mlflow
     from mlflow.models import Model
 
@@ -140,7 +141,7 @@ def log_model(run_id: str, artifacts: dict[str, str], serving: dict[str, Any] | 
         artifact_path=None,
         name=name,
         code_paths=[str(GENAI_CODE)],
-        flavor=mlflow.pyfunc,
+        flavor=PyfuncWithDiffusersFlavor(hub) if hub else mlflow.pyfunc,
         run_id=run_id,
         python_model=str(MODEL_CODE),
         artifacts=artifacts,
@@ -185,6 +186,7 @@ def register_model(
     promote_uncalibrated: bool = False,
     champion_rescore: dict[str, Any] | None = None,
     serving: dict[str, Any] | None = None,
+    hub_base: HubBase | None = None,
 ) -> Registered:
     """Log the pyfunc in run `run_id`, register a version of `model_name`, tag it, set aliases."""
     import mlflow
@@ -200,7 +202,9 @@ def register_model(
             artifacts["adapter"] = str(stage_adapter(openvino, Path(work)))
             tags.update(_base_export_version(client, model_name, openvino, Path(work), base, run_id, serving))
             tags["model.artifacts"] = "runtime_adapter+base"
-        info = log_model(run_id, artifacts, serving, tags)
+        hub = hub_base if fits(finetuned, hub_base) else None
+        tags["model.flavors"] = "python_function,diffusers" if hub else "python_function"
+        info = log_model(run_id, artifacts, serving, tags, hub=hub)
     champion = current_champion(client, model_name, primary_metric)
     champion, rescored = _rescored(client, model_name, champion, champion_rescore, primary_metric)
     decision = decide(evaluation, primary_metric, primary_metric_goal, champion,
@@ -324,6 +328,7 @@ def register(
         promote_uncalibrated=cfg.promote_uncalibrated,
         champion_rescore=champion_rescore,
         serving={"budget_images": cfg.serve_budget_images, "max_waiting": cfg.serve_max_waiting},
+        hub_base=hub_reference(read_params(params).get("base") or {}),
     )
     if run_id:
         return register_model(run_id=run_id, **kwargs)

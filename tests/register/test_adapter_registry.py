@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import yaml
 from PIL import Image
 
 from tasks.common.psnr import psnr_db
@@ -110,3 +111,39 @@ def test_a_version_for_another_base_is_refused_and_the_adapter_version_serves_al
     assert len(alone.predict([PROMPT], params=CALL)) == 1
     with pytest.raises(MlflowException, match="adapter: this endpoint serves one fine-tune"):
         alone.predict([PROMPT], params={**CALL, "adapter": "sd-test/1"})
+
+
+def test_a_lora_on_a_hub_base_loads_with_mlflows_diffusers_flavor(exports, tmp_path):
+    """A hub base (pinned revision) gives the version MLflow's diffusers flavor beside the pyfunc;
+    a built-in base does not (the flavor keeps a hub id, not weights). Loaded here with the local
+    copy of the base in place of the hub (no hub from this machine)."""
+    import mlflow
+    import torch
+    from mlflow.exceptions import MlflowException
+
+    base, ((lora_a, export_a, _), _) = exports
+    hub = {"model": "stable-diffusion-v1-5/stable-diffusion-v1-5",
+           "revision": "451f4fe16113bff5a5d2269ed5ad43b0592e9a14"}
+    root = tmp_path / "hub"
+    root.mkdir()
+    (root / "params.yaml").write_text(yaml.safe_dump({"base": hub, "register": {"model_name": "sd-hub"}}))
+    (root / "dvc.lock").write_text(DVC_LOCK)
+    (root / "evaluate.json").write_text(json.dumps(EVAL_PASS))
+    from tasks.register.core import register
+
+    done = register(lora_a, export_a, root / "evaluate.json", root / "dvc.lock", root / "params.yaml", base=base)
+    assert mlflow.MlflowClient().get_model_version("sd-hub", done.version).tags["model.flavors"] == (
+        "python_function,diffusers")
+    adapter = mlflow.diffusers.load_model(done.model_uri)
+    assert (adapter.base_model, adapter.base_model_revision) == (hub["model"], hub["revision"])
+    pipe = adapter.load_pipeline(base_model=str(base))
+    pipe.set_progress_bar_config(disable=True)
+    image = pipe(PROMPT, height=64, width=64, guidance_scale=7.5, output_type="np",
+                 generator=torch.Generator().manual_seed(CALL["seed"]),
+                 num_inference_steps=CALL["num_inference_steps"]).images[0]
+    assert psnr_db(_pytorch(base, [lora_a], [1.0]), image) > 60  # the same LoRA on the same base
+    assert mlflow.pyfunc.load_model(done.model_uri).metadata.flavors.keys() >= {"python_function", "diffusers"}
+
+    built_in = _register(tmp_path / "builtin", lora_a, export_a, base)  # params without a hub base
+    with pytest.raises(MlflowException, match="diffusers"):
+        mlflow.diffusers.load_model(built_in.model_uri)
