@@ -1,8 +1,8 @@
 """Registering an `export.adapters: runtime` fine-tune: its adapter, and its base export once.
 
-The fine-tune's version holds the LoRA (the diffusers file and GenAI's form, `adapter/`) and the
-base pipeline it applies to, no OpenVINO model of its own; its tags point at the base export's
-version: a version of `<model>-base`, registered by the first fine-tune of that base (same
+The fine-tune's version holds the LoRA only (the diffusers file and GenAI's form, `adapter/`), no
+base and no OpenVINO model of its own; its tags (and `adapter/base_export.json`) point at the base
+export's version, which holds both: a version of `<model>-base`, registered by the first fine-tune of that base (same
 `base_export.key`: the base's fingerprint and the converting libraries) and reused by every later
 one. That version's pyfunc serves the base with any registered adapter of it, named per request
 (`adapter` param; tasks/register/genai_serving.py).
@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from tasks.common.genai import ADAPTER_FILE, BASE_DIR
-from tasks.register.genai_serving import ADAPTER_ARTIFACT, BASE_INFO
+from tasks.register.genai_serving import ADAPTER_ARTIFACT, BASE_INFO, BASE_REF
 
 log = logging.getLogger(__name__)
 
@@ -35,13 +35,16 @@ def _linked(src: Path, dst: Path) -> None:
     shutil.copytree(src, dst, copy_function=link)
 
 
-def stage_adapter(openvino: Path, work: Path) -> Path:
-    """The runtime export without its base (the adapter files), as a folder under `work`."""
+def stage_adapter(openvino: Path, work: Path, tags: dict[str, str]) -> Path:
+    """The runtime export without its base (the adapter files) and BASE_REF (the base export's
+    registered version, from `tags`), as a folder under `work`."""
     out = work / ADAPTER_ARTIFACT
     out.mkdir(parents=True)
     for item in Path(openvino).iterdir():
         if item.name != BASE_DIR and item.is_file():
             shutil.copy2(item, out / item.name)
+    ref = {"model": tags["base_export.model"], "version": tags["base_export.version"]}
+    (out / BASE_REF).write_text(json.dumps(ref, indent=2) + "\n")
     return out
 
 

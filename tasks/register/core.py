@@ -113,7 +113,7 @@ def model_artifacts(finetuned: Path, openvino: Path, base: Path | None) -> dict[
             raise UserError(f"{openvino} is a run-time adapter export: register it with the LoRA it was "
                             f"made from (--finetuned holding {LORA_WEIGHTS}) and --base models/base")
         families.read_index(base, "run `dvc repro base` first")
-        return {"finetuned": str(finetuned), "base": str(base)}
+        return {"finetuned": str(finetuned)}  # the base pipeline is the base export version's
     families.read_index(openvino, "run the pipeline first (`dvc repro`)")
     artifacts = {"finetuned": str(finetuned), "openvino": str(openvino)}
     if (Path(finetuned) / "model_index.json").is_file():  # a full pipeline (LoRA weights beside it: fused)
@@ -199,9 +199,9 @@ def register_model(
     record = lineage_record(lock, evaluation, params, git_commit, extra_tags)
     with tempfile.TemporaryDirectory(prefix="register-") as work:
         if is_runtime_export(openvino):
-            artifacts["adapter"] = str(stage_adapter(openvino, Path(work)))
             tags.update(_base_export_version(client, model_name, openvino, Path(work), base, run_id, serving))
-            tags["model.artifacts"] = "runtime_adapter+base"
+            artifacts["adapter"] = str(stage_adapter(openvino, Path(work), tags))
+            tags["model.artifacts"] = "runtime_adapter"
         hub = hub_base if fits(finetuned, hub_base) else None
         tags["model.flavors"] = "python_function,diffusers" if hub else "python_function"
         info = log_model(run_id, artifacts, serving, tags, hub=hub)

@@ -28,8 +28,10 @@ log = logging.getLogger("sd_pyfunc.genai")
 
 #: The file of a registered base export that says what it is (key, family, static shape).
 BASE_INFO = "genai_base.json"
-#: The registered adapter version's artifact: genai_lora.safetensors + runtime_adapter.json.
+#: The registered adapter version's artifact: genai_lora.safetensors, runtime_adapter.json and
+#: BASE_REF, the base export's registered version it applies to.
 ADAPTER_ARTIFACT = "adapter"
+BASE_REF = "base_export.json"
 _REF = re.compile(r"^(?P<name>[A-Za-z0-9][\w.\-]*)(?:@(?P<alias>[\w\-]+)|/(?P<version>\d+))"
                   r"(?::(?P<weight>-?\d+(?:\.\d+)?))?$")
 MAX_BLEND = 4
@@ -65,7 +67,9 @@ class AdapterServer:
     """GenAI's Text2ImagePipeline over one base export, called like a diffusers pipeline with
     `adapters=[(file, weight)]`; `resolve()` turns the `adapter` param into those files."""
 
-    def __init__(self, export: str, ov_config: dict[str, str], max_adapters: int = 8) -> None:
+    def __init__(self, export: str, ov_config: dict[str, str], max_adapters: int = 8,
+                 own: str | None = None) -> None:
+        """`own`: the one adapter file of an adapter version's endpoint (None: the base's endpoint)."""
         with open(os.path.join(export, BASE_INFO)) as fh:
             self.info = json.load(fh)
         shape = self.info["static_shape"]
@@ -76,7 +80,12 @@ class AdapterServer:
         self.cache: OrderedDict[str, tuple[Any, str]] = OrderedDict()  # "name/version" -> (Adapter, file)
         self.covered: set[str] = set()
         self.lock = threading.Lock()
-        self._compile([])
+        self._compile([own] if own else [])
+        self.own = None
+        if own:
+            import openvino_genai as genai
+
+            self.own = genai.Adapter(own)
 
     def _compile(self, files: list[str]) -> None:
         import openvino_genai as genai
@@ -157,3 +166,21 @@ class AdapterServer:
             raise stopped[0]
         images = np.asarray(result.data)
         return type("Output", (), {"images": [Image.fromarray(im) for im in images]})
+
+
+def base_export_of(adapter_dir: str) -> tuple[str, str, str]:
+    """(base export folder, base pipeline folder, this version's GenAI LoRA file) for an adapter
+    version, the base's two downloaded from its registered base export version."""
+    import mlflow
+
+    with open(os.path.join(adapter_dir, BASE_REF)) as fh:
+        ref = json.load(fh)
+    with open(os.path.join(adapter_dir, "runtime_adapter.json")) as fh:
+        lora = os.path.join(adapter_dir, json.load(fh)["file"])
+    uri = f"models:/{ref['model']}/{ref['version']}/artifacts"
+    log.info("loading the base export %s/%s this adapter applies to", ref["model"], ref["version"])
+    folder = mlflow.artifacts.download_artifacts(uri)
+    names = {p: os.path.join(folder, p) for p in os.listdir(folder)}
+    export = next(p for p in names.values() if os.path.isfile(os.path.join(p, BASE_INFO)))
+    pipeline = next(p for p in names.values() if p != export and os.path.isfile(os.path.join(p, "model_index.json")))
+    return export, pipeline, lora

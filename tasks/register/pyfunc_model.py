@@ -377,6 +377,15 @@ def _runtime_config(path: str) -> dict[str, str]:
         return dict(json.load(fh)["ov_config"])
 
 
+def _genai_serving() -> Any:
+    """genai_serving.py: logged beside this file as the model's code, or the repository's."""
+    try:
+        import genai_serving
+    except ImportError:  # this file imported from the repository (tests)
+        from tasks.register import genai_serving
+    return genai_serving
+
+
 def _diffusers_pipeline(artifacts: dict[str, str]) -> Any:
     """The fine-tuned pipeline; adapters registered unfused are loaded onto their base (LoRA and
     DoRA with diffusers' loader, LoKr and LoHa fused through peft's)."""
@@ -404,20 +413,20 @@ class DiffusionImageModel(mlflow.pyfunc.PythonModel):
     """Prompts in, base64 PNGs out; the pipeline is loaded once per process."""
 
     def load_context(self, context: Any) -> None:
-        path = context.artifacts.get("openvino")
+        artifacts, own = dict(context.artifacts), None
+        if "adapter" in artifacts and "openvino" not in artifacts:  # a run-time adapter version:
+            export, pipeline, own = _genai_serving().base_export_of(artifacts["adapter"])  # its base's
+            artifacts.update(openvino=export, base=pipeline)
+        path = artifacts.get("openvino")
         if path and _want_openvino() and os.path.isfile(os.path.join(path, "genai_base.json")):
-            try:  # logged beside this file as the model's code
-                from genai_serving import AdapterServer
-            except ImportError:  # imported from the repository (tests)
-                from tasks.register.genai_serving import AdapterServer
-            pipe, backend = AdapterServer(path, _runtime_config(path)), "genai"
+            pipe, backend = _genai_serving().AdapterServer(path, _runtime_config(path), own=own), "genai"
         elif path and _want_openvino():
             from optimum.intel import OVDiffusionPipeline
 
             pipe, backend = OVDiffusionPipeline.from_pretrained(path, ov_config=_runtime_config(path)), "openvino"
         else:
-            path = context.artifacts["finetuned"]
-            pipe, backend = _diffusers_pipeline(context.artifacts), "diffusers"
+            path = artifacts["finetuned"]
+            pipe, backend = _diffusers_pipeline(artifacts), "diffusers"
         self.serve(pipe, backend, getattr(context, "model_config", None))
         log.info("loaded the %s pipeline from %s; a request may cost %s pixel-steps (%g images of %dx%d px "
                  "at %d steps), %d may wait, timeout %s s", backend, path, self.budget.pixel_steps,
@@ -461,11 +470,11 @@ class DiffusionImageModel(mlflow.pyfunc.PythonModel):
     def _adapters(self, spec: str, settings: dict[str, Any]) -> dict[str, Any]:
         """The `adapter` param as the pipeline call's extra argument (only a base export's endpoint
         takes one); a bad_request names the field."""
-        if self.backend != "genai":
+        if self.backend != "genai" or self.pipe.own is not None:
             if spec:
                 raise bad_request(f"{ADAPTER_PARAM}: this endpoint serves one fine-tune; adapters are "
                                   "applied by the endpoint of their registered base export (<model>-base)")
-            return {}
+            return {} if self.backend != "genai" else {"adapters": [(self.pipe.own, 1.0)]}
         if settings["guidance_scale"] <= 1:
             raise bad_request(f"guidance_scale: {settings['guidance_scale']:g}; this base export is compiled "
                               "with classifier-free guidance: allowed above 1")
