@@ -63,3 +63,18 @@ def stage_runs(uri: str, experiment: str = "finetune") -> list:
     client = MlflowClient(tracking_uri=uri)
     exp = client.get_experiment_by_name(experiment)
     return [] if exp is None else client.search_runs([exp.experiment_id])
+
+
+#: Modules that take minutes (servers, launchers, whole pipelines, side environments), started
+#: first: `make test` runs files in two workers (pytest-xdist, --dist loadfile), and one of these
+#: left to the end runs alone while the other worker idles.
+SLOW_FIRST = ("tests/e2e/", "tests/infra/", "tests/train/test_distributed.py", "tests/train/test_side_envs.py",
+              "tests/test_install.py", "tests/flows/", "tests/register/test_adapter_registry.py",
+              "tests/export/test_runtime_adapters.py")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    def rank(item: pytest.Item) -> int:
+        return next((i for i, prefix in enumerate(SLOW_FIRST) if item.nodeid.startswith(prefix)), len(SLOW_FIRST))
+
+    items.sort(key=rank)  # stable: within a rank, collection order
