@@ -68,3 +68,16 @@ def atomic_file(path: Path | str) -> Iterator[Path]:
 def write_json(path: Path | str, data: Any) -> None:
     with atomic_file(path) as tmp:
         tmp.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+
+
+def link_tree(src: Path | str, dst: Path | str) -> None:
+    """Copy folder `src` to `dst` (which must not exist) by hard links where the filesystem allows,
+    so that shared model files are not written twice; plain copies elsewhere. Files are never
+    changed in place afterwards (outputs are replaced whole), so the links stay safe."""
+    def link(a: str, b: str) -> None:
+        try:
+            os.link(a, b)
+        except OSError:
+            shutil.copy2(a, b)
+
+    shutil.copytree(src, dst, copy_function=link)

@@ -40,6 +40,7 @@ from tasks.common.genai import (
 )
 from tasks.common.memory import release_memory
 from tasks.common.openvino_model import StaticShape, folder_size_mb, write_runtime_config
+from tasks.common.outputs import link_tree
 from tasks.export.config import ExportConfig
 from tasks.export.core import check_source, convert
 from tasks.export.parity import parity_section, pytorch_call
@@ -72,24 +73,13 @@ def base_key(base: Path) -> str:
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()
 
 
-def _link_tree(src: Path, dst: Path) -> None:
-    """Copy a folder by hard links where the filesystem allows (no bytes written twice)."""
-    def link(a: str, b: str) -> None:
-        try:
-            os.link(a, b)
-        except OSError:
-            shutil.copy2(a, b)
-
-    shutil.copytree(src, dst, copy_function=link)
-
-
 def base_export(base: Path, dst: Path, cache_dir: Path | None) -> dict[str, Any]:
     """Write the dynamic-shape export of `base` to `dst`, from the cache when it holds it."""
     key = base_key(base)
     cached = cache_dir / key if cache_dir else None
     info: dict[str, Any] = {"key": key, "base_fingerprint": folder_fingerprint(base), "cache_hit": False}
     if cached is not None and (cached / "model_index.json").is_file():
-        _link_tree(cached, dst)
+        link_tree(cached, dst)
         return {**info, "cache_hit": True, "export_s": 0.0}
     if cache_dir:
         cache_dir.mkdir(parents=True, exist_ok=True)
@@ -98,7 +88,7 @@ def base_export(base: Path, dst: Path, cache_dir: Path | None) -> dict[str, Any]
         made = convert(base, work / "export" if cache_dir else dst, None)
         if cached is not None:
             os.replace(work / "export", cached)  # whole or absent: never a half-written entry
-            _link_tree(cached, dst)
+            link_tree(cached, dst)
     finally:
         if cache_dir:
             shutil.rmtree(work, ignore_errors=True)

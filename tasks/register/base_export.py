@@ -11,28 +11,18 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import shutil
 from pathlib import Path
 from typing import Any
 
 from tasks.common.genai import ADAPTER_FILE, BASE_DIR
+from tasks.common.outputs import link_tree
 from tasks.register.genai_serving import ADAPTER_ARTIFACT, BASE_INFO, BASE_REF
 
 log = logging.getLogger(__name__)
 
 BASE_SUFFIX = "-base"
 GENAI_CODE = Path(__file__).with_name("genai_serving.py")
-
-
-def _linked(src: Path, dst: Path) -> None:
-    def link(a: str, b: str) -> None:
-        try:
-            os.link(a, b)
-        except OSError:
-            shutil.copy2(a, b)
-
-    shutil.copytree(src, dst, copy_function=link)
 
 
 def stage_adapter(openvino: Path, work: Path, tags: dict[str, str]) -> Path:
@@ -55,7 +45,7 @@ def stage_base(openvino: Path, work: Path, guidance_scale: float) -> tuple[Path,
             "family": adapter["family"], "guidance_scale": guidance_scale,
             "static_shape": {**adapter["static_shape"], "num_images_per_prompt": 1, "batch_size": 1}}
     out = work / "base-export"
-    _linked(Path(openvino) / BASE_DIR, out)
+    link_tree(Path(openvino) / BASE_DIR, out)
     (out / BASE_INFO).write_text(json.dumps(info, indent=2) + "\n")
     return out, info
 
