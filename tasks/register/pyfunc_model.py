@@ -470,14 +470,14 @@ class DiffusionImageModel(mlflow.pyfunc.PythonModel):
     def _adapters(self, spec: str, settings: dict[str, Any]) -> dict[str, Any]:
         """The `adapter` param as the pipeline call's extra argument (only a base export's endpoint
         takes one); a bad_request names the field."""
+        if self.backend == "genai" and settings["guidance_scale"] <= 1:
+            raise bad_request(f"guidance_scale: {settings['guidance_scale']:g}; this base export is compiled "
+                              "with classifier-free guidance: allowed above 1")
         if self.backend != "genai" or self.pipe.own is not None:
             if spec:
                 raise bad_request(f"{ADAPTER_PARAM}: this endpoint serves one fine-tune; adapters are "
                                   "applied by the endpoint of their registered base export (<model>-base)")
             return {} if self.backend != "genai" else {"adapters": [(self.pipe.own, 1.0)]}
-        if settings["guidance_scale"] <= 1:
-            raise bad_request(f"guidance_scale: {settings['guidance_scale']:g}; this base export is compiled "
-                              "with classifier-free guidance: allowed above 1")
         try:
             return {"adapters": self.pipe.resolve(spec)}
         except ValueError as err:

@@ -114,6 +114,8 @@ def test_a_version_for_another_base_is_refused_and_the_adapter_version_serves_al
     assert psnr_db(via_base, mine) > 40
     with pytest.raises(MlflowException, match="adapter: this endpoint serves one fine-tune"):
         alone.predict([PROMPT], params={**CALL, "adapter": "sd-test/1"})
+    with pytest.raises(MlflowException, match="guidance_scale: 1; this base export is compiled"):
+        alone.predict([PROMPT], params={**CALL, "guidance_scale": 1.0})
 
 
 def test_a_lora_on_a_hub_base_loads_with_mlflows_diffusers_flavor(exports, tmp_path):

@@ -47,8 +47,9 @@ def test_cli_registers_version_with_lineage_and_both_aliases(registered: Path) -
     # A few readable tags; the full lineage in one JSON document in the version's run.
     assert set(mv.tags) == {"base", "method", "data", "git_commit", "metric.dino", "gate",
                             "protocol", "lineage.fingerprint", "lineage", "champion.decision",
-                            "model.artifacts"}
+                            "model.artifacts", "model.flavors"}
     assert mv.tags["git_commit"] == commit and mv.tags["method"] == "dreambooth"
+    assert mv.tags["model.flavors"] == "python_function"  # a full pipeline: no diffusers flavor
     assert mv.tags["data"] == "11111111111111111111111111111111.dir"
     assert mv.tags["metric.dino"] == "0.4" and mv.tags["gate"] == "passed"
     assert mv.tags["champion.decision"].startswith("promoted")
