@@ -12,7 +12,7 @@ from tasks.common.genai import ADAPTER_FILE, BASE_DIR, GENAI_LORA_NAME, GenAIRun
 from tasks.common.openvino_model import StaticShape
 from tasks.common.psnr import psnr_db
 from tasks.export.config import ExportConfig
-from tests.export.adapters import write_adapters
+from tests.export.adapters import lora_images, write_adapters
 from tests.export.tiny_ov import PARITY_FAST, runtime_export, tiny_pipeline
 
 SHAPE = StaticShape(1, 64, 64, 2)
@@ -31,21 +31,6 @@ def two_fine_tunes(tmp_path_factory):
     base = tiny_pipeline(tmp_path_factory, "builtin:tiny-sd")
     return base, {name: runtime_export(tmp_path_factory, name, seed, text)
                   for name, seed, text in (("a", 1, False), ("b", 2, True))}
-
-
-def _pytorch_images(base, loras: list, weights: list[float]) -> np.ndarray:
-    """The PyTorch fine-tune's images (LoRAs loaded unfused, blended by weight) from seed 0."""
-    import torch
-    from diffusers import StableDiffusionPipeline
-
-    pipe = StableDiffusionPipeline.from_pretrained(base)
-    pipe.set_progress_bar_config(disable=True)
-    for i, lora in enumerate(loras):
-        pipe.load_lora_weights(lora, adapter_name=f"l{i}")
-    if loras:
-        pipe.set_adapters([f"l{i}" for i in range(len(loras))], weights)
-    return pipe("a photo of sks toy", num_images_per_prompt=2, height=64, width=64, output_type="np",
-                generator=torch.Generator().manual_seed(0), **CALL).images
 
 
 def test_both_fine_tunes_share_one_base_export_and_pass_parity(two_fine_tunes):
@@ -86,7 +71,8 @@ def test_one_compiled_base_switches_and_blends_adapters_per_call(two_fine_tunes)
     for name in ("a", "base", "blend", "b", "a"):
         runner.adapters = [(adapter, w) for (adapter, _), w in zip(runner.adapters, weights[name])]
         got[name] = runner(prompt=["a photo of sks toy"], latents=latents, output_type="np", **CALL).images
-    refs = {name: _pytorch_images(base, loras, w) for name, (loras, w) in wanted.items()}
+    refs = {name: lora_images(base, loras, w, 0, CALL["num_inference_steps"], images=2)
+            for name, (loras, w) in wanted.items()}
     for name, images in got.items():  # nearest its own PyTorch twin, by a margin (the LoRAs are small)
         own = psnr_db(refs[name], images)
         nearest_other = max(psnr_db(ref, images) for other, ref in refs.items() if other != name)

@@ -14,6 +14,7 @@ import yaml
 from PIL import Image
 
 from tasks.common.psnr import psnr_db
+from tests.export.adapters import lora_images
 from tests.export.tiny_ov import runtime_export, tiny_pipeline
 from tests.register.conftest import DVC_LOCK, EVAL_PASS
 
@@ -43,18 +44,7 @@ def _images(frame) -> list[np.ndarray]:
 
 
 def _pytorch(base: Path, loras: list[Path], weights: list[float]) -> np.ndarray:
-    import torch
-    from diffusers import StableDiffusionPipeline
-
-    pipe = StableDiffusionPipeline.from_pretrained(base)
-    pipe.set_progress_bar_config(disable=True)
-    for i, lora in enumerate(loras):
-        pipe.load_lora_weights(lora, adapter_name=f"l{i}")
-    if loras:
-        pipe.set_adapters([f"l{i}" for i in range(len(loras))], weights)
-    return pipe(PROMPT, height=64, width=64, guidance_scale=7.5, output_type="np",
-                generator=torch.Generator().manual_seed(CALL["seed"]),
-                num_inference_steps=CALL["num_inference_steps"]).images[0]
+    return lora_images(base, loras, weights, CALL["seed"], CALL["num_inference_steps"], prompt=PROMPT)[0]
 
 
 def test_two_fine_tunes_on_one_base_export_served_by_name_and_blended(exports, tmp_path):
