@@ -53,7 +53,7 @@ def build_tiny(dst: Path, model_config: dict | None = None) -> Path:
     import mlflow
 
     from tasks.register.core import MODEL_CODE, pip_requirements
-    from tasks.register.pyfunc_model import serving_config, signature
+    from tasks.register.serving_limits import serving_config, signature
 
     finetuned, openvino, model = dst / "finetuned", dst / "openvino", dst / "pyfunc"
     if not (openvino / "model_index.json").is_file():

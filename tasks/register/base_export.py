@@ -22,7 +22,8 @@ from tasks.register.genai_serving import ADAPTER_ARTIFACT, BASE_INFO, BASE_REF
 log = logging.getLogger(__name__)
 
 BASE_SUFFIX = "-base"
-GENAI_CODE = Path(__file__).with_name("genai_serving.py")
+#: The model code logged beside pyfunc_model.py (MLflow `code_paths`): it imports them by name.
+MODEL_CODE_PATHS = [Path(__file__).with_name(n) for n in ("serving_limits.py", "genai_serving.py")]
 
 
 def stage_adapter(openvino: Path, work: Path, tags: dict[str, str]) -> Path:

@@ -19,7 +19,7 @@ from tasks.common.config import load_config, read_params
 from tasks.common.errors import UserError
 from tasks.common.genai import is_runtime_export
 from tasks.common.tracking import git_commit, stage_run
-from tasks.register.base_export import BASE_SUFFIX, GENAI_CODE, find_base_version, stage_adapter, stage_base
+from tasks.register.base_export import BASE_SUFFIX, MODEL_CODE_PATHS, find_base_version, stage_adapter, stage_base
 from tasks.register.config import RegisterConfig
 from tasks.register.diffusers_flavor import HubBase, PyfuncWithDiffusersFlavor, fits, hub_reference
 from tasks.register.lineage import (
@@ -32,7 +32,6 @@ from tasks.register.lineage import (
     summary_tags,
 )
 from tasks.register.promotion import Champion, Decision, Goal, candidate_score, decide
-from tasks.register.pyfunc_model import SETTINGS, serving_config, signature
 from tasks.register.registry import (
     CHAMPION,
     LINEAGE_ARTIFACT,
@@ -40,6 +39,7 @@ from tasks.register.registry import (
     current_champion,
     move_champion,
 )
+from tasks.register.serving_limits import SETTINGS, serving_config, signature
 
 log = logging.getLogger(__name__)
 
@@ -131,7 +131,7 @@ def model_artifacts(finetuned: Path, openvino: Path, base: Path | None) -> dict[
 
 def log_model(run_id: str, artifacts: dict[str, str], serving: dict[str, Any] | None,
               tags: dict[str, str], name: str = "model", hub: HubBase | None = None) -> Any:
-    """Log the pyfunc (pyfunc_model.py with `artifacts`, genai_serving.py beside it) into run
+    """Log the pyfunc (pyfunc_model.py with `artifacts`, serving_limits.py and genai_serving.py beside it) into run
     `run_id` as `name`; with `hub`, MLflow's diffusers flavor too (diffusers_flavor.py). ModelInfo."""
     import mlflow
     from mlflow.models import Model
@@ -140,7 +140,7 @@ def log_model(run_id: str, artifacts: dict[str, str], serving: dict[str, Any] | 
     return Model.log(
         artifact_path=None,
         name=name,
-        code_paths=[str(GENAI_CODE)],
+        code_paths=[str(p) for p in MODEL_CODE_PATHS],
         flavor=PyfuncWithDiffusersFlavor(hub) if hub else mlflow.pyfunc,
         run_id=run_id,
         python_model=str(MODEL_CODE),

@@ -6,7 +6,7 @@ import pandas as pd
 import pytest
 from mlflow.exceptions import MlflowException
 
-from tasks.register.pyfunc_model import MAX_IMAGES, SETTINGS, check_request, signature
+from tasks.register.serving_limits import MAX_IMAGES, SETTINGS, check_request, signature
 
 pytestmark = pytest.mark.quick  # make test-fast
 

@@ -68,7 +68,10 @@ def test_cli_registers_version_with_lineage_and_both_aliases(registered: Path) -
     (output,) = run.outputs.model_outputs  # the pyfunc, logged from that run
     assert mv.source == f"models:/{output.model_id}"
     files = {Path(f.path).name for f in mlflow.artifacts.list_artifacts(mv.source)}
-    assert {"MLmodel", "artifacts", "pyfunc_model.py"} <= files
+    assert {"MLmodel", "artifacts", "code", "pyfunc_model.py"} <= files
+    location = mlflow.get_logged_model(output.model_id).artifact_location
+    code = {Path(f.path).name for f in mlflow.artifacts.list_artifacts(artifact_uri=f"{location}/code")}
+    assert code == {"serving_limits.py", "genai_serving.py"}  # what pyfunc_model.py imports
 
 
 def test_failed_gate_moves_only_candidate(registered: Path) -> None:

@@ -11,14 +11,13 @@ import pytest
 from mlflow.exceptions import MlflowException
 from PIL import Image
 
-from tasks.register.pyfunc_model import (
+from tasks.register.pyfunc_model import DiffusionImageModel, model_size
+from tasks.register.serving_limits import (
     SERVING_DEFAULTS,
     TIMEOUT_ENV,
     Budget,
-    DiffusionImageModel,
     Turns,
     check_request,
-    model_size,
     serving_config,
 )
 
