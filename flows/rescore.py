@@ -7,6 +7,8 @@ registered fine-tune, `--export` at its registered OpenVINO export, `--base` at 
 base when it was registered as adapters + base, and the outputs in a temporary folder) before registering, so the
 challenger and the champion are compared on the same yardstick. The evaluate run is logged as a
 child of the flow's run like any stage; the scores are recorded on both versions by tasks/register.
+A champion registered with run-time adapters (`export.adapters: runtime`) holds no export of its
+own: its export is rebuilt from its adapter and its registered base export's version.
 
 Which protocol the champion was scored under is read from its lineage document
 (tasks/register/registry.py), not its `protocol` tag. The re-score is trusted because this flow
@@ -29,6 +31,8 @@ from typing import Any
 import yaml
 
 from tasks.common.errors import UserError
+from tasks.register.base_export import runtime_export_of
+from tasks.register.genai_serving import ADAPTER_ARTIFACT
 from tasks.register.promotion import Champion
 
 #: Arguments of the evaluate command that name where it writes (replaced by a temporary folder).
@@ -79,6 +83,9 @@ def rescore(workdir: Path, model_uri: str, env: Mapping[str, str]) -> dict[str, 
                      if (local / "artifacts" / name).is_dir()}
         if "finetuned" not in artifacts:
             raise UserError(f"{model_uri} has no fine-tuned model to re-score (artifacts/finetuned)")
+        adapter = local / "artifacts" / ADAPTER_ARTIFACT
+        if adapter.is_dir() and "openvino" not in artifacts:  # run-time adapters: the export is rebuilt
+            artifacts["openvino"], artifacts["base"] = runtime_export_of(adapter, Path(tmp) / "export")
         out = Path(tmp) / "out"
         out.mkdir()
         cmd = evaluate_command(workdir, artifacts, out)

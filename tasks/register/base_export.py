@@ -51,6 +51,22 @@ def stage_base(openvino: Path, work: Path, guidance_scale: float) -> tuple[Path,
     return out, info
 
 
+def runtime_export_of(adapter_dir: Path, dst: Path) -> tuple[Path, Path]:
+    """(runtime export folder, base pipeline folder) of a registered run-time adapter version, from
+    its `adapter/` artifact and its base export's registered version (downloaded): the export stage's
+    layout (base/ + the adapter files), built at `dst` by hard links, what the evaluate stage reads."""
+    from tasks.register.genai_serving import base_export_of
+
+    export, pipeline, _ = base_export_of(str(adapter_dir))
+    dst = Path(dst)
+    dst.mkdir(parents=True)
+    for item in Path(adapter_dir).iterdir():
+        if item.is_file() and item.name != BASE_REF:
+            shutil.copy2(item, dst / item.name)
+    link_tree(export, dst / BASE_DIR)
+    return dst, Path(pipeline)
+
+
 def find_base_version(client: Any, base_name: str, key: str) -> str | None:
     """The version of `base_name` registered for base export `key`, if any (the newest)."""
     from mlflow.exceptions import MlflowException

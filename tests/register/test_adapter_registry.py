@@ -106,6 +106,27 @@ def test_a_version_for_another_base_is_refused_and_the_adapter_version_serves_al
         alone.predict([PROMPT], params={**CALL, "adapter": "sd-test/1"})
     with pytest.raises(MlflowException, match="guidance_scale: 1; this base export is compiled"):
         alone.predict([PROMPT], params={**CALL, "guidance_scale": 1.0})
+    _rebuilt_export_matches(export_a, tmp_path / "rebuilt")
+
+
+def _rebuilt_export_matches(workspace_export: Path, dst: Path) -> None:
+    """What the rescore flow evaluates for a run-time adapter champion: its export rebuilt from the
+    registry (adapter + base export version) generates what the workspace's export did."""
+    import mlflow
+
+    from tasks.common.genai import open_runtime_export
+    from tasks.evaluate.generate import initial_latents
+    from tasks.register.base_export import runtime_export_of
+
+    adapter = Path(mlflow.artifacts.download_artifacts("models:/sd-test/1/artifacts/adapter"))
+    rebuilt, pipeline = runtime_export_of(adapter, dst)
+    assert (pipeline / "model_index.json").is_file() and not (rebuilt / "base_export.json").exists()
+    runners = [open_runtime_export(p, 7.5) for p in (rebuilt, workspace_export)]
+    per_call = runners[0].shape.images_per_call  # the shape the export was checked at
+    latents = initial_latents(list(range(per_call)), runners[0], 64, 64)
+    call = dict(prompt=[PROMPT], latents=latents, num_inference_steps=2, guidance_scale=7.5, output_type="np")
+    mine, theirs = (runner(**call).images for runner in runners)
+    assert np.array_equal(mine, theirs)
 
 
 def test_a_lora_on_a_hub_base_loads_with_mlflows_diffusers_flavor(exports, tmp_path):
