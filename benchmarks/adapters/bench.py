@@ -40,7 +40,7 @@ def _rss_mb() -> float:
     return float("nan")
 
 
-def _cpu_name() -> str:
+def cpu_name() -> str:
     for line in Path("/proc/cpuinfo").read_text().splitlines():
         if line.startswith("model name"):
             amx = " with AMX" if "amx_tile" in Path("/proc/cpuinfo").read_text() else ""
@@ -140,7 +140,7 @@ def main() -> None:
         print(name, modes[name], flush=True)
     per_tune_mb = sizes["genai_lora_mb"] + sizes["diffusers_lora_mb"]
     result = {
-        "command": " ".join(sys.argv), "machine": _cpu_name(),
+        "command": " ".join(sys.argv), "machine": cpu_name(),
         "cpus": os.cpu_count(), "size": args.size, "steps": args.steps, "requests": args.requests,
         "rank": args.rank, "base_export_s": round(export_s, 1), "base_export_mb": round(base_mb, 1),
         **{k: round(v, 2) for k, v in sizes.items()},

@@ -22,9 +22,9 @@ import json
 import logging
 import os
 import pickle
-import platform
 import re
 import shutil
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -32,6 +32,7 @@ from typing import Any
 
 import numpy as np
 
+from benchmarks.adapters.bench import cpu_name
 from benchmarks.export import ov_profile
 
 log = logging.getLogger("benchmarks.export.int8_study")
@@ -71,12 +72,13 @@ def _nncf_full(**options: Any) -> Callable[[Any, Any, int], Any]:
             AdvancedSmoothQuantParameters,
         )
 
-        alpha = options.pop("smooth_quant_matmul", 0.95)
+        given = dict(options)
+        alpha = given.pop("smooth_quant_matmul", 0.95)
         kwargs = {"preset": nncf.QuantizationPreset.MIXED, "model_type": nncf.ModelType.TRANSFORMER,
                   "fast_bias_correction": True, "subset_size": n,
                   "advanced_parameters": AdvancedQuantizationParameters(
                       smooth_quant_alphas=AdvancedSmoothQuantParameters(matmul=alpha))}
-        kwargs.update({k: v for k, v in options.items()})
+        kwargs.update(given)
         return nncf.quantize(model, data, **kwargs)
 
     return run
@@ -302,8 +304,8 @@ def main() -> None:
         rows[name] = study(name, make, core, args, data, ref, f32_outputs)
         release_memory()
     report = {
-        "command": "python -m benchmarks.export.int8_study " + " ".join(os.sys.argv[1:]),
-        "cpu": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
+        "command": "python -m benchmarks.export.int8_study " + " ".join(sys.argv[1:]),
+        "cpu": cpu_name(), "cpus": os.cpu_count(),
         "size": args.size, "unet_batch": 2, "calibration_samples": len(data[0]),
         "unet_gflop": {k: round(v / 1e9, 1) for k, v in flops.items()},
         "eager_fp32_unet_s": round(ref["eager_unet_s"], 3),

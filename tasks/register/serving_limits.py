@@ -6,7 +6,6 @@ range (the signature is built from it), and `check_request` refuses anything out
 any image is generated, with an MlflowException of INVALID_PARAMETER_VALUE that names the field
 and the allowed range (`mlflow models serve` answers it with HTTP 400).
 
-
 Serving cannot be tied up (README "The registry", "Limits of a served model"):
 - cost: prompts x num_images_per_prompt x num_inference_steps x height x width must stay within
   the model's budget, `budget_images` images at its default size and steps (model_config), checked
@@ -22,7 +21,7 @@ Serving cannot be tied up (README "The registry", "Limits of a served model"):
 MLflow enforces the signature before `predict` runs, in `mlflow models serve` and in a loaded
 model's `predict()` alike: params of the wrong type are refused there, but params the signature
 does not declare are dropped with a warning (MLflow's choice), so `check_settings`' refusal of
-unknown names only acts when this class's `predict` is called directly.
+unknown names only acts when the pyfunc's `predict` is called directly.
 """
 from __future__ import annotations
 
