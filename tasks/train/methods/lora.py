@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from tasks.common import families
+from tasks.common import families, stream_fuse
 from tasks.common.adapters import DIFFUSERS_FORMAT, PEFT_DIR, apply_peft_adapters, peft_config, save_peft_adapters
 from tasks.common.lora import fuse_lora_file
 from tasks.common.quantize import is_quantized
@@ -97,12 +97,20 @@ class LoRA(TrainingMethod):
                  self.cfg.rank, out_dir / WEIGHT_NAME)
 
     def complete_output(self, base: Path, out_dir: Path) -> None:
-        """With `fuse_lora`: the base with the LoRA file fused in, loaded only now that the trained
-        model is gone (an SD3.5 base is 16 GB in bf16)."""
+        """With `fuse_lora`: the base with the LoRA file fused in, once the trained model is gone. A
+        LoRA or DoRA file streams into the base's shards (tasks/common/stream_fuse.py: one shard in
+        memory, not the whole base); peft's LoKr and LoHa fuse in a pipeline loaded whole."""
         from diffusers import DiffusionPipeline
 
         if not self.cfg.fuse_lora:
             return
+        if self.diffusers_format:
+            fuse, why = stream_fuse.plan(Path(base), out_dir / WEIGHT_NAME, self.fused_components)
+            if fuse is not None:
+                stream_fuse.fuse_to(Path(base), out_dir, fuse)
+                log.info("saved the base pipeline with the LoRA fused in to %s", out_dir)
+                return
+            log.info("fusing in memory: %s", why)
         # In the precision the base is stored in (a bf16 SD3.5 stays bf16, not float32 at twice the size).
         pipe = DiffusionPipeline.from_pretrained(base, torch_dtype=families.stored_dtypes(base))
         if self.diffusers_format:
