@@ -212,7 +212,7 @@ def test_fused_lora_keeps_the_precision_the_base_is_stored_in(tmp_path, tiny_sd,
 @pytest.mark.parametrize("method,alive", [("lora", set()), ("dreambooth", {"unet"})])
 def test_the_base_loads_for_the_output_with_training_let_go_of(tmp_path, tiny_sd, one_image, method, alive,
                                                                 monkeypatch) -> None:
-    """When the base is loaded again for the output (LoRA: the pipeline to fuse into; dreambooth: the
+    """When the base is read again for the output (LoRA: its shards to fuse into; dreambooth: the
     frozen parts of the saved pipeline), the optimizer, the EMA and every module training held are
     gone but what is being saved: an SD3.5 base is 16 GB, it must not sit beside the training's."""
     import gc
@@ -222,11 +222,13 @@ def test_the_base_loads_for_the_output_with_training_let_go_of(tmp_path, tiny_sd
 
     import tasks.train.core as core
     import tasks.train.loop as loop
+    from tasks.common import stream_fuse
     from tasks.common.families import Components
 
     refs: dict[str, weakref.ref] = {}
     real_components, real_optimizer, real_ema = core.load_components, loop.make_optimizer, loop.Ema
     real_load, real_denoiser = DiffusionPipeline.from_pretrained, Components.load_denoiser
+    real_fuse_to = stream_fuse.fuse_to
 
     def load_components(*args, **kwargs):
         components = real_components(*args, **kwargs)
@@ -254,11 +256,17 @@ def test_the_base_loads_for_the_output_with_training_let_go_of(tmp_path, tiny_sd
         alive_at_load.append({name for name, ref in refs.items() if ref() is not None})
         return real_load(*args, **kwargs)
 
+    def fuse_to(*args, **kwargs):  # LoRA's fuse reads the base's shards instead of loading it
+        gc.collect()
+        alive_at_load.append({name for name, ref in refs.items() if ref() is not None})
+        return real_fuse_to(*args, **kwargs)
+
     monkeypatch.setattr(core, "load_components", load_components)
     monkeypatch.setattr(Components, "load_denoiser", load_denoiser)
     monkeypatch.setattr(loop, "make_optimizer", make_optimizer)
     monkeypatch.setattr(loop, "Ema", Ema)
     monkeypatch.setattr(DiffusionPipeline, "from_pretrained", from_pretrained)
+    monkeypatch.setattr(stream_fuse, "fuse_to", fuse_to)
     config = cfg(tmp_path, method=method, max_train_steps=2, fuse_lora=True, use_ema=method == "dreambooth")
     train(config, tiny_sd, one_image, None, tmp_path / "out")
     assert {"unet", "vae", "text_encoder", "optimizer"} <= set(refs), refs

@@ -100,8 +100,6 @@ class LoRA(TrainingMethod):
         """With `fuse_lora`: the base with the LoRA file fused in, once the trained model is gone. A
         LoRA or DoRA file streams into the base's shards (tasks/common/stream_fuse.py: one shard in
         memory, not the whole base); peft's LoKr and LoHa fuse in a pipeline loaded whole."""
-        from diffusers import DiffusionPipeline
-
         if not self.cfg.fuse_lora:
             return
         if self.diffusers_format:
@@ -111,6 +109,12 @@ class LoRA(TrainingMethod):
                 log.info("saved the base pipeline with the LoRA fused in to %s", out_dir)
                 return
             log.info("fusing in memory: %s", why)
+        self.fuse_in_memory(base, out_dir)
+
+    def fuse_in_memory(self, base: Path, out_dir: Path) -> None:
+        """The base pipeline loaded whole, the adapters fused by diffusers (LoRA, DoRA) or peft."""
+        from diffusers import DiffusionPipeline
+
         # In the precision the base is stored in (a bf16 SD3.5 stays bf16, not float32 at twice the size).
         pipe = DiffusionPipeline.from_pretrained(base, torch_dtype=families.stored_dtypes(base))
         if self.diffusers_format:
