@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -105,3 +106,24 @@ def compress(fp32_dir: Path, dst: Path, shape: StaticShape, cfg: CompressionConf
     pipe.save_pretrained(dst)
     log.info("compressed (%s) in %.1f s, saved to %s", cfg.mode, seconds, dst)
     return {"mode": cfg.mode, "seconds": round(seconds, 3)}
+
+
+def compress_ir_weights(folder: Path, cfg: CompressionConfig) -> list[str]:
+    """Every `openvino_model.xml` under `folder` with its weights compressed to 8 bit by NNCF, as
+    optimum-intel's `int8` does (`--weight-format int8`), each file replaced whole: a run-time
+    adapter's base (tasks/export/runtime.py), whose shapes stay dynamic. Returns the models done."""
+    import nncf
+    import openvino as ov
+
+    mode = nncf.CompressWeightsMode.INT8_SYM if cfg.sym else nncf.CompressWeightsMode.INT8_ASYM
+    core, done = ov.Core(), []
+    for xml in sorted(folder.rglob("openvino_model.xml")):
+        model = nncf.compress_weights(core.read_model(xml), mode=mode)
+        tmp = xml.with_name("openvino_model.compressed.xml")
+        ov.save_model(model, tmp, compress_to_fp16=False)
+        del model
+        os.replace(tmp.with_suffix(".bin"), xml.with_suffix(".bin"))  # a new file: links to the f32 stay f32
+        os.replace(tmp, xml)
+        done.append(str(xml.parent.relative_to(folder)))
+    log.info("compressed the weights of %s to 8 bit (%s)", ", ".join(done), mode.value)
+    return done

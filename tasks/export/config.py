@@ -86,7 +86,8 @@ class ExportConfig(StageConfig):
         "fused",
         description="fused: LoRA outputs are fused into a full export of their own; runtime: the "
         "base is exported once (base/, shared by every fine-tune of it) and the LoRA is kept "
-        "beside it for OpenVINO GenAI to apply per call (SD 1.x/2.x, SDXL; plain LoRA; f32)",
+        "beside it for OpenVINO GenAI to apply per call (SD 1.x/2.x, SDXL; plain LoRA; f32 "
+        "inference over an f32 or int8-weight base)",
     )
     base_cache_dir: str | None = Field(
         ".cache/openvino-base",
@@ -107,8 +108,11 @@ class ExportConfig(StageConfig):
         why = {
             "batch_size": (self.batch_size != 1, "GenAI takes one prompt per call: set 1 (and "
                            "num_images_per_prompt for more images)"),
-            "compression.mode": (self.compression.mode != "none", "the runtime base is exported "
-                                 "uncompressed for now: set none, or export.adapters: fused"),
+            "compression.mode": (self.compression.mode not in ("none", "int8"), "the runtime base "
+                                 "takes weight-only int8 (GenAI adds the LoRA branch beside each "
+                                 "compressed weight); 4-bit and activation quantization are not "
+                                 "checked with run-time adapters: set none or int8, or "
+                                 "export.adapters: fused"),
             "single_file": (self.single_file != "none", "a single file holds a fused model: set "
                             "none, or export.adapters: fused"),
             "inference_precision": (self.inference_precision not in ("auto", "f32"), "GenAI "

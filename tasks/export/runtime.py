@@ -26,6 +26,8 @@ from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from tasks.common import families
 from tasks.common.errors import UserError
 from tasks.common.finetuned import LORA_NAME, detect
@@ -41,7 +43,9 @@ from tasks.common.genai import (
 from tasks.common.memory import release_memory
 from tasks.common.openvino_model import StaticShape, folder_size_mb, write_runtime_config
 from tasks.common.outputs import link_tree
-from tasks.export.config import ExportConfig
+from tasks.common.psnr import psnr_db
+from tasks.export.compress import compress_ir_weights
+from tasks.export.config import CompressionConfig, ExportConfig
 from tasks.export.core import check_source, convert
 from tasks.export.parity import parity_section, pytorch_call
 
@@ -95,15 +99,54 @@ def base_export(base: Path, dst: Path, cache_dir: Path | None) -> dict[str, Any]
     return {**info, "export_s": round(made["export_s"] + made["save_s"], 3)}
 
 
+def compressed_base_export(f32: Path, key: str, dst: Path, comp: CompressionConfig,
+                           cache_dir: Path | None) -> dict[str, Any]:
+    """`f32` (a base export) with its weights compressed by NNCF into `dst`, cached under `key` and
+    the compression's settings; the f32 files are never changed (they may be the cache's)."""
+    ckey = f"{key}-{comp.mode}-{'sym' if comp.sym else 'asym'}"
+    cached = cache_dir / ckey if cache_dir else None
+    if cached is not None and (cached / "model_index.json").is_file():
+        link_tree(cached, dst)
+        return {"key": ckey, "cache_hit": True, "seconds": 0.0}
+    work = Path(tempfile.mkdtemp(prefix=".compress-", dir=cache_dir or dst.parent))
+    try:
+        start = time.perf_counter()
+        link_tree(f32, work / "export")
+        compress_ir_weights(work / "export", comp)
+        seconds = time.perf_counter() - start
+        if cached is not None:
+            os.replace(work / "export", cached)
+            link_tree(cached, dst)
+        else:
+            os.replace(work / "export", dst)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return {"key": ckey, "cache_hit": False, "seconds": round(seconds, 3)}
+
+
 def export_runtime(src: Path, dst: Path, cfg: ExportConfig, base: Path | None) -> dict[str, Any]:
     """Export for run-time adapters (see the module docstring); returns the report."""
-    import torch
-
     lora, family = _check_source(Path(src), base)
     base = Path(base)
-    shape = StaticShape(cfg.batch_size, cfg.height, cfg.width, cfg.num_images_per_prompt)
     cache = Path(cfg.base_cache_dir) if cfg.base_cache_dir else None
-    made = base_export(base, dst / BASE_DIR, cache)
+    compressed = cfg.compression.mode != "none"
+    scratch = Path(tempfile.mkdtemp(prefix=".f32-", dir=dst)) if compressed else None
+    try:
+        return _export_runtime(Path(src), lora, family, base, dst, cfg, cache, scratch)
+    finally:
+        if scratch is not None:
+            shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _export_runtime(src: Path, lora: Path, family: type[families.ModelFamily], base: Path, dst: Path,
+                    cfg: ExportConfig, cache: Path | None, scratch: Path | None) -> dict[str, Any]:
+    """export_runtime's body; with compression, the f32 base export goes to `scratch` (the parity
+    gate's reference) and the compressed one to dst/base."""
+    import torch
+
+    shape = StaticShape(cfg.batch_size, cfg.height, cfg.width, cfg.num_images_per_prompt)
+    f32_dir = scratch / BASE_DIR if scratch is not None else dst / BASE_DIR
+    made = base_export(base, f32_dir, cache)
     pipe = family.pipeline_class().from_pretrained(base, torch_dtype=torch.float32)
     pipe.load_lora_weights(lora.parent, weight_name=lora.name)
     try:
@@ -122,8 +165,16 @@ def export_runtime(src: Path, dst: Path, cfg: ExportConfig, base: Path | None) -
     release_memory()
     if pt is None:
         report["parity"] = {"enabled": False, "passed": True}
+        f32_images = None
     else:
-        report["parity"], report["latency_s"] = _genai_parity(pt, dst, shape, cfg)
+        report["parity"], report["latency_s"], f32_images = _genai_parity(pt, f32_dir, dst / GENAI_LORA_NAME,
+                                                                          shape, cfg)
+    if scratch is not None:
+        report["compression"] = {"mode": cfg.compression.mode, "sym": cfg.compression.sym, **compressed_base_export(
+            f32_dir, made["key"], dst / BASE_DIR, cfg.compression, cache)}
+        if f32_images is not None:
+            _compression_fidelity(report, f32_images, dst, shape, cfg)
+        made = {**made, "key": report["compression"]["key"]}
     write_runtime_config(dst, "f32")
     adapter = {"base_key": made["key"], "base_fingerprint": made["base_fingerprint"],
                "family": family.name, "lora_source_sha256": sha256_file(lora), "lora_layers": layers,
@@ -135,15 +186,14 @@ def export_runtime(src: Path, dst: Path, cfg: ExportConfig, base: Path | None) -
     return report
 
 
-def _genai_parity(pt: Any, dst: Path, shape: StaticShape, cfg: ExportConfig) -> tuple[
-    dict[str, Any], dict[str, Any]
+def _genai_images(base_dir: Path, adapter_file: Path, shape: StaticShape, cfg: ExportConfig) -> tuple[
+    Any, list[float], float
 ]:
-    """GenAI (base + adapter) against the PyTorch fine-tune's images: (parity, latency) sections."""
+    """GenAI's images of the parity call with the adapter: (images, both calls' seconds, load seconds)."""
     import openvino_genai
 
-    adapter_file = dst / GENAI_LORA_NAME
     start = time.perf_counter()
-    pipe = load_text2image(dst / BASE_DIR, shape, cfg.parity.guidance_scale, "f32", [adapter_file])
+    pipe = load_text2image(base_dir, shape, cfg.parity.guidance_scale, "f32", [adapter_file])
     load_s = time.perf_counter() - start
     adapter = [(openvino_genai.Adapter(str(adapter_file)), 1.0)]
     p = cfg.parity
@@ -153,11 +203,33 @@ def _genai_parity(pt: Any, dst: Path, shape: StaticShape, cfg: ExportConfig) -> 
         images = generate(pipe, p.prompt, shape, p.num_inference_steps, p.guidance_scale, p.seed, adapter)
         timings.append(time.perf_counter() - start)
     del pipe
-    section = parity_section(pt.images, images, p)
+    return images, timings, load_s
+
+
+def _genai_parity(pt: Any, base_dir: Path, adapter_file: Path, shape: StaticShape, cfg: ExportConfig) -> tuple[
+    dict[str, Any], dict[str, Any], Any
+]:
+    """GenAI (f32 base + adapter) against the PyTorch fine-tune's images: (parity, latency, images)."""
+    images, timings, load_s = _genai_images(base_dir, adapter_file, shape, cfg)
+    section = parity_section(pt.images, images, cfg.parity)
     section["against"] = "PyTorch base + LoRA (unfused) vs OpenVINO GenAI base + run-time adapter"
-    latency = {"images_per_call": shape.images_per_call, "num_inference_steps": p.num_inference_steps,
+    latency = {"images_per_call": shape.images_per_call, "num_inference_steps": cfg.parity.num_inference_steps,
                "pytorch_eager": round(pt.seconds, 4), "genai_load_compile": round(load_s, 3),
                "genai_first_call": round(timings[0], 4), "genai": round(timings[1], 4)}
     log.info("runtime parity: PSNR %.1f dB (%s)", section["image_psnr_db"],
              "ok" if section["passed"] else "FAILED")
-    return section, latency
+    return section, latency, images
+
+
+def _compression_fidelity(report: dict[str, Any], f32_images: Any, dst: Path, shape: StaticShape,
+                          cfg: ExportConfig) -> None:
+    """The compressed base + adapter against the f32 base + adapter, gated by
+    `export.compression.min_psnr_db` as the fused export's compression is; its latency is the endpoint's."""
+    images, timings, load_s = _genai_images(dst / BASE_DIR, dst / GENAI_LORA_NAME, shape, cfg)
+    psnr, limit = psnr_db(images, f32_images), cfg.compression.min_psnr_db
+    finite = bool(np.isfinite(images).all())
+    report["compression"].update({"psnr_vs_openvino_fp32_db": round(psnr, 3), "finite": finite, "min_psnr_db": limit,
+                                  "passed": finite and (limit is None or psnr >= limit)})
+    report["latency_s"].update({"genai_compressed_load_compile": round(load_s, 3),
+                                "genai_compressed": round(timings[1], 4)})
+    log.info("runtime %s base: PSNR vs f32 %.1f dB", cfg.compression.mode, psnr)

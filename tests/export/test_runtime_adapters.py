@@ -100,6 +100,36 @@ def test_the_evaluate_stage_generates_through_the_runtime_export(two_fine_tunes)
     assert min(psnr_db(x, y) for x, y in pairs) >= 30
 
 
+def test_an_int8_weight_base_serves_the_same_adapter(two_fine_tunes, tmp_path):
+    """compression.mode int8: the f32 base + adapter passes parity against PyTorch, then the int8
+    base + adapter is gated against it; the compressed base is cached beside the f32 one."""
+    from tasks.export.runtime import export_runtime
+
+    base, runs = two_fine_tunes
+    lora, f32_dir, f32_report = runs["b"]
+    cfg = ExportConfig(adapters="runtime", num_images_per_prompt=SHAPE.num_images_per_prompt, parity=PARITY_FAST,
+                       base_cache_dir=str(f32_dir.parent / "base-cache"),
+                       compression={"mode": "int8", "min_psnr_db": 30})
+    reports = []
+    for run in ("first", "second"):
+        (tmp_path / run).mkdir()
+        reports.append(export_runtime(lora, tmp_path / run, cfg, base))
+    first, second = reports
+    assert first["base_export"]["cache_hit"], "the f32 base comes from the session's cache"
+    assert [first["compression"]["cache_hit"], second["compression"]["cache_hit"]] == [False, True]
+    comp = first["compression"]
+    assert first["parity"]["passed"] and comp["passed"] and comp["psnr_vs_openvino_fp32_db"] >= 30, comp
+    out = tmp_path / "first"
+    assert sorted(p.name for p in out.iterdir()) == sorted([BASE_DIR, GENAI_LORA_NAME, ADAPTER_FILE,
+                                                            "openvino_runtime.json"])  # no scratch left
+    unet = "unet/openvino_model"
+    assert 'element_type="u8"' in (out / BASE_DIR / f"{unet}.xml").read_text()
+    assert (out / BASE_DIR / f"{unet}.bin").stat().st_size < 0.4 * (f32_dir / BASE_DIR / f"{unet}.bin").stat().st_size
+    f32_key = json.loads((f32_dir / ADAPTER_FILE).read_text())["base_key"]
+    assert json.loads((out / ADAPTER_FILE).read_text())["base_key"] == f"{f32_key}-int8-asym"
+    assert f32_report["base_export"]["key"] == f32_key
+
+
 def test_runtime_refuses_what_genai_cannot_apply(tmp_path_factory, tmp_path):
     from tasks.common.config import parse_section
     from tasks.common.errors import UserError
@@ -108,7 +138,7 @@ def test_runtime_refuses_what_genai_cannot_apply(tmp_path_factory, tmp_path):
     base = tiny_pipeline(tmp_path_factory, "builtin:tiny-sd")
     for bad, key in (({"batch_size": 2}, "export.batch_size"),
                      ({"inference_precision": "bf16"}, "export.inference_precision"),
-                     ({"compression": {"mode": "int8"}}, "export.compression.mode")):
+                     ({"compression": {"mode": "int4"}}, "export.compression.mode")):
         with pytest.raises(UserError, match=key):
             parse_section("export", {"adapters": "runtime", **bad}, ExportConfig)
     embeds = write_adapters(base, tmp_path / "ti", lora=False)
