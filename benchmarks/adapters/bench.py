@@ -14,7 +14,8 @@ GenAI's layout (tasks/common/genai.py), then, each in a fresh process so its mem
 Per mode: load + compile seconds, resident memory after loading and at peak, per-request latency
 (median, p95), images/s, and the first request's latency. Bytes: a fused export per fine-tune
 against an adapter per fine-tune (the registry stores the diffusers LoRA and GenAI's form).
-Writes results.json beside this file.
+Writes results.json beside this file (`--report`). `--compression int8` serves a base whose weights
+NNCF compressed to 8 bit, as `export.compression.mode: int8` with run-time adapters writes it.
 """
 from __future__ import annotations
 
@@ -101,6 +102,29 @@ def serve(export: Path, adapters: list[Path], size: int, steps: int, requests: i
             "images_per_s": round(len(steady) / sum(steady), 4)}
 
 
+def _base_export(base: Path, work: Path, export: Path, compression: str) -> float:
+    """The base (built when missing), its runtime export, and with `compression` its compressed
+    copy in `export`; returns the seconds this took (0 when all were there)."""
+    from tasks.common.outputs import link_tree
+    from tasks.export.compress import compress_ir_weights
+    from tasks.export.config import CompressionConfig
+    from tasks.export.runtime import base_export
+
+    if not (base / "model_index.json").is_file():
+        from benchmarks.export.sd15_random import build_sd15
+
+        build_sd15(base)
+    start = time.perf_counter()
+    f32 = work / "base"
+    if not (f32 / "model_index.json").is_file():
+        base_export(base, f32, Path(".cache/openvino-base"))
+    if not (export / "model_index.json").is_file():
+        link_tree(f32, export.with_suffix(".tmp"))
+        compress_ir_weights(export.with_suffix(".tmp"), CompressionConfig(mode=compression))
+        export.with_suffix(".tmp").rename(export)
+    return time.perf_counter() - start
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--base", type=Path, default=Path(".cache/bench/sd15-arch"))
@@ -110,30 +134,26 @@ def main() -> None:
     parser.add_argument("--size", type=int, default=256)
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--requests", type=int, default=12)
+    parser.add_argument("--compression", choices=("none", "int8"), default="none",
+                        help="int8: the base's weights compressed as export.compression.mode int8 does")
+    parser.add_argument("--report", type=Path, default=HERE / "results.json")
     parser.add_argument("--serve", type=int, default=None, help=argparse.SUPPRESS)  # child: N adapters
     args = parser.parse_args()
-    export = args.work / "base"
+    export = args.work / ("base" if args.compression == "none" else f"base-{args.compression}")
     if args.serve is not None:
         files = [args.work / "loras" / f"a{i}.safetensors" for i in range(args.serve)]
         print(json.dumps(serve(export, files, args.size, args.steps, args.requests)))
         return
     from tasks.common.openvino_model import folder_size_mb
-    from tasks.export.runtime import base_export
 
-    if not (args.base / "model_index.json").is_file():
-        from benchmarks.export.sd15_random import build_sd15
-
-        build_sd15(args.base)
-    start = time.perf_counter()
-    if not (export / "model_index.json").is_file():
-        base_export(args.base, export, Path(".cache/openvino-base"))
-    export_s = time.perf_counter() - start
+    export_s = _base_export(args.base, args.work, export, args.compression)
     sizes = make_adapters(args.base, args.work / "loras", max(args.counts), args.rank)
     base_mb = folder_size_mb(export)
     modes = {}
     # fused first and last: the first process after the export ran 38% slower here (cold caches)
     for name, n in [("fused", 0)] + [(f"runtime-{n}", n) for n in args.counts] + [("fused-rerun-last", 0)]:
         cmd = [sys.executable, "-m", "benchmarks.adapters.bench", "--work", str(args.work), "--serve", str(n),
+               "--compression", args.compression,
                "--size", str(args.size), "--steps", str(args.steps), "--requests", str(args.requests)]
         done = subprocess.run(cmd, capture_output=True, text=True, check=True)
         modes[name] = json.loads(done.stdout.strip().splitlines()[-1])
@@ -142,13 +162,14 @@ def main() -> None:
     result = {
         "command": " ".join(sys.argv), "machine": cpu_name(),
         "cpus": os.cpu_count(), "size": args.size, "steps": args.steps, "requests": args.requests,
-        "rank": args.rank, "base_export_s": round(export_s, 1), "base_export_mb": round(base_mb, 1),
+        "rank": args.rank, "compression": args.compression, "base_export_s": round(export_s, 1),
+        "base_export_mb": round(base_mb, 1),
         **{k: round(v, 2) for k, v in sizes.items()},
         "bytes": {str(n): {"fused_mb": round(n * base_mb, 1), "runtime_mb": round(base_mb + n * per_tune_mb, 1),
                            "extra_tune_vs_fused_pct": round(100 * per_tune_mb / base_mb, 2)} for n in args.counts},
         "modes": modes,
     }
-    (HERE / "results.json").write_text(json.dumps(result, indent=2) + "\n")
+    args.report.write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result, indent=2))
 
 

@@ -86,8 +86,8 @@ class ExportConfig(StageConfig):
         "fused",
         description="fused: LoRA outputs are fused into a full export of their own; runtime: the "
         "base is exported once (base/, shared by every fine-tune of it) and the LoRA is kept "
-        "beside it for OpenVINO GenAI to apply per call (SD 1.x/2.x, SDXL; plain LoRA; f32 "
-        "inference over an f32 or int8-weight base)",
+        "beside it for OpenVINO GenAI to apply per call (SD 1.x/2.x, SDXL, SD3 transformer "
+        "LoRAs; plain LoRA; f32 inference over an f32 or int8-weight base)",
     )
     base_cache_dir: str | None = Field(
         ".cache/openvino-base",

@@ -67,6 +67,14 @@ def _check_source(src: Path, base: Path | None) -> tuple[Path, type[families.Mod
     if family.genai_lora_prefixes is None:
         raise UserError(f"export.adapters: runtime is not available for {family.title} (its LoRA "
                         f"keys have not been checked against OpenVINO GenAI): {fix}")
+    from safetensors import safe_open
+
+    with safe_open(kind.lora, "pt") as fh:
+        parts = {key.split(".")[0] for key in fh.keys()}  # noqa: SIM118 (safe_open is not a dict)
+    if extra := sorted(parts - set(family.genai_lora_prefixes)):
+        raise UserError(f"{kind.lora} has LoRA layers for {', '.join(extra)}, which OpenVINO GenAI "
+                        f"does not apply to {family.title} at run time (it takes "
+                        f"{', '.join(family.genai_lora_prefixes)}): train without train_text_encoder, {fix}")
     return kind.lora, family
 
 

@@ -207,3 +207,51 @@ def test_an_sdxl_lora_on_both_text_encoders_matches_through_genai(tmp_path_facto
     got = generate(runner, "a photo of sks toy", SHAPE, CALL["num_inference_steps"], CALL["guidance_scale"], 0,
                    [(openvino_genai.Adapter(str(tmp_path / GENAI_LORA_NAME)), 1.0)])
     assert layers > 0 and psnr_db(ref, got) >= 30 and psnr_db(ref, got) > psnr_db(plain, got) + 3
+
+
+def test_an_sd3_transformer_lora_matches_through_genai_and_text_layers_are_refused(tmp_path_factory, tmp_path):
+    """SD3: GenAI applies the transformer's LoRA under the `transformer` prefix (the adapter's
+    images are the PyTorch fine-tune's, not the base's); a file with CLIP layers, which GenAI
+    leaves unapplied, is refused before anything is written."""
+    import openvino_genai
+    import torch
+    from diffusers import StableDiffusion3Pipeline
+    from peft import LoraConfig
+    from peft.utils import get_peft_model_state_dict
+
+    from tasks.common.errors import UserError
+    from tasks.common.genai import generate, load_text2image, write_genai_lora
+    from tasks.export.runtime import base_export, export_runtime
+
+    base = tiny_pipeline(tmp_path_factory, "builtin:tiny-sd3")
+    pipe = StableDiffusion3Pipeline.from_pretrained(base)
+    pipe.set_progress_bar_config(disable=True)
+    generator = torch.Generator().manual_seed(3)
+    pipe.transformer.add_adapter(LoraConfig(r=4, lora_alpha=8, target_modules=["to_q", "to_k", "to_v", "to_out.0"]))
+    with torch.no_grad():
+        for name, param in pipe.transformer.named_parameters():
+            if "lora_B" in name:
+                param.copy_(torch.randn(param.shape, generator=generator) * 0.5)
+    layers = write_genai_lora(pipe, tmp_path / GENAI_LORA_NAME)
+    call = dict(num_inference_steps=2, guidance_scale=5.0)
+    images = {}
+    for name in ("fine-tune", "base"):
+        images[name] = pipe("a photo of sks toy", num_images_per_prompt=2, height=64, width=64, output_type="np",
+                            generator=torch.Generator().manual_seed(0), **call).images
+        pipe.disable_lora()
+    pipe.enable_lora()
+    pipe.text_encoder.add_adapter(LoraConfig(r=2, lora_alpha=2, target_modules=["q_proj", "v_proj"]))
+    StableDiffusion3Pipeline.save_lora_weights(
+        tmp_path / "with-text", transformer_lora_layers=get_peft_model_state_dict(pipe.transformer),
+        text_encoder_lora_layers=get_peft_model_state_dict(pipe.text_encoder),
+        weight_name="pytorch_lora_weights.safetensors", safe_serialization=True)
+    del pipe
+    with pytest.raises(UserError, match="layers for text_encoder, which OpenVINO GenAI does not apply"):
+        export_runtime(tmp_path / "with-text", tmp_path / "out", _config(tmp_path), base)
+    assert not (tmp_path / "out").exists()
+    base_export(base, tmp_path / BASE_DIR, None)
+    runner = load_text2image(tmp_path / BASE_DIR, SHAPE, call["guidance_scale"], "f32", [tmp_path / GENAI_LORA_NAME])
+    got = generate(runner, "a photo of sks toy", SHAPE, call["num_inference_steps"], call["guidance_scale"], 0,
+                   [(openvino_genai.Adapter(str(tmp_path / GENAI_LORA_NAME)), 1.0)])
+    own, plain = psnr_db(images["fine-tune"], got), psnr_db(images["base"], got)
+    assert layers > 0 and own >= 30 and own > plain + 3, (own, plain)

@@ -26,6 +26,9 @@ class StableDiffusion3(FlowMatchingFamily):
     trainable_text_encoders = ("text_encoder", "text_encoder_2")
     default_weighting_scheme = "logit_normal"  # train_dreambooth_lora_sd3.py's default
     default_max_sequence_length = 77
+    # GenAI 2026.4.1 applies an SD3 LoRA to the transformer under this prefix; no prefix tried
+    # (lora_te1/2, lora_te, te1/2, clip_l/g) reached the CLIP encoders, so those layers are refused.
+    genai_lora_prefixes = {"transformer": "transformer"}
 
     @classmethod
     def refused_options(cls) -> dict[str, str]:
