@@ -8,12 +8,14 @@ computed in float32 and stored back in the shard's own dtype, and the shard is w
 is one shard. Every other file of the base is linked. The result is what
 `load_lora_weights` + `fuse_lora` + `save_pretrained` writes, up to the last bit of rounding.
 
-`plan()` checks the whole file first: every adapted module must be found in the base's shards,
-with no per-layer rank or alpha patterns and no convolution DoRA. Otherwise it says why, and the
+`plan()` checks the whole file first: every adapted module must be found in the base's shards
+(and no other weight format beside them), with no per-layer rank or alpha patterns and no
+convolution DoRA. Otherwise it says why, and the
 caller fuses in memory instead; nothing has been written.
 """
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -31,6 +33,7 @@ log = logging.getLogger(__name__)
 # The adapter parts of a LoRA file's keys, in peft's and diffusers' spellings.
 _PART = re.compile(r"\.(lora_A|lora_B|lora\.down|lora\.up|lora_linear_layer\.down|lora_linear_layer\.up)"
                    r"\.weight$|\.lora_magnitude_vector(\.weight)?$")
+OTHER_WEIGHTS = {".bin", ".pt", ".pth", ".ckpt", ".msgpack", ".h5"}
 _ROLE = {"lora_A": "down", "lora.down": "down", "lora_linear_layer.down": "down",
          "lora_B": "up", "lora.up": "up", "lora_linear_layer.up": "up"}
 
@@ -79,7 +82,7 @@ def plan(base: Path, lora_file: Path, components: list[str]) -> tuple[Plan | Non
         tensors = {k: fh.get_tensor(k) for k in fh.keys()}  # noqa: SIM118
     result = Plan()
     for key, tensor in tensors.items():
-        component, rest = key.split(".", 1)
+        component, _, rest = key.partition(".")
         part = _PART.search(rest)
         if component not in components or part is None:
             return None, f"{key} is not a LoRA layer of {', '.join(components)}"
@@ -93,14 +96,25 @@ def plan(base: Path, lora_file: Path, components: list[str]) -> tuple[Plan | Non
         if why:
             return None, why
         result.scales[component] = scale
+        if other := sorted(p.name for p in (base / component).glob("*") if p.suffix in OTHER_WEIGHTS):
+            return None, f"{component} also has {other[0]}, which would stay unfused beside the fused shards"
         stored = _shard_keys(base / component)
         missing = [k for k in layers if k not in stored]
         if missing:
             return None, f"{component} has no weight {missing[0]} in its safetensors files"
-        if any(lay.down is None or lay.up is None or (lay.magnitude is not None and lay.down.dim() != 2)
-               for lay in layers.values()):
-            return None, f"{component} has a layer that is not a linear LoRA or DoRA"
+        if not all(_streamable(lay) for lay in layers.values()):
+            return None, f"{component} has a layer that is not a linear LoRA or DoRA, or a 2-D convolution LoRA"
     return result, ""
+
+
+def _streamable(layer: Layer) -> bool:
+    """A linear LoRA or DoRA, or a Conv2d LoRA (down (r, in, kh, kw), up (out, r, 1, 1))."""
+    if layer.down is None or layer.up is None:
+        return False
+    if layer.down.dim() == 2:
+        return layer.up.dim() == 2
+    return (layer.magnitude is None and layer.down.dim() == 4 and layer.up.dim() == 4
+            and tuple(layer.up.shape[2:]) == (1, 1))
 
 
 def _fused(weight: Any, layer: Layer, scale: float) -> Any:
@@ -118,24 +132,31 @@ def _fused(weight: Any, layer: Layer, scale: float) -> Any:
 
 
 def _link(src: Path, dst: Path) -> None:
-    """A base file or folder into the output, by hard links where the filesystem allows."""
+    """A base file or folder into the output, by hard links where the filesystem allows; never
+    over a file the output already has (FileExistsError)."""
     if src.is_dir():
         link_tree(src, dst)
         return
     try:
         os.link(src, dst)
-    except OSError:
+    except OSError as err:
+        if err.errno not in (errno.EXDEV, errno.EPERM, errno.EMLINK, errno.ENOTSUP):
+            raise
         shutil.copy2(src, dst)
 
 
 def fuse_to(base: Path, out_dir: Path, fuse: Plan) -> dict[str, int]:
-    """Write the base pipeline into `out_dir` with `fuse`'s layers fused; returns {component: layers}."""
+    """Write the base pipeline (model_index.json and the components it lists) into `out_dir`, which
+    may hold other files (the LoRA file), with `fuse`'s layers fused; returns {component: layers}."""
     from safetensors import safe_open
     from safetensors.torch import save_file
 
-    for entry in base.iterdir():
-        if entry.name not in fuse.layers:
-            _link(entry, out_dir / entry.name)
+    from tasks.common.families import read_index
+
+    _link(base / "model_index.json", out_dir / "model_index.json")
+    for name in read_index(base):
+        if name not in fuse.layers and (base / name).is_dir():
+            _link(base / name, out_dir / name)
     done: dict[str, int] = defaultdict(int)
     for component, layers in fuse.layers.items():
         src, dst = base / component, out_dir / component

@@ -99,7 +99,7 @@ def base_export(base: Path, dst: Path, cache_dir: Path | None) -> dict[str, Any]
     try:
         made = convert(base, work / "export" if cache_dir else dst, None)
         if cached is not None:
-            os.replace(work / "export", cached)  # whole or absent: never a half-written entry
+            _publish(work / "export", cached)
             link_tree(cached, dst)
     finally:
         if cache_dir:
@@ -107,11 +107,21 @@ def base_export(base: Path, dst: Path, cache_dir: Path | None) -> dict[str, Any]
     return {**info, "export_s": round(made["export_s"] + made["save_s"], 3)}
 
 
+def _publish(made: Path, cached: Path) -> None:
+    """Move a finished export into the cache in one rename: an entry is whole or absent. When a
+    concurrent export of the same key got there first, its entry is kept (and `made` dropped)."""
+    try:
+        os.replace(made, cached)
+    except OSError:
+        if not (cached / "model_index.json").is_file():
+            raise
+
+
 def compressed_base_export(f32: Path, key: str, dst: Path, comp: CompressionConfig,
                            cache_dir: Path | None) -> dict[str, Any]:
     """`f32` (a base export) with its weights compressed by NNCF into `dst`, cached under `key` and
     the compression's settings; the f32 files are never changed (they may be the cache's)."""
-    ckey = f"{key}-{comp.mode}-{'sym' if comp.sym else 'asym'}"
+    ckey = f"{key}-{comp.mode}-{'sym' if comp.sym else 'asym'}-nncf{version('nncf')}"
     cached = cache_dir / ckey if cache_dir else None
     if cached is not None and (cached / "model_index.json").is_file():
         link_tree(cached, dst)
@@ -123,7 +133,7 @@ def compressed_base_export(f32: Path, key: str, dst: Path, comp: CompressionConf
         compress_ir_weights(work / "export", comp)
         seconds = time.perf_counter() - start
         if cached is not None:
-            os.replace(work / "export", cached)
+            _publish(work / "export", cached)
             link_tree(cached, dst)
         else:
             os.replace(work / "export", dst)
@@ -172,19 +182,21 @@ def _export_runtime(src: Path, lora: Path, family: type[families.ModelFamily], b
     del pipe
     release_memory()
     if pt is None:
-        report["parity"] = {"enabled": False, "passed": True}
-        f32_images = None
+        report["parity"], report["latency_s"] = {"enabled": False, "passed": True}, {}
+        f32_images = _genai_images(f32_dir, dst / GENAI_LORA_NAME, shape, cfg)[0] if scratch else None
     else:
         report["parity"], report["latency_s"], f32_images = _genai_parity(pt, f32_dir, dst / GENAI_LORA_NAME,
                                                                           shape, cfg)
+    if scratch is not None and not report["parity"]["passed"]:
+        return report  # the stage fails on it: no NNCF pass, no cache entry
     if scratch is not None:
         report["compression"] = {"mode": cfg.compression.mode, "sym": cfg.compression.sym, **compressed_base_export(
             f32_dir, made["key"], dst / BASE_DIR, cfg.compression, cache)}
-        if f32_images is not None:
-            _compression_fidelity(report, f32_images, dst, shape, cfg)
-        made = {**made, "key": report["compression"]["key"]}
+        _compression_fidelity(report, f32_images, dst, shape, cfg)
+        made["served_key"] = report["compression"]["key"]  # the int8 base's: what the registry keys on
+        shutil.rmtree(scratch)  # before the sizes below
     write_runtime_config(dst, "f32")
-    adapter = {"base_key": made["key"], "base_fingerprint": made["base_fingerprint"],
+    adapter = {"base_key": made.get("served_key", made["key"]), "base_fingerprint": made["base_fingerprint"],
                "family": family.name, "lora_source_sha256": sha256_file(lora), "lora_layers": layers,
                "file": GENAI_LORA_NAME, "static_shape": shape.as_dict()}
     (dst / ADAPTER_FILE).write_text(json.dumps(adapter, indent=2) + "\n")

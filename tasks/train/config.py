@@ -128,9 +128,7 @@ class TrainConfig(StageConfig):
     lr_warmup_steps: int = Field(0, ge=0, description="optimizer steps of linear warm-up from 0")
     lr_num_cycles: int = Field(1, ge=1, description="restarts of cosine_with_restarts")
     lr_power: float = Field(1.0, gt=0.0, description="power of the polynomial schedule")
-    use_8bit_adam: bool = Field(
-        False, description="bitsandbytes AdamW8bit (needs bitsandbytes): less memory, much slower on CPU"
-    )
+    use_8bit_adam: bool = Field(False, description="bitsandbytes AdamW8bit: less memory, much slower on CPU")
     adam_beta1: float = Field(0.9, ge=0.0, lt=1.0, description="AdamW beta1")
     adam_beta2: float = Field(0.999, ge=0.0, lt=1.0, description="AdamW beta2")
     adam_weight_decay: float = Field(1e-2, ge=0.0, description="AdamW weight decay")

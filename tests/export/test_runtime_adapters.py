@@ -126,8 +126,10 @@ def test_an_int8_weight_base_serves_the_same_adapter(two_fine_tunes, tmp_path):
     assert 'element_type="u8"' in (out / BASE_DIR / f"{unet}.xml").read_text()
     assert (out / BASE_DIR / f"{unet}.bin").stat().st_size < 0.4 * (f32_dir / BASE_DIR / f"{unet}.bin").stat().st_size
     f32_key = json.loads((f32_dir / ADAPTER_FILE).read_text())["base_key"]
-    assert json.loads((out / ADAPTER_FILE).read_text())["base_key"] == f"{f32_key}-int8-asym"
-    assert f32_report["base_export"]["key"] == f32_key
+    served = json.loads((out / ADAPTER_FILE).read_text())["base_key"]
+    assert served.startswith(f"{f32_key}-int8-asym-nncf") and first["base_export"]["served_key"] == served
+    assert f32_report["base_export"]["key"] == f32_key == first["base_export"]["key"]
+    assert first["size_mb"]["openvino"] < first["size_mb"]["base"] + 1, "no f32 scratch copy is counted"
 
 
 def test_runtime_refuses_what_genai_cannot_apply(tmp_path_factory, tmp_path):

@@ -69,7 +69,9 @@ def test_lora_loads_with_the_family_pipeline(tmp_path, flow_base, one_image) -> 
         assert fused_weights.keys() == base_weights.keys(), name
         assert not tensors_equal(out / name / "model.safetensors", flow_base / name / "model.safetensors"), name
     fused = family.pipeline_class().from_pretrained(out)  # fuse_lora: the full pipeline beside the adapters
-    streamed = fused.transformer.state_dict()  # fused shard by shard (tasks/common/stream_fuse.py)
+    streamed = fused.transformer.state_dict()  # fused shard by shard (tasks/common/stream_fuse.py):
+    vae = sorted((flow_base / "vae").glob("*.safetensors"))  # what it does not fuse, it links
+    assert vae and all((out / "vae" / f.name).samefile(f) for f in vae)
     assert all(torch.allclose(streamed[f"{n}.weight"], pipe.transformer.get_submodule(n).weight, atol=1e-6)
                for n in adapted)
     generates(fused)

@@ -251,22 +251,19 @@ def test_the_base_loads_for_the_output_with_training_let_go_of(tmp_path, tiny_sd
 
     alive_at_load: list[set[str]] = []
 
-    def from_pretrained(*args, **kwargs):
-        gc.collect()
-        alive_at_load.append({name for name, ref in refs.items() if ref() is not None})
-        return real_load(*args, **kwargs)
-
-    def fuse_to(*args, **kwargs):  # LoRA's fuse reads the base's shards instead of loading it
-        gc.collect()
-        alive_at_load.append({name for name, ref in refs.items() if ref() is not None})
-        return real_fuse_to(*args, **kwargs)
+    def watched(real):  # the base loads (from_pretrained), or LoRA's fuse reads its shards (fuse_to)
+        def call(*args, **kwargs):
+            gc.collect()
+            alive_at_load.append({name for name, ref in refs.items() if ref() is not None})
+            return real(*args, **kwargs)
+        return call
 
     monkeypatch.setattr(core, "load_components", load_components)
     monkeypatch.setattr(Components, "load_denoiser", load_denoiser)
     monkeypatch.setattr(loop, "make_optimizer", make_optimizer)
     monkeypatch.setattr(loop, "Ema", Ema)
-    monkeypatch.setattr(DiffusionPipeline, "from_pretrained", from_pretrained)
-    monkeypatch.setattr(stream_fuse, "fuse_to", fuse_to)
+    monkeypatch.setattr(DiffusionPipeline, "from_pretrained", watched(real_load))
+    monkeypatch.setattr(stream_fuse, "fuse_to", watched(real_fuse_to))
     config = cfg(tmp_path, method=method, max_train_steps=2, fuse_lora=True, use_ema=method == "dreambooth")
     train(config, tiny_sd, one_image, None, tmp_path / "out")
     assert {"unet", "vae", "text_encoder", "optimizer"} <= set(refs), refs
