@@ -34,7 +34,8 @@ HERE = Path(__file__).resolve().parent
 PROMPT = "a photo of sks toy"
 
 
-def _rss_mb() -> float:
+def rss_mb() -> float:
+    """This process's resident memory now, MB."""
     for line in Path("/proc/self/status").read_text().splitlines():
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) / 1024
@@ -87,7 +88,7 @@ def serve(export: Path, adapters: list[Path], size: int, steps: int, requests: i
     start = time.perf_counter()
     pipe = load_text2image(export, shape, 7.5, "f32", adapters)
     handles = [genai.Adapter(str(p)) for p in adapters]
-    load_s, rss_loaded = time.perf_counter() - start, _rss_mb()
+    load_s, rss_loaded = time.perf_counter() - start, rss_mb()
     times = []
     for k in range(requests):
         chosen = [(handles[k % len(handles)], 1.0)] if handles else []

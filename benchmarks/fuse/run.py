@@ -8,8 +8,8 @@ A LoRA of `--rank` on every attention projection of the base's denoiser (the fam
 method's two paths, each in a process of its own: `complete_output` (tasks/common/stream_fuse.py,
 one shard at a time) and `fuse_in_memory` (the whole pipeline loaded, diffusers' `fuse_lora`,
 `save_pretrained`). Reported: wall seconds, the process's peak RSS (and its RSS before, with the
-libraries imported), the bytes written, and the
-largest difference between the two outputs' fused weights.
+libraries imported), the bytes written, and the largest difference between the two outputs' fused
+weights.
 """
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ import sys
 import time
 from pathlib import Path
 
-from benchmarks.adapters.bench import cpu_name
+from benchmarks.adapters.bench import cpu_name, rss_mb
 
 MODES = ("stream", "memory")
 
@@ -61,8 +61,7 @@ def one(mode: str, base: Path, out: Path) -> dict[str, float]:
 
     method = LoRA(TrainConfig(method="lora"))
     method.fused_components = [families.detect(base).denoiser_name]
-    with open("/proc/self/statm") as fh:  # the libraries imported, before any weight is read
-        before_gb = int(fh.read().split()[1]) * resource.getpagesize() / 2**30
+    before_gb = rss_mb() / 1024  # the libraries imported, before any weight is read
     start = time.perf_counter()
     (method.complete_output if mode == "stream" else method.fuse_in_memory)(base, out)
     return {"seconds": round(time.perf_counter() - start, 1),

@@ -22,14 +22,9 @@ import sys
 import time
 from pathlib import Path
 
-from benchmarks.adapters.bench import cpu_name
+from benchmarks.adapters.bench import cpu_name, rss_mb
 
 CHOICES = ("adamw", "bnb-adamw8bit", "ao-adamw8bit", "ao-adamw4bit")
-
-
-def _rss_mb() -> float:
-    with open("/proc/self/statm") as fh:
-        return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
 def one(optimizer: str, steps: int) -> dict[str, float]:
@@ -55,12 +50,12 @@ def one(optimizer: str, steps: int) -> dict[str, float]:
     else:
         opt = make_optimizer(TrainConfig(use_8bit_adam=optimizer == "bnb-adamw8bit"), groups, 1e-5)
     release_memory()
-    before = _rss_mb()
+    before = rss_mb()
     start = time.perf_counter()
     opt.step()
     first = time.perf_counter() - start
     release_memory()
-    states = _rss_mb() - before
+    states = rss_mb() - before
     times = []
     for _ in range(steps):
         start = time.perf_counter()

@@ -5,13 +5,13 @@ for FLUX.1-dev that is 24 GB of bf16 weights on a 24 GB machine, after training.
 safetensors shard of a component with adapters is read, its adapted weights get the update
 (LoRA: `W + s B A`; DoRA: `m / ||W + s B A|| * (W + s B A)`, the row norm, as peft merges it)
 computed in float32 and stored back in the shard's own dtype, and the shard is written: the peak
-is one shard. Every other file of the base is linked. The result is what
+is one shard. model_index.json and the other components are hard-linked. The result is what
 `load_lora_weights` + `fuse_lora` + `save_pretrained` writes, up to the last bit of rounding.
 
 `plan()` checks the whole file first: every adapted module must be found in the base's shards
 (and no other weight format beside them), with no per-layer rank or alpha patterns and no
-convolution DoRA. Otherwise it says why, and the
-caller fuses in memory instead; nothing has been written.
+convolution DoRA. Otherwise it says why, and the caller fuses in memory instead; nothing has
+been written.
 """
 from __future__ import annotations
 
