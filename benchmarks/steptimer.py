@@ -111,7 +111,7 @@ def main() -> None:
         runpy.run_path(target, run_name="__main__")
 
 
-def add_run_arguments(parser: argparse.ArgumentParser, results: Path) -> None:
+def add_run_arguments(parser: argparse.ArgumentParser, results: Path | None) -> None:
     """The options both side-by-side benchmarks share: steps, warm-up, runs, results file, table."""
     parser.add_argument("--steps", type=int, default=6, help="optimizer steps per run, warm-up included")
     parser.add_argument("--warmup", type=int, default=2)

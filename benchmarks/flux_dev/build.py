@@ -71,15 +71,17 @@ def _tensors(model: Any, names: list[str], generator: Any) -> Iterator[tuple[str
         yield name, _init(model.get_submodule(owner), leaf, shapes[name], generator)
 
 
-def save_transformer(out: Path, seed: int, config: dict[str, Any] | None = None) -> int:
-    """Write transformer/ (config.json, shards, index) without holding the model; returns its parameters."""
+def save_transformer(out: Path, seed: int, config: dict[str, Any] | None = None,
+                     cls_name: str = "FluxTransformer2DModel") -> int:
+    """Write transformer/ (config.json, shards, index) without holding the model; returns its parameters.
+    `cls_name`: the diffusers transformer class (FLUX.2 [klein]: Flux2Transformer2DModel)."""
+    import diffusers
     import torch
     from accelerate import init_empty_weights
-    from diffusers import FluxTransformer2DModel
     from safetensors.torch import save_file
 
     with init_empty_weights():
-        model = FluxTransformer2DModel(**(config or FLUX_DEV))
+        model = getattr(diffusers, cls_name)(**(config or FLUX_DEV))
     folder = out / "transformer"
     folder.mkdir(parents=True, exist_ok=True)
     model.save_config(folder)

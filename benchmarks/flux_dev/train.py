@@ -1,18 +1,22 @@
-"""FLUX.1-dev (11.9B) LoRA steps on this 24 GB machine: the train stage on a quantized base.
+"""FLUX.1-dev (11.9B) or FLUX.2 [klein] 4B LoRA steps on this 24 GB machine: the train stage on a quantized base.
 
     .venv/bin/python -m benchmarks.flux_dev.build                                  # once: 32 GB folder
     .venv/bin/python -m benchmarks.flux_dev.train --precision int8 --steps 5       # appends to results.json
     .venv/bin/python -m benchmarks.flux_dev.train --table
+    .venv/bin/python -m benchmarks.flux2_klein.build                               # once: 15.6 GB folder
+    .venv/bin/python -m benchmarks.flux_dev.train --model flux.2-klein-4b --precision int8 --text-precision int8
 
 One process runs `python -m tasks.train` (the DVC stage's command) on 4 images of 512 px trained at
 256 px: LoRA rank 16 on the attention projections, `base_model_precision` (int8 = torchao weight-only),
 `gradient_checkpointing`, `max_sequence_length` 128, bf16 autocast, batch 1, latents and prompts
-cached, `fuse_lora: false` (the adapters and the pinned base reference are the output). The step
+cached, `fuse_lora: false` (the adapters and the pinned base reference are the output);
+`--text-precision`: the text encoders quantized as they load for the text cache. The step
 timer (benchmarks/steptimer.py) gives s/step after the warm-up and the peak RSS at the last step and
 at exit; the memory log (`flux-memory.log` in the work folder) has the RSS at every log record, so
 each phase's peak is in it. Afterwards the saved LoRA file is loaded into a FLUX.1-dev transformer
 (its base weights allocated, never written, so they take no memory) with diffusers' own loader,
-and its tensors compared with the file's.
+and its tensors compared with the file's. Results go to the model's own folder
+(benchmarks/flux_dev/results.json, benchmarks/flux2_klein/results.json).
 """
 from __future__ import annotations
 
@@ -33,12 +37,21 @@ from benchmarks.steptimer import add_run_arguments, summary, timed
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 
+#: Each model: its diffusers classes, its folder (built by its benchmark's build.py) and results.
+MODELS = {
+    "flux.1-dev": dict(pipeline="FluxPipeline", transformer="FluxTransformer2DModel", folder="flux1-dev",
+                       benchmark=HERE),
+    "flux.2-klein-4b": dict(pipeline="Flux2KleinPipeline", transformer="Flux2Transformer2DModel",
+                            folder="flux2-klein-4b", benchmark=HERE.parent / "flux2_klein"),
+}
+
 
 def ours_command(base: Path, work: Path, data: Path, args: argparse.Namespace) -> list[str]:
     train = dict(
         method="lora", instance_prompt=PROMPT, with_prior_preservation=False, resolution=args.resolution,
         train_batch_size=1, max_train_steps=args.steps, learning_rate=1e-4, mixed_precision="bf16", rank=args.rank,
-        base_model_precision=args.precision, gradient_checkpointing=True, max_sequence_length=args.max_sequence_length,
+        base_model_precision=args.precision, text_encoder_precision=args.text_precision,
+        gradient_checkpointing=True, max_sequence_length=args.max_sequence_length,
         fuse_lora=False, checkpointing_steps=10 ** 6, validation_prompts=[], num_validation_images=0,
         validation_steps=0, checkpoints_dir=str(work / "checkpoints"), resume="none", seed=0,
     )
@@ -50,20 +63,24 @@ def ours_command(base: Path, work: Path, data: Path, args: argparse.Namespace) -
             "--plot", str(work / "loss.csv"), "--params", str(params)]
 
 
-def adapters_load(base: Path, out: Path) -> dict:
-    """Load the saved LoRA with diffusers' loader into a FLUX.1-dev transformer whose base weights are
+def adapters_load(base: Path, out: Path, model: dict) -> dict:
+    """Load the saved LoRA with diffusers' loader into the model's transformer whose base weights are
     allocated but never written (`to_empty`: untouched pages cost no memory), and count the adapter
     tensors that hold one of the file's tensors exactly (in the base's bf16, as the loader casts them)."""
+    import diffusers
     import torch
     from accelerate import init_empty_weights
-    from diffusers import FluxPipeline, FluxTransformer2DModel
     from safetensors.torch import load_file
 
+    pipeline, transformer_cls = getattr(diffusers, model["pipeline"]), getattr(diffusers, model["transformer"])
     with init_empty_weights():
-        transformer = FluxTransformer2DModel.from_config(FluxTransformer2DModel.load_config(base / "transformer"))
+        transformer = transformer_cls.from_config(transformer_cls.load_config(base / "transformer"))
     transformer = transformer.to(torch.bfloat16).to_empty(device="cpu")
-    state, alphas = FluxPipeline.lora_state_dict(out, return_alphas=True)
-    FluxPipeline.load_lora_into_transformer(state, network_alphas=alphas, transformer=transformer)
+    if model["pipeline"] == "FluxPipeline":  # FLUX.1's loader also reads kohya-style alphas
+        state, alphas = pipeline.lora_state_dict(out, return_alphas=True)
+        pipeline.load_lora_into_transformer(state, network_alphas=alphas, transformer=transformer)
+    else:
+        pipeline.load_lora_into_transformer(pipeline.lora_state_dict(out), transformer=transformer)
     loaded = [p.detach() for n, p in transformer.named_parameters() if "lora_" in n]
     saved = list(load_file(out / "pytorch_lora_weights.safetensors").values())
     equal = sum(1 for p in loaded if any(t.shape == p.shape and torch.equal(p, t.to(p.dtype)) for t in saved))
@@ -85,23 +102,29 @@ def table(results: list[dict]) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--base", type=Path, default=ROOT / ".cache/bench/flux1-dev")
-    parser.add_argument("--work", type=Path, default=ROOT / ".cache/bench/flux1-dev-train")
+    parser.add_argument("--model", choices=list(MODELS), default="flux.1-dev")
+    parser.add_argument("--base", type=Path, help="the model's folder (default .cache/bench/<its folder>)")
+    parser.add_argument("--work", type=Path, help="default .cache/bench/<its folder>-train")
     parser.add_argument("--precision", default="int8")
+    parser.add_argument("--text-precision", default="none", help="train.text_encoder_precision")
     parser.add_argument("--resolution", type=int, default=256)
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--max-sequence-length", type=int, default=128)
-    add_run_arguments(parser, HERE / "results.json")
+    add_run_arguments(parser, None)
     parser.add_argument("--summarize", action="store_true", help="report on the work folder's finished run, "
                         "running nothing")
     args = parser.parse_args()
+    model = MODELS[args.model]
+    args.results = args.results or model["benchmark"] / "results.json"
+    args.base = args.base or ROOT / ".cache/bench" / model["folder"]
+    args.work = args.work or ROOT / ".cache/bench" / f"{model['folder']}-train"
     if args.table:
         print(table(json.loads(args.results.read_text())))
         return
     args.base, args.work = args.base.resolve(), args.work.resolve()
     if not (args.base / "model_index.json").is_file():
-        raise SystemExit(f"{args.base} is missing: run `.venv/bin/python -m benchmarks.flux_dev.build --out "
-                         f"{args.base}`")
+        build = "benchmarks." + model["benchmark"].name + ".build"
+        raise SystemExit(f"{args.base} is missing: run `.venv/bin/python -m {build} --out {args.base}`")
     if args.summarize:
         timing = summary("ours", args.work / "ours-timing.json", args.warmup)
     else:
@@ -112,15 +135,17 @@ def main() -> None:
                "STEPTIMER_MEMORY_LOG": str(args.work / "flux-memory.log")}
         timing = timed("ours", ours_command(args.base, args.work, data, args), args.work, args.warmup, env)
     results = json.loads(args.results.read_text()) if args.results.is_file() else []
-    row = {"model": "flux.1-dev", "method": "lora", "precision": args.precision, "resolution": args.resolution,
+    row = {"model": args.model, "method": "lora", "precision": args.precision,
+           "text_precision": args.text_precision, "resolution": args.resolution,
            "rank": args.rank, "max_sequence_length": args.max_sequence_length, "gradient_checkpointing": True,
            "batch": 1, "date": time.strftime("%Y-%m-%d"), "cpu": _cpu(), "threads": os.cpu_count(), **timing}
     report = json.loads((args.work / "report.json").read_text())
     row["losses"] = [float(line.split(",")[1]) for line in (args.work / "loss.csv").read_text().splitlines()[1:]]
     row["finite_loss"] = all(math.isfinite(x) for x in row["losses"])
     row["report"] = {k: report.get(k) for k in ("base_model_precision", "quantized_layers", "peak_rss_mb_by_phase",
-                                                "text_cache_seconds", "latent_cache_seconds", "allocator", "steps")}
-    row["adapters"] = adapters_load(args.base, args.work / "out")
+                                                "text_cache_seconds", "latent_cache_seconds", "allocator", "steps",
+                                                "text_encoder_precision")}
+    row["adapters"] = adapters_load(args.base, args.work / "out", model)
     print(json.dumps(row), flush=True)
     results.append(row)
     args.results.write_text(json.dumps(results, indent=1) + "\n")

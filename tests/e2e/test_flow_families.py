@@ -1,8 +1,9 @@
 """SD3, FLUX.1 and FLUX.2 klein end to end with the real `dvc`: `base.model: builtin:tiny-<family>`
-and `train.method: lora` (FLUX.1: DoRA on an int8 base), then registration; every output is loaded
-by the family's own classes (diffusers' pipeline with `load_lora_weights`, optimum-intel's OpenVINO
-pipeline, the MLflow pyfunc in a second process and over HTTP with `mlflow models serve`).
-Small settings: the point is the chain, not the images."""
+and `train.method: lora` (FLUX.1: DoRA on an int8 base; SD3: exported as run-time adapters over a
+shared base export), then registration; every output is loaded by the family's own classes
+(diffusers' pipeline with `load_lora_weights`, optimum-intel's OpenVINO pipeline or OpenVINO GenAI's
+Text2ImagePipeline with the adapter, the MLflow pyfunc in a second process and over HTTP with
+`mlflow models serve`). Small settings: the point is the chain, not the images."""
 from __future__ import annotations
 
 import json
@@ -30,6 +31,9 @@ SMALL = {
 
 #: FLUX.1 trains DoRA on an int8 base (torchao), as a 24 GB user of the real 12B model would
 QUANTIZED = {"flux": {"base_model_precision": "int8", "lora_type": "dora"}}
+#: SD3's LoRA is exported for OpenVINO GenAI to apply at run time (export.adapters: runtime), as a
+#: team with many fine-tunes of one base would; GenAI applies SD3's transformer layers only
+RUNTIME = {"sd3": {"train": {"train_text_encoder": False}, "export": {"adapters": "runtime"}}}
 
 
 def small_params(root: Path, builtin: str) -> None:
@@ -38,8 +42,11 @@ def small_params(root: Path, builtin: str) -> None:
     params = yaml.safe_load((root / "params.yaml").read_text())
     params["base"]["model"] = builtin
     with_text = bool(BUILTINS[builtin].trainable_text_encoders)  # FLUX.2 klein trains no text encoder
-    quantized = QUANTIZED.get(builtin.removeprefix("builtin:tiny-"), {})
-    small = {**SMALL, "train": {**SMALL["train"], "train_text_encoder": with_text, **quantized}}
+    name = builtin.removeprefix("builtin:tiny-")
+    runtime = RUNTIME.get(name, {})
+    small = {**SMALL, "train": {**SMALL["train"], "train_text_encoder": with_text, **QUANTIZED.get(name, {}),
+                                **runtime.get("train", {})},
+             "export": {**SMALL["export"], **runtime.get("export", {})}}
     for section, values in small.items():
         for key, value in values.items():
             if isinstance(value, dict):
@@ -58,7 +65,8 @@ def reproduce(root: Path, name: str) -> str | None:
     env = e2e_env(root, MLFLOW_TRACKING_URI=f"sqlite:///{root / 'mlflow.db'}")
     for cmd, timeout in ((["dvc", "repro"], 1800),
                          ([sys.executable, "-m", "tasks.register", "--finetuned", "models/finetuned",
-                           "--openvino", "models/openvino", "--evaluation", "reports/evaluate.json"], 600)):
+                           "--openvino", "models/openvino", "--evaluation", "reports/evaluate.json",
+                           "--base", "models/base"], 600)):
         proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=timeout)
         if proc.returncode != 0:
             return f"{' '.join(cmd[:3])} failed:\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}"
@@ -103,13 +111,23 @@ def test_the_lora_loads_with_the_family_pipeline(pipeline) -> None:
     assert (report.get("quantized_layers", 0) > 0) == (name in QUANTIZED)
 
 
-def test_the_export_loads_with_optimum_intel_and_generates(pipeline) -> None:
+def test_the_export_loads_and_generates(pipeline) -> None:
     from optimum.intel import OVFlux2KleinPipeline, OVFluxPipeline, OVStableDiffusion3Pipeline
 
     name, root = pipeline
-    cls = {"sd3": OVStableDiffusion3Pipeline, "flux": OVFluxPipeline, "flux2": OVFlux2KleinPipeline}[name]
     report = json.loads((root / "reports/export.json").read_text())
-    assert report["pipeline_class"] == cls.__name__ and report["parity"]["passed"]
+    assert report["parity"]["passed"]
+    if name in RUNTIME:  # base/ + the adapter, applied by GenAI: the base export is not the fine-tune
+        from tasks.common.genai import adapter_config, open_runtime_export
+
+        assert report["adapters"] == "runtime" and not (root / "models/openvino/model_index.json").exists()
+        runner = open_runtime_export(root / "models/openvino", guidance_scale=7.0)
+        image = runner.pipe.generate("a photo of sks toy", width=64, height=64, num_inference_steps=2,
+                                     adapters=adapter_config(runner.adapters))
+        assert tuple(image.shape) == (1, 64, 64, 3)
+        return
+    cls = {"sd3": OVStableDiffusion3Pipeline, "flux": OVFluxPipeline, "flux2": OVFlux2KleinPipeline}[name]
+    assert report["pipeline_class"] == cls.__name__
     pipe = cls.from_pretrained(root / "models/openvino", dynamic_shapes=False)
     image = pipe(prompt="a photo of sks toy", num_inference_steps=2, height=64, width=64).images[0]
     assert image.size == (64, 64)
@@ -128,23 +146,20 @@ def test_registered_and_predicts_from_another_process(pipeline) -> None:
 
 
 def test_mlflow_models_serve_answers(pipeline, tmp_path) -> None:
-    """The registered version over HTTP (`mlflow models serve`), a good request and a bad one."""
-    from tests.e2e_util import free_port, stop_process_group
-    from tests.register.test_model_serving import _post, _wait_ready
+    """The registered version over HTTP (`mlflow models serve`), a good request and a bad one; SD3's
+    run-time adapter version is served over its base export, registered as a version of its own."""
+    from tests.register.http_serve import models_serve, post
 
-    _, root = pipeline
-    port, log = free_port(), tmp_path / "serve.log"
+    name, root = pipeline
     env = e2e_env(root, MLFLOW_TRACKING_URI=f"sqlite:///{root / 'mlflow.db'}")
-    with open(log, "w") as out:
-        proc = subprocess.Popen(["mlflow", "models", "serve", "-m", "models:/sd-finetuned@candidate", "--env-manager",
-                                 "local", "-h", "127.0.0.1", "-p", str(port)], cwd=root, env=env, stdout=out,
-                                stderr=subprocess.STDOUT, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        _wait_ready(url, proc, log)
-        status, body = _post(url, {"inputs": ["a photo of sks toy"], "params": {"num_inference_steps": 2}})
+    with models_serve("models:/sd-finetuned@candidate", tmp_path / "serve.log", env=env, cwd=root) as (url, _):
+        status, body = post(url, {"inputs": ["a photo of sks toy"], "params": {"num_inference_steps": 2}})
         assert status == 200 and body["predictions"][0]["image"].startswith("iVBORw0K"), body
-        status, body = _post(url, {"inputs": ["a"], "params": {"num_inference_steps": -3}})
+        status, body = post(url, {"inputs": ["a"], "params": {"num_inference_steps": -3}})
         assert status == 400 and "num_inference_steps: -3 is out of range" in body["message"], body
-    finally:
-        stop_process_group(proc)
+    if name in RUNTIME:
+        import mlflow
+
+        client = mlflow.MlflowClient(tracking_uri=env["MLFLOW_TRACKING_URI"])
+        tags = client.get_model_version_by_alias("sd-finetuned", "candidate").tags
+        assert tags["model.artifacts"] == "runtime_adapter" and tags["base_export.model"] == "sd-finetuned-base"

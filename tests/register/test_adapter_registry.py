@@ -1,10 +1,12 @@
 """Two run-time adapter fine-tunes of one tiny-sd base registered on one base export, and that base
-export's endpoint serving both by name and a blend of them (real MLflow registry, real GenAI)."""
+export's endpoint serving both by name and a blend of them over HTTP with `mlflow models serve`
+(real MLflow registry, real GenAI)."""
 from __future__ import annotations
 
 import base64
 import io
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -17,6 +19,7 @@ from tasks.common.psnr import psnr_db
 from tests.export.adapters import lora_images
 from tests.export.tiny_ov import runtime_export, tiny_pipeline
 from tests.register.conftest import DVC_LOCK, EVAL_PASS
+from tests.register.http_serve import models_serve, post
 
 PROMPT = "a photo of sks toy"
 CALL = {"num_inference_steps": 2, "seed": 5}
@@ -49,7 +52,6 @@ def _pytorch(base: Path, loras: list[Path], weights: list[float]) -> np.ndarray:
 
 def test_two_fine_tunes_on_one_base_export_served_by_name_and_blended(exports, tmp_path):
     import mlflow
-    from mlflow.exceptions import MlflowException
 
     base, ((lora_a, export_a, _), (lora_b, export_b, _)) = exports
     first = _register(tmp_path / "a", lora_a, export_a, base)
@@ -65,21 +67,25 @@ def test_two_fine_tunes_on_one_base_export_served_by_name_and_blended(exports, t
         "neither the base export nor the base pipeline is stored again per fine-tune")
     assert [p.parent.name for p in stored.rglob("genai_lora.safetensors")] == ["adapter"]
 
-    served = mlflow.pyfunc.load_model("models:/sd-test-base/1")
-    by = {spec: _images(served.predict([PROMPT], params={**CALL, "adapter": spec}))[0]
-          for spec in ("sd-test/1", "sd-test@candidate", "sd-test/1:0.5,sd-test/2:0.5", "")}
-    assert np.array_equal(by["sd-test@candidate"],  # the alias names version 2
-                          _images(served.predict([PROMPT], params={**CALL, "adapter": "sd-test/2"}))[0])
+    # The base export's endpoint over HTTP, as a team serves it: one server, the adapter per request.
+    with models_serve("models:/sd-test-base/1", tmp_path / "serve.log") as (url, _):
+        def served(spec: str) -> list[np.ndarray]:
+            status, answer = post(url, {"inputs": [PROMPT], "params": {**CALL, "adapter": spec}})
+            assert status == 200, (spec, answer)
+            return _images({"image": [row["image"] for row in answer["predictions"]]})
+
+        by = {spec: served(spec)[0] for spec in ("sd-test/1", "sd-test@candidate", "sd-test/1:0.5,sd-test/2:0.5", "")}
+        assert np.array_equal(by["sd-test@candidate"], served("sd-test/2")[0])  # the alias names version 2
+        for spec, field in (("nope@champion", "not a registered model version"), ("sd-test", "is not <registered"),
+                            ("sd-test/1:9", "out of range")):
+            status, answer = post(url, {"inputs": [PROMPT], "params": {**CALL, "adapter": spec}})
+            assert status == 400 and re.search(f"adapter: .*{field}", answer["message"]), (spec, status, answer)
     wanted = {"sd-test/1": ([lora_a], [1.0]), "sd-test@candidate": ([lora_b], [1.0]),
               "sd-test/1:0.5,sd-test/2:0.5": ([lora_a, lora_b], [0.5, 0.5]), "": ([], [])}
     refs = {spec: _pytorch(base, *args) for spec, args in wanted.items()}
     for spec, image in by.items():  # each nearest its PyTorch twin
         own = psnr_db(refs[spec], image)
         assert own >= 30 and own > max(psnr_db(r, image) for s, r in refs.items() if s != spec) + 3, spec
-    for spec, field in (("nope@champion", "not a registered model version"), ("sd-test", "is not <registered"),
-                        ("sd-test/1:9", "out of range")):
-        with pytest.raises(MlflowException, match=f"adapter: .*{field}"):
-            served.predict([PROMPT], params={**CALL, "adapter": spec})
 
 
 def test_a_version_for_another_base_is_refused_and_the_adapter_version_serves_alone(exports, tmp_path):

@@ -1,15 +1,11 @@
 """`mlflow models serve` (the real CLI, on a free loopback port) answers a scoring request for the
 registered model with base64 PNGs, refuses bad and over-budget requests, tells a request beyond the
-wait queue to retry, and stops a generation at the server's timeout. `--env-manager local`: serve
-from this venv (the default would build a virtualenv, which needs the internet)."""
+wait queue to retry, and stops a generation at the server's timeout."""
 from __future__ import annotations
 
 import base64
 import io
 import json
-import os
-import subprocess
-import sys
 import threading
 import time
 import urllib.error
@@ -20,33 +16,7 @@ import pytest
 from PIL import Image
 
 from tasks.register.core import register
-from tests.e2e_util import free_port, stop_process_group
-
-
-def _wait_ready(url: str, proc: subprocess.Popen, log: Path, timeout: float = 400) -> float:
-    start = time.monotonic()
-    while time.monotonic() - start < timeout:
-        if proc.poll() is not None:
-            pytest.fail(f"mlflow models serve exited {proc.returncode}:\n{log.read_text()[-4000:]}")
-        try:
-            with urllib.request.urlopen(f"{url}/ping", timeout=5) as resp:
-                if resp.status == 200:
-                    return time.monotonic() - start
-        except (urllib.error.URLError, OSError):
-            pass
-        time.sleep(1)
-    pytest.fail(f"mlflow models serve not ready after {timeout} s:\n{log.read_text()[-4000:]}")
-
-
-def _post(url: str, body: object, timeout: float = 300) -> tuple[int, dict]:
-    request = urllib.request.Request(f"{url}/invocations", data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(request, timeout=timeout) as resp:
-            return resp.status, json.loads(resp.read())
-    except urllib.error.HTTPError as err:
-        return err.code, json.loads(err.read())
-
+from tests.register.http_serve import models_serve, post
 
 #: The endpoint's bad-input table: each request, the message its HTTP 400 must carry.
 BAD_REQUESTS = [
@@ -105,7 +75,7 @@ def _check_the_model_is_never_tied_up(url: str) -> None:
     assert "busy: one request generating and 1 waiting" in error["message"] and error["retry_after_s"] >= 1
     assert b == 200 and b_s < a_s + 5, f"B waited {b_s:.1f} s: the model was held after A's 504"
     start = time.monotonic()
-    assert _post(url, short)[0] == 200 and time.monotonic() - start < 5
+    assert post(url, short)[0] == 200 and time.monotonic() - start < 5
 
 
 @pytest.mark.e2e
@@ -117,24 +87,12 @@ def test_models_serve_answers_with_png_images(project: Path, tmp_path: Path) -> 
                       project / "reports/evaluate.json", project / "dvc.lock", project / "params.yaml")
     config = mlflow.models.get_model_info(result.model_uri).flavors["python_function"]["config"]
     assert config == {"budget_images": 4.0, "max_waiting": 4}, "register's defaults, logged with the model"
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    log = tmp_path / "serve.log"
-    with open(log, "wb") as sink:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "mlflow", "models", "serve", "-m", "models:/sd-test@champion",
-             "--env-manager", "local", "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
-             "--timeout", str(TIMEOUT_S)],
-            stdout=sink, stderr=subprocess.STDOUT, start_new_session=True,
-            # It execs `uvicorn` by name: this venv's bin must be on PATH (an activated venv).
-            env={**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
-                 "MLFLOW_PYFUNC_INFERENCE_CONFIG": json.dumps(SERVE_CONFIG)})
-    try:
-        ready_s = _wait_ready(url, proc, log)
+    with models_serve("models:/sd-test@champion", tmp_path / "serve.log", timeout_s=TIMEOUT_S,
+                      config=SERVE_CONFIG) as (url, ready_s):
         body = {"inputs": ["a photo of sks toy", "a red sks toy"],
                 "params": {"num_inference_steps": 2, "seed": 3}}
         start = time.monotonic()
-        status, answer = _post(url, body)
+        status, answer = post(url, body)
         assert status == 200, answer
         print(f"\nmodel v{result.version} served after {ready_s:.1f} s; "
               f"2 images in {time.monotonic() - start:.1f} s")
@@ -145,11 +103,10 @@ def test_models_serve_answers_with_png_images(project: Path, tmp_path: Path) -> 
             image = Image.open(io.BytesIO(base64.b64decode(row["image"])))
             assert image.format == "PNG" and image.size == (64, 64)
         for bad, message in BAD_REQUESTS:
-            status, answer = _post(url, bad, timeout=60)
+            status, answer = post(url, bad, timeout=60)
             assert status == 400 and message in str(answer.get("message")), (bad, status, str(answer)[:500])
-        status, answer = _post(url, {"inputs": ["a"], "params": {"num_inference_steps": 1, "seed": 9}})
+        status, answer = post(url, {"inputs": ["a"], "params": {"num_inference_steps": 1, "seed": 9}})
         assert status == 200 and answer["predictions"][0]["seed"] == 9, "still serving after bad requests"
         _check_the_model_is_never_tied_up(url)
-        assert "stopped a request at image" in log.read_text(), log.read_text()[-2000:]
-    finally:
-        stop_process_group(proc)
+        log = (tmp_path / "serve.log").read_text()
+        assert "stopped a request at image" in log, log[-2000:]

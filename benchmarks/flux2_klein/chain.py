@@ -1,0 +1,116 @@
+"""FLUX.2 [klein] 4B through the whole chain on this machine: `dvc repro`, stage by stage, then registration.
+
+    .venv/bin/python -m benchmarks.flux2_klein.build                 # once: .cache/bench/flux2-klein-4b
+    .venv/bin/python -m benchmarks.flux2_klein.chain                 # results_chain.json
+
+A clone of this repository's HEAD in `--work` gets the demo subject (data/demo/generate.py) and
+params.yaml set for the real model at a small size: `base.model` the built folder; 2 class images
+at 256 px, 4 steps; LoRA rank 16 with prior preservation on an `int8` base with `int8` Qwen3,
+gradient checkpointing, bf16, 128 Qwen3 tokens, 256 px, 3 steps, `fuse_lora: false`; the export at
+256 px with 8-bit weight compression; evaluate on one prompt, one image, 4 steps. DVC's cache links
+its files (`cache.type: hardlink`), as a team with 16 GB models sets it. Each stage runs as
+`dvc repro -s <stage>` in a process of its own, so its peak RSS is its own (the largest process of
+the stage, DVC's hashing included in the wall time). The chain stops at the first stage that fails,
+and records how (a SIGKILL from the kernel's OOM killer shows as return code -9).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import yaml
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
+STAGES = ["base", "ingest", "class_images", "train", "export", "evaluate"]
+
+#: params.yaml keys set in the clone, per section (nested dicts update the section's dicts)
+PARAMS = {
+    "ingest": {"resolution": 256},
+    "class_images": {"num_images": 2, "batch_size": 1, "resolution": 256, "num_inference_steps": 4},
+    "train": {"method": "lora", "with_prior_preservation": True, "resolution": 256, "train_batch_size": 1,
+              "max_train_steps": 3, "rank": 16, "base_model_precision": "int8", "text_encoder_precision": "int8",
+              "gradient_checkpointing": True, "mixed_precision": "bf16", "max_sequence_length": 128,
+              "fuse_lora": False, "num_validation_images": 0, "validation_steps": 0, "checkpointing_steps": 1000},
+    "export": {"height": 256, "width": 256, "compression": {"mode": "int8"}, "parity": {"num_inference_steps": 2},
+               "latency_dynamic": False},
+    "evaluate": {"max_prompts": 1, "images_per_prompt": 1, "num_inference_steps": 4,
+                 "drift": {"enabled": False}},
+}
+
+#: Runs argv and prints, last, its return code, seconds and the peak RSS of its largest process.
+_MEASURED = """import json, resource, subprocess, sys, time
+start = time.monotonic()
+rc = subprocess.run(sys.argv[1:]).returncode
+print(json.dumps({"rc": rc, "seconds": round(time.monotonic() - start, 1),
+                  "peak_rss_gb": round(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 2 ** 20, 2)}))
+"""
+
+
+def prepare(base: Path, work: Path) -> None:
+    """A clone of HEAD with the demo subject and the chain's params."""
+    shutil.rmtree(work, ignore_errors=True)
+    subprocess.run(["git", "clone", "--quiet", str(ROOT), str(work)], check=True)
+    subprocess.run([sys.executable, "data/demo/generate.py", "--out", "data/demo/subject"], cwd=work, check=True)
+    subprocess.run(["dvc", "config", "cache.type", "hardlink"], cwd=work, check=True)
+    params = yaml.safe_load((work / "params.yaml").read_text())
+    params["base"]["model"] = str(base)
+    for section, keys in PARAMS.items():
+        for key, value in keys.items():
+            if isinstance(value, dict):
+                params[section][key].update(value)
+            else:
+                params[section][key] = value
+    (work / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+
+
+def measured(argv: list[str], work: Path, log: Path) -> dict:
+    """`argv` in `work` under the measuring wrapper; its output goes to `log`."""
+    env = {**os.environ, "MLFLOW_TRACKING_URI": f"sqlite:///{work / 'mlflow.db'}"}
+    with open(log, "w") as sink:
+        proc = subprocess.run([sys.executable, "-c", _MEASURED, *argv], cwd=work, env=env, stdout=subprocess.PIPE,
+                              stderr=sink, text=True)
+    lines = proc.stdout.strip().splitlines()
+    (log.with_suffix(".out")).write_text("\n".join(lines[:-1]))
+    return json.loads(lines[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--base", type=Path, default=ROOT / ".cache/bench/flux2-klein-4b")
+    parser.add_argument("--work", type=Path, default=ROOT / ".cache/bench/flux2-klein-chain")
+    parser.add_argument("--results", type=Path, default=HERE / "results_chain.json")
+    args = parser.parse_args()
+    os.environ["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"  # this venv's dvc
+    if not (args.base / "model_index.json").is_file():
+        raise SystemExit(f"{args.base} is missing: run `.venv/bin/python -m benchmarks.flux2_klein.build`")
+    prepare(args.base.resolve(), args.work)
+    rows = []
+    for stage in [*STAGES, "register"]:
+        argv = ["dvc", "repro", "-s", stage] if stage != "register" else [
+            sys.executable, "-m", "tasks.register", "--finetuned", "models/finetuned", "--openvino", "models/openvino",
+            "--evaluation", "reports/evaluate.json", "--base", "models/base"]
+        row = {"stage": stage, **measured(argv, args.work, args.work / f"{stage}.log")}
+        report = args.work / "reports" / f"{stage}.json"
+        if stage == "train" and report.is_file():
+            row["peak_rss_mb_by_phase"] = json.loads(report.read_text()).get("peak_rss_mb_by_phase")
+        if row["rc"] != 0:
+            row["error"] = (args.work / f"{stage}.log").read_text()[-2000:]
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+        if row["rc"] != 0:
+            break
+    result = {"date": time.strftime("%Y-%m-%d"), "commit": subprocess.run(
+        ["git", "rev-parse", "HEAD"], cwd=args.work, capture_output=True, text=True).stdout.strip(),
+              "params": PARAMS, "stages": rows}
+    args.results.write_text(json.dumps(result, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
