@@ -11,7 +11,9 @@ gradient checkpointing, bf16, 128 Qwen3 tokens, 256 px, 3 steps, `fuse_lora: fal
 its files (`cache.type: hardlink`), as a team with 16 GB models sets it. Each stage runs as
 `dvc repro -s <stage>` in a process of its own, so its peak RSS is its own (the largest process of
 the stage, DVC's hashing included in the wall time). The chain stops at the first stage that fails,
-and records how (a SIGKILL from the kernel's OOM killer shows as return code -9).
+and records how. A stage that needs more memory than the machine has is stopped when less than
+`--floor-gb` stays available (past that it pages its weights in and out for as long as it runs, and
+the machine with it): return code -9, with its process tree's resident size sampled until then.
 """
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ import argparse
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -70,15 +73,50 @@ def prepare(base: Path, work: Path) -> None:
     (work / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
 
 
-def measured(argv: list[str], work: Path, log: Path) -> dict:
-    """`argv` in `work` under the measuring wrapper; its output goes to `log`."""
+def _tree_rss(pid: int) -> int:
+    """Bytes resident in process `pid` and all its descendants now."""
+    import psutil
+
+    try:
+        root = psutil.Process(pid)
+        procs = [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return 0
+    total = 0
+    for proc in procs:
+        try:
+            total += proc.memory_info().rss
+        except psutil.NoSuchProcess:
+            pass
+    return total
+
+
+def measured(argv: list[str], work: Path, log: Path, floor_gb: float) -> dict:
+    """`argv` in `work` under the measuring wrapper, its output to `log`. Stopped (SIGKILL to its
+    process group) when the machine's available memory falls under `floor_gb`: past that point a
+    stage does not fail, it pages its weights in and out for as long as it runs."""
+    import psutil
+
     env = {**os.environ, "MLFLOW_TRACKING_URI": f"sqlite:///{work / 'mlflow.db'}"}
+    start, tree_peak, stopped = time.monotonic(), 0, None
     with open(log, "w") as sink:
-        proc = subprocess.run([sys.executable, "-c", _MEASURED, *argv], cwd=work, env=env, stdout=subprocess.PIPE,
-                              stderr=sink, text=True)
-    lines = proc.stdout.strip().splitlines()
-    (log.with_suffix(".out")).write_text("\n".join(lines[:-1]))
-    return json.loads(lines[-1])
+        proc = subprocess.Popen([sys.executable, "-c", _MEASURED, *argv], cwd=work, env=env, stdout=subprocess.PIPE,
+                                stderr=sink, text=True, start_new_session=True)
+        while proc.poll() is None:
+            tree_peak = max(tree_peak, _tree_rss(proc.pid))
+            if (available := psutil.virtual_memory().available) < floor_gb * 2 ** 30:
+                stopped = round(available / 2 ** 30, 2)
+                os.killpg(proc.pid, signal.SIGKILL)
+                break
+            time.sleep(0.5)
+        out = proc.communicate()[0]
+    sampled = {"tree_rss_peak_gb_sampled": round(tree_peak / 2 ** 30, 2)}
+    if stopped is not None:
+        return {"rc": -9, "seconds": round(time.monotonic() - start, 1), "stopped_at_available_gb": stopped,
+                **sampled}
+    lines = out.strip().splitlines()
+    log.with_suffix(".out").write_text("\n".join(lines[:-1]))
+    return {**json.loads(lines[-1]), **sampled}
 
 
 def main() -> None:
@@ -86,6 +124,7 @@ def main() -> None:
     parser.add_argument("--base", type=Path, default=ROOT / ".cache/bench/flux2-klein-4b")
     parser.add_argument("--work", type=Path, default=ROOT / ".cache/bench/flux2-klein-chain")
     parser.add_argument("--results", type=Path, default=HERE / "results_chain.json")
+    parser.add_argument("--floor-gb", type=float, default=0.8, help="stop a stage when less memory is available")
     args = parser.parse_args()
     os.environ["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"  # this venv's dvc
     if not (args.base / "model_index.json").is_file():
@@ -96,7 +135,7 @@ def main() -> None:
         argv = ["dvc", "repro", "-s", stage] if stage != "register" else [
             sys.executable, "-m", "tasks.register", "--finetuned", "models/finetuned", "--openvino", "models/openvino",
             "--evaluation", "reports/evaluate.json", "--base", "models/base"]
-        row = {"stage": stage, **measured(argv, args.work, args.work / f"{stage}.log")}
+        row = {"stage": stage, **measured(argv, args.work, args.work / f"{stage}.log", args.floor_gb)}
         report = args.work / "reports" / f"{stage}.json"
         if stage == "train" and report.is_file():
             row["peak_rss_mb_by_phase"] = json.loads(report.read_text()).get("peak_rss_mb_by_phase")

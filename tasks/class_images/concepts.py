@@ -36,12 +36,12 @@ def concept_config(cfg: ClassImagesConfig, k: int) -> ClassImagesConfig:
 class _LazyPipeline:
     """The base pipeline, loaded at the first image a rank has to make (then shared by every concept)."""
 
-    def __init__(self, base: Path, device: Any, pipe: Any = None) -> None:
-        self.base, self.device, self.pipe = base, device, pipe
+    def __init__(self, base: Path, device: Any, pipe: Any = None, precision: str = "auto") -> None:
+        self.base, self.device, self.pipe, self.precision = base, device, pipe, precision
 
     def __call__(self, **kwargs: Any) -> Any:
         if self.pipe is None:
-            self.pipe = load_pipeline(self.base, self.device)
+            self.pipe = load_pipeline(self.base, self.device, self.precision)
         return self.pipe(**kwargs)
 
 
@@ -55,7 +55,7 @@ def run_all(cfg: ClassImagesConfig, base: Path, out_dir: Path, pipe: Any = None,
     barrier()
     if not cfg.concepts:
         return run(cfg, base, out_dir, pipe, rank, world_size, barrier, device)
-    lazy = _LazyPipeline(Path(base), device, pipe)
+    lazy = _LazyPipeline(Path(base), device, pipe, cfg.precision)
     per_concept = {c.name: run(concept_config(cfg, k), base, out_dir / c.name, lazy, rank, world_size, barrier, device)
                    for k, c in enumerate(cfg.concepts)}
     parts = list(per_concept.values())

@@ -32,6 +32,12 @@ class ClassImagesConfig(StageConfig):
     guidance_scale: float = Field(7.5, ge=0.0, le=50.0, description="classifier-free guidance scale")
     negative_prompt: str | None = Field(None, description="optional negative prompt")
     seed: int = Field(0, ge=0, description="image i is drawn from a generator seeded with seed + i")
+    precision: Literal["auto", "fp32", "bf16", "fp16"] = Field(
+        "auto", description="the generating pipeline's weights and compute (diffusers' --prior_generation_precision); "
+                            "auto: fp16 on CUDA, else the dtype the base's denoiser is stored in, fp16 read as bf16 "
+                            "(bf16 releases such as FLUX and SD3.5 then take half the memory of fp32; SD 1.x and "
+                            "the built-in models stay fp32)",
+    )
     launcher: Literal[LAUNCHERS] = Field(  # type: ignore[valid-type]
         "local", description="local | accelerate | mpirun | xla: each rank generates its share of the images"
     )

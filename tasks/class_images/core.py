@@ -40,8 +40,9 @@ def image_name(index: int) -> str:
 
 
 def generation_key(cfg: ClassImagesConfig, base_fingerprint: str) -> dict[str, Any]:
-    """Everything that changes the pixels of image i (not num_images, not batch_size)."""
-    return {
+    """Everything that changes the pixels of image i (not num_images, not batch_size). An explicit
+    precision other than fp32 is part of it (fp32 and auto keep the keys folders already hold)."""
+    key = {
         "prompt": cfg.prompt,
         "negative_prompt": cfg.negative_prompt,
         "resolution": cfg.resolution,
@@ -50,6 +51,7 @@ def generation_key(cfg: ClassImagesConfig, base_fingerprint: str) -> dict[str, A
         "seed": cfg.seed,
         "base_fingerprint": base_fingerprint,
     }
+    return key if cfg.precision in ("auto", "fp32") else {**key, "precision": cfg.precision}
 
 
 @dataclass
@@ -125,8 +127,24 @@ def shard(indices: Sequence[int], rank: int, world_size: int) -> list[int]:
     return list(indices[rank::world_size])
 
 
-def load_pipeline(base: Path, device: Any = None) -> Any:
-    """The base model as a diffusers pipeline (SD or SDXL), safety checker off, on the best device.
+def pipeline_dtype(base: Path, device: Any, precision: str = "auto") -> Any:
+    """The torch dtype `precision` (class_images.precision) means for this base on `device`."""
+    import torch
+
+    from tasks.common.weights_load import stored_dtype
+
+    if precision != "auto":
+        return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+    if torch.device(device).type == "cuda":
+        return torch.float16
+    family = families.from_index(families.read_index(base), str(base))
+    stored = stored_dtype(Path(base) / family.denoiser_name)
+    return torch.bfloat16 if stored in (torch.bfloat16, torch.float16) else torch.float32
+
+
+def load_pipeline(base: Path, device: Any = None, precision: str = "auto") -> Any:
+    """The base model as a diffusers pipeline (any family), safety checker off, on the best device,
+    in `precision` (class_images.precision: `pipeline_dtype`).
 
     The safety checker is turned off as in diffusers' DreamBooth example: it would replace some
     class images by black squares, which the prior loss would then learn.
@@ -139,7 +157,8 @@ def load_pipeline(base: Path, device: Any = None) -> Any:
     if "safety_checker" in index:
         extra = {"safety_checker": None, "requires_safety_checker": False}
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    dtype = torch.float16 if device.type == "cuda" else torch.float32
+    dtype = pipeline_dtype(base, device, precision)
+    log.info("class images: the base pipeline in %s on %s", str(dtype).removeprefix("torch."), device)
     pipe = DiffusionPipeline.from_pretrained(base, torch_dtype=dtype, **extra).to(device)
     pipe.set_progress_bar_config(disable=True)
     return pipe
@@ -256,7 +275,7 @@ def run(cfg: ClassImagesConfig, base: Path, out_dir: Path, pipe: Any = None, ran
     log.info("class images: %d to generate (%d by rank %d of %d), %d reused in %s", len(todo.missing), len(mine),
              rank, world_size, len(todo.reused), out_dir)
     if mine:
-        pipe = pipe if pipe is not None else load_pipeline(base, device)
+        pipe = pipe if pipe is not None else load_pipeline(base, device, cfg.precision)
         generate(pipe, cfg, mine, out_dir)
     barrier()
     if rank == 0:

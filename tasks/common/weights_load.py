@@ -128,6 +128,20 @@ def _load_chunk(model: torch.nn.Module, path: Path, names: list[str], dtype: tor
             set_module_tensor_to_device(model, name, "cpu", value=value, dtype=target)
 
 
+def stored_dtype(folder: Path, stem: str = "diffusion_pytorch_model") -> torch.dtype | None:
+    """The floating-point dtype a model folder's weights are stored in (its first floating tensor's,
+    read from the safetensors header), or None when it has no safetensors weights."""
+    from safetensors import safe_open
+
+    floats = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
+    for path in _safetensors_files(Path(folder), stem):
+        with safe_open(path, "pt") as fh:
+            for name in list(fh.keys()):  # safe_open is not iterable
+                if (dtype := fh.get_slice(name).get_dtype()) in floats:
+                    return floats[dtype]
+    return None
+
+
 def _safetensors_files(folder: Path, stem: str) -> list[Path]:
     """The model's weight files as from_pretrained reads them (one file, or the shards of an index)."""
     single = folder / f"{stem}.safetensors"

@@ -170,3 +170,30 @@ def test_cli_bad_base_is_a_clean_error(tmp_path: Path) -> None:
     )
     assert done.returncode == 2 and "run the `base` stage" in done.stderr and "Traceback" not in done.stderr
     assert not (tmp_path / "r.json").exists()
+
+
+def test_precision_follows_the_stored_weights_and_is_part_of_the_key(tmp_path: Path, tiny_sd: Path) -> None:
+    """auto: a base stored in fp32 (SD 1.x, the tiny models) generates in fp32, one stored in bf16
+    (FLUX, SD3.5 releases) in bf16, half the memory; an explicit bf16 changes the images' key."""
+    import shutil
+
+    import torch
+    from diffusers import UNet2DConditionModel
+
+    from tasks.class_images.core import generation_key, load_pipeline, pipeline_dtype
+
+    assert pipeline_dtype(tiny_sd, "cpu") == torch.float32
+    assert pipeline_dtype(tiny_sd, "cpu", "bf16") == torch.bfloat16
+    assert pipeline_dtype(tiny_sd, "cuda") == torch.float16  # decided from the device alone: no GPU needed
+    stored_bf16 = tmp_path / "bf16-base"
+    shutil.copytree(tiny_sd, stored_bf16)
+    unet = UNet2DConditionModel.from_pretrained(tiny_sd / "unet")
+    shutil.rmtree(stored_bf16 / "unet")
+    unet.to(torch.bfloat16).save_pretrained(stored_bf16 / "unet")
+    assert pipeline_dtype(stored_bf16, "cpu") == torch.bfloat16
+    pipe = load_pipeline(stored_bf16, "cpu")
+    assert pipe.unet.dtype == torch.bfloat16 and pipe.text_encoder.dtype == torch.bfloat16
+    summary = run(cfg(num_images=1), stored_bf16, tmp_path / "cls", pipe=pipe)
+    assert summary.generated == 1 and pixels(tmp_path / "cls" / "00000.png").shape == (64, 64, 3)
+    assert generation_key(cfg(precision="auto"), "f") == generation_key(cfg(precision="fp32"), "f")
+    assert generation_key(cfg(precision="bf16"), "f") == {**generation_key(cfg(), "f"), "precision": "bf16"}
