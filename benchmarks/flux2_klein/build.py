@@ -56,11 +56,8 @@ def build_klein_4b(out: Path, seed: int = 0) -> dict[str, int]:
     for i, (name, build) in enumerate(parts.items(), 1):
         library, cls, params[name] = _save(name, build, out, seed + i)
         index[name] = [library, cls]
-    params = finish(out, index, {"tokenizer": tokenizer}, flow_scheduler(shift=3.0, dynamic=True), params)
-    for extra in ("image_encoder", "feature_extractor"):  # SD3's optional parts, which klein has not
-        index.pop(extra)
-    (out / "model_index.json").write_text(json.dumps(index, indent=2))
-    return params
+    return finish(out, index, {"tokenizer": tokenizer}, flow_scheduler(shift=3.0, dynamic=True), params,
+                  unused=())  # klein has no IP-Adapter parts
 
 
 def main() -> None:

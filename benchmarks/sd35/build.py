@@ -111,14 +111,15 @@ def build_sd35_medium(out: Path, seed: int = 0, transformer_layers: int | None =
 
 
 def finish(out: Path, index: dict[str, Any], tokenizers: dict[str, Any], scheduler: Any,
-           params: dict[str, int]) -> dict[str, int]:
-    """Write the tokenizers, the scheduler, model_index.json and parameters.json; returns `params`."""
+           params: dict[str, int], unused: tuple[str, ...] = ("image_encoder", "feature_extractor")) -> dict[str, int]:
+    """Write the tokenizers, the scheduler, model_index.json and parameters.json; returns `params`.
+    `unused`: the pipeline's optional parts, recorded as absent (SD3's and FLUX.1's IP-Adapter parts)."""
     for name, tokenizer in tokenizers.items():
         tokenizer.save_pretrained(out / name)
         index[name] = ["transformers", type(tokenizer).__name__]
     scheduler.save_pretrained(out / "scheduler")
     index["scheduler"] = ["diffusers", type(scheduler).__name__]
-    index.update(image_encoder=[None, None], feature_extractor=[None, None])
+    index.update(dict.fromkeys(unused, [None, None]))
     (out / "model_index.json").write_text(json.dumps(index, indent=2))
     (out / "parameters.json").write_text(json.dumps(params, indent=2))
     return params
