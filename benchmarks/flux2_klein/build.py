@@ -10,9 +10,9 @@ downloaded; the tokenizer is the project's locally learned Qwen byte-level BPE (
 of the embedding's 151,936 rows, so the encoder's size is the real one).
 
 The transformer is written tensor by tensor in 2 GB shards (benchmarks/flux_dev/build.py), Qwen3-4B
-is built as a module in bf16 (8.2 GB resident while it is saved).
+is built as a module in bf16 (7.5 GiB resident while it is saved).
 
-    .venv/bin/python -m benchmarks.flux2_klein.build --out .cache/bench/flux2-klein-4b    # 15.6 GB on disk
+    .venv/bin/python -m benchmarks.flux2_klein.build --out .cache/bench/flux2-klein-4b    # 15 GB (GiB) on disk
 """
 from __future__ import annotations
 

@@ -3,7 +3,7 @@
     .venv/bin/python -m benchmarks.flux_dev.build                                  # once: 32 GB folder
     .venv/bin/python -m benchmarks.flux_dev.train --precision int8 --steps 5       # appends to results.json
     .venv/bin/python -m benchmarks.flux_dev.train --table
-    .venv/bin/python -m benchmarks.flux2_klein.build                               # once: 15.6 GB folder
+    .venv/bin/python -m benchmarks.flux2_klein.build                               # once: 15 GB (GiB) folder
     .venv/bin/python -m benchmarks.flux_dev.train --model flux.2-klein-4b --precision int8 --text-precision int8
 
 One process runs `python -m tasks.train` (the DVC stage's command) on 4 images of 512 px trained at
@@ -13,7 +13,7 @@ cached, `fuse_lora: false` (the adapters and the pinned base reference are the o
 `--text-precision`: the text encoders quantized as they load for the text cache. The step
 timer (benchmarks/steptimer.py) gives s/step after the warm-up and the peak RSS at the last step and
 at exit; the memory log (`flux-memory.log` in the work folder) has the RSS at every log record, so
-each phase's peak is in it. Afterwards the saved LoRA file is loaded into a FLUX.1-dev transformer
+each phase's peak is in it. Afterwards the saved LoRA file is loaded into the model's transformer
 (its base weights allocated, never written, so they take no memory) with diffusers' own loader,
 and its tensors compared with the file's. Results go to the model's own folder
 (benchmarks/flux_dev/results.json, benchmarks/flux2_klein/results.json).
