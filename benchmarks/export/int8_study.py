@@ -152,6 +152,7 @@ def pytorch_reference(pytorch: Path, work: Path, size: int, steps: int) -> dict[
     import torch
     from diffusers import StableDiffusionPipeline
 
+    from tasks.common import pipeline_call
     from tasks.common.openvino_model import StaticShape
     from tasks.export.config import ParityConfig
     from tasks.export.parity import pytorch_call
@@ -162,7 +163,7 @@ def pytorch_reference(pytorch: Path, work: Path, size: int, steps: int) -> dict[
     pipe.unet.register_forward_hook(lambda *a: times.append(times.pop() + time.perf_counter()))
     cfg = ParityConfig(prompt=IMAGE_PROMPT, num_inference_steps=steps, min_psnr_db=None)
     run = pytorch_call(pipe, StaticShape(1, size, size, 1), cfg)
-    ref = {"latents": run.latents, "kwargs": run.kwargs, "images": run.images,
+    ref = {"latents": run.latents, "kwargs": pipeline_call.call_arguments(**run.call), "images": run.images,
            "eager_unet_s": sorted(times)[len(times) // 2], "eager_pipeline_s": run.seconds}
     cache.write_bytes(pickle.dumps(ref))
     return ref

@@ -2,6 +2,7 @@ from __future__ import annotations
 
 from pydantic import Field, field_validator
 
+from tasks.common import families
 from tasks.common.config import StageConfig
 
 
@@ -10,8 +11,7 @@ class BaseConfig(StageConfig):
 
     model: str = Field(
         "builtin:tiny-sd",
-        description="builtin:tiny-sd | builtin:tiny-sdxl | builtin:tiny-sd3 | builtin:tiny-flux | builtin:tiny-flux2 "
-                    "| a hub id (org/name) | a local diffusers folder",
+        description=f"{' | '.join(families.BUILTINS)} | a hub id (org/name) | a local diffusers folder",
     )
     revision: str | None = Field(None, description="pinned commit of a hub model (required for hub ids)")
     seed: int = Field(0, ge=0, description="seed of the built-in models' weights")

@@ -39,10 +39,18 @@ class _LazyPipeline:
     def __init__(self, base: Path, device: Any, pipe: Any = None, precision: str = "auto") -> None:
         self.base, self.device, self.pipe, self.precision = base, device, pipe, precision
 
-    def __call__(self, **kwargs: Any) -> Any:
+    def loaded(self) -> Any:
         if self.pipe is None:
             self.pipe = load_pipeline(self.base, self.device, self.precision)
-        return self.pipe(**kwargs)
+        return self.pipe
+
+    @property
+    def config(self) -> Any:
+        """The pipeline's config (what families.of_pipeline reads), loading it if need be."""
+        return self.loaded().config
+
+    def __call__(self, **kwargs: Any) -> Any:
+        return self.loaded()(**kwargs)
 
 
 def run_all(cfg: ClassImagesConfig, base: Path, out_dir: Path, pipe: Any = None, rank: int = 0, world_size: int = 1,

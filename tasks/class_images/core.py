@@ -175,23 +175,16 @@ def generate(pipe: Any, cfg: ClassImagesConfig, indices: Sequence[int], out_dir:
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
+    family = families.of_pipeline(pipe)
     written: list[Path] = []
     with tqdm(total=len(indices), desc="class images", unit="img", disable=None) as bar:
         for batch in _batches(indices, cfg.batch_size):
             # CPU generators: the initial noise is the same on every device (diffusers moves it).
             generators = [torch.Generator("cpu").manual_seed(cfg.seed + i) for i in batch]
-            kwargs: dict[str, Any] = {}
-            if cfg.negative_prompt:
-                kwargs["negative_prompt"] = [cfg.negative_prompt] * len(batch)
-            images = pipe(
-                prompt=[cfg.prompt] * len(batch),
-                height=cfg.resolution,
-                width=cfg.resolution,
-                num_inference_steps=cfg.num_inference_steps,
-                guidance_scale=cfg.guidance_scale,
-                generator=generators,
-                **kwargs,
-            ).images
+            images = family.generate(
+                pipe, [cfg.prompt] * len(batch), height=cfg.resolution, width=cfg.resolution,
+                steps=cfg.num_inference_steps, guidance=cfg.guidance_scale, generator=generators,
+                negative=[cfg.negative_prompt] * len(batch) if cfg.negative_prompt else None)
             for index, image in zip(batch, images):
                 path = out_dir / image_name(index)
                 with atomic_file(path) as tmp:

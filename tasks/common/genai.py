@@ -128,12 +128,19 @@ def generate(pipe: Any, prompt: str, shape: StaticShape, steps: int, guidance_sc
     `torch.randn(shape, generator=torch.Generator().manual_seed(seed))` draws: a diffusers call
     with that generator starts from the same latents.
     """
+    data = genai_call(pipe, prompt, shape, steps, guidance_scale, genai.TorchGenerator(seed), adapters)
+    return data.astype(np.float32) / 255.0
+
+
+def genai_call(pipe: Any, prompt: str, shape: StaticShape, steps: int, guidance_scale: float, generator: Any,
+               adapters: list[tuple[Any, float]]) -> np.ndarray:
+    """The one call of GenAI's Text2ImagePipeline here: uint8 images (N, H, W, 3) at `shape`."""
     result = pipe.generate(
         prompt, width=shape.width, height=shape.height, num_inference_steps=steps,
         guidance_scale=guidance_scale, num_images_per_prompt=shape.num_images_per_prompt,
-        generator=genai.TorchGenerator(seed), adapters=adapter_config(adapters),
+        generator=generator, adapters=adapter_config(adapters),
     )
-    return np.asarray(result.data, dtype=np.float32) / 255.0
+    return np.asarray(result.data)
 
 
 class _Latents(genai.Generator):
@@ -191,12 +198,8 @@ class GenAIRunner:
         rows = np.asarray(latents, dtype=np.float32)
         out = []
         for i, text in enumerate(prompt):
-            result = self.pipe.generate(
-                text, width=self.shape.width, height=self.shape.height,
-                num_inference_steps=num_inference_steps, guidance_scale=guidance_scale,
-                num_images_per_prompt=per, generator=_Latents(rows[i * per:(i + 1) * per]),
-                adapters=adapter_config(self.adapters))
-            out.append(np.asarray(result.data))
+            out.append(genai_call(self.pipe, text, self.shape, num_inference_steps, guidance_scale,
+                                  _Latents(rows[i * per:(i + 1) * per]), self.adapters))
         images = np.concatenate(out)
         if output_type == "pil":
             return SimpleNamespace(images=[Image.fromarray(im) for im in images])

@@ -78,21 +78,16 @@ def generate(
     `shape` is the call shape (a static export's, or any shape for a dynamic/PyTorch pipeline).
     """
     pipe.set_progress_bar_config(disable=True)
+    family = families.of_pipeline(pipe)
     units = plan(prompts, images_per_prompt, seed, shape.num_images_per_prompt)
     images: list[list[Any]] = [[] for _ in prompts]
     start = time.perf_counter()
     for chunk, real in tqdm(batches(units, shape.batch_size), desc=desc, unit="call", disable=None):
         seeds = [s for unit in chunk for s in unit.seeds]
-        out = pipe(
-            prompt=[unit.prompt for unit in chunk],
-            num_images_per_prompt=shape.num_images_per_prompt,
-            latents=initial_latents(seeds, pipe, shape.height, shape.width),
-            height=shape.height,
-            width=shape.width,
-            num_inference_steps=num_inference_steps,
-            guidance_scale=guidance_scale,
-            output_type="pil",
-        ).images
+        out = family.generate(
+            pipe, [unit.prompt for unit in chunk], images_per_prompt=shape.num_images_per_prompt,
+            latents=initial_latents(seeds, pipe, shape.height, shape.width), height=shape.height,
+            width=shape.width, steps=num_inference_steps, guidance=guidance_scale, output_type="pil")
         per = shape.num_images_per_prompt
         for u, unit in enumerate(chunk[:real]):
             images[unit.prompt_index].extend(out[u * per : u * per + unit.keep])

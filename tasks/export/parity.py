@@ -33,7 +33,7 @@ class Reference:
     """What the parity run used and produced, so other variants can be run and compared alike."""
 
     latents: Any  # torch.Tensor: the shared initial latents
-    kwargs: dict[str, Any]  # the pipeline call's arguments (prompt, size, steps, guidance)
+    call: dict[str, Any]  # ModelFamily.generate's arguments (prompts, size, steps, guidance)
     pytorch_images: np.ndarray
     openvino_images: np.ndarray  # fp32, static shapes
 
@@ -55,7 +55,7 @@ class PyTorchRun:
     loaded so that the two pipelines are never in memory together (SD 1.5: 4.3 GB + 8 GB)."""
 
     latents: Any  # torch.Tensor: the shared initial latents
-    kwargs: dict[str, Any]
+    call: dict[str, Any]
     images: np.ndarray
     step1_latents: np.ndarray
     seconds: float
@@ -78,21 +78,14 @@ def pytorch_call(pt_pipe: Any, shape: StaticShape, cfg: ParityConfig) -> PyTorch
     family = families.of_pipeline(pt_pipe)
     size = (shape.images_per_call, *family.latent_shape(pt_pipe, shape.height, shape.width))
     latents = torch.randn(size, generator=generator)
-    kwargs = dict(
-        prompt=[cfg.prompt] * shape.batch_size,
-        num_images_per_prompt=shape.num_images_per_prompt,
-        height=shape.height,
-        width=shape.width,
-        num_inference_steps=cfg.num_inference_steps,
-        guidance_scale=cfg.guidance_scale,
-        output_type="np",
-    )
+    call = dict(prompts=[cfg.prompt] * shape.batch_size, images_per_prompt=shape.num_images_per_prompt,
+                height=shape.height, width=shape.width, steps=cfg.num_inference_steps,
+                guidance=cfg.guidance_scale, output_type="np")
     step: list[np.ndarray] = []
     log.info("parity: %d steps through PyTorch", cfg.num_inference_steps)
     start = time.perf_counter()
-    images = pt_pipe(latents=latents.clone(), callback_on_step_end=_step_capture(step),
-                     **kwargs).images
-    return PyTorchRun(latents, kwargs, images, step[0], time.perf_counter() - start)
+    images = family.generate(pt_pipe, latents=latents.clone(), callback=_step_capture(step), **call)
+    return PyTorchRun(latents, call, images, step[0], time.perf_counter() - start)
 
 
 def run_parity(
@@ -108,12 +101,11 @@ def run_parity(
     ov_step: list[np.ndarray] = []
     log.info("parity: %d steps through OpenVINO", cfg.num_inference_steps)
     start = time.perf_counter()
-    ov_images = ov_pipe(
-        latents=pt.latents.clone(), callback_on_step_end=_step_capture(ov_step), **pt.kwargs
-    ).images
+    family = families.of_pipeline(ov_pipe)
+    ov_images = family.generate(ov_pipe, latents=pt.latents.clone(), callback=_step_capture(ov_step), **pt.call)
     ov_first_s = time.perf_counter() - start
     start = time.perf_counter()
-    ov_pipe(latents=pt.latents.clone(), **pt.kwargs)
+    family.generate(ov_pipe, latents=pt.latents.clone(), **pt.call)
     ov_s = time.perf_counter() - start
     ov_pipe.set_progress_bar_config(disable=False)
     pt_images = pt.images
@@ -128,7 +120,7 @@ def run_parity(
     }
     log.info("parity: PSNR %.1f dB (%s); latency of one call: PyTorch %.2f s, OpenVINO %.2f s",
              parity["image_psnr_db"], "ok" if parity["passed"] else "FAILED", pt.seconds, ov_s)
-    return parity, latency, Reference(pt.latents, pt.kwargs, pt_images, ov_images)
+    return parity, latency, Reference(pt.latents, pt.call, pt_images, ov_images)
 
 
 def parity_section(pt_images: np.ndarray, ov_images: np.ndarray, cfg: ParityConfig) -> dict[str, Any]:

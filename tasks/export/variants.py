@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from tasks.common import families
 from tasks.common.openvino_model import compiled_precisions, load_ov_pipeline
 from tasks.common.psnr import psnr_db
 from tasks.export.parity import Reference
@@ -26,9 +27,10 @@ log = logging.getLogger(__name__)
 def timed_call(pipe: Any, ref: Reference) -> tuple[float, np.ndarray]:
     """(seconds of the second call, images) of `pipe` on the reference call."""
     pipe.set_progress_bar_config(disable=True)
-    images = pipe(latents=ref.latents.clone(), **ref.kwargs).images
+    family = families.of_pipeline(pipe)
+    images = family.generate(pipe, latents=ref.latents.clone(), **ref.call)
     start = time.perf_counter()
-    pipe(latents=ref.latents.clone(), **ref.kwargs)
+    family.generate(pipe, latents=ref.latents.clone(), **ref.call)
     seconds = time.perf_counter() - start
     pipe.set_progress_bar_config(disable=False)
     return seconds, images

@@ -129,6 +129,14 @@ def model_artifacts(finetuned: Path, openvino: Path, base: Path | None) -> dict[
     return {**artifacts, "base": str(base)}
 
 
+def call_convention(artifacts: dict[str, str]) -> dict[str, Any]:
+    """The family's pipeline-call convention (ModelFamily.call_convention) of the pipeline folder
+    among `artifacts` (the fine-tune, or the base its adapters apply to)."""
+    folders = [Path(artifacts[k]) for k in ("finetuned", "base") if k in artifacts]
+    folder = next((f for f in folders if (f / "model_index.json").is_file()), folders[0])
+    return families.detect(folder).call_convention()
+
+
 def log_model(run_id: str, artifacts: dict[str, str], serving: dict[str, Any] | None,
               tags: dict[str, str], name: str = "model", hub: HubBase | None = None) -> Any:
     """Log the pyfunc (pyfunc_model.py with `artifacts`, serving_limits.py and genai_serving.py beside it) into run
@@ -147,7 +155,8 @@ def log_model(run_id: str, artifacts: dict[str, str], serving: dict[str, Any] | 
         artifacts=artifacts,
         signature=signature(),
         pip_requirements=pip_requirements(),
-        model_config=serving_config(serving),  # every key logged: MLflow overrides only logged keys
+        # every key logged (MLflow overrides only logged keys); the family's call convention beside the limits
+        model_config={**serving_config(serving), "pipeline_call": call_convention(artifacts)},
         metadata={"lineage": tags},
     )
 

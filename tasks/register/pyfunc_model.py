@@ -31,8 +31,10 @@ import mlflow
 import pandas as pd
 
 try:  # logged beside this file as the model's code (MLflow `code_paths`)
+    import pipeline_call
     import serving_limits as limits
 except ImportError:  # this file imported from the repository (tests, the register stage)
+    from tasks.common import pipeline_call
     from tasks.register import serving_limits as limits
 
 log = logging.getLogger("sd_pyfunc")
@@ -157,6 +159,8 @@ class DiffusionImageModel(mlflow.pyfunc.PythonModel):
     def serve(self, pipe: Any, backend: str, model_config: dict[str, Any] | None) -> None:
         """Serve `pipe` with the limits of `model_config` (SERVING_DEFAULTS where it says nothing)."""
         config = limits.serving_config(model_config)
+        # the family's call convention (ModelFamily.call_convention), recorded at registration
+        self.convention = dict((model_config or {}).get("pipeline_call") or {})
         self.pipe, self.backend = pipe, backend
         self.pipe.set_progress_bar_config(disable=True)
         (height, width), static = model_size(pipe)
@@ -209,16 +213,11 @@ class DiffusionImageModel(mlflow.pyfunc.PythonModel):
 
         if deadline is not None and time.monotonic() > deadline:
             raise limits.PastDeadline("before its first step")
-        image = self.pipe(
-            **settings["adapters"],
-            prompt=prompt,  # by name: FLUX.2 klein's first positional argument is an input image
-            num_inference_steps=settings["num_inference_steps"],
-            guidance_scale=settings["guidance_scale"],
-            height=settings["height"],
-            width=settings["width"],
-            generator=torch.Generator("cpu").manual_seed(seed),
-            callback_on_step_end=None if deadline is None else limits.stop_at(deadline),
-        ).images[0]
+        image = pipeline_call.generate(
+            self.pipe, prompt, steps=settings["num_inference_steps"], guidance=settings["guidance_scale"],
+            height=settings["height"], width=settings["width"], generator=torch.Generator("cpu").manual_seed(seed),
+            callback=None if deadline is None else limits.stop_at(deadline), extra=settings["adapters"],
+            **self.convention)[0]
         return {"prompt": prompt, "seed": seed, "image": to_png_base64(image)}
 
 

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from PIL import Image
 
+from tasks.common import families
 from tasks.train.config import TrainConfig
 from tasks.train.loop import Validate
 from tasks.train.methods.base import TrainingMethod
@@ -29,6 +30,7 @@ def generate(pipe: Any, prompts: list[str], cfg: TrainConfig, autocast: Any = No
     if cfg.num_validation_images <= 0 or not prompts:
         return {}
     pipe.set_progress_bar_config(disable=True)
+    family = families.of_pipeline(pipe)
     device = pipe.device
     out: dict[str, list[Image.Image]] = {}
     devices = [device] if device.type == "cuda" else []
@@ -36,10 +38,9 @@ def generate(pipe: Any, prompts: list[str], cfg: TrainConfig, autocast: Any = No
         for prompt in prompts:
             generators = [torch.Generator("cpu").manual_seed(cfg.seed + i) for i in range(cfg.num_validation_images)]
             with autocast() if autocast is not None else nullcontext():
-                out[prompt] = pipe(
-                    prompt=[prompt] * cfg.num_validation_images, height=cfg.resolution, width=cfg.resolution,
-                    num_inference_steps=cfg.validation_inference_steps, generator=generators,
-                ).images
+                out[prompt] = family.generate(
+                    pipe, [prompt] * cfg.num_validation_images, height=cfg.resolution, width=cfg.resolution,
+                    steps=cfg.validation_inference_steps, generator=generators)
     return out
 
 

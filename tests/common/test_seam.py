@@ -252,3 +252,34 @@ fine = ("ddpm", "builtin:tiny-flux2 | a hub id", "SDXL and FLUX.1 are prose", fa
     }
     values = {(m.line, m.name) for m in mentions(source) if not m.violation}
     assert values == {(13, "ddpm"), (13, "builtin:tiny-flux2")}
+
+
+#: Names a pipeline object goes by in tasks/ and flows/.
+PIPELINE_NAMES = {"pipe", "pt_pipe", "ov_pipe", "pipeline", "runner"}
+#: Where a pipeline is called directly: the one call (pipeline_call.py), GenAI's own API behind the
+#: stand-ins that ModelFamily.generate calls (genai.py; genai_serving.py is the served model's code).
+PIPELINE_CALLERS = {"tasks/common/pipeline_call.py", "tasks/common/genai.py", "tasks/register/genai_serving.py"}
+
+
+def pipeline_calls(source: str) -> list[int]:
+    """Lines that call a pipeline object directly: `pipe(...)`, `self.pipe(...)`, `pipe.generate(...)`."""
+    lines = []
+    for node in ast.walk(ast.parse(source)):
+        if not isinstance(node, ast.Call):
+            continue
+        func = node.func
+        if isinstance(func, ast.Attribute) and func.attr == "generate":
+            func = func.value  # GenAI's Text2ImagePipeline.generate
+        name = func.id if isinstance(func, ast.Name) else func.attr if isinstance(func, ast.Attribute) else None
+        if name in PIPELINE_NAMES:
+            lines.append(node.lineno)
+    return lines
+
+
+def test_every_pipeline_call_goes_through_the_family() -> None:
+    problems = [f"{path.relative_to(ROOT).as_posix()}:{line}" for path in _modules(*SCANNED)
+                if FAMILIES_DIR not in path.parents and path.relative_to(ROOT).as_posix() not in PIPELINE_CALLERS
+                for line in pipeline_calls(path.read_text())]
+    assert not problems, "pipelines called directly (call family.generate instead):\n" + "\n".join(problems)
+    assert pipeline_calls("pipe(prompt='x')\nself.pipe(**k)\nself.pipe.generate('x')\nfamily.generate(pipe)\n") \
+        == [1, 2, 3]

@@ -71,7 +71,7 @@ def test_cli_registers_version_with_lineage_and_both_aliases(registered: Path) -
     assert {"MLmodel", "artifacts", "code", "pyfunc_model.py"} <= files
     location = mlflow.get_logged_model(output.model_id).artifact_location
     code = {Path(f.path).name for f in mlflow.artifacts.list_artifacts(artifact_uri=f"{location}/code")}
-    assert code == {"serving_limits.py", "genai_serving.py"}  # what pyfunc_model.py imports
+    assert code == {"serving_limits.py", "genai_serving.py", "pipeline_call.py"}  # what pyfunc_model.py imports
 
 
 def test_failed_gate_moves_only_candidate(registered: Path) -> None:

@@ -26,6 +26,22 @@ FAMILIES: tuple[type[ModelFamily], ...] = (StableDiffusionXL, StableDiffusion3, 
 BUILTINS: dict[str, type[ModelFamily]] = {f.builtin: f for f in FAMILIES}
 
 
+def register(family: type[ModelFamily], first: bool = False) -> None:
+    """Add a family (a module's ModelFamily subclass) to FAMILIES and its built-in to BUILTINS;
+    `first`: detection tries it before the others (a family more specific than one listed)."""
+    global FAMILIES, BUILTINS
+    others = tuple(f for f in FAMILIES if f.name != family.name)
+    FAMILIES = (family, *others) if first else (*others, family)
+    BUILTINS = {f.builtin: f for f in FAMILIES}
+
+
+def unregister(name: str) -> None:
+    """Remove the family called `name` (a test's toy family, once the test is done)."""
+    global FAMILIES, BUILTINS
+    FAMILIES = tuple(f for f in FAMILIES if f.name != name)
+    BUILTINS = {f.builtin: f for f in FAMILIES}
+
+
 def supported() -> str:
     return ", ".join(f"{f.title} ({', '.join(f.pipeline_class_names)})" for f in FAMILIES)
 
@@ -106,4 +122,4 @@ def build_tiny_pipeline(kind: str, seed: int, out: Path) -> Path:
 
 __all__ = ["BUILTINS", "FAMILIES", "Components", "ModelFamily", "StableDiffusion", "StableDiffusionXL",
            "StableDiffusion3", "Flux", "Flux2Klein", "build_tiny_pipeline", "by_name", "denoiser_names", "detect",
-           "from_index", "of_pipeline", "read_index", "stored_dtypes", "supported"]
+           "from_index", "of_pipeline", "read_index", "register", "stored_dtypes", "supported", "unregister"]

@@ -109,6 +109,8 @@ class ModelFamily:
     #: kohya key prefix of each component's LoRA in the adapter file OpenVINO GenAI applies at run
     #: time (export.adapters: runtime); None: not checked against GenAI, the export refuses it
     genai_lora_prefixes: ClassVar[dict[str, str] | None] = None
+    #: the pipeline call's keyword for the guidance value (Qwen-Image's true CFG: "true_cfg_scale")
+    guidance_argument: ClassVar[str] = "guidance_scale"
 
     # --- recognising a folder -------------------------------------------------------------------
     @classmethod
@@ -255,6 +257,24 @@ class ModelFamily:
         return [cls.denoiser_name, *(n for n in trained if n.startswith("text_encoder"))]
 
     # --- inference ------------------------------------------------------------------------------
+    @classmethod
+    def generate(cls, pipe: Any, prompts: list[str] | str, *, steps: int, latents: Any = None,
+                 extra: dict[str, Any] | None = None, **settings: Any) -> list[Any]:
+        """Images of one call of `pipe` (this family's diffusers or OpenVINO pipeline, or a GenAI
+        stand-in): `settings` as tasks/common/pipeline_call.call_arguments takes them (height, width,
+        guidance, negative, generator, images_per_prompt, output_type, callback); None leaves the
+        pipeline's default. Every stage and the served model call pipelines through this."""
+        from tasks.common import pipeline_call
+
+        return pipeline_call.generate(pipe, prompts, steps=steps, latents=latents, extra=extra,
+                                      **cls.call_convention(), **settings)
+
+    @classmethod
+    def call_convention(cls) -> dict[str, Any]:
+        """What this family's pipeline call needs beyond the shared arguments (recorded with a
+        registered model, whose served code cannot import the families)."""
+        return {"guidance_argument": cls.guidance_argument}
+
     @classmethod
     def latent_shape(cls, pipe: Any, height: int, width: int) -> tuple[int, ...]:
         """One image's starting noise as the pipeline's `latents` argument takes it (no batch axis)."""
