@@ -17,7 +17,7 @@ from tasks.common import families
 from tasks.common.adapters import PEFT_DIR
 from tasks.common.config import load_config, read_params
 from tasks.common.errors import UserError
-from tasks.common.genai import is_runtime_export
+from tasks.common.genai import BASE_DIR, is_runtime_export
 from tasks.common.tracking import git_commit, stage_run
 from tasks.register.base_export import BASE_SUFFIX, MODEL_CODE_PATHS, find_base_version, stage_adapter, stage_base
 from tasks.register.config import RegisterConfig
@@ -129,16 +129,21 @@ def model_artifacts(finetuned: Path, openvino: Path, base: Path | None) -> dict[
     return {**artifacts, "base": str(base)}
 
 
-def call_convention(artifacts: dict[str, str]) -> dict[str, Any]:
-    """The family's pipeline-call convention (ModelFamily.call_convention) of the pipeline folder
-    among `artifacts` (the fine-tune, or the base its adapters apply to)."""
-    folders = [Path(artifacts[k]) for k in ("finetuned", "base") if k in artifacts]
-    folder = next((f for f in folders if (f / "model_index.json").is_file()), folders[0])
+def call_convention(*folders: Path | None) -> dict[str, Any]:
+    """The family's pipeline-call convention (ModelFamily.call_convention) of the first pipeline
+    folder among `folders` (the fine-tune, the base its adapters apply to, the export or its base)."""
+    found = [Path(f) for f in folders if f is not None]
+    found += [f / BASE_DIR for f in found]  # a run-time adapter export's base
+    folder = next((f for f in found if (f / "model_index.json").is_file()), None)
+    if folder is None:
+        raise UserError(f"none of {', '.join(map(str, found))} is a pipeline folder (model_index.json): run the "
+                        "pipeline first (`dvc repro`)")
     return families.detect(folder).call_convention()
 
 
 def log_model(run_id: str, artifacts: dict[str, str], serving: dict[str, Any] | None,
-              tags: dict[str, str], name: str = "model", hub: HubBase | None = None) -> Any:
+              tags: dict[str, str], convention: dict[str, Any], name: str = "model", hub: HubBase | None = None
+              ) -> Any:
     """Log the pyfunc (pyfunc_model.py with `artifacts`, serving_limits.py and genai_serving.py beside it) into run
     `run_id` as `name`; with `hub`, MLflow's diffusers flavor too (diffusers_flavor.py). ModelInfo."""
     import mlflow
@@ -156,7 +161,7 @@ def log_model(run_id: str, artifacts: dict[str, str], serving: dict[str, Any] | 
         signature=signature(),
         pip_requirements=pip_requirements(),
         # every key logged (MLflow overrides only logged keys); the family's call convention beside the limits
-        model_config={**serving_config(serving), "pipeline_call": call_convention(artifacts)},
+        model_config={**serving_config(serving), "pipeline_call": convention},
         metadata={"lineage": tags},
     )
 
@@ -201,6 +206,7 @@ def register_model(
     import mlflow
 
     artifacts = model_artifacts(finetuned, openvino, base)
+    convention = call_convention(finetuned, base, openvino)
     candidate_score(evaluation, primary_metric)  # a misnamed metric fails before anything is logged
     client = mlflow.MlflowClient()
     tags = summary_tags(lock, evaluation, git_commit, primary_metric, extra_tags)
@@ -208,12 +214,13 @@ def register_model(
     record = lineage_record(lock, evaluation, params, git_commit, extra_tags)
     with tempfile.TemporaryDirectory(prefix="register-") as work:
         if is_runtime_export(openvino):
-            tags.update(_base_export_version(client, model_name, openvino, Path(work), base, run_id, serving))
+            tags.update(_base_export_version(client, model_name, openvino, Path(work), base, run_id, serving,
+                                             convention))
             artifacts["adapter"] = str(stage_adapter(openvino, Path(work), tags))
             tags["model.artifacts"] = "runtime_adapter"
         hub = hub_base if fits(finetuned, hub_base) else None
         tags["model.flavors"] = "python_function,diffusers" if hub else "python_function"
-        info = log_model(run_id, artifacts, serving, tags, hub=hub)
+        info = log_model(run_id, artifacts, serving, tags, convention, hub=hub)
     champion = current_champion(client, model_name, primary_metric)
     champion, rescored = _rescored(client, model_name, champion, champion_rescore, primary_metric)
     decision = decide(evaluation, primary_metric, primary_metric_goal, champion,
@@ -249,7 +256,8 @@ def register_model(
 
 
 def _base_export_version(client: Any, model_name: str, openvino: Path, work: Path, base: Path | None,
-                         run_id: str, serving: dict[str, Any] | None) -> dict[str, str]:
+                         run_id: str, serving: dict[str, Any] | None, convention: dict[str, Any]
+                         ) -> dict[str, str]:
     """The `<model>-base` version of this runtime export's base (registered now if it is the first
     fine-tune of it); the adapter version's tags that point at it."""
     base_dir, info = stage_base(openvino, work, SETTINGS["guidance_scale"].default)
@@ -258,7 +266,7 @@ def _base_export_version(client: Any, model_name: str, openvino: Path, work: Pat
     if version is None:
         tags = {"base_export.key": info["key"], "base_export.fingerprint": info["base_fingerprint"],
                 "model.artifacts": "base_export"}
-        logged = log_model(run_id, {"openvino": str(base_dir), "finetuned": str(base)}, serving, tags,
+        logged = log_model(run_id, {"openvino": str(base_dir), "finetuned": str(base)}, serving, tags, convention,
                            name="base_export")
         version = create_version(client, base_name, logged, run_id, tags,
                                  f"OpenVINO export of the base {info['base_fingerprint'][:12]} ({info['family']}); "

@@ -26,6 +26,7 @@ from tasks.common.concepts import ConceptName
 from tasks.common.config import StageConfig
 from tasks.common.errors import UserError
 from tasks.train.layout import Group, Layout, repeated
+from tasks.train.methods.spec import method_spec, names
 
 log = logging.getLogger(__name__)
 
@@ -52,9 +53,10 @@ def concepts_problem(cfg: Any) -> str | None:
     names = [c.name for c in cfg.concepts]
     if twice := sorted({n for n in names if names.count(n) > 1}):
         return f"concepts: {', '.join(map(repr, twice))} listed twice; name each concept once"
-    if cfg.concepts and cfg.method == "textual_inversion":
-        return ("concepts: textual_inversion learns one placeholder token; train several concepts with "
-                "dreambooth, lora or full, or set concepts: []")
+    if cfg.concepts and not method_spec(cfg.method).concepts:
+        able = [n for n in names() if method_spec(n).concepts]
+        return (f"concepts: {cfg.method} learns one concept; train several concepts with {', '.join(able)}, "
+                "or set concepts: []")
     if cfg.with_prior_preservation and (missing := [c.name for c in cfg.concepts if c.class_prompt is None]):
         return (f"concepts: {', '.join(map(repr, missing))} without class_prompt, but prior preservation is on: "
                 "give each concept the class_prompt of its class images (as in class_images.concepts), or set "

@@ -29,10 +29,11 @@ from tasks.train.config_sections import (
     base_precision_problem,
     text_precision_problem,
 )
+from tasks.train.methods.spec import MethodSpec, method_spec, names_training
+from tasks.train.methods.spec import names as method_names
 from tasks.train.no_ops import config_no_ops, family_no_ops
 
 LR_SCHEDULERS = ("constant", "constant_with_warmup", "linear", "cosine", "cosine_with_restarts", "polynomial")
-METHOD_NAMES = ("dreambooth", "textual_inversion", "lora", "full")
 
 #: Keys that do not change what a step computes: a run resumed with other values of these is the
 #: same run (e.g. more steps, other checkpoint or validation settings). Every other key is part of
@@ -53,10 +54,6 @@ NOT_IN_RUN_KEY = frozenset({
     "select_checkpoint", "checkpoint_scoring",
 })
 
-#: the methods that train a model's own weights (`full_bf16` holds them in bf16)
-BF16_WEIGHT_METHODS = ("dreambooth", "full")
-
-
 def cxx_compiler() -> str | None:
     """The C++ compiler torch.compile's CPU code needs (inductor's: $CXX, else g++), or None."""
     return shutil.which(os.environ.get("CXX") or "g++")
@@ -64,9 +61,7 @@ def cxx_compiler() -> str | None:
 class TrainConfig(StageConfig):
     """`train` section. Grouped as in diffusers' scripts; `method` picks what is trained and saved."""
 
-    method: Literal[METHOD_NAMES] = Field(  # type: ignore[valid-type]
-        "dreambooth", description="dreambooth | textual_inversion | lora | full"
-    )
+    method: str = Field("dreambooth", description=" | ".join(method_names()) + " (tasks/train/methods/specs/)")
     # --- prompts and captions ---------------------------------------------------------------
     instance_prompt: str = Field("a photo of sks toy", min_length=1, description="prompt with the unique identifier")
     caption_column: str | None = Field(
@@ -239,6 +234,12 @@ class TrainConfig(StageConfig):
         "weighs as much as a large one (OneTrainer's name)",
     )
 
+    @field_validator("method")
+    @classmethod
+    def _known_method(cls, v: str) -> str:
+        method_spec(v)  # a ValueError naming the known methods
+        return v
+
     @field_validator("checkpoints_dir", "disk_cache_dir")
     @classmethod
     def _own_folders(cls, path: Path, info: Any) -> Path:
@@ -270,9 +271,9 @@ class TrainConfig(StageConfig):
     def _full_bf16_problem(self) -> str | None:
         if self.mixed_precision != "bf16":
             return "full_bf16 needs mixed_precision: bf16 (or set full_bf16: null)"
-        if self.method not in BF16_WEIGHT_METHODS:
-            return (f"full_bf16 holds the weights that dreambooth and full train; {self.method} trains small "
-                    "tensors kept in float32: set full_bf16: null")
+        if self.spec.frozen_base:
+            return (f"full_bf16 holds the weights that {' and '.join(names_training('weights'))} train; {self.method} "
+                    "trains small tensors kept in float32: set full_bf16: null")
         clash = {"use_8bit_adam": self.use_8bit_adam, "use_ema": self.use_ema,
                  "cpu_backend: ipex": self.cpu_backend == "ipex"}
         if on := [k for k, v in clash.items() if v]:
@@ -286,20 +287,16 @@ class TrainConfig(StageConfig):
         needs the fused update, so a C++ compiler for torch.compile)."""
         if self.full_bf16 is not None:
             return self.full_bf16
-        return (device_type == "cpu" and self.mixed_precision == "bf16" and self.method in BF16_WEIGHT_METHODS
+        return (device_type == "cpu" and self.mixed_precision == "bf16" and not self.spec.frozen_base
                 and not (self.use_8bit_adam or self.use_ema or self.cpu_backend == "ipex") and bool(cxx_compiler()))
 
     def _method_problem(self) -> str | None:
-        if self.method == "textual_inversion":
-            if not self.placeholder_token or not self.initializer_token:
-                return ("textual_inversion needs placeholder_token (a new token such as '<sks-toy>') and "
-                        "initializer_token (one existing word such as 'toy')")
-            if self.with_prior_preservation:
-                return ("textual_inversion does not use class images (their prompts lack the placeholder): "
-                        "set with_prior_preservation: false")
-            if self.train_text_encoder:
-                return "textual_inversion trains only the new token's embedding: set train_text_encoder: false"
-        return None
+        return self.spec.check(self) if self.spec.check else None
+
+    @property
+    def spec(self) -> MethodSpec:
+        """What `method` is (tasks/train/methods/spec.py)."""
+        return method_spec(self.method)
 
     def _option_problem(self) -> str | None:
         if problem := launch_problem(self.launcher, self.launch):
@@ -367,9 +364,8 @@ class TrainConfig(StageConfig):
     def check_family(self, family: Any) -> None:
         """Refuse, before any weights load, a method or option the base model's family does not have."""
         problems = []
-        if self.method not in family.methods:
-            problems.append(f"train.method: {self.method} is not available for {family.title}; choose one of "
-                            f"{', '.join(family.methods)}")
+        if refusal := self.spec.family_refusal(family):
+            problems.append(refusal)
         defaults = type(self).model_fields
         for key, why in family.refused_options().items():
             if getattr(self, key) != defaults[key].default:

@@ -10,6 +10,7 @@ from tasks.common.config import StageConfig
 from tasks.common.errors import UserError
 from tasks.common.quantize import BasePrecision
 from tasks.common.scoring import IMAGE_METRICS
+from tasks.train.methods.spec import method_spec, names_training
 
 #: What `train.checkpoint_scoring` follows when a key is null: (section, key, default when absent).
 #: The train stage reads its own section; these keys are read from params.yaml as well (and
@@ -91,10 +92,6 @@ class CheckpointScoringConfig(StageConfig):
         return name
 
 
-#: methods whose base weights stay frozen under adapters or a new embedding: a quantized base fits them
-QUANTIZABLE_METHODS = ("lora", "textual_inversion")
-
-
 def base_precision_problem(cfg: Any) -> str | None:
     """Why `train.base_model_precision` cannot go with this config (value, package, method, adapter,
     launcher), or None. The device is checked again once it is known (tasks/train/core.py)."""
@@ -105,12 +102,14 @@ def base_precision_problem(cfg: Any) -> str | None:
     if precision is None:
         return None
     key = f"base_model_precision: {cfg.base_model_precision}"
-    if cfg.method not in QUANTIZABLE_METHODS:
+    spec = method_spec(cfg.method)
+    if not spec.frozen_base:
         return (f"{key}: method {cfg.method} updates the base's own weights, which a quantized base cannot train "
-                "(8- and 4-bit weights have no gradient step); use method: lora, or base_model_precision: none")
+                f"(8- and 4-bit weights have no gradient step); use method: {' or '.join(names_training('adapters'))}, "
+                "or base_model_precision: none")
     if cfg.launcher == "xla":
         return f"{key}: XLA has none of the quantized kernels; use launcher local, accelerate or mpirun"
-    return precision.problem(adapter=cfg.lora_type if cfg.method == "lora" else None)
+    return precision.problem(adapter=cfg.lora_type if spec.trains == "adapters" else None)
 
 
 def text_precision_problem(cfg: Any) -> str | None:
@@ -123,8 +122,9 @@ def text_precision_problem(cfg: Any) -> str | None:
     if precision is None:
         return None
     key = f"text_encoder_precision: {cfg.text_encoder_precision}"
-    if cfg.method == "textual_inversion" or cfg.train_text_encoder:
-        trains = "textual_inversion trains an embedding" if cfg.method == "textual_inversion" else \
+    spec = method_spec(cfg.method)
+    if spec.through_text_encoder or cfg.train_text_encoder:
+        trains = f"{cfg.method} trains an {spec.trains}" if spec.through_text_encoder else \
             "train_text_encoder: true trains"
         return (f"{key}: {trains} through the text encoder, which a quantized one cannot give gradients to; "
                 "set text_encoder_precision: none")

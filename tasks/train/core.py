@@ -28,7 +28,7 @@ from tasks.train.concepts import examples_report
 from tasks.train.config import TrainConfig
 from tasks.train.data import METADATA
 from tasks.train.loop import LoopResult, make_accelerator, run_loop
-from tasks.train.methods import METHODS, TrainingMethod
+from tasks.train.methods.base import TrainingMethod
 from tasks.train.models import load_components
 from tasks.train.no_ops import data_no_ops
 from tasks.train.optim import weight_dtype
@@ -94,7 +94,7 @@ class TrainOutcome:
 
 def _refuse_data_no_ops(cfg: TrainConfig, method: TrainingMethod, dataset: Any) -> None:
     """A setting the instance images make moot (tasks/train/no_ops.py) fails before any weights load."""
-    captions_used = method.caption_column is not None and cfg.method != "textual_inversion"
+    captions_used = method.caption_column is not None and cfg.spec.reads_captions
     records = dataset.instances
     sizes = [r.image_size() for r in records] if cfg.enable_bucket else []  # (from the metadata, else a header)
     problems = data_no_ops(cfg, sizes, any(r.tags for r in records), captions_used)
@@ -131,7 +131,7 @@ def train(
     _settings(cfg)
     accelerator = make_accelerator(cfg)
     set_seed(cfg.seed)
-    method = METHODS[cfg.method](cfg)
+    method = cfg.spec.trainer_class()(cfg)
     dataset = method.dataset(Path(data_dir), Path(class_dir) if class_dir else None)  # fails fast on bad data
     _refuse_data_no_ops(cfg, method, dataset)
     data_files = [Path(data_dir) / METADATA]

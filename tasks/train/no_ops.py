@@ -14,6 +14,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from tasks.train.methods.spec import option_rules
+
 #: key -> (does it matter for this config?, what makes it matter). Checked when the key is set
 #: away from its default.
 CONFIG_RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
@@ -28,14 +30,6 @@ CONFIG_RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "offload_ema": (lambda c: c.use_ema, "needs use_ema: true"),
     "prior_loss_weight": (lambda c: c.with_prior_preservation, "needs with_prior_preservation: true"),
     "validation_steps": (lambda c: c.num_validation_images > 0, "needs num_validation_images > 0"),
-    **{key: (lambda c: c.method == "textual_inversion", "only method: textual_inversion reads it")
-       for key in ("placeholder_token", "initializer_token", "num_vectors", "learnable_property")},
-    **{key: (lambda c: c.method == "lora", "only method: lora reads it")
-       for key in ("rank", "lora_alpha", "fuse_lora", "lora_type")},
-    "lora_dropout": (lambda c: c.method == "lora" and c.lora_type in ("lora", "dora"),
-                     "only method: lora with lora_type lora or dora has LoRA's dropout (peft's LoKr and LoHa do not)"),
-    "decompose_factor": (lambda c: c.method == "lora" and c.lora_type == "lokr",
-                         "only method: lora with lora_type: lokr has a Kronecker factor"),
 }
 
 #: flow-matching keys that only one weighting scheme reads
@@ -49,7 +43,7 @@ def _set_away_from_default(cfg: Any, key: str) -> bool:
 def config_no_ops(cfg: Any) -> list[str]:
     """`train.<key> is set, but <why>` for every key of CONFIG_RULES set where it does nothing."""
     return [f"{key} is set to {getattr(cfg, key)!r}, but {why}: remove it, or set what makes it matter"
-            for key, (matters, why) in CONFIG_RULES.items()
+            for key, (matters, why) in {**CONFIG_RULES, **option_rules()}.items()  # + the methods' own options
             if _set_away_from_default(cfg, key) and not matters(cfg)]
 
 

@@ -1,7 +1,7 @@
 """Model families: everything family-specific, one module each; every stage reads them here.
 
     family = families.detect(Path("models/base"))      # from model_index.json
-    family.ov_pipeline_class(), family.objective, family.methods, family.build_tiny(seed) ...
+    family.ov_pipeline_class(), family.objective, family.trains_embeddings, family.build_tiny(seed) ...
 
 Adding a family is adding a module with a `ModelFamily` subclass and listing it in FAMILIES
 (tasks/common/families/README.md says what it must define).

@@ -92,8 +92,8 @@ class ModelFamily:
     objective: ClassVar[str] = "ddpm"
     #: image sides must be multiples of this (the VAE's factor 8; x2 where latents are cut into 2x2 patches)
     pixel_multiple: ClassVar[int] = 8
-    #: training methods this family supports (train.method)
-    methods: ClassVar[tuple[str, ...]] = ("dreambooth", "textual_inversion", "lora", "full")
+    #: a new text embedding trains here (what textual inversion needs; tasks/train/methods/spec.py asks)
+    trains_embeddings: ClassVar[bool] = True
     #: peft target modules of the denoiser's and the text encoders' attention projections
     lora_targets: ClassVar[tuple[str, ...]] = ("to_k", "to_q", "to_v", "to_out.0")
     text_lora_targets: ClassVar[tuple[str, ...]] = ("q_proj", "k_proj", "v_proj", "out_proj")

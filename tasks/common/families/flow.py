@@ -19,7 +19,7 @@ _NOT_FLOW = "is a DDPM option; {title} trains with flow matching (train.weightin
 class FlowMatchingFamily(ModelFamily):
     denoiser_name = "transformer"
     objective = "flow_matching"
-    methods = ("dreambooth", "lora", "full")
+    trains_embeddings = False
     lora_targets = ("to_k", "to_q", "to_v", "to_out.0")
     #: train.weighting_scheme when it is null (what diffusers' script for the family defaults to)
     default_weighting_scheme: ClassVar[str] = "none"

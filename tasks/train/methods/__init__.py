@@ -1,17 +1,22 @@
-"""Training methods. Each says only what differs: what is trainable, the prompts, the output.
+"""Training methods. Each is a spec (tasks/train/methods/spec.py; the built-in ones in specs/) that
+names its `TrainingMethod` subclass, which says only what differs: what is trainable, the prompts,
+the output. The loop in tasks/train/loop.py is shared by all.
 
-`train.method` names one of METHODS; the loop in tasks/train/loop.py is shared by all.
+Importing this package imports no torch: the trainer classes load when asked for
+(`METHODS[name]`, `TrainingMethod`, or `method_spec(name).trainer_class()`).
 """
 from __future__ import annotations
 
-from tasks.train.methods.base import TrainingMethod
-from tasks.train.methods.dreambooth import DreamBooth
-from tasks.train.methods.full import FullFineTune
-from tasks.train.methods.lora import LoRA
-from tasks.train.methods.textual_inversion import TextualInversion
+from typing import Any
 
-METHODS: dict[str, type[TrainingMethod]] = {
-    m.name: m for m in (DreamBooth, TextualInversion, LoRA, FullFineTune)
-}
 
-__all__ = ["METHODS", "TrainingMethod", "DreamBooth", "TextualInversion", "LoRA", "FullFineTune"]
+def __getattr__(name: str) -> Any:
+    if name == "METHODS":  # train.method -> its TrainingMethod subclass
+        from tasks.train.methods.spec import method_spec, names
+
+        return {n: method_spec(n).trainer_class() for n in names()}
+    if name == "TrainingMethod":
+        from tasks.train.methods.base import TrainingMethod
+
+        return TrainingMethod
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -48,13 +48,11 @@ class TrainingMethod:
     """
 
     name: ClassVar[str]
-    #: the caption column used when train.caption_column is null (None: the instance prompt)
-    default_caption_column: ClassVar[str | None] = None
 
     def __init__(self, cfg: TrainConfig) -> None:
         self.cfg = cfg
         self._components: Components | None = None
-        column = cfg.caption_column or self.default_caption_column
+        column = cfg.caption_column or cfg.spec.default_caption_column  # (the spec's: full reads 'text')
         self.caption_column = column
         self.captions = CaptionPolicy(cfg.shuffle_tag_p, cfg.keep_tokens, cfg.proportion_empty_prompts)
         self.latent_cache: LatentCache | None = None

@@ -12,4 +12,3 @@ from tasks.train.methods.base import TrainingMethod
 
 class FullFineTune(TrainingMethod):
     name = "full"
-    default_caption_column = "text"

@@ -1,0 +1,12 @@
+"""Full fine-tune on a captioned dataset (diffusers' train_text_to_image.py): every denoiser weight on
+each image's own caption; a full pipeline."""
+from tasks.train.methods.spec import MethodSpec
+
+SPEC = MethodSpec(
+    name="full",
+    summary="every denoiser weight on each image's caption",
+    trains="weights",
+    output="pipeline",
+    trainer="tasks.train.methods.full:FullFineTune",
+    default_caption_column="text",
+)

@@ -1,0 +1,34 @@
+"""Textual inversion (Gal et al. 2022): one new token's embedding, learnt through the frozen text
+encoders on diffusers' prompt templates; an embedding file."""
+from __future__ import annotations
+
+from typing import Any
+
+from tasks.train.methods.spec import MethodSpec
+
+
+def _problem(cfg: Any) -> str | None:
+    if not cfg.placeholder_token or not cfg.initializer_token:
+        return ("textual_inversion needs placeholder_token (a new token such as '<sks-toy>') and "
+                "initializer_token (one existing word such as 'toy')")
+    if cfg.with_prior_preservation:
+        return ("textual_inversion does not use class images (their prompts lack the placeholder): "
+                "set with_prior_preservation: false")
+    if cfg.train_text_encoder:
+        return "textual_inversion trains only the new token's embedding: set train_text_encoder: false"
+    return None
+
+
+SPEC = MethodSpec(
+    name="textual_inversion",
+    summary="a new token's embedding through the frozen text encoders",
+    trains="embedding",
+    output="embedding",
+    trainer="tasks.train.methods.textual_inversion:TextualInversion",
+    options=("placeholder_token", "initializer_token", "num_vectors", "learnable_property"),
+    reads_captions=False,
+    concepts=False,
+    through_text_encoder=True,
+    needs_embeddings=True,
+    check=_problem,
+)

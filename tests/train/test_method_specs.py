@@ -1,0 +1,97 @@
+"""The method registry: every check asks a method's spec, never its name; a new method is one module.
+
+The toy method (toy_method.py) is registered here and trains, validates and saves through the
+shared loop with no other file changed."""
+from __future__ import annotations
+
+import ast
+import sys
+from pathlib import Path
+
+import pytest
+
+from tasks.train.methods import spec as methods
+
+ROOT = Path(__file__).resolve().parents[2]
+METHODS_DIR = ROOT / "tasks" / "train" / "methods"
+
+
+def _names_in(node: ast.AST) -> set[str]:
+    values = node.elts if isinstance(node, ast.Tuple | ast.List | ast.Set) else [node]
+    return {v.value for v in values if isinstance(v, ast.Constant) and isinstance(v.value, str)}
+
+
+def name_comparisons(source: str, names: set[str]) -> list[tuple[int, str]]:
+    """(line, name) of every comparison of something with a method name (==, !=, in, not in)."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Compare):
+            for side in (node.left, *node.comparators):
+                found += [(node.lineno, n) for n in sorted(_names_in(side) & names)]
+    return found
+
+
+@pytest.mark.quick
+def test_no_method_name_is_compared_outside_its_own_module() -> None:
+    names = set(methods.names())
+    problems = [f"{path.relative_to(ROOT)}:{line}: {name!r}"
+                for top in ("tasks", "flows") for path in sorted((ROOT / top).rglob("*.py"))
+                if METHODS_DIR not in path.parents
+                for line, name in name_comparisons(path.read_text(), names)]
+    assert not problems, "method names compared as strings (ask tasks/train/methods/spec.py):\n" + "\n".join(problems)
+    assert name_comparisons('if cfg.method == "lora" or m in ("full", "x"):\n    pass\n', names) == \
+        [(1, "lora"), (1, "full")]
+
+
+@pytest.mark.quick
+def test_the_config_check_imports_no_torch() -> None:
+    import subprocess
+
+    code = ("import sys; from tasks.train.config import TrainConfig; TrainConfig(method='textual_inversion', "
+            "placeholder_token='<t>', initializer_token='toy', with_prior_preservation=False); "
+            "print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+
+
+@pytest.mark.quick
+def test_the_spec_refuses_for_the_family_and_the_precision() -> None:
+    from tasks.common import families
+    from tasks.common.errors import UserError
+    from tasks.train.config import TrainConfig
+
+    ti = methods.method_spec("textual_inversion")
+    flux = families.by_name("flux")
+    assert ti.family_refusal(families.by_name("sd")) is None
+    assert "textual_inversion is not available for FLUX.1" in ti.family_refusal(flux)
+    assert "textual_inversion" not in methods.names_for(flux)
+    with pytest.raises(ValueError, match="method dreambooth updates the base's own weights"):
+        TrainConfig(method="dreambooth", base_model_precision="int8")
+    with pytest.raises(ValueError, match="unknown method 'dreambooht'; choose one of dreambooth"):
+        TrainConfig(method="dreambooht")
+
+
+def test_a_method_from_one_module_trains_validates_and_saves(tmp_path, tiny_sd, one_image) -> None:
+    import torch
+    from safetensors.torch import load_file
+
+    from tasks.train.config import TrainConfig
+    from tasks.train.core import train
+    from tests.train.toy_method import SPEC
+
+    methods.register(SPEC)
+    try:
+        cfg = TrainConfig(method=SPEC.name, max_train_steps=2, train_batch_size=1, resolution=32,
+                          learning_rate=1e-2, num_validation_images=1, validation_inference_steps=2,
+                          with_prior_preservation=False, checkpoints_dir=tmp_path / "ckpt", checkpointing_steps=1000)
+        outcome = train(cfg, tiny_sd, one_image, None, tmp_path / "out")
+    finally:
+        methods.unregister(SPEC.name)
+    assert outcome.method == SPEC.name and len(outcome.history) == 2
+    unet = "unet/diffusion_pytorch_model.safetensors"
+    before, after = load_file(tiny_sd / unet), load_file(tmp_path / "out" / unet)
+    changed = {k for k in before if not torch.equal(before[k], after[k])}
+    assert changed and all(k.endswith(".bias") for k in changed), sorted(changed)[:5]
+    assert outcome.validation, "validation images from the saved output"
+    with pytest.raises(ValueError, match="unknown method 'bitfit'"):
+        TrainConfig(method=SPEC.name)  # gone once unregistered
