@@ -105,13 +105,14 @@ def plain_loop(cfg, base: Path, data: Path, class_dir: Path, steps: int, fused: 
     while len(times) < steps:
         for batch in loader:
             start = time.perf_counter()
-            latents = c.vae.encode(batch["pixels"]).latent_dist.sample() * c.vae.config.scaling_factor
+            latents = c.vae.encode(batch.pixels).latent_dist.sample() * c.vae.config.scaling_factor
             noise = torch.randn_like(latents)
             timesteps = torch.randint(0, c.noise_scheduler.config.num_train_timesteps, (latents.shape[0],))
             noisy = c.noise_scheduler.add_noise(latents, noise, timesteps)
-            hidden, pooled = c.family.encode_prompt(c, batch["input_ids"])
-            pred = c.family.predict(c.denoiser, noisy, timesteps, hidden, pooled, batch, cfg.resolution)
-            n = batch["num_instances"]
+            hidden, pooled = c.family.encode_prompt(c, batch.input_ids)
+            pred = c.family.predict(c.denoiser, noisy, timesteps, hidden, pooled,
+                                    batch.predict_inputs(cfg.resolution, cfg.guidance_scale))
+            n = batch.num_instances
             if cfg.snr_gamma:
                 snr = compute_snr(c.noise_scheduler, timesteps)
                 weights = torch.stack([snr, cfg.snr_gamma * torch.ones_like(timesteps)], dim=1).min(dim=1)[0] / snr

@@ -104,8 +104,8 @@ def overhead(repeats: int = 200) -> list[str]:
             times.append(time.perf_counter() - start)
         return min(times) * 1e3
 
-    def masked_loss(pred, target, batch):
-        return per_example_loss(pred, target, None, None, None, loss_weights(cfg, batch, pred))
+    def masked_loss(pred, target, masks, mask_off):
+        return per_example_loss(pred, target, None, None, None, loss_weights(cfg, masks, mask_off, pred))
 
     cfg = type("Cfg", (), {"masked_loss": True, "masked_loss_unmasked_weight": 0.0,
                            "normalize_masked_area_loss": True})()
@@ -117,9 +117,8 @@ def overhead(repeats: int = 200) -> list[str]:
         crop = best(prepare_mask, image, (px * 2, px * 2), (px, px), (0, 0), True)
         pred, target = torch.randn(shape), torch.randn(shape)
         mask = prepare_mask(image, (px * 2, px * 2), (px, px), (0, 0), True)
-        batch = {"masks": [mask] * shape[0], "mask_off": [False] * shape[0]}
         plain = best(per_example_loss, pred, target, None, None, None)
-        masked = best(masked_loss, pred, target, batch)
+        masked = best(masked_loss, pred, target, [mask] * shape[0], [False] * shape[0])
         rows.append(f"| {label} {shape} | {crop:.2f} | {plain:.3f} | {masked:.3f} |")
     return rows
 

@@ -26,7 +26,7 @@ from tasks.common.concepts import ConceptName
 from tasks.common.config import StageConfig
 from tasks.common.errors import UserError
 from tasks.train.layout import Group, Layout, repeated
-from tasks.train.methods.spec import method_spec, names
+from tasks.train.methods.spec import method_spec
 
 log = logging.getLogger(__name__)
 
@@ -181,10 +181,10 @@ def concept_validation_prompts(cfg: Any, records: Sequence[Any]) -> list[str]:
     return [c.instance_prompt or first.get(c.name, "") for c in cfg.concepts]
 
 
-def weighted(losses: Any, batch: dict[str, Any], seen: Counter) -> Any:
-    """Per-example `losses` times each row's concept loss weight (train.concepts.*.loss_weight; the batch
+def weighted(losses: Any, batch: Any, seen: Counter) -> Any:
+    """Per-example `losses` times each row's concept loss weight (train.concepts.*.loss_weight; a Batch
     has `loss_weights` only where one is not 1); the batch's instance examples are counted in `seen`."""
-    seen.update(c for c in batch.get("concepts", ()) if c is not None)
-    if "loss_weights" not in batch:
+    seen.update(c for c in batch.concepts if c is not None)
+    if batch.loss_weights is None:
         return losses
-    return losses * batch["loss_weights"].to(losses.device, losses.dtype)
+    return losses * batch.loss_weights.to(losses.device, losses.dtype)

@@ -29,6 +29,7 @@ from torch.utils.data import Dataset, Sampler
 
 from tasks.common.errors import UserError
 from tasks.common.images import apply_exif_orientation, to_rgb
+from tasks.train.batch import Batch
 from tasks.train.layout import Layout
 
 log = logging.getLogger(__name__)
@@ -358,7 +359,7 @@ class EpochSampler(Sampler):
         return self.length
 
 
-def collate(examples: list[dict[str, Any]]) -> dict[str, Any]:
+def collate(examples: list[dict[str, Any]]) -> Batch:
     """Stack a batch: instance images first, then class images (when present).
 
     `pixels` holds the decoded rows in order. When the data loader read rows from the disk latent
@@ -372,22 +373,19 @@ def collate(examples: list[dict[str, Any]]) -> dict[str, Any]:
     weights = [e.get("loss_weight", 1.0) for e in examples] * (len(parts) // len(examples))
     decoded = [p["pixels"] for p in parts if p["pixels"] is not None]
     height, width = parts[0]["target_size"]
-    cached = {"cached_latents": [p.get("latent") for p in parts]} if len(decoded) < len(parts) else {}
-    return {
-        "pixels": torch.stack(decoded) if decoded else torch.empty(0, 3, height, width),
-        **cached,
-        "prompts": prompts,
-        "latent_keys": [p["latent_key"] for p in parts],
-        "noise_seeds": [p["noise_seed"] for p in parts],
-        "original_sizes": torch.tensor([p["original_size"] for p in parts], dtype=torch.long),
-        "crops_top_left": torch.tensor([p["crop_top_left"] for p in parts], dtype=torch.long),
-        "target_sizes": torch.tensor([p["target_size"] for p in parts], dtype=torch.long),
-        "num_instances": len(examples),
-        "concepts": [e.get("concept") for e in examples],  # of the instance rows (examples seen per concept)
-        # each row's concept loss weight (an instance and its class image share it); only where one is not 1
-        **({"loss_weights": torch.tensor(weights, dtype=torch.float32)} if any(w != 1.0 for w in weights) else {}),
-        # subject masks, per row: [1, H, W] at pixel size, or at latent size read from the disk cache;
-        # None without one. `mask_off`: the row trains unmasked (class images, unmasked_probability).
-        "masks": [p.get("mask") for p in parts],
-        "mask_off": [bool(p.get("mask_off", True)) for p in parts],
-    }
+    return Batch(
+        pixels=torch.stack(decoded) if decoded else torch.empty(0, 3, height, width),
+        cached_latents=[p.get("latent") for p in parts] if len(decoded) < len(parts) else None,
+        prompts=prompts,
+        latent_keys=[p["latent_key"] for p in parts],
+        noise_seeds=[p["noise_seed"] for p in parts],
+        original_sizes=torch.tensor([p["original_size"] for p in parts], dtype=torch.long),
+        crops_top_left=torch.tensor([p["crop_top_left"] for p in parts], dtype=torch.long),
+        target_sizes=torch.tensor([p["target_size"] for p in parts], dtype=torch.long),
+        num_instances=len(examples),
+        concepts=[e.get("concept") for e in examples],  # of the instance rows (examples seen per concept)
+        # an instance and its class image share their concept's weight
+        loss_weights=torch.tensor(weights, dtype=torch.float32) if any(w != 1.0 for w in weights) else None,
+        masks=[p.get("mask") for p in parts],
+        mask_off=[bool(p.get("mask_off", True)) for p in parts],
+    )

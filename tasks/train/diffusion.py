@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from tasks.common.families.base import ModelFamily
+from tasks.train.batch import Batch
 
 
 class RowRandom:
@@ -71,16 +72,16 @@ class LatentCache:
         self.store: Any = {} if store is None else store
         self.hits = self.misses = 0
 
-    def latents(self, vae: torch.nn.Module, batch: dict[str, Any], rand: RowRandom | None = None,
+    def latents(self, vae: torch.nn.Module, batch: Batch, rand: RowRandom | None = None,
                 scale: Scale = ModelFamily.scale_latents) -> torch.Tensor:
         from diffusers.models.autoencoders.vae import DiagonalGaussianDistribution
 
-        keys, pixels = batch["latent_keys"], batch["pixels"]
+        keys, pixels = batch.latent_keys, batch.pixels
         if any(k is None for k in keys):
             return encode_latents(vae, pixels, rand, scale)
         param = next(vae.parameters())
-        given = batch.get("cached_latents") or [None] * len(keys)
-        masks = batch.get("masks") or [None] * len(keys)
+        given = batch.cached_latents or [None] * len(keys)
+        masks = batch.masks or [None] * len(keys)
         rows, decoded = [], iter(range(pixels.shape[0]))
         for i, key in enumerate(keys):
             if given[i] is not None:  # read by the data loader, the image left undecoded
@@ -92,8 +93,8 @@ class LatentCache:
                 self.hits += 1
                 rows.append(self.store[key]["parameters"])
                 continue
-            rows.append(self.encode(vae, key, pixels[j : j + 1], batch["original_sizes"][i],
-                                    batch["crops_top_left"][i], masks[i]))
+            rows.append(self.encode(vae, key, pixels[j : j + 1], batch.original_sizes[i],
+                                    batch.crops_top_left[i], masks[i]))
         # (`misses` counts encodings: with a disk store, entries an earlier run wrote are hits)
         stacked = torch.cat([r.to(param.device) for r in rows])
         return scale(vae, _sample(DiagonalGaussianDistribution(stacked), rand))

@@ -39,15 +39,16 @@ def check_masks(cfg: Any, instances: list[Any]) -> tuple[bool, float]:
     return True, cfg.unmasked_probability
 
 
-def loss_weights(cfg: Any, batch: dict[str, Any], pred: torch.Tensor) -> LossWeights | None:
-    """Each row's weights on the prediction's latent grid: its mask, `masked_loss_unmasked_weight`
-    outside the subject; 1 everywhere for rows without a mask in use (class images, unmasked draws)."""
-    masks = batch.get("masks") or []
-    if not cfg.masked_loss or all(m is None or off for m, off in zip(masks, batch["mask_off"])):
+def loss_weights(cfg: Any, masks: list[Any], mask_off: list[bool], pred: torch.Tensor) -> LossWeights | None:
+    """Each row's weights on the prediction's latent grid: its mask (a batch's `masks`, None where a
+    row has none), `masked_loss_unmasked_weight` outside the subject; 1 everywhere for rows without a
+    mask in use (`mask_off`: class images, unmasked draws)."""
+    masks = masks or []
+    if not cfg.masked_loss or all(m is None or off for m, off in zip(masks, mask_off)):
         return None
     size = tuple(pred.shape[-2:])
     ones = torch.ones(1, *size)
-    rows = [ones if m is None or off else latent_mask(m, size) for m, off in zip(masks, batch["mask_off"])]
+    rows = [ones if m is None or off else latent_mask(m, size) for m, off in zip(masks, mask_off)]
     floor = cfg.masked_loss_unmasked_weight
     weights = floor + (1.0 - floor) * torch.stack(rows)
     return LossWeights(weights.to(pred.device), cfg.normalize_masked_area_loss)

@@ -24,6 +24,7 @@ import logging
 import math
 import os
 from collections.abc import Iterable, Iterator
+from dataclasses import fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +32,7 @@ import torch
 
 from tasks.common.errors import UserError
 from tasks.train.backend_base import Backend
+from tasks.train.batch import Batch
 from tasks.train.config import TrainConfig, XlaConfig
 
 log = logging.getLogger(__name__)
@@ -137,12 +139,12 @@ class XlaBackend(Backend):
                 self._log_sharding(batch)
             yield batch
 
-    def _log_sharding(self, batch: dict[str, Any]) -> None:
+    def _log_sharding(self, batch: Batch) -> None:
         import torch_xla
 
-        specs = {k: torch_xla._XLAC._get_xla_sharding_spec(v) for k, v in batch.items()
-                 if isinstance(v, torch.Tensor) and v.dim() > 0}
-        log.info("xla: batch sharding %s", ", ".join(f"{k} {tuple(batch[k].shape)} {s or 'replicated'}"
+        tensors = batch.tensors()
+        specs = {k: torch_xla._XLAC._get_xla_sharding_spec(v) for k, v in tensors.items() if v.dim() > 0}
+        log.info("xla: batch sharding %s", ", ".join(f"{k} {tuple(tensors[k].shape)} {s or 'replicated'}"
                                                     for k, s in specs.items()))
         self.logged_sharding = True
 
@@ -150,6 +152,8 @@ class XlaBackend(Backend):
         """Shard every other batch tensor (token ids, sizes) over the data axis too."""
         import torch_xla.distributed.spmd as xs
 
+        if isinstance(value, Batch):
+            return replace(value, **{f.name: self._shard(getattr(value, f.name)) for f in fields(value)})
         if isinstance(value, dict):
             return {k: self._shard(v) for k, v in value.items()}
         if isinstance(value, (list, tuple)):

@@ -79,7 +79,7 @@ def test_portrait_and_landscape_train_whole_with_sdxl_conditioning(
     compute = TrainingMethod.compute_loss
 
     def spy_loss(self, batch, modules):
-        shapes.append(tuple(batch["pixels"].shape))
+        shapes.append(tuple(batch.pixels.shape))
         return compute(self, batch, modules)
 
     monkeypatch.setattr(TrainingMethod, "compute_loss", spy_loss)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from collections import Counter
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -60,8 +61,8 @@ def test_repeats_pair_each_image_with_its_own_concepts_class_images(two_concepts
     seen_classes = {ds.classes_[ds.layout.locate(i)[2]].path for i in range(len(ds))}
     assert len(seen_classes) == 5, "every class image once per epoch"
     batch = collate([examples[0], examples[5]])
-    assert batch["concepts"] == ["sks dog", "ohwx cat"]
-    assert batch["loss_weights"].tolist() == [2.0, 1.0, 2.0, 1.0], "instance rows, then their class rows"
+    assert batch.concepts == ["sks dog", "ohwx cat"]
+    assert batch.loss_weights.tolist() == [2.0, 1.0, 2.0, 1.0], "instance rows, then their class rows"
     report = examples_report(ds.layout, ds.instances, Counter({"sks dog": 7}))
     assert report["ohwx cat"] == {"images": 1, "repeats": 3.0, "examples_per_epoch": 3, "class_images": 2,
                                   "loss_weight": 1.0, "examples_seen": 0}
@@ -81,7 +82,7 @@ def test_without_concepts_the_layout_is_the_plain_dataset_and_rows_repeat_as_ing
     ds = METHODS["dreambooth"](TrainConfig(resolution=32, with_prior_preservation=False)).dataset(data, None)
     assert len(ds) == 7, "2 dog rows x1 + the cat row x5 (ingest's repeats)"
     assert {ds[(0, i)]["instance_prompt"] for i in range(7)} == {"a photo of sks toy"}
-    assert "loss_weights" not in collate([ds[(0, 0)]]), "no weights: the loss is computed as before"
+    assert collate([ds[(0, 0)]]).loss_weights is None, "no weights: the loss is computed as before"
 
 
 @QUICK
@@ -116,10 +117,10 @@ def test_loss_weights_multiply_each_examples_loss(tiny_sd, two_concepts) -> None
     method.place(torch.device("cpu"), torch.float32)
     method.setup_caches()
     batch = method.collate([ds[(0, 0)], ds[(0, 3)]])  # a dog example (weight 2), a cat one (weight 1)
-    assert batch["loss_weights"].tolist() == [2.0, 1.0]
+    assert batch.loss_weights.tolist() == [2.0, 1.0]
 
     def loss(weights):
-        b = {**batch, "loss_weights": torch.tensor(weights)}
+        b = replace(batch, loss_weights=torch.tensor(weights))
         with torch.no_grad():
             return method.compute_loss(b, method.components.modules)[0].item()
 

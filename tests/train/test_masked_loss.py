@@ -81,10 +81,10 @@ def test_the_error_outside_the_mask_does_not_train(request, tmp_path, masked_dir
     method.bind(components)
     method.configure()
     batch = method.collate([dataset[(0, 0)]])
-    assert batch["masks"][0] is not None and not batch["mask_off"][0]
+    assert batch.masks[0] is not None and not batch.mask_off[0]
     vae = components.modules["vae"]
     with torch.no_grad():
-        shape = components.family.scale_latents(vae, vae.encode(batch["pixels"]).latent_dist.mean).shape
+        shape = components.family.scale_latents(vae, vae.encode(batch.pixels).latent_dist.mean).shape
     mask = latent_mask(dataset.load_mask(dataset.instances[0], (32, 32), (32, 32), (0, 0), False), shape[-2:])
     outside = (mask == 0).float()[None]  # [1, 1, h, w]
     assert 0 < outside.mean() < 1
@@ -116,8 +116,7 @@ def test_mask_follows_flip_and_weights_the_loss(tmp_path, masked_dir) -> None:
     assert set(flips) == {True, False}
     assert flips[False][0, :, :16].min() == 1 and flips[False][0, :, 16:].max() == 0
     assert torch.equal(flips[True], flips[False].flip(-1))
-    batch = {"masks": [flips[False], None], "mask_off": [False, True]}
-    weights = loss_weights(method.cfg, batch, torch.zeros(2, 4, 8, 8))
+    weights = loss_weights(method.cfg, [flips[False], None], [False, True], torch.zeros(2, 4, 8, 8))
     assert weights.weights[0, 0, :, :4].min() == 1 and weights.weights[0, 0, :, 4:].max() == 0.25
     assert torch.equal(weights.weights[1], torch.ones(1, 8, 8))  # a class row or an unmasked draw
     err = torch.ones(2, 4, 8, 8)

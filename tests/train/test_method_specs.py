@@ -57,7 +57,6 @@ def test_the_config_check_imports_no_torch() -> None:
 @pytest.mark.quick
 def test_the_spec_refuses_for_the_family_and_the_precision() -> None:
     from tasks.common import families
-    from tasks.common.errors import UserError
     from tasks.train.config import TrainConfig
 
     ti = methods.method_spec("textual_inversion")

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from tasks.common.errors import UserError
-from tasks.common.families.base import Components, ModelFamily
+from tasks.common.families.base import Components, ModelFamily, PredictInputs
 from tasks.common.families.flux import Flux
 from tasks.common.families.flux2 import Flux2Klein
 from tasks.common.families.sd import StableDiffusion
@@ -120,6 +120,6 @@ def build_tiny_pipeline(kind: str, seed: int, out: Path) -> Path:
     return out
 
 
-__all__ = ["BUILTINS", "FAMILIES", "Components", "ModelFamily", "StableDiffusion", "StableDiffusionXL",
+__all__ = ["BUILTINS", "FAMILIES", "Components", "ModelFamily", "PredictInputs", "StableDiffusion", "StableDiffusionXL",
            "StableDiffusion3", "Flux", "Flux2Klein", "build_tiny_pipeline", "by_name", "denoiser_names", "detect",
            "from_index", "of_pipeline", "read_index", "register", "stored_dtypes", "supported", "unregister"]

@@ -69,6 +69,21 @@ class Components:
         self.denoiser = self.modules.get(self.family.denoiser_name)
 
 
+@dataclass(frozen=True)
+class PredictInputs:
+    """What a family's denoiser call (`ModelFamily.predict`) reads beyond the noisy latents, the
+    timesteps and the prompt embeddings."""
+
+    #: train.resolution (SDXL's target size where a row has none)
+    resolution: int
+    #: the guidance input of guidance-distilled bases (FLUX); others have none
+    guidance_scale: float
+    #: SDXL's micro-conditioning per row, (n, 2) long tensors: source size, crop corner, target size
+    original_sizes: Any = None
+    crops_top_left: Any = None
+    target_sizes: Any = None
+
+
 class ModelFamily:
     """One model family. Subclasses set the class attributes and override what differs."""
 
@@ -240,9 +255,8 @@ class ModelFamily:
 
     @classmethod
     def predict(cls, denoiser: Any, noisy_latents: Any, timesteps: Any, hidden: Any, pooled: Any,
-                batch: dict[str, Any], settings: Any) -> Any:
-        """The denoiser's prediction, in the latents' shape. `settings`: the train config (resolution,
-        guidance_scale)."""
+                inputs: PredictInputs) -> Any:
+        """The denoiser's prediction, in the latents' shape."""
         raise NotImplementedError
 
     @classmethod

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from tasks.common.families.base import PredictInputs
 from tasks.common.families.flow import FlowMatchingFamily, flow_scheduler
 from tasks.common.families.tiny import clip_text_config, clip_tokenizer, seeded, t5_config, t5_tokenizer, tiny_vae
 
@@ -41,7 +42,7 @@ class Flux(FlowMatchingFamily):
 
     @classmethod
     def predict(cls, denoiser: Any, noisy_latents: Any, timesteps: Any, hidden: Any, pooled: Any,
-                batch: dict[str, Any], settings: Any) -> Any:
+                inputs: PredictInputs) -> Any:
         import torch
         from diffusers import FluxPipeline
 
@@ -51,7 +52,7 @@ class Flux(FlowMatchingFamily):
         txt_ids = torch.zeros(hidden.shape[1], 3, device=packed.device, dtype=packed.dtype)
         guidance = None
         if getattr(denoiser, "module", denoiser).config.guidance_embeds:  # (DDP wraps it in .module)
-            guidance = torch.full((b,), float(settings.guidance_scale), device=packed.device)
+            guidance = torch.full((b,), float(inputs.guidance_scale), device=packed.device)
         pred = denoiser(hidden_states=packed, timestep=timesteps / 1000, guidance=guidance,
                         pooled_projections=pooled, encoder_hidden_states=hidden, txt_ids=txt_ids, img_ids=img_ids,
                         return_dict=False)[0]

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
+from tasks.common.families.base import PredictInputs
 from tasks.common.families.flow import FlowMatchingFamily, flow_scheduler
 from tasks.common.families.tiny import qwen3_config, qwen_tokenizer, seeded
 
@@ -80,7 +81,7 @@ class Flux2Klein(FlowMatchingFamily):
 
     @classmethod
     def predict(cls, denoiser: Any, noisy_latents: Any, timesteps: Any, hidden: Any, pooled: Any,
-                batch: dict[str, Any], settings: Any) -> Any:
+                inputs: PredictInputs) -> Any:
         from diffusers import Flux2KleinPipeline
 
         b, c, h, w = noisy_latents.shape
@@ -91,7 +92,7 @@ class Flux2Klein(FlowMatchingFamily):
         if getattr(denoiser, "module", denoiser).config.guidance_embeds:  # (DDP wraps it in .module)
             import torch
 
-            guidance = torch.full((b,), float(settings.guidance_scale), device=packed.device)
+            guidance = torch.full((b,), float(inputs.guidance_scale), device=packed.device)
         pred = denoiser(hidden_states=packed, timestep=timesteps / 1000, guidance=guidance,
                         encoder_hidden_states=hidden, txt_ids=txt_ids, img_ids=img_ids, return_dict=False)[0]
         return pred[:, : h * w].permute(0, 2, 1).reshape(b, c, h, w)

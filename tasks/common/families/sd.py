@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from tasks.common.families.base import Components, ModelFamily
+from tasks.common.families.base import Components, ModelFamily, PredictInputs
 from tasks.common.families.tiny import clip_text_config, clip_tokenizer, ddpm_kwargs, seeded, tiny_vae
 
 
@@ -38,7 +38,7 @@ class StableDiffusion(ModelFamily):
 
     @classmethod
     def predict(cls, denoiser: Any, noisy_latents: Any, timesteps: Any, hidden: Any, pooled: Any,
-                batch: dict[str, Any], settings: Any) -> Any:
+                inputs: PredictInputs) -> Any:
         return denoiser(noisy_latents, timesteps, encoder_hidden_states=hidden, return_dict=False)[0]
 
     @classmethod

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from tasks.common.families.base import PredictInputs
 from tasks.common.families.flow import FlowMatchingFamily, flow_scheduler
 from tasks.common.families.tiny import clip_text_config, clip_tokenizer, seeded, t5_config, t5_tokenizer, tiny_vae
 
@@ -62,7 +63,7 @@ class StableDiffusion3(FlowMatchingFamily):
 
     @classmethod
     def predict(cls, denoiser: Any, noisy_latents: Any, timesteps: Any, hidden: Any, pooled: Any,
-                batch: dict[str, Any], settings: Any) -> Any:
+                inputs: PredictInputs) -> Any:
         return denoiser(hidden_states=noisy_latents, timestep=timesteps, encoder_hidden_states=hidden,
                         pooled_projections=pooled, return_dict=False)[0]
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from tasks.common.errors import UserError
-from tasks.common.families.base import Components, ModelFamily
+from tasks.common.families.base import Components, ModelFamily, PredictInputs
 from tasks.common.families.tiny import clip_text_config, clip_tokenizer, ddpm_kwargs, seeded, tiny_vae
 
 REFINER = ("an SDXL refiner (one OpenCLIP text encoder) has no supported original single-file layout here; "
@@ -47,11 +47,11 @@ class StableDiffusionXL(ModelFamily):
 
     @classmethod
     def predict(cls, denoiser: Any, noisy_latents: Any, timesteps: Any, hidden: Any, pooled: Any,
-                batch: dict[str, Any], settings: Any) -> Any:
+                inputs: PredictInputs) -> Any:
         if pooled is None:
             raise RuntimeError("SDXL conditioning needs the pooled embeds of text_encoder_2")
-        time_ids = add_time_ids(batch["original_sizes"], batch["crops_top_left"], settings.resolution,
-                                batch.get("target_sizes"))
+        time_ids = add_time_ids(inputs.original_sizes, inputs.crops_top_left, inputs.resolution,
+                                inputs.target_sizes)
         added = {"text_embeds": pooled, "time_ids": time_ids.to(hidden.device, hidden.dtype)}
         return denoiser(noisy_latents, timesteps, encoder_hidden_states=hidden, added_cond_kwargs=added,
                         return_dict=False)[0]

@@ -23,6 +23,7 @@ from tqdm import tqdm
 from tasks.common.errors import UserError
 from tasks.common.memory import release_memory
 from tasks.common.quantize import has_quantized, place_quantized
+from tasks.train.batch import Batch
 from tasks.train.concepts import concept_layout, concept_prompts, concept_validation_prompts, log_concepts, weighted
 from tasks.train.config import TrainConfig
 from tasks.train.data import CaptionPolicy, Record, TrainDataset, collate, latent_key, prepare_image, read_imagefolder
@@ -171,10 +172,9 @@ class TrainingMethod:
         dataset.masked, dataset.unmasked_probability = check_masks(self.cfg, instances)
         return dataset
 
-    def collate(self, examples: list[dict[str, Any]]) -> dict[str, Any]:
+    def collate(self, examples: list[dict[str, Any]]) -> Batch:
         batch = collate(examples)
-        batch["input_ids"] = self.components.family.tokenize(self.components, batch["prompts"],
-                                                             self.cfg.max_sequence_length)
+        batch.input_ids = self.components.family.tokenize(self.components, batch.prompts, self.cfg.max_sequence_length)
         return batch
 
     def validation_prompts(self) -> list[str]:
@@ -308,34 +308,35 @@ class TrainingMethod:
                  self.text_cache_seconds, ", ".join(names))
 
     def compute_loss(
-        self, batch: dict[str, Any], modules: dict[str, torch.nn.Module]
+        self, batch: Batch, modules: dict[str, torch.nn.Module]
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """(loss to backpropagate, extra scalars to log, as 0-d tensors) for one micro-batch."""
         c, cfg = self.components, self.cfg
-        rand = RowRandom(batch["noise_seeds"]) if "noise_seeds" in batch else None  # per example, any rank
+        rand = RowRandom(batch.noise_seeds)  # per example, any rank
         with torch.no_grad():
             scale = c.family.scale_latents
             if self.latent_cache is not None:
                 latents = self.latent_cache.latents(modules["vae"], batch, rand, scale)
             else:
-                latents = encode_latents(modules["vae"], batch["pixels"], rand, scale)
+                latents = encode_latents(modules["vae"], batch.pixels, rand, scale)
         noised = self.objective.noise(latents, rand)
         family = c.family
         encoders = [modules[n] for n in c.text_encoder_names()]
         if self.prompt_cache is not None:
             with torch.no_grad():
                 hidden, pooled = self.prompt_cache.lookup(
-                    batch["prompts"], batch["input_ids"], lambda ids: family.encode_prompt(c, ids, encoders),
+                    batch.prompts, batch.input_ids, lambda ids: family.encode_prompt(c, ids, encoders),
                     latents.device)
         else:
-            hidden, pooled = family.encode_prompt(c, batch["input_ids"], encoders)
+            hidden, pooled = family.encode_prompt(c, batch.input_ids, encoders)
         sample = noised.noisy_latents
         if cfg.channels_last:
             sample = sample.contiguous(memory_format=torch.channels_last)
-        pred = family.predict(modules[family.denoiser_name], sample, noised.timesteps, hidden, pooled, batch, cfg)
-        losses = self.objective.loss(pred, noised, loss_weights(cfg, batch, pred))
+        pred = family.predict(modules[family.denoiser_name], sample, noised.timesteps, hidden, pooled,
+                              batch.predict_inputs(cfg.resolution, cfg.guidance_scale))
+        losses = self.objective.loss(pred, noised, loss_weights(cfg, batch.masks, batch.mask_off, pred))
         losses = weighted(losses, batch, self.concepts_seen)  # each row's concept weight; examples counted
-        n = batch["num_instances"]
+        n = batch.num_instances
         if n == losses.shape[0]:
             loss = losses.mean()
             return loss, {"instance_loss": loss.detach()}  # read after the step (XLA: no extra sync)
@@ -343,9 +344,9 @@ class TrainingMethod:
         loss = instance_loss + cfg.prior_loss_weight * prior_loss
         return loss, {"instance_loss": instance_loss.detach(), "prior_loss": prior_loss.detach()}
 
-    def images_in(self, batch: dict[str, Any]) -> int:
+    def images_in(self, batch: Batch) -> int:
         """Images one micro-batch pushes through the denoiser (for images/s)."""
-        return len(batch["latent_keys"])
+        return len(batch.latent_keys)
 
     def disk_latents(self) -> Any:
         """The disk latent store the data loader may read instead of decoding images (None: decode all)."""

@@ -1,0 +1,59 @@
+"""One training batch: what data.collate builds and the loss, the caches, the masks and the
+families' denoiser call read (rows: the instance images first, then their class images)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, replace
+from typing import Any
+
+import torch
+
+from tasks.common.families import PredictInputs
+
+
+@dataclass
+class Batch:
+    #: the decoded rows' pixels (n, 3, H, W) in [-1, 1]; empty when every row came from the disk cache
+    pixels: torch.Tensor
+    prompts: list[str]
+    #: each row's key in the latent cache, and the seed of its noise (the same on any rank)
+    latent_keys: list[str]
+    noise_seeds: list[int]
+    #: SDXL's micro-conditioning, (n, 2) each: source size, crop corner, size trained at
+    original_sizes: torch.Tensor
+    crops_top_left: torch.Tensor
+    target_sizes: torch.Tensor
+    #: how many rows are instance images (the rest are class images, for prior preservation)
+    num_instances: int
+    #: the concept of each instance row (None outside concepts)
+    concepts: list[str | None]
+    #: subject masks per row ([1, H, W] at pixel size, or at latent size from the disk cache; None:
+    #: none); `mask_off`: the row trains unmasked (class images, unmasked_probability)
+    masks: list[Any]
+    mask_off: list[bool]
+    #: posterior parameters of the rows read from the disk latent cache (None for decoded rows);
+    #: None when every row was decoded
+    cached_latents: list[Any] | None = None
+    #: each row's concept loss weight, only where one is not 1
+    loss_weights: torch.Tensor | None = None
+    #: token ids per tokenizer (TrainingMethod.collate adds them)
+    input_ids: list[torch.Tensor] | None = None
+
+    def to(self, device: Any, non_blocking: bool = False) -> Batch:
+        """The batch with its tensors on `device` (accelerate's data loader calls this)."""
+        return replace(self, **{f.name: _to(getattr(self, f.name), device, non_blocking) for f in fields(self)})
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """The top-level tensor fields by name (the XLA back end shards and logs them)."""
+        return {f.name: v for f in fields(self) if isinstance(v := getattr(self, f.name), torch.Tensor)}
+
+    def predict_inputs(self, resolution: int, guidance_scale: float) -> PredictInputs:
+        """What a family's denoiser call reads from this batch and the train settings."""
+        return PredictInputs(resolution, guidance_scale, self.original_sizes, self.crops_top_left, self.target_sizes)
+
+
+def _to(value: Any, device: Any, non_blocking: bool) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.to(device, non_blocking=non_blocking)
+    if isinstance(value, list) and any(isinstance(v, torch.Tensor) for v in value):
+        return [v.to(device, non_blocking=non_blocking) if isinstance(v, torch.Tensor) else v for v in value]
+    return value
