@@ -100,7 +100,7 @@ def test_method_prompts(tmp_path) -> None:
     record = read_imagefolder(folder, "x", "f")[0]
     rng = np.random.default_rng(0)
     assert METHODS["dreambooth"](TrainConfig()).prompt(record, rng) == "a photo of sks toy"
-    assert METHODS["full"](TrainConfig()).prompt(record, rng) == "a red plush toy", "full: the captions"
+    assert METHODS["full"](TrainConfig(method="full")).prompt(record, rng) == "a red plush toy", "full: the captions"
     ti = METHODS["textual_inversion"](TrainConfig(
         method="textual_inversion", placeholder_token="<t>", initializer_token="toy", num_vectors=3,
         with_prior_preservation=False))
