@@ -49,28 +49,31 @@ class BasePrecision:
     library: str
 
     @classmethod
-    def parse(cls, value: str) -> BasePrecision | None:
-        """None for `none`; ValueError naming the choices for a value that is not one."""
+    def parse(cls, value: str, key: str = "base_model_precision") -> BasePrecision | None:
+        """None for `none`; ValueError naming the choices (and `key`, the setting it came from) for a
+        value that is not one."""
         if value == "none":
             return None
         precision, _, library = value.partition("-")
         library = library or DEFAULT_LIBRARY.get(precision, "")
         if (precision, library) not in COMBINATIONS:
-            raise ValueError(f"base_model_precision: {value!r} is not one of {', '.join(CHOICES)}")
+            raise ValueError(f"{key}: {value!r} is not one of {', '.join(CHOICES)}")
         return cls(precision, library)
 
     @property
     def name(self) -> str:
         return f"{self.precision}-{self.library}"
 
-    def problem(self, device_type: str | None = None, adapter: str | None = None) -> str | None:
-        """Why this precision cannot train here (package, device, adapter type), or None."""
-        key = f"train.base_model_precision: {self.name}"
+    def problem(self, device_type: str | None = None, adapter: str | None = None,
+                key: str = "base_model_precision") -> str | None:
+        """Why this precision (the value of train.`key`) cannot train here (package, device, adapter
+        type), or None."""
+        setting, key = key, f"train.{key}: {self.name}"
         if not _installed(MODULES[self.library]):
             return f"{key} needs the {PACKAGES[self.library]} package (pip install {PACKAGES[self.library]})"
         if device_type is not None and device_type not in DEVICES[self.library]:
             where = " and ".join(sorted(DEVICES[self.library]))
-            return f"{key} has no kernels on {device_type}; it trains on {where}: set base_model_precision: none here"
+            return f"{key} has no kernels on {device_type}; it trains on {where}: set {setting}: none here"
         if adapter in UNSUPPORTED_ADAPTERS.get((self.precision, self.library), set()):
             return (f"{key} cannot train lora_type: {adapter} (peft's {adapter} layer fails on these quantized "
                     f"layers); with {adapter} use one of {', '.join(choices_for(adapter))}")

@@ -116,9 +116,9 @@ def text_precision_problem(cfg: Any) -> str | None:
     """Why `train.text_encoder_precision` cannot go with this config, or None: the encoders must stay
     frozen (textual inversion and train_text_encoder train through them)."""
     try:
-        precision = BasePrecision.parse(cfg.text_encoder_precision)
+        precision = BasePrecision.parse(cfg.text_encoder_precision, "text_encoder_precision")
     except ValueError as err:
-        return str(err).replace("base_model_precision", "text_encoder_precision")
+        return str(err)
     if precision is None:
         return None
     key = f"text_encoder_precision: {cfg.text_encoder_precision}"
@@ -137,5 +137,4 @@ def text_precision_problem(cfg: Any) -> str | None:
                 "CLIP and T5); use text_encoder_precision: int8")
     if cfg.launcher == "xla":
         return f"{key}: XLA has none of the quantized kernels; use launcher local, accelerate or mpirun"
-    problem = precision.problem()
-    return problem.replace("base_model_precision", "text_encoder_precision") if problem else None
+    return precision.problem(key="text_encoder_precision")

@@ -203,9 +203,9 @@ def _load_parts(cfg: TrainConfig, base: Path, method: TrainingMethod, accelerato
 def base_precision(cfg: TrainConfig, device: torch.device, key: str = "base_model_precision"
                    ) -> BasePrecision | None:
     """The quantized base `train.<key>` asks for, refused where the device has no kernels."""
-    quantize = BasePrecision.parse(getattr(cfg, key))
-    if quantize is not None and (problem := quantize.problem(device.type)):
-        raise UserError(f"params.yaml: {problem.replace('base_model_precision', key)}")
+    quantize = BasePrecision.parse(getattr(cfg, key), key)
+    if quantize is not None and (problem := quantize.problem(device.type, key=key)):
+        raise UserError(f"params.yaml: {problem}")
     return quantize
 
 
