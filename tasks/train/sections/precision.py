@@ -1,0 +1,95 @@
+"""Precision and memory: autocast, bf16 weights, a quantized base and text encoders, gradient
+checkpointing, the latent and text caches (in memory or on disk), the memory format."""
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field
+
+from tasks.common.config import StageConfig
+from tasks.train.methods.spec import method_spec, names_training
+
+
+def cxx_compiler() -> str | None:
+    """The C++ compiler torch.compile's CPU code needs (inductor's: $CXX, else g++), or None."""
+    return shutil.which(os.environ.get("CXX") or "g++")
+
+
+class PrecisionSection(StageConfig):
+    mixed_precision: Literal["no", "bf16", "fp16"] = Field(
+        "no", description="no | bf16 (autocast, also on CPU) | fp16 (CUDA only)"
+    )
+    full_bf16: bool | None = Field(
+        None, description="hold the weights dreambooth and full train in bf16, updated by AdamW in float32 with "
+                          "stochastic rounding (kohya's --full_bf16): no float32 weights or gradients; null: "
+                          "on for those methods on a CPU with mixed_precision bf16 (tasks/train/README.md)")
+    allow_tf32: bool = Field(False, description="TF32 matmuls on Ampere+ GPUs")
+    # a quantized frozen base (QLoRA)
+    base_model_precision: str = Field(
+        "none", description="none | int8 | fp8 | nf4, or with a library: int8-quanto, int8-bnb, fp8-quanto "
+                            "(the denoiser's Linear layers quantized as they load; lora and textual_inversion)")
+    text_encoder_precision: str = Field(
+        "none", description="the frozen text encoders quantized as they load, while they build the text cache "
+                            "(CLIP, T5-XXL): none | int8 (torchao)")
+    # memory
+    gradient_checkpointing: bool = Field(False, description="trade compute for memory in the UNet")
+    # caches
+    cache_latents: bool = Field(True, description="encode each image once (off by itself with random crops)")
+    cache_text_encoder_outputs: bool = Field(
+        True, description="encode each prompt once (off by itself when the text encoder trains or tags shuffle)"
+    )
+    cache_latents_to_disk: bool = Field(
+        False, description="keep the latent cache in files under disk_cache_dir, reused by later runs and resumes "
+                           "(memory then does not grow with the dataset; a cached image is not decoded)"
+    )
+    cache_text_encoder_outputs_to_disk: bool = Field(
+        False, description="keep the text embedding cache in files under disk_cache_dir, reused by later runs"
+    )
+    disk_cache_dir: Path = Field(
+        Path(".cache/encoded"), description="the disk caches: <this>/<VAE fingerprint>/, <this>/text-<encoders>/ "
+                                            "and <this>/files/ (image hashes by file identity)"
+    )
+    channels_last: bool = Field(False, description="channels-last memory format for the UNet and VAE")
+
+    def _precision_problem(self) -> str | None:
+        if self.mixed_precision == "fp16":
+            import torch
+
+            if not torch.cuda.is_available():
+                return ("mixed_precision fp16 needs a CUDA GPU (CPUs have no fp16 autocast for training); "
+                        "use bf16 or no")
+        if self.full_bf16:
+            return self._full_bf16_problem()
+        return None
+
+    def _full_bf16_problem(self) -> str | None:
+        if self.mixed_precision != "bf16":
+            return "full_bf16 needs mixed_precision: bf16 (or set full_bf16: null)"
+        if method_spec(self.method).frozen_base:
+            return (f"full_bf16 holds the weights that {' and '.join(names_training('weights'))} train; {self.method} "
+                    "trains small tensors kept in float32: set full_bf16: null")
+        clash = {"use_8bit_adam": self.use_8bit_adam, "use_ema": self.use_ema,
+                 "cpu_backend: ipex": self.cpu_backend == "ipex"}
+        if on := [k for k, v in clash.items() if v]:
+            return (f"full_bf16 comes with its own optimizer and float32 moments; {', '.join(on)} cannot go with "
+                    "it (8-bit moments, a bf16 EMA that loses its updates, IPEX's own float32 master weights): "
+                    "set full_bf16: false, or turn those off")
+        return None
+
+    def _cache_problem(self) -> str | None:
+        if self.cache_latents_to_disk and not self.cache_latents:
+            return "cache_latents_to_disk needs cache_latents: true"
+        if self.cache_text_encoder_outputs_to_disk and not self.cache_text_encoder_outputs:
+            return "cache_text_encoder_outputs_to_disk needs cache_text_encoder_outputs: true"
+        return None
+
+    def bf16_weights(self, device_type: str) -> bool:
+        """Whether the trained weights are held in bf16 (`full_bf16`; null: where measured to win, which
+        needs the fused update, so a C++ compiler for torch.compile)."""
+        if self.full_bf16 is not None:
+            return self.full_bf16
+        return (device_type == "cpu" and self.mixed_precision == "bf16" and not method_spec(self.method).frozen_base
+                and not (self.use_8bit_adam or self.use_ema or self.cpu_backend == "ipex") and bool(cxx_compiler()))

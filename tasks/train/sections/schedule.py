@@ -1,0 +1,44 @@
+"""How long, and what each step draws: steps, accumulation, the learning-rate schedule, the seed,
+the training target and noise, and the flow-matching timestep density (diffusers' names)."""
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from tasks.common.config import StageConfig
+
+LR_SCHEDULERS = ("constant", "constant_with_warmup", "linear", "cosine", "cosine_with_restarts", "polynomial")
+
+
+class ScheduleSection(StageConfig):
+    max_train_steps: int = Field(20, ge=1, description="optimizer steps")
+    gradient_accumulation_steps: int = Field(1, ge=1, le=1024, description="batches per optimizer step")
+    lr_scheduler: Literal[LR_SCHEDULERS] = Field("constant", description="learning-rate schedule")  # type: ignore[valid-type]
+    lr_warmup_steps: int = Field(0, ge=0, description="optimizer steps of linear warm-up from 0")
+    lr_num_cycles: int = Field(1, ge=1, description="restarts of cosine_with_restarts")
+    lr_power: float = Field(1.0, gt=0.0, description="power of the polynomial schedule")
+    seed: int = Field(0, ge=0, description="same seed and params give the same weights")
+    # the target and its noise (DDPM families)
+    prediction_type: Literal["epsilon", "v_prediction"] | None = Field(
+        None, description="training target; null: the base model's scheduler setting"
+    )
+    snr_gamma: float | None = Field(None, gt=0.0, description="Min-SNR loss weighting (5.0 recommended); null: off")
+    noise_offset: float = Field(0.0, ge=0.0, le=1.0, description="offset noise scale (0.05-0.1 typical)")
+    # flow matching (SD3/3.5, FLUX; the names of diffusers' train_dreambooth*_sd3/flux.py)
+    weighting_scheme: Literal["none", "sigma_sqrt", "logit_normal", "mode", "cosmap"] | None = Field(
+        None, description="timestep density and loss weighting; null: the family's (SD3 logit_normal, FLUX none)"
+    )
+    logit_mean: float = Field(0.0, description="mean of the logit_normal weighting scheme")
+    logit_std: float = Field(1.0, gt=0.0, description="std of the logit_normal weighting scheme")
+    mode_scale: float = Field(1.29, description="scale of the mode weighting scheme")
+    guidance_scale: float = Field(3.5, ge=0.0, description="FLUX guidance-distilled bases: the guidance input")
+    max_sequence_length: int | None = Field(
+        None, ge=1, le=512, description="T5 tokens per prompt; null: the family's (SD3 77, FLUX 512), at most "
+                                        "the tokenizer's"
+    )
+
+    def _schedule_problem(self) -> str | None:
+        if self.lr_warmup_steps > self.max_train_steps:
+            return "lr_warmup_steps is larger than max_train_steps"
+        return None
