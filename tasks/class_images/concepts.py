@@ -46,8 +46,12 @@ class _LazyPipeline:
 
     @property
     def config(self) -> Any:
-        """The pipeline's config (what families.of_pipeline reads), loading it if need be."""
+        """The pipeline's config and class (what families.of_pipeline reads), loading it if need be."""
         return self.loaded().config
+
+    @property
+    def diffusers_class_name(self) -> str:
+        return type(self.loaded()).__name__
 
     def __call__(self, **kwargs: Any) -> Any:
         return self.loaded()(**kwargs)
