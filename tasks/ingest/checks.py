@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import io
 import math
+import os
+import stat
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -21,8 +23,10 @@ REASONS: tuple[str, ...] = (
     # the file itself (decided from its name or while reading it)
     "outside_root",  # a symlink or metadata path leading outside the source root: never read
     "broken_symlink",  # points at nothing
+    "not_regular_file",  # a FIFO, device, socket or folder (or a link to one): never opened
     "unreadable",  # permission denied or another OS error while reading
     "empty_file",  # zero bytes
+    "oversized_file",  # a caption or metadata file over its byte cap (CAPTION_MAX_BYTES, ...)
     "unsupported_extension",  # not an image extension (and not a caption or metadata file)
     "orphan_caption",  # a caption file with no image beside it
     "orphan_mask",  # a `<stem>-masklabel.png` with no image of that stem beside it
@@ -47,6 +51,16 @@ REASONS: tuple[str, ...] = (
     "duplicate",  # the same bytes as a kept image
     "near_duplicate",  # perceptual hash within ingest.near_duplicate_distance of a kept image
 )
+
+
+#: Byte caps of the small text files read whole (the images are bounded by max_pixels instead).
+#: A caption is a sentence or a tag list: a few hundred bytes; 64 KiB is far above any real one.
+CAPTION_MAX_BYTES = 64 * 1024
+#: One image's JSON (the metadata_json source): a tag list and a score, a few KiB at most.
+METADATA_JSON_MAX_BYTES = 1024 * 1024
+#: An imagefolder's metadata.jsonl / metadata.csv, held in memory whole (as `datasets` does):
+#: 256 MiB is about a million rows with long captions.
+METADATA_MAX_BYTES = 256 * 1024 * 1024
 
 
 class Reject(Exception):
@@ -96,20 +110,63 @@ def inside_root(root: Path, path: Path) -> Path:
     return target
 
 
-def read_bytes(root: Path, path: Path) -> bytes:
-    """Read a file that must lie inside `root`; empty and unreadable files are rejected."""
-    target = inside_root(root, path)
+def read_bytes(root: Path, path: Path, max_bytes: int | None = None) -> bytes:
+    """Read a file that must lie inside `root`; see `read_regular` for what is rejected."""
+    return read_regular(inside_root(root, path), max_bytes)
+
+
+_KINDS = ((stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISCHR, "a character device"),
+          (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"), (stat.S_ISDIR, "a folder"))
+
+
+def read_regular(target: Path, max_bytes: int | None = None) -> bytes:
+    """The bytes of `target` (links resolved), only if it is a regular file of at most `max_bytes`.
+
+    `os.stat` decides before any open: a FIFO would block the reader for ever and a device may never
+    end, so they are rejected (`not_regular_file`) unopened; a file over `max_bytes` is rejected
+    (`oversized_file`) unread. The file is then opened non-blocking and checked again on its
+    descriptor, and at most `max_bytes` + 1 bytes are read, so one swapped in meanwhile or still
+    growing cannot block or overrun either. Empty and unreadable files are rejected too.
+    """
     try:
-        data = target.read_bytes()
+        info = os.stat(target)
+        _require_regular(info.st_mode, "never opened")
+        _check_size(info.st_size, max_bytes)
+        fd = os.open(target, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOCTTY", 0))
+        with os.fdopen(fd, "rb") as fh:
+            _require_regular(os.fstat(fh.fileno()).st_mode, "not read")
+            data = fh.read() if max_bytes is None else fh.read(max_bytes + 1)
     except OSError as err:
         raise Reject("unreadable", f"{type(err).__name__}: {err.strerror or err}") from None
+    _check_size(len(data), max_bytes)
     if not data:
         raise Reject("empty_file", "0 bytes")
     return data
 
 
+def _require_regular(mode: int, what: str) -> None:
+    if not stat.S_ISREG(mode):
+        kind = next((name for test, name in _KINDS if test(mode)), "a special file")
+        raise Reject("not_regular_file", f"{kind}, not a regular file: {what}; remove it or replace it with "
+                                         "the file itself")
+
+
+def _check_size(size: int, max_bytes: int | None) -> None:
+    if max_bytes is not None and size > max_bytes:
+        raise Reject("oversized_file", f"{_size(size)}, over the cap of {_size(max_bytes)} for this kind "
+                                       "of file; shorten it (or split it)")
+
+
+def _size(n: int) -> str:
+    """`70,000 bytes` / `64 KiB` / `256 MiB`: bytes exactly, caps in the unit they are set in."""
+    for unit, scale in (("MiB", 1024 ** 2), ("KiB", 1024)):
+        if n >= scale and n % scale == 0:
+            return f"{n // scale:,} {unit}"
+    return f"{n:,} bytes"
+
+
 @contextmanager
-def _pixel_limit(max_pixels: int) -> Iterator[None]:
+def pixel_limit(max_pixels: int) -> Iterator[None]:
     """Make PIL refuse images over `max_pixels` at open time (header only), then restore its limit.
 
     PIL warns above MAX_IMAGE_PIXELS and raises above twice that; both are turned into errors.
@@ -132,6 +189,26 @@ def draft_size(size: tuple[int, int], short_side: int | None) -> tuple[int, int]
     return (math.ceil(size[0] * scale), math.ceil(size[1] * scale))
 
 
+def open_header(data: bytes, max_pixels: int) -> Image.Image:
+    """Open `data` reading its header only (no pixel is decoded): the image, its pixels still unread.
+
+    Rejects `not_an_image`, `corrupt` (a malformed header) and `too_large` (more than `max_pixels`).
+    Call it inside `pixel_limit(max_pixels)`, so that PIL refuses a decompression bomb at open.
+    """
+    try:
+        image = Image.open(io.BytesIO(data))
+    except (Image.DecompressionBombError, Image.DecompressionBombWarning) as err:
+        raise Reject("too_large", str(err).split(".")[0]) from None
+    except UnidentifiedImageError:
+        raise Reject("not_an_image", "no image format recognised") from None
+    except Exception as err:  # PIL raises many types on malformed headers
+        raise Reject("corrupt", f"{type(err).__name__}: {err}") from None
+    w, h = image.size
+    if w * h > max_pixels:
+        raise Reject("too_large", f"{w}x{h} = {w * h} pixels > max_pixels {max_pixels}")
+    return image
+
+
 def decode(data: bytes, limits: Limits, short_side: int | None = None) -> tuple[Image.Image, tuple[int, int]]:
     """Open and fully decode `data`, checking size limits from the header before decoding pixels.
 
@@ -139,18 +216,9 @@ def decode(data: bytes, limits: Limits, short_side: int | None = None) -> tuple[
     (libjpeg's DCT scaling, 1/2 to 1/8, never below what is needed): several times faster.
     Returns the image and its size as stored in the file (before any reduction).
     """
-    with _pixel_limit(limits.max_pixels):
-        try:
-            image = Image.open(io.BytesIO(data))
-        except (Image.DecompressionBombError, Image.DecompressionBombWarning) as err:
-            raise Reject("too_large", str(err).split(".")[0]) from None
-        except UnidentifiedImageError:
-            raise Reject("not_an_image", "no image format recognised") from None
-        except Exception as err:  # PIL raises many types on malformed headers
-            raise Reject("corrupt", f"{type(err).__name__}: {err}") from None
+    with pixel_limit(limits.max_pixels):
+        image = open_header(data, limits.max_pixels)
         w, h = size = image.size
-        if w * h > limits.max_pixels:
-            raise Reject("too_large", f"{w}x{h} = {w * h} pixels > max_pixels {limits.max_pixels}")
         if min(w, h) < limits.min_side:
             raise Reject("too_small", f"{w}x{h}: short side < min_side {limits.min_side}")
         if max(w, h) / min(w, h) > limits.max_aspect_ratio:

@@ -28,6 +28,12 @@ TRAINING_TIME_KEYS = {
 }
 
 
+#: The most repeats a concept takes (a source's `repeats`, a kohya folder's `<repeats>_`): the train stage
+#: lays an epoch out with each image listed `repeats` times, so a huge count would build a huge list.
+#: The same cap as train.concepts' `repeats`.
+MAX_REPEATS = 10_000
+
+
 class ConceptFields(StageConfig):
     """What every source's rows say about their concept (several datasets trained in one run)."""
 
@@ -35,7 +41,7 @@ class ConceptFields(StageConfig):
         None, min_length=1, max_length=128,
         description="the concept its images belong to (train.concepts names it); null: none",
     )
-    repeats: int = Field(1, ge=1, le=10_000, description="times an epoch shows each of its images (kohya's)")
+    repeats: int = Field(1, ge=1, le=MAX_REPEATS, description="times an epoch shows each of its images (kohya's)")
 
     @field_validator("concept")
     @classmethod

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from tasks.common.errors import UserError
-from tasks.ingest.checks import Reject
+from tasks.ingest.checks import Reject, read_regular
 from tasks.ingest.config import HubSource
 from tasks.ingest.sources import Item
 from tasks.ingest.work import Task
@@ -68,9 +68,9 @@ def _read_local(src: HubSource, path: str) -> bytes:
     if root not in target.parents:
         raise Reject("outside_root", f"{path} lies outside the dataset folder {root}")
     try:
-        return target.read_bytes()
-    except OSError as err:
-        raise Reject("unreadable", f"{path}: {err}") from None
+        return read_regular(target)  # a FIFO or device is rejected unopened
+    except Reject as err:
+        raise Reject(err.reason, f"{path}: {err.detail}") from None
 
 
 def iter_hub(src: HubSource, label: str, key: str) -> Iterator[Item]:

@@ -16,6 +16,7 @@ from typing import Any
 
 from tasks.common.concepts import concept_name_problem
 from tasks.common.errors import UserError
+from tasks.ingest.config import MAX_REPEATS
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +54,10 @@ def concept_folders(root: Path, key: str) -> dict[str, ConceptFolder]:
                             f"(kohya's, e.g. `10_sks dog`); rename it, or {fix}")
         if concept.repeats < 1:
             raise UserError(f"{key}: sub-folder {sub.name!r}: repeats is at least 1; rename it")
+        if concept.repeats > MAX_REPEATS:
+            raise UserError(f"{key}: sub-folder {sub.name!r} of {root}: {concept.repeats} repeats is over the cap of "
+                            f"{MAX_REPEATS} (train.concepts' too); rename it with fewer, e.g. "
+                            f"`{MAX_REPEATS}_{concept.name}`")
         if problem := concept_name_problem(concept.name):
             raise UserError(f"{key}: sub-folder {sub.name!r}: {problem}; rename it")
         clash = [f for f, c in folders.items() if c.name == concept.name]

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from tasks.common.errors import UserError
-from tasks.ingest.checks import Reject, read_bytes
+from tasks.ingest.checks import METADATA_JSON_MAX_BYTES, Reject, read_bytes
 from tasks.ingest.config import MetadataJsonSource
 from tasks.ingest.sources import Item, source_root, walk
 from tasks.ingest.work import Task
@@ -118,7 +118,7 @@ def iter_metadata_json(src: MetadataJsonSource, label: str, key: str) -> Iterato
 def _item(src: MetadataJsonSource, label: str, root: Path, path: Path, rel: str) -> Item:
     extra: dict[str, Any] = {}
     try:
-        tags, score, image = parse(read_bytes(root, path))
+        tags, score, image = parse(read_bytes(root, path, METADATA_JSON_MAX_BYTES))
         extra["image"] = image
         tags = apply_rules(tags, score, src)
     except Reject as err:

@@ -24,7 +24,7 @@ from typing import Any
 
 from tasks.common.errors import UserError
 from tasks.ingest import kohya
-from tasks.ingest.checks import Reject, read_bytes
+from tasks.ingest.checks import METADATA_MAX_BYTES, Reject, read_bytes
 from tasks.ingest.config import FolderSource, ImageFolderSource
 from tasks.ingest.masks import MASKLABEL_SUFFIX
 from tasks.ingest.work import Task
@@ -273,7 +273,7 @@ def _read_imagefolder_metadata(
             meta_rel = _rel(root, here / meta)
             base = posixpath.dirname(meta_rel)
             try:
-                rows, has_column = _rows(read_bytes(root, here / meta), meta, column)
+                rows, has_column = _rows(read_bytes(root, here / meta, METADATA_MAX_BYTES), meta, column)
             except Reject as err:
                 raise UserError(f"{key}: metadata file {meta_rel}: {err}") from None
             seen_column |= has_column

@@ -19,7 +19,7 @@ from PIL import Image
 
 from tasks.common.images import apply_exif_orientation, resize_and_crop, resize_short_side, to_rgb
 from tasks.ingest.cache import Store
-from tasks.ingest.checks import Limits, Reject, decode, read_bytes
+from tasks.ingest.checks import CAPTION_MAX_BYTES, Limits, Reject, decode, read_bytes
 from tasks.ingest.masks import alpha_of, encode_png, finish, has_alpha, read_mask
 
 log = logging.getLogger(__name__)
@@ -139,10 +139,11 @@ def read_mask_file(root: Path, path: Path) -> bytes:
 def read_caption(root: Path, path: Path) -> str | None:
     """A sidecar caption's text (whitespace collapsed), or None when empty.
 
-    Read through the root-confined reader: a caption linking outside the root rejects the image.
+    Read through the root-confined reader: a caption linking outside the root rejects the image,
+    as does one that is no regular file (a FIFO, ...) or is over CAPTION_MAX_BYTES.
     """
     try:
-        data = read_bytes(root, path)
+        data = read_bytes(root, path, CAPTION_MAX_BYTES)
     except Reject as err:
         if err.reason == "empty_file":
             return None
@@ -212,7 +213,7 @@ def _mask(upright: Image.Image, source_size: tuple[int, int], mask_file: tuple[b
     """(the upright "L" mask at the decoded image's size, its source), or (None, None) without one."""
     if mask_file is not None:
         data, name, source = mask_file
-        mask = read_mask(data, name, source_size, upright.size)
+        mask = read_mask(data, name, source_size, upright.size, s.limits.max_pixels)
     elif s.alpha_mask and has_alpha(upright):
         mask, name, source = alpha_of(upright), "(the alpha channel)", "alpha"
     else:

@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import io
 import json
+import os
 from pathlib import Path
 from typing import Any
 
 from PIL import Image
 
-from tests.ingest.util import picture, save
+from tasks.ingest.checks import CAPTION_MAX_BYTES
+from tests.ingest.util import bomb_png, picture, save
 
 PARAMS: dict[str, Any] = {
     "max_pixels": 4_000_000,
@@ -58,6 +60,7 @@ def build(root: Path) -> tuple[list[dict], dict[tuple[str, str], str]]:
     photo("caption/none.png", "empty_caption", 10, caption=None)
     photo("caption/blank.png", "empty_caption", 11, caption=" \n\t")
     photo("caption/long.png", "long_caption", 12, caption=" ".join(["word"] * 30))
+    photo("caption/huge.png", "oversized_file", 16, caption="word " * (CAPTION_MAX_BYTES // 5 + 1))
     photo("pixels/tiny.png", "too_small", 13, size=(20, 20))
     photo("pixels/banner.png", "aspect_ratio", 14, size=(500, 100))
     (folder / "pixels").mkdir(exist_ok=True)
@@ -65,6 +68,8 @@ def build(root: Path) -> tuple[list[dict], dict[tuple[str, str], str]]:
     expected[(f, "pixels/bomb.png")] = "too_large"
     (folder / "pixels/zero.jpg").write_bytes(b"")
     expected[(f, "pixels/zero.jpg")] = "empty_file"
+    os.mkfifo(folder / "pixels/pipe.png")  # opening it to read would block for ever: never opened
+    expected[(f, "pixels/pipe.png")] = "not_regular_file"
     (folder / "pixels/fake.webp").write_text("I am text")
     expected[(f, "pixels/fake.webp")] = "not_an_image"
     whole = _png(picture(15, (200, 200)))
@@ -85,6 +90,8 @@ def build(root: Path) -> tuple[list[dict], dict[tuple[str, str], str]]:
     save(folder / "masked/kept-masklabel.png", Image.new("L", (96, 96), 200))
     photo("masked/small.png", "bad_mask", 14)  # its mask is not its size
     save(folder / "masked/small-masklabel.png", Image.new("L", (48, 48), 255))
+    photo("masked/bomb.png", "bad_mask", 17)  # its mask claims 182 million pixels: never decoded
+    (folder / "masked/bomb-masklabel.png").write_bytes(bomb_png(14_000, 13_000))
     save(folder / "masked/alone-masklabel.png", Image.new("L", (96, 96), 255))
     expected[(f, "masked/alone-masklabel.png")] = "orphan_mask"
     (folder / "escape.png").symlink_to(outside / "secret.png")

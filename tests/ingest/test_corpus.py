@@ -14,6 +14,7 @@ from tests.ingest.util import config, run
 pytestmark = pytest.mark.quick  # make test-fast
 
 
+@pytest.mark.timeout(120)  # the corpus holds a FIFO: opening it to read would hang the run
 def test_every_input_is_kept_or_rejected_with_the_expected_reason(tmp_path: Path) -> None:
     sources, expected = build(tmp_path / "corpus")
     r = run(config(sources, workers=2, cache_dir=str(tmp_path / "cache"), **PARAMS), tmp_path / "out")

@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import json
+import struct
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -30,6 +32,18 @@ def save(path: Path, image: Image.Image, caption: str | None = None, **kw: Any) 
     if caption is not None:
         path.with_suffix(".txt").write_text(caption, encoding="utf-8")
     return path
+
+
+def bomb_png(width: int, height: int) -> bytes:
+    """A 1-bit all-black PNG of `width` x `height`, written row by row: a few KiB on disk however many
+    pixels it claims (PIL would need width x height bytes of memory to make it, or to decode it)."""
+    def chunk(kind: bytes, body: bytes) -> bytes:
+        return struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body))
+
+    pack, row = zlib.compressobj(9), b"\0" * (1 + (width + 7) // 8)
+    pixels = b"".join(pack.compress(row) for _ in range(height)) + pack.flush()
+    header = struct.pack(">IIBBBBB", width, height, 1, 0, 0, 0, 0)  # 1 bit, greyscale
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", pixels) + chunk(b"IEND", b"")
 
 
 def config(sources: list[dict] | Path, **overrides: Any) -> IngestConfig:
