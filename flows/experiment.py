@@ -8,16 +8,18 @@ This module does what `--temp` does, with those inputs carried over:
 
 1. `git worktree add --detach` of HEAD under `.dvc/tmp/flow-exps/<name>` (git-ignored), sharing
    the repository's refs and DVC cache (`dvc cache dir --local`);
-2. the workspace's uncommitted changes to tracked files, its untracked files that git does not
-   ignore, and every dep and out of dvc.yaml that git does not track are carried over: copied,
+2. the workspace's uncommitted changes to tracked files and its untracked files that git does
+   not ignore are carried over; the overrides are written into the experiment's params.yaml only;
+   then every dep and out of dvc.yaml that git does not track, as DVC reads dvc.yaml there (its
+   `${...}` filled in from that params.yaml, overrides included: `${ingest.data_dir}`, the
+   folder of your images), is carried over: copied,
    except the files of cached, non-persistent outputs, which are hard-linked when possible (DVC
    deletes such an output before its stage runs and stages write outputs to a new folder, so a
    link is never written through; dvc.lock, params.yaml, .gitignore, reports and persistent
    outputs are written in place and are always copies);
-3. the overrides are written into the experiment's params.yaml only;
-4. after the stages ran, `dvc exp save --name <name>` records the experiment in the repository,
+3. after the stages ran, `dvc exp save --name <name>` records the experiment in the repository,
    listed by `dvc exp show` and restorable with `dvc exp apply <name>`;
-5. the worktree is removed, success or failure. The workspace, params.yaml and dvc.lock included,
+4. the worktree is removed, success or failure. The workspace, params.yaml and dvc.lock included,
    is left exactly as it was.
 
 Deletion stays inside what this module made: `.dvc/tmp/flow-exps` carries the project's marker
@@ -36,8 +38,6 @@ from contextlib import contextmanager
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
-
-import yaml
 
 from flows.dvc_stage import run_dvc
 from flows.params import apply_overrides
@@ -121,21 +121,37 @@ def _carry(root: Path, dest: Path, rel: str, link: bool = False) -> None:
         copy(str(src), str(dst))
 
 
-def _pipeline_paths(root: Path) -> tuple[list[str], set[str]]:
-    """Every dep, out, metric and plot path of dvc.yaml's stages; and the linkable ones (cached,
-    non-persistent outs)."""
-    stages = (yaml.safe_load((root / "dvc.yaml").read_text()) or {}).get("stages") or {}
-    paths: list[str] = []
-    linkable: set[str] = set()
-    for stage in stages.values():
-        for kind in ("deps", "outs", "metrics", "plots"):
-            for entry in stage.get(kind) or []:
-                path = next(iter(entry)) if isinstance(entry, dict) else entry
-                opts = (entry[path] or {}) if isinstance(entry, dict) else {}
-                paths.append(str(path))
-                if (kind == "outs" and opts.get("cache", True) and not opts.get("persist", False)):
-                    linkable.add(str(path))
-    return list(dict.fromkeys(paths)), linkable
+def _repo_path(entry: Any, root_dir: str) -> str | None:
+    """A DVC dep or out as a path relative to the repository (its stage's `wdir` applied; an
+    absolute one as written); None for one that is not a local path (a URL, a remote)."""
+    if entry.protocol != "local":
+        return None
+    if os.path.isabs(entry.def_path):
+        return str(entry.def_path)
+    return os.path.relpath(entry.fs_path, root_dir)
+
+
+def _pipeline_paths(dest: Path) -> tuple[list[str], set[str]]:
+    """Every dep, out, metric and plot path of the stages in `dest`'s dvc.yaml, as DVC resolves
+    them (`${...}` from `dest`'s params.yaml, foreach/matrix expanded); and the linkable ones
+    (cached, non-persistent outs that are no metric or plot). Params files are not paths to carry."""
+    from dvc.dependency.param import ParamsDependency
+    from dvc.exceptions import DvcException
+    from dvc.repo import Repo
+
+    try:
+        with Repo(str(dest)) as repo:
+            stages = repo.stage.load_file(os.path.join(repo.root_dir, "dvc.yaml"))
+            deps = [_repo_path(d, repo.root_dir) for s in stages for d in s.deps
+                    if not isinstance(d, ParamsDependency)]
+            outs = [(_repo_path(o, repo.root_dir), o.use_cache and not (o.persist or o.metric or o.plot))
+                    for s in stages for o in s.outs]
+    except DvcException as err:
+        raise UserError(f"DVC cannot read the pipeline in {dest}: {err}. Fix dvc.yaml or "
+                        "params.yaml (or the overrides), then run again; `dvc stage list` shows "
+                        "the same error") from err
+    paths = [p for p in [*deps, *(path for path, _ in outs)] if p is not None]
+    return list(dict.fromkeys(paths)), {path for path, link in outs if link and path is not None}
 
 
 def _untracked_by_git(root: Path, paths: list[str]) -> list[str]:
@@ -145,13 +161,16 @@ def _untracked_by_git(root: Path, paths: list[str]) -> list[str]:
             and not any(t.startswith(p.rstrip("/") + "/") for t in tracked)]
 
 
-def populate(root: Path, dest: Path) -> None:
-    """Make `dest` (a worktree of HEAD) hold what the workspace holds, for the pipeline's sake."""
+def populate(root: Path, dest: Path, overrides: Mapping[str, Any] | None = None) -> None:
+    """Make `dest` (a worktree of HEAD) hold what the workspace holds, for the pipeline's sake,
+    with `overrides` in its params.yaml; the pipeline's paths are read after they are written
+    there, so a dependency named by a parameter (`${ingest.data_dir}`) is the one that runs."""
     changed = _null_split(_git(root, "diff", "--name-only", "-z", "HEAD"))
     untracked = _null_split(_git(root, "ls-files", "--others", "--exclude-standard", "-z"))
     for rel in [*changed, *untracked]:
         _carry(root, dest, rel)
-    paths, linkable = _pipeline_paths(root)
+    apply_overrides(dest / "params.yaml", overrides)
+    paths, linkable = _pipeline_paths(dest)
     for rel in _untracked_by_git(root, paths):
         _carry(root, dest, rel, link=rel in linkable)
     for local in (".dvc/config.local",):
@@ -175,8 +194,7 @@ def experiment_workspace(root: Path, name: str,
     safe_remove.mark(dest.parent, KIND)
     _git(root, "worktree", "add", "--detach", str(dest), "HEAD")
     try:
-        populate(root, dest)
-        apply_overrides(dest / "params.yaml", overrides)
+        populate(root, dest, overrides)
         yield dest
     finally:
         _git(root, "worktree", "remove", "--force", str(dest), check=False)

@@ -162,9 +162,10 @@ def finetune(
 ) -> dict[str, Any]:
     """Fine-tune: every DVC stage in dvc.yaml order (DVC skips unchanged ones), then register.
 
-    overrides: dotted params.yaml keys and values, e.g. {"train.max_train_steps": 5}; validated
-    against the stage configs before anything runs, then run as a DVC experiment in a workspace
-    of its own (flows/experiment.py): the tracked params.yaml and the outputs stay as they were.
+    overrides: dotted keys and values, e.g. {"train.max_train_steps": 5}: any key of
+    docs/parameters.md, written in params.yaml or not; validated against the stage configs
+    before anything runs, then run as a DVC experiment in a workspace of its own
+    (flows/experiment.py): the tracked params.yaml and the outputs stay as they were.
     register: register the model in MLflow (alias `candidate`; `champion` when the gate passed
     and it beats the current champion on register.primary_metric).
     only_if_changed: first compare data, code and params with the last registered version
@@ -174,15 +175,25 @@ def finetune(
     root = REPO
     flow_run_id = _flow_run_id()
     with workspace_lock(root, owner=f"flow run {flow_run_id}" if flow_run_id else ""):
-        applied = validate_overrides(root / "params.yaml", overrides)  # bad ones fail here, first
-        if applied:
-            experiment.require_git(root)
+        applied = check_overrides(root, overrides)  # bad ones fail here, first
         wait_for_server(tracking_uri(root))  # bounded; a clear error before anything runs
         stages = stage_names(root / "dvc.yaml")
         summary = _run(root, stages, applied, register, only_if_changed, flow_run_id)
     _publish(summary, root)
     logger.info("pipeline done: %s", json.dumps(summary))
     return summary
+
+
+def check_overrides(root: Path, overrides: dict[str, Any] | None) -> dict[str, Any]:
+    """`overrides` as they will be applied, once each key is known (in params.yaml or defined by
+    its stage's typed config: docs/parameters.md) and each section it changes still validates as
+    that config; and, when there are any, the git repository they run in as a DVC experiment.
+    A UserError naming the key otherwise. Reads files only (and asks git): the CLI calls it before
+    Prefect starts a server, the flow again for runs started by a deployment."""
+    applied = validate_overrides(root / "params.yaml", overrides)
+    if applied:
+        experiment.require_git(root)
+    return applied
 
 
 def _run(root: Path, stages: list[str], applied: dict[str, Any], register: bool,
@@ -341,13 +352,16 @@ def main() -> None:
         prog="python -m flows.finetune", description=__doc__.split("\n")[0]
     )
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                        help="override a params.yaml key (repeatable): train.max_train_steps=5")
+                        help="override a parameter (repeatable; any key of docs/parameters.md, "
+                             "the value read as YAML): train.max_train_steps=5")
     parser.add_argument("--no-register", action="store_true", help="run the stages only")
     parser.add_argument("--only-if-changed", action="store_true",
                         help="do nothing when data, code and params match the last registered model")
     args = parser.parse_args()
+    overrides = _parse_set(args.set) or None
+    check_overrides(REPO, overrides)  # a bad key or value fails in a second, before any server
     try:
-        finetune(overrides=_parse_set(args.set) or None, register=not args.no_register,
+        finetune(overrides=overrides, register=not args.no_register,
                  only_if_changed=args.only_if_changed)
     except dvc_stage.StageFailed as err:
         print(f"error: {err}", file=sys.stderr)

@@ -5,17 +5,23 @@ parameter overrides.
 - Output paths too: `stage_output` reads the path a stage's command is given for an output
   (`--out`, `--report`), so a path is written in dvc.yaml only.
 - Overrides are dotted params.yaml keys (`{"train.max_train_steps": 5}`). `validate_overrides`
-  checks them against the stage configs (every key must exist, and the section it changes must
+  checks them against the stage configs (every key must be in params.yaml or defined by its
+  section's typed config, i.e. listed in docs/parameters.md, and the section it changes must
   still validate as that stage's typed config) before anything runs, without writing anything.
   `apply_overrides` then writes them into the params.yaml of the experiment's own workspace
   (flows/experiment.py), never into the tracked one, with ruamel.yaml so comments and layout
-  survive, the way `dvc exp run --set-param` does it.
+  survive, the way `dvc exp run --set-param` does it. A key the config defines but params.yaml
+  leaves out (`train.lora_type`, its default applies) is added to its section, as DVC's
+  `--set-param +train.lora_type=dora` would add it: the stage reads it from its section, and DVC,
+  which tracks the whole section (`params: - train`), reruns the stage.
 """
 from __future__ import annotations
 
+import difflib
 import io
 import shlex
 from collections.abc import Mapping
+from functools import cache
 from pathlib import Path
 from typing import Any
 
@@ -108,21 +114,65 @@ def _load_round_trip(text: str) -> tuple[Any, Any]:
     return rt, rt.load(text)
 
 
-def _check_override(doc: Mapping[str, Any], dotted: str, value: Any, source: str) -> None:
-    node: Any = doc
+def config_keys(section: str) -> dict[str, str]:
+    """Every dotted key the typed config of `section` defines, as docs/parameters.md lists it
+    (flows/params_doc.py walks the same classes), with its kind: 'value', 'group' (a nested model)
+    or 'items' (a list of models); {} for a section no stage config reads."""
+    return dict(_config_keys(section))
+
+
+@cache
+def _config_keys(section: str) -> tuple[tuple[str, str], ...]:
+    from flows.params_doc import tables
+
+    model = section_config(section)
+    if model is None:
+        return ()
+    return tuple((key.path, key.kind) for table in tables(section, model, []) for key in table.keys)
+
+
+def _known_below(section: str, parent: str, near: Any) -> list[str]:
+    """The keys under `parent`: those params.yaml has there, then those the config defines."""
+    written = [str(k) for k in near] if isinstance(near, Mapping) else []
+    if not parent:
+        return list(dict.fromkeys([*written, *SECTION_CONFIGS]))
+    prefix = f"{parent}."
+    defined = [path[len(prefix):] for path in config_keys(section)
+               if path.startswith(prefix) and "." not in path[len(prefix):]]
+    return list(dict.fromkeys([*written, *defined]))
+
+
+def _unknown_key(dotted: str, index: int, near: Any, source: str) -> UserError:
     parts = dotted.split(".")
+    parent, part = ".".join(parts[:index]), parts[index]
+    where = f"section '{parent}'" if parent else "the top level"
+    model = section_config(parts[0]) if parent else None
+    nor = f", nor does {model.__name__} define it" if model is not None else ""
+    known = _known_below(parts[0], parent, near)
+    guess = difflib.get_close_matches(part, known, n=1)
+    hint = f"Did you mean '{'.'.join([*parts[:index], guess[0]])}'? " if guess else ""
+    return UserError(
+        f"override '{dotted}': {source} has no key '{part}' in {where}{nor} (misspelt?). "
+        f"{hint}Known keys there: {', '.join(known) or '(none)'}. "
+        "Every key, with its type and allowed values: docs/parameters.md"
+    )
+
+
+def _check_override(doc: Mapping[str, Any], dotted: str, value: Any, source: str) -> None:
+    """A UserError unless `dotted` is a single value params.yaml has or the section's config
+    defines (then it is added: parents that are missing or null become mappings). A mapping is
+    a value only where the config types one (`train.launch.env`), not a group of keys."""
+    parts = dotted.split(".")
+    defined = {**config_keys(parts[0]), **dict.fromkeys(SECTION_CONFIGS, "group")}
+    node: Any = doc
     for i, part in enumerate(parts):
-        if not isinstance(node, Mapping) or part not in node:
-            parent = ".".join(parts[:i])
-            where = f"section '{parent}'" if parent else "the top level"
-            near = node if isinstance(node, Mapping) else {}
-            known = ", ".join(str(k) for k in near) or "(none)"
-            raise UserError(
-                f"override '{dotted}': {source} has no key '{part}' in {where} (misspelt?). "
-                f"Known keys there: {known}"
-            )
-        node = node[part]
-    if isinstance(node, Mapping) or isinstance(value, Mapping):
+        if isinstance(node, Mapping) and part in node:
+            node = node[part]
+        elif ".".join(parts[:i + 1]) in defined and (node is None or isinstance(node, Mapping)):
+            node = None  # the config defines it; params.yaml leaves it to its default
+        else:
+            raise _unknown_key(dotted, i, node, source)
+    if (isinstance(node, Mapping) or isinstance(value, Mapping)) and defined.get(dotted) != "value":
         raise UserError(
             f"override '{dotted}': override single values, one dotted key each "
             f"(e.g. '{dotted}.<key>'), not whole sections"
@@ -130,9 +180,13 @@ def _check_override(doc: Mapping[str, Any], dotted: str, value: Any, source: str
 
 
 def _set(doc: Any, dotted: str, value: Any) -> None:
+    """Set `dotted` in `doc`, making the parents params.yaml lacks (or has as null) mappings of
+    `doc`'s own type (ruamel's keep their layout)."""
     *parents, last = dotted.split(".")
     node = doc
     for part in parents:
+        if not isinstance(node.get(part), Mapping):
+            node[part] = type(doc)()
         node = node[part]
     node[last] = value
 
@@ -174,8 +228,9 @@ def _read_mapping(params_path: Path) -> tuple[Any, Any]:
 def validate_overrides(params_path: Path, overrides: Mapping[str, Any] | None) -> dict[str, Any]:
     """Check `overrides` against params.yaml and the stage configs; write nothing.
 
-    Every key must exist in params.yaml, and each section an override changes must still load as
-    its stage's typed config (`train.learning_rate=abc` fails here, naming the key, instead of
+    Every key must exist in params.yaml or be defined by its section's typed config (all of
+    docs/parameters.md), and each section an override changes must still load as its stage's
+    typed config (`train.learning_rate=abc` fails here, naming the key, instead of
     in the train stage an hour later). Returns the overrides as they will be applied.
     """
     if not overrides:

@@ -196,3 +196,128 @@ def test_cli_bad_override_fails_at_once_and_leaves_params_yaml_alone() -> None:
     assert "Running stage" not in proc.stdout + proc.stderr
     assert (REPO / "params.yaml").read_bytes() == before
     assert (REPO / "params.yaml").stat().st_mode == mode
+
+
+# --- keys the typed configs define that params.yaml leaves to their defaults (issue 45) ---------
+
+def _documented_values() -> list[str]:
+    """Every single-value key docs/parameters.md lists (list items, `[]`, are not dotted keys)."""
+    from flows.params import config_keys
+
+    return [path for section in SECTION_CONFIGS for path, kind in config_keys(section).items()
+            if kind != "group" and "[]" not in path]
+
+
+def test_config_keys_are_the_documented_ones() -> None:
+    doc = (REPO / "docs" / "parameters.md").read_text()
+    keys = _documented_values()
+    assert {"train.lora_type", "train.rank", "train.fuse_lora"} <= set(keys)
+    assert all(f"| `{key}` |" in doc for key in keys)
+
+
+def test_every_documented_key_can_be_overridden(params: Path) -> None:
+    """`--set` used to accept only keys written in params.yaml."""
+    keys = _documented_values()
+    assert apply_overrides(params, dict.fromkeys(keys)) == dict.fromkeys(keys)
+    data = yaml.safe_load(params.read_text())
+    for key in keys:
+        node = data
+        for part in key.split("."):
+            node = node[part]
+        assert node is None, key
+
+
+def test_a_key_params_yaml_leaves_out_is_validated_added_and_read_by_the_stage(params: Path) -> None:
+    from tasks.common.config import load_config
+    from tasks.train.config import TrainConfig
+
+    overrides = {"train.method": "lora", "train.lora_type": "dora", "train.rank": 8,
+                 "train.checkpoint_scoring.clip_revision": "abc123", "ingest.captioner.mode": "missing"}
+    before = params.read_text()
+    assert "lora_type" not in yaml.safe_load(before)["train"]
+    assert validate_overrides(params, overrides) == overrides
+    assert params.read_text() == before  # validating writes nothing
+    apply_overrides(params, overrides)
+    after = params.read_text()
+    cfg = load_config("train", TrainConfig, params)  # what `python -m tasks.train` reads
+    assert (cfg.method, cfg.lora_type, cfg.rank) == ("lora", "dora", 8)
+    assert cfg.checkpoint_scoring.clip_revision == "abc123"
+    assert yaml.safe_load(after)["ingest"]["captioner"] == {"mode": "missing"}
+    removed = set(before.splitlines()) - set(after.splitlines())
+    assert {line.split("#")[0].strip() for line in removed} == {
+        "method: dreambooth", "captioner: null"}  # every other line, comments included, stays
+
+
+@pytest.mark.parametrize(("overrides", "expected"), [
+    ({"train.method": "lora", "train.lora_type": "dorra"}, "train.lora_type: Input should be"),
+    ({"train.rank": 8}, "rank is set to 8, but only method: lora reads it"),
+    ({"train.method": "lora", "train.rank": 0}, "train.rank: Input should be greater than or equal to 1"),
+])
+def test_a_bad_value_for_an_unwritten_key_fails_naming_it(params: Path, overrides: dict,
+                                                           expected: str) -> None:
+    before = params.read_bytes()
+    with pytest.raises(UserError) as err:
+        validate_overrides(params, overrides)
+    assert expected in str(err.value)
+    assert params.read_bytes() == before
+
+
+@pytest.mark.parametrize(("key", "expected", "known"), [
+    ("train.lora_typ", "Did you mean 'train.lora_type'?", "fuse_lora"),
+    ("train.checkpoint_scoring.clip_revison",
+     "Did you mean 'train.checkpoint_scoring.clip_revision'?", "dino_revision"),
+    ("train.rank.value", "no key 'value' in section 'train.rank'", "(none)"),
+])
+def test_an_unknown_key_names_the_config_the_fix_and_the_reference(
+        params: Path, key: str, expected: str, known: str) -> None:
+    with pytest.raises(UserError, match="misspelt") as err:
+        validate_overrides(params, {key: 1})
+    message = str(err.value)
+    assert f"override '{key}'" in message and expected in message
+    assert "nor does TrainConfig define it" in message and "docs/parameters.md" in message
+    assert known in message.partition("Known keys there:")[2]  # unwritten keys are known too
+
+
+def test_a_mapping_typed_key_takes_a_mapping_a_group_does_not(params: Path) -> None:
+    assert validate_overrides(params, {"train.launch.env": {"OMP_PROC_BIND": "close"}})
+    with pytest.raises(UserError, match="not whole sections"):
+        validate_overrides(params, {"train.checkpoint_scoring": {"metric": "dino"}})
+
+
+@pytest.mark.parametrize(("argv", "expected"), [
+    (["--set", "train.lora_type=dora"], "lora_type is set to 'dora', but only method: lora reads it"),
+    (["--set", "train.lora_typ=dora"], "Did you mean 'train.lora_type'?"),
+    (["--set", "train.method=lora", "--set", "train.rank=-1"], "train.rank: Input should be greater"),
+])
+def test_cli_refuses_a_bad_set_before_the_flow_starts(argv: list[str], expected: str,
+                                                      monkeypatch, capsys) -> None:
+    """The flow (and so Prefect's server) is never started for a bad `--set`."""
+    import sys
+
+    import flows.finetune as finetune_module
+
+    started: list[dict] = []
+    monkeypatch.setattr(finetune_module, "finetune", lambda **kwargs: started.append(kwargs))
+    monkeypatch.setattr(sys, "argv", ["flows.finetune", *argv])
+    with pytest.raises(SystemExit) as exit_:
+        finetune_module.main()
+    assert exit_.value.code == 2 and not started
+    assert expected in capsys.readouterr().err
+
+
+def test_cli_passes_a_good_set_of_unwritten_keys_to_the_flow(monkeypatch) -> None:
+    import sys
+
+    import flows.finetune as finetune_module
+
+    calls: list[str] = []
+    started: list[dict] = []
+    monkeypatch.setattr(finetune_module, "finetune",
+                        lambda **kwargs: calls.append("flow") or started.append(kwargs))
+    monkeypatch.setattr(finetune_module.experiment, "require_git", lambda root: calls.append("git"))
+    monkeypatch.setattr(sys, "argv", ["flows.finetune", "--set", "train.method=lora", "--set",
+                                      "train.lora_type=dora", "--set", "train.fuse_lora=false"])
+    finetune_module.main()
+    assert calls == ["git", "flow"]  # checked before the flow (and its server) starts
+    assert [s["overrides"] for s in started] == [
+        {"train.method": "lora", "train.lora_type": "dora", "train.fuse_lora": False}]
