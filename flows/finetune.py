@@ -24,8 +24,9 @@ from prefect.states import Completed, State
 from flows import dvc_stage, experiment, report
 from flows import remote as dvc_remote
 from flows.changes import detect_changes
-from flows.params import stage_names, stage_output, validate_overrides
+from flows.params import stage_output, validate_overrides
 from flows.parent_run import ParentRun, parent_run
+from flows.sections import stage_names
 from flows.workspace import workspace_lock
 from tasks.common.config import load_config
 from tasks.common.errors import UserError, main_guard

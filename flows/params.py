@@ -27,43 +27,10 @@ from typing import Any
 
 import yaml
 
-from tasks.common.config import StageConfig, parse_section, read_params
+from flows.sections import SECTION_CONFIGS, dvc_stages, section_config
+from tasks.common.config import parse_section, read_params
 from tasks.common.errors import UserError
 from tasks.ingest.deps import interpolate
-
-#: The typed config of each params.yaml section ("module:Class"): an override is validated with
-#: the same class the stage loads it with. Sections not listed here (a project of one's own) are
-#: only checked for existing keys. tests/flows/test_params.py keeps this table in step with
-#: params.yaml.
-SECTION_CONFIGS = {
-    "base": "tasks.base.config:BaseConfig",
-    "ingest": "tasks.ingest.config:IngestConfig",
-    "class_images": "tasks.class_images.config:ClassImagesConfig",
-    "train": "tasks.train.config:TrainConfig",
-    "export": "tasks.export.config:ExportConfig",
-    "evaluate": "tasks.evaluate.config:EvaluateConfig",
-    "register": "tasks.register.config:RegisterConfig",
-}
-
-
-def stage_names(dvc_yaml: Path) -> list[str]:
-    """Stage names in the order dvc.yaml lists them (the pipeline's order by contract)."""
-    return list(_stages(dvc_yaml))
-
-
-def _stages(dvc_yaml: Path) -> dict[str, Any]:
-    """dvc.yaml's `stages`; a UserError naming the file when it is missing, unreadable or empty."""
-    dvc_yaml = Path(dvc_yaml)
-    if not dvc_yaml.is_file():
-        raise UserError(f"{dvc_yaml} not found: run the flow from the repository root")
-    try:
-        data = yaml.safe_load(dvc_yaml.read_text()) or {}
-    except yaml.YAMLError as err:
-        raise UserError(f"{dvc_yaml} is not valid YAML: {err}") from err
-    stages = data.get("stages") if isinstance(data, dict) else None
-    if not isinstance(stages, dict) or not stages:
-        raise UserError(f"{dvc_yaml} has no 'stages' mapping: nothing to run")
-    return stages
 
 
 def _declared(definition: Mapping[str, Any]) -> set[str]:
@@ -78,7 +45,7 @@ def stage_output(dvc_yaml: Path, stage: str, flag: str) -> Path | None:
 
     None when dvc.yaml has no such stage or its command no such argument (a pipeline of one's
     own); a UserError when the path is not among the stage's outs, metrics or plots."""
-    definition = _stages(dvc_yaml).get(stage)
+    definition = dvc_stages(dvc_yaml).get(stage)
     if not isinstance(definition, Mapping):
         return None
     cmds = definition.get("cmd") or []
@@ -189,17 +156,6 @@ def _set(doc: Any, dotted: str, value: Any) -> None:
             node[part] = type(doc)()
         node = node[part]
     node[last] = value
-
-
-def section_config(section: str) -> type[StageConfig] | None:
-    """The stage config class that reads `section`, or None for a section not in the table."""
-    import importlib
-
-    target = SECTION_CONFIGS.get(section)
-    if target is None:
-        return None
-    module, _, name = target.partition(":")
-    return getattr(importlib.import_module(module), name)
 
 
 def _check_keys(doc: Mapping[str, Any], overrides: Mapping[str, Any],

@@ -81,7 +81,7 @@ class Table:
 
 def sections(root: Path = ROOT) -> list[tuple[str, type[BaseModel]]]:
     """(section, config class): the stages in dvc.yaml's order, then the other sections."""
-    from flows.params import SECTION_CONFIGS, section_config, stage_names
+    from flows.sections import SECTION_CONFIGS, section_config, stage_names
 
     order = [s for s in stage_names(root / "dvc.yaml") if s in SECTION_CONFIGS]
     order += [s for s in SECTION_CONFIGS if s not in order]
@@ -321,7 +321,7 @@ def _render_table(table: Table) -> list[str]:
 
 def generate(root: Path = ROOT) -> tuple[str, list[Key]]:
     """The reference's text and its keys; MissingDescriptions when a key has none."""
-    from flows.params import stage_names
+    from flows.sections import stage_names
 
     missing: list[str] = []
     parts: list[tuple[str, type[BaseModel], list[Table]]] = []

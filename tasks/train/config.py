@@ -24,7 +24,7 @@ from tasks.train.config_sections import (
     base_precision_problem,
     text_precision_problem,
 )
-from tasks.train.methods.spec import MethodSpec, method_spec
+from tasks.train.methods.spec import MethodSpec, family_refusal, method_spec
 from tasks.train.methods.spec import names as method_names
 from tasks.train.no_ops import config_no_ops, family_no_ops
 from tasks.train.sections.adapters import AdaptersSection
@@ -102,7 +102,7 @@ class TrainConfig(LaunchSection, OutputsSection, PrecisionSection, OptimizerSect
     def check_family(self, family: Any) -> None:
         """Refuse, before any weights load, a method or option the base model's family does not have."""
         problems = []
-        if refusal := self.spec.family_refusal(family):
+        if refusal := family_refusal(self.spec, family):
             problems.append(refusal)
         defaults = type(self).model_fields
         for key, why in family.refused_options().items():

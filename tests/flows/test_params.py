@@ -8,14 +8,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from flows.params import (
-    SECTION_CONFIGS,
-    apply_overrides,
-    section_config,
-    stage_names,
-    stage_output,
-    validate_overrides,
-)
+from flows.params import apply_overrides, stage_output, validate_overrides
+from flows.sections import SECTION_CONFIGS, section_config, stage_names
 from tasks.common.errors import UserError
 from tests.conftest import REPO
 

@@ -61,8 +61,8 @@ def test_the_spec_refuses_for_the_family_and_the_precision() -> None:
 
     ti = methods.method_spec("textual_inversion")
     flux = families.by_name("flux")
-    assert ti.family_refusal(families.by_name("sd")) is None
-    assert "textual_inversion is not available for FLUX.1" in ti.family_refusal(flux)
+    assert methods.family_refusal(ti, families.by_name("sd")) is None
+    assert "textual_inversion is not available for FLUX.1" in methods.family_refusal(ti, flux)
     assert "textual_inversion" not in methods.names_for(flux)
     with pytest.raises(ValueError, match="method dreambooth updates the base's own weights"):
         TrainConfig(method="dreambooth", base_model_precision="int8")

@@ -8,80 +8,22 @@ name. The spec names its `TrainingMethod` subclass (`trainer`), which is importe
 only when training starts.
 
     spec = method_spec(cfg.method)
-    spec.frozen_base, spec.options, spec.family_refusal(family), spec.trainer_class()(cfg)
+    spec.frozen_base, spec.options, family_refusal(spec, family), spec.trainer_class()(cfg)
 
 A new method is one module with a `SPEC` (and its trainer class, there or named by path), listed
-in BUILTIN or added with `register(SPEC)` (tasks/train/methods/README.md).
+in specs/__init__.py's BUILTIN or added with `register(SPEC)` (tasks/train/methods/README.md).
 """
 from __future__ import annotations
 
-import importlib
-from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
-#: what a method trains: the base's own weights, adapters beside frozen weights, a new embedding
-Trains = Literal["weights", "adapters", "embedding"]
-#: what it writes: a full pipeline folder, adapter files, an embedding file
-Output = Literal["pipeline", "adapters", "embedding"]
-#: a rule on one of a method's options: (does it matter for this config?, what makes it matter)
-OptionRule = tuple[Callable[[Any], bool], str]
+from tasks.train.methods.specs import BUILTIN
+from tasks.train.methods.specs.base import MethodSpec, OptionRule, Trains
 
-
-@dataclass(frozen=True)
-class MethodSpec:
-    name: str
-    summary: str
-    trains: Trains
-    output: Output
-    #: "module:Class" of its TrainingMethod subclass, or the class itself
-    trainer: str | type
-    #: train.* keys only this method reads (set for another method, they are refused as no-ops)
-    options: tuple[str, ...] = ()
-    #: finer rules on its own options (e.g. lora_dropout only with some lora_type values)
-    option_rules: dict[str, OptionRule] = field(default_factory=dict)
-    #: its prompts may be the images' captions (textual inversion writes its own from templates)
-    reads_captions: bool = True
-    #: several concepts in one run (textual inversion learns one token)
-    concepts: bool = True
-    #: it trains through the text encoders (a quantized text encoder cannot give it gradients)
-    through_text_encoder: bool = False
-    #: the family must train embeddings (ModelFamily.trains_embeddings)
-    needs_embeddings: bool = False
-    #: the caption column it reads when train.caption_column is null (None: the instance prompt)
-    default_caption_column: str | None = None
-    #: its own config problems (the train config in, a message or None out)
-    check: Callable[[Any], str | None] | None = None
-
-    @property
-    def frozen_base(self) -> bool:
-        """The base's weights stay frozen (adapters or an embedding train): a quantized base fits it."""
-        return self.trains != "weights"
-
-    def family_refusal(self, family: Any) -> str | None:
-        """Why `family` (a ModelFamily) cannot train this method, or None."""
-        if _refused(self, family):
-            return (f"train.method: {self.name} is not available for {family.title} (it trains a text embedding, "
-                    f"which {family.title} does not train here); choose one of {', '.join(names_for(family))}")
-        return None
-
-    def trainer_class(self) -> type:
-        if isinstance(self.trainer, type):
-            return self.trainer
-        module, _, name = self.trainer.partition(":")
-        return getattr(importlib.import_module(module), name)
-
-
-#: the built-in methods' spec modules, in the order they are documented
-BUILTIN = ("dreambooth", "textual_inversion", "lora", "full")
-_SPECS: dict[str, MethodSpec] = {}
+_SPECS: dict[str, MethodSpec] = {spec.name: spec for spec in BUILTIN}
 
 
 def _load() -> dict[str, MethodSpec]:
-    if not _SPECS:
-        for name in BUILTIN:
-            spec = importlib.import_module(f"tasks.train.methods.specs.{name}").SPEC
-            _SPECS[spec.name] = spec
     return _SPECS
 
 
@@ -100,11 +42,15 @@ def names() -> tuple[str, ...]:
 
 def names_for(family: Any) -> list[str]:
     """The methods `family` can train."""
-    return [s.name for s in _load().values() if not _refused(s, family)]
+    return [s.name for s in _load().values() if s.fits(family)]
 
 
-def _refused(spec: MethodSpec, family: Any) -> bool:
-    return spec.needs_embeddings and not family.trains_embeddings
+def family_refusal(spec: MethodSpec, family: Any) -> str | None:
+    """Why `family` (a ModelFamily) cannot train `spec`'s method, or None."""
+    if spec.fits(family):
+        return None
+    return (f"train.method: {spec.name} is not available for {family.title} (it trains a text embedding, "
+            f"which {family.title} does not train here); choose one of {', '.join(names_for(family))}")
 
 
 def names_training(what: Trains) -> list[str]:

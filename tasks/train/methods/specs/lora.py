@@ -1,6 +1,6 @@
 """LoRA with peft (LoRA, DoRA, LoKr, LoHa) on the denoiser's attention projections (and the text
 encoders' with train_text_encoder), over a frozen, possibly quantized base; adapter files."""
-from tasks.train.methods.spec import MethodSpec
+from tasks.train.methods.specs.base import MethodSpec
 
 SPEC = MethodSpec(
     name="lora",

@@ -1,0 +1,56 @@
+"""What a training method is (`MethodSpec`), declared without torch; the registry that every check
+asks is tasks/train/methods/spec.py."""
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+#: what a method trains: the base's own weights, adapters beside frozen weights, a new embedding
+Trains = Literal["weights", "adapters", "embedding"]
+#: what it writes: a full pipeline folder, adapter files, an embedding file
+Output = Literal["pipeline", "adapters", "embedding"]
+#: a rule on one of a method's options: (does it matter for this config?, what makes it matter)
+OptionRule = tuple[Callable[[Any], bool], str]
+
+
+@dataclass(frozen=True)
+class MethodSpec:
+    name: str
+    summary: str
+    trains: Trains
+    output: Output
+    #: "module:Class" of its TrainingMethod subclass, or the class itself
+    trainer: str | type
+    #: train.* keys only this method reads (set for another method, they are refused as no-ops)
+    options: tuple[str, ...] = ()
+    #: finer rules on its own options (e.g. lora_dropout only with some lora_type values)
+    option_rules: dict[str, OptionRule] = field(default_factory=dict)
+    #: its prompts may be the images' captions (textual inversion writes its own from templates)
+    reads_captions: bool = True
+    #: several concepts in one run (textual inversion learns one token)
+    concepts: bool = True
+    #: it trains through the text encoders (a quantized text encoder cannot give it gradients)
+    through_text_encoder: bool = False
+    #: the family must train embeddings (ModelFamily.trains_embeddings)
+    needs_embeddings: bool = False
+    #: the caption column it reads when train.caption_column is null (None: the instance prompt)
+    default_caption_column: str | None = None
+    #: its own config problems (the train config in, a message or None out)
+    check: Callable[[Any], str | None] | None = None
+
+    @property
+    def frozen_base(self) -> bool:
+        """The base's weights stay frozen (adapters or an embedding train): a quantized base fits it."""
+        return self.trains != "weights"
+
+    def fits(self, family: Any) -> bool:
+        """Whether `family` (a ModelFamily) can train this method."""
+        return family.trains_embeddings or not self.needs_embeddings
+
+    def trainer_class(self) -> type:
+        if isinstance(self.trainer, type):
+            return self.trainer
+        module, _, name = self.trainer.partition(":")
+        return getattr(importlib.import_module(module), name)
