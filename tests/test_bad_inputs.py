@@ -50,7 +50,7 @@ PARAMS = [
      r"class_images.guidance_scale: Input should be a valid number"),
     ("train", "train.learning_rate", -1, r"train.learning_rate: Input should be greater than 0 \(got -1\)"),
     ("train", "train.max_train_steps", 0, r"train.max_train_steps: Input should be greater than"),
-    ("train", "train.method", "magic", r"train.method: Input should be 'dreambooth'"),
+    ("train", "train.method", "magic", r"train.method: .*unknown method 'magic'; choose one of dreambooth"),
     ("train", "train.mixed_precision", "fp8", r"train.mixed_precision: Input should be"),
     ("train", "train.launch.num_processes", 0, r"train.launch.num_processes: Input should be greater"),
     ("export", "export.height", 63, r"export.height: Input should be a multiple of 8 \(got 63\)"),
