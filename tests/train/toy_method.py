@@ -21,5 +21,4 @@ class BitFit(TrainingMethod):
         denoiser.train()
 
 
-SPEC = MethodSpec(name="bitfit", summary="the denoiser's bias terms only", trains="weights", output="pipeline",
-                  trainer=BitFit)
+SPEC = MethodSpec(name="bitfit", trains="weights", output="pipeline", trainer=BitFit)

@@ -23,26 +23,22 @@ from tasks.train.methods.specs.base import MethodSpec, OptionRule, Trains
 _SPECS: dict[str, MethodSpec] = {spec.name: spec for spec in BUILTIN}
 
 
-def _load() -> dict[str, MethodSpec]:
-    return _SPECS
-
-
 def register(spec: MethodSpec) -> None:
     """Add (or replace) a method; train.method then accepts its name."""
-    _load()[spec.name] = spec
+    _SPECS[spec.name] = spec
 
 
 def unregister(name: str) -> None:
-    _load().pop(name, None)
+    _SPECS.pop(name, None)
 
 
 def names() -> tuple[str, ...]:
-    return tuple(_load())
+    return tuple(_SPECS)
 
 
 def names_for(family: Any) -> list[str]:
     """The methods `family` can train."""
-    return [s.name for s in _load().values() if s.fits(family)]
+    return [s.name for s in _SPECS.values() if s.fits(family)]
 
 
 def family_refusal(spec: MethodSpec, family: Any) -> str | None:
@@ -55,24 +51,23 @@ def family_refusal(spec: MethodSpec, family: Any) -> str | None:
 
 def names_training(what: Trains) -> list[str]:
     """The methods that train `what` (the base's own weights, adapters, an embedding)."""
-    return [s.name for s in _load().values() if s.trains == what]
+    return [s.name for s in _SPECS.values() if s.trains == what]
 
 
 def method_spec(name: str) -> MethodSpec:
     """The spec of `train.method` `name`, or a ValueError naming the known ones."""
-    specs = _load()
-    if name not in specs:
-        raise ValueError(f"unknown method {name!r}; choose one of {', '.join(specs)}")
-    return specs[name]
+    if name not in _SPECS:
+        raise ValueError(f"unknown method {name!r}; choose one of {', '.join(_SPECS)}")
+    return _SPECS[name]
 
 
 def option_rules() -> dict[str, OptionRule]:
     """Every method's options as no-op rules: an option matters only under a method that reads it
     (and, with the method's finer rule, only where that rule says)."""
     rules: dict[str, OptionRule] = {}
-    for spec in _load().values():
+    for spec in _SPECS.values():
         for key in spec.options:
-            readers = [s.name for s in _load().values() if key in s.options]
+            readers = [s.name for s in _SPECS.values() if key in s.options]
             rules[key] = (lambda c, key=key: key in method_spec(c.method).options,
                           f"only method: {' or '.join(readers)} reads it")
         rules.update(spec.option_rules)

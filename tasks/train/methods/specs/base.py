@@ -18,7 +18,6 @@ OptionRule = tuple[Callable[[Any], bool], str]
 @dataclass(frozen=True)
 class MethodSpec:
     name: str
-    summary: str
     trains: Trains
     output: Output
     #: "module:Class" of its TrainingMethod subclass, or the class itself

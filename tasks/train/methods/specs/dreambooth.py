@@ -4,7 +4,6 @@ from tasks.train.methods.specs.base import MethodSpec
 
 SPEC = MethodSpec(
     name="dreambooth",
-    summary="the base's weights on the subject's images, with prior preservation",
     trains="weights",
     output="pipeline",
     trainer="tasks.train.methods.dreambooth:DreamBooth",

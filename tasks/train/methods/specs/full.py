@@ -4,7 +4,6 @@ from tasks.train.methods.specs.base import MethodSpec
 
 SPEC = MethodSpec(
     name="full",
-    summary="every denoiser weight on each image's caption",
     trains="weights",
     output="pipeline",
     trainer="tasks.train.methods.full:FullFineTune",

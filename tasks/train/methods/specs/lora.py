@@ -4,7 +4,6 @@ from tasks.train.methods.specs.base import MethodSpec
 
 SPEC = MethodSpec(
     name="lora",
-    summary="low-rank adapters beside the frozen base",
     trains="adapters",
     output="adapters",
     trainer="tasks.train.methods.lora:LoRA",

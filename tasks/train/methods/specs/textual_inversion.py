@@ -21,7 +21,6 @@ def _problem(cfg: Any) -> str | None:
 
 SPEC = MethodSpec(
     name="textual_inversion",
-    summary="a new token's embedding through the frozen text encoders",
     trains="embedding",
     output="embedding",
     trainer="tasks.train.methods.textual_inversion:TextualInversion",
