@@ -74,11 +74,16 @@ def reproduce(root: Path, name: str) -> str | None:
 
 
 @pytest.fixture(scope="module")
-def reproduced_families(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, Future]]:
-    """The three families' pipelines, run side by side: each is a chain of single-threaded stage
-    processes in its own copy, so two cores run them in about half the time one after another."""
-    roots = {name: copy_repo(tmp_path_factory.mktemp(f"{name}-e2e")) for name in FAMILIES}
-    pool = ThreadPoolExecutor(max_workers=len(FAMILIES))
+def reproduced_families(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+                        ) -> dict[str, tuple[Path, Future]]:
+    """The selected families' pipelines (those whose tests were collected: `-k flux2` runs one), run
+    side by side: each is a chain of single-threaded stage processes in its own copy, so two cores
+    run them in about half the time one after another."""
+    collected = {item.callspec.params.get("pipeline") for item in request.session.items
+                 if item.module is request.module and hasattr(item, "callspec")}
+    names = [name for name in FAMILIES if name in collected]
+    roots = {name: copy_repo(tmp_path_factory.mktemp(f"{name}-e2e")) for name in names}
+    pool = ThreadPoolExecutor(max_workers=max(1, len(names)))
     yield {name: (root, pool.submit(reproduce, root, name)) for name, root in roots.items()}
     pool.shutdown(wait=True)
 
