@@ -12,7 +12,7 @@ pytestmark = pytest.mark.quick  # make test-fast
 
 
 @pytest.mark.parametrize("kind, latent_channels", [("builtin:tiny-sd3", 16), ("builtin:tiny-flux", 16),
-                                                    ("builtin:tiny-flux2", 8)])
+                                                    ("builtin:tiny-flux2", 8), ("builtin:tiny-zimage", 16)])
 def test_builtins_are_recognised(tmp_path, kind, latent_channels) -> None:
     """(Same seed, same bytes: tests/base/test_base.py, for every built-in.)"""
     family = families.BUILTINS[kind]
@@ -50,11 +50,13 @@ def test_an_unknown_pipeline_is_refused_naming_the_supported_ones() -> None:
         families.from_index({"_class_name": "KandinskyPipeline"}, "base.model")
 
 
-@pytest.mark.parametrize("kind", ["builtin:tiny-sd3", "builtin:tiny-flux", "builtin:tiny-flux2"])
+@pytest.mark.parametrize("kind", ["builtin:tiny-sd3", "builtin:tiny-flux", "builtin:tiny-flux2",
+                                  "builtin:tiny-zimage"])
 def test_conditioning_has_the_pipelines_layout(tmp_path, kind) -> None:
     """Training's prompt encoding equals the pipeline's own encode_prompt (SD3: CLIP-L|CLIP-G padded,
     then T5; FLUX: T5's sequence, CLIP's pooled output; FLUX.2 klein: Qwen3's layers 9, 18, 27 of the
-    chat-templated prompt, nothing pooled), for a batch of prompts of different lengths."""
+    chat-templated prompt, nothing pooled; Z-Image: Qwen3's second-to-last layer, each prompt's own
+    tokens, with the mask that cuts them), for a batch of prompts of different lengths."""
     path = families.build_tiny_pipeline(kind, 0, tmp_path)
     family = families.detect(path)
     components = family.load_components(path)
@@ -64,8 +66,13 @@ def test_conditioning_has_the_pipelines_layout(tmp_path, kind) -> None:
     with torch.no_grad():
         hidden, pooled = family.encode_prompt(components, ids)
         pipe = family.pipeline_class().from_pretrained(path)
-        extra = {"do_classifier_free_guidance": False} if family.name == "sd3" else {}
+        extra = {"do_classifier_free_guidance": False} if family.name in ("sd3", "zimage") else {}
         out = pipe.encode_prompt(prompts, *more, max_sequence_length=32, **extra)
+    if family.name == "zimage":  # one tensor per prompt, its own length: the mask cuts the padded rows
+        rows = [row[keep.bool()] for row, keep in zip(hidden, pooled)]
+        assert [r.shape for r in rows] == [r.shape for r in out[0]] and len({r.shape[0] for r in rows}) == 2
+        assert all(torch.allclose(r, ref, atol=1e-5) for r, ref in zip(rows, out[0]))
+        return
     pooled_at = {"sd3": 2, "flux": 1, "flux2": None}[family.name]  # where encode_prompt returns it
     ref, ref_pooled = out[0], None if pooled_at is None else out[pooled_at]
     assert hidden.shape == ref.shape and torch.allclose(hidden, ref, atol=1e-5)

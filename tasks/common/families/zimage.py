@@ -1,0 +1,94 @@
+"""Z-Image: a single-stream S3-DiT transformer over 16-channel latents, one Qwen3 text encoder.
+
+Conditioning (as ZImagePipeline.encode_prompt builds it): the prompt goes through Qwen3's chat
+template (a user turn, the assistant's opening, thinking on), padded to `max_sequence_length`; the
+second-to-last hidden state is the sequence and only its unpadded tokens reach the transformer.
+Prompts have different lengths, so the conditioning is `(hidden, mask)`: the hidden states padded
+to the fixed length with the padding zeroed, and the attention mask (float, (b, L)) in the slot
+other families give a pooled vector; the text cache stores and concatenates both per prompt, and
+`predict` cuts each row back to its own tokens.
+
+Latents: FLUX.1's 16-channel VAE (its shift and scaling), unpacked; the transformer takes a list
+of (c, 1, h, w) images and a list of caption features, the time as 1 - sigma, and predicts
+x_0 - noise, the negative of the flow-matching velocity (the pipeline negates it before the
+scheduler's step; `predict` does the same). Classifier-free guidance doubles the batch, with
+Z-Image's own rule (pos + scale x (pos - neg), off at scale 0, as the distilled Z-Image-Turbo runs).
+No text-encoder training and no textual inversion, as diffusers' train_dreambooth_lora_z_image.py.
+"""
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+from tasks.common.families.base import PredictInputs
+from tasks.common.families.flow import FlowMatchingFamily, flow_scheduler
+from tasks.common.families.tiny import qwen3_config, qwen_tokenizer, seeded, tiny_vae
+
+
+class ZImage(FlowMatchingFamily):
+    name = "zimage"
+    title = "Z-Image"
+    builtin = "builtin:tiny-zimage"
+    pipeline_class_names = ("ZImagePipeline",)
+    ov_pipeline_class_name = "OVZImagePipeline"
+    trainable_text_encoders = ()
+    default_weighting_scheme = "none"
+    default_max_sequence_length = 512  # ZImagePipeline's
+    #: the transformer's latent side at the pipeline's default 1024 px (x the VAE's factor: pixels)
+    default_latent_size: ClassVar[int] = 128
+
+    @classmethod
+    def refused_options(cls) -> dict[str, str]:
+        return {**super().refused_options(),
+                "train_text_encoder": f"{cls.title} trains the transformer only (its LoRA loader has no Qwen3 part)"}
+
+    @classmethod
+    def tokenize(cls, components: Any, prompts: list[str], max_sequence_length: int | None = None) -> list[Any]:
+        """Each prompt as a chat turn (Qwen3's template, thinking on), padded to `max_sequence_length`."""
+        tok = components.tokenizers[0]
+        texts = [tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True,
+                                         enable_thinking=True) for p in prompts]
+        length = max_sequence_length or cls.default_max_sequence_length
+        return [tok(texts, padding="max_length", max_length=length, truncation=True, return_tensors="pt").input_ids]
+
+    @classmethod
+    def encode_prompt(cls, components: Any, input_ids: list[Any], text_encoders: list[Any] | None = None
+                      ) -> tuple[Any, Any]:
+        """(the second-to-last hidden states with the padding zeroed, the float attention mask)."""
+        (qwen,) = text_encoders or components.text_encoders
+        ids = input_ids[0].to(next(qwen.parameters()).device)
+        mask = ids != components.tokenizers[0].pad_token_id  # the template never holds the pad token
+        hidden = qwen(input_ids=ids, attention_mask=mask, output_hidden_states=True).hidden_states[-2]
+        return hidden * mask.unsqueeze(-1).to(hidden.dtype), mask.float()
+
+    @classmethod
+    def predict(cls, denoiser: Any, noisy_latents: Any, timesteps: Any, hidden: Any, pooled: Any,
+                inputs: PredictInputs) -> Any:
+        """The velocity noise - x_0: the transformer's output negated; `pooled` is the prompts' mask."""
+        import torch
+
+        images = list(noisy_latents.unsqueeze(2).unbind(0))  # (c, 1, h, w) each
+        captions = [row[keep.bool()] for row, keep in zip(hidden, pooled)]
+        out = denoiser(images, (1000 - timesteps) / 1000, captions, return_dict=False)[0]
+        return -torch.stack(out).squeeze(2).to(noisy_latents.dtype)
+
+    @classmethod
+    def native_size(cls, pipe: Any) -> int:
+        return cls.default_latent_size * int(pipe.vae_scale_factor)
+
+    @classmethod
+    def build_tiny(cls, seed: int) -> Any:
+        """A 2-layer Qwen3 16 wide, a transformer of one main and one refiner layer 64 wide (4 heads
+        of 16), FLUX.1's VAE layout at toy size (16 channels, its shift and scaling)."""
+        from diffusers import ZImagePipeline, ZImageTransformer2DModel
+        from transformers import Qwen3Model
+
+        tokenizer = qwen_tokenizer(max_length=512)
+        transformer = seeded(seed, lambda: ZImageTransformer2DModel(
+            all_patch_size=(2,), all_f_patch_size=(1,), in_channels=16, dim=64, n_layers=1, n_refiner_layers=1,
+            n_heads=4, n_kv_heads=4, cap_feat_dim=16, axes_dims=[4, 6, 6], axes_lens=[1024, 512, 512],
+        ))
+        vae = seeded(seed + 1, lambda: tiny_vae(64, latent_channels=16, shift_factor=0.1159, scaling_factor=0.3611,
+                                                use_quant_conv=False, use_post_quant_conv=False))
+        text_encoder = seeded(seed + 2, lambda: Qwen3Model(qwen3_config(len(tokenizer), tokenizer.pad_token_id)))
+        return ZImagePipeline(scheduler=flow_scheduler(shift=3.0), vae=vae, text_encoder=text_encoder,
+                              tokenizer=tokenizer, transformer=transformer)
