@@ -123,6 +123,5 @@ def build_tiny_pipeline(kind: str, seed: int, out: Path) -> Path:
 
 
 __all__ = ["BUILTINS", "FAMILIES", "Components", "ModelFamily", "PredictInputs", "StableDiffusion", "StableDiffusionXL",
-           "StableDiffusion3", "Flux", "Flux2Klein", "QwenImage",
-           "build_tiny_pipeline", "by_name", "denoiser_names", "detect",
-           "from_index", "of_pipeline", "read_index", "register", "stored_dtypes", "supported", "unregister"]
+           "StableDiffusion3", "Flux", "Flux2Klein", "QwenImage", "build_tiny_pipeline", "by_name", "denoiser_names",
+           "detect", "from_index", "of_pipeline", "read_index", "register", "stored_dtypes", "supported", "unregister"]
