@@ -1,4 +1,4 @@
-"""FLUX.1-dev (11.9B), FLUX.2 [klein] 4B or Z-Image (6B) LoRA steps on this 24 GB machine: the train stage on a quantized base.
+"""FLUX.1-dev (11.9B), FLUX.2 [klein] 4B or Z-Image (6B) LoRA steps on this 24 GB machine, on a quantized base.
 
     .venv/bin/python -m benchmarks.flux_dev.build                                  # once: 32 GB folder
     .venv/bin/python -m benchmarks.flux_dev.train --precision int8 --steps 5       # appends to results.json

@@ -21,9 +21,13 @@ def call_arguments(prompts: list[str] | str, *, steps: int, height: int | None =
                    guidance: float | None = None, negative: list[str] | str | None = None,
                    generator: Any = None, images_per_prompt: int | None = None,
                    output_type: str | None = None, callback: Any = None,
-                   guidance_argument: str = GUIDANCE_ARGUMENT) -> dict[str, Any]:
+                   guidance_argument: str = GUIDANCE_ARGUMENT, negative_when_guided: str | None = None
+                   ) -> dict[str, Any]:
     """The keyword arguments of one pipeline call (the prompt by name: FLUX.2 klein's first
-    positional argument is an input image)."""
+    positional argument is an input image). `negative_when_guided`: the negative prompt a call with
+    guidance above 1 and none of its own sends (Qwen-Image's true CFG runs only with one)."""
+    if negative is None and negative_when_guided is not None and guidance is not None and guidance > 1:
+        negative = negative_when_guided if isinstance(prompts, str) else [negative_when_guided] * len(prompts)
     optional = {
         "negative_prompt": negative,
         "num_images_per_prompt": images_per_prompt,

@@ -47,13 +47,16 @@ def _sample(dist: Any, rand: RowRandom | None) -> torch.Tensor:
 
 #: (vae, posterior sample) -> the denoiser's latents: the family's `scale_latents`
 Scale = Callable[[torch.nn.Module, torch.Tensor], torch.Tensor]
+#: images (b, c, h, w) -> the VAE encoder's input: the family's `vae_input`
+VaeInput = Callable[[torch.Tensor], torch.Tensor]
 
 
 def encode_latents(vae: torch.nn.Module, pixels: torch.Tensor, rand: RowRandom | None = None,
-                   scale: Scale = ModelFamily.scale_latents) -> torch.Tensor:
+                   scale: Scale = ModelFamily.scale_latents, vae_input: VaeInput = ModelFamily.vae_input
+                   ) -> torch.Tensor:
     """VAE posterior sample, brought into the denoiser's latent space by `scale` (float32)."""
     param = next(vae.parameters())
-    latents = _sample(vae.encode(pixels.to(param.device, param.dtype)).latent_dist, rand)
+    latents = _sample(vae.encode(vae_input(pixels.to(param.device, param.dtype))).latent_dist, rand)
     return scale(vae, latents.float())
 
 
@@ -65,11 +68,12 @@ class LatentCache:
     an entry holds the parameters and the crop geometry ({"parameters", "original_size",
     "crop_top_left"}). With a disk store the data loader reads the entries it finds itself and
     leaves those images undecoded (`cached_latents` in the batch; `pixels` then holds only the
-    decoded rows, in order).
+    decoded rows, in order). `vae_input`: the family's, images as the VAE's encoder takes them.
     """
 
-    def __init__(self, store: Any = None) -> None:
+    def __init__(self, store: Any = None, vae_input: VaeInput = ModelFamily.vae_input) -> None:
         self.store: Any = {} if store is None else store
+        self.vae_input = vae_input
         self.hits = self.misses = 0
 
     def latents(self, vae: torch.nn.Module, batch: Batch, rand: RowRandom | None = None,
@@ -78,7 +82,7 @@ class LatentCache:
 
         keys, pixels = batch.latent_keys, batch.pixels
         if any(k is None for k in keys):
-            return encode_latents(vae, pixels, rand, scale)
+            return encode_latents(vae, pixels, rand, scale, self.vae_input)
         param = next(vae.parameters())
         given = batch.cached_latents or [None] * len(keys)
         masks = batch.masks or [None] * len(keys)
@@ -105,7 +109,7 @@ class LatentCache:
         A subject mask ([1, H, W]) is stored beside them at the latent's size (`latent_mask`)."""
         param = next(vae.parameters())
         self.misses += 1
-        dist = vae.encode(pixels.to(param.device, param.dtype)).latent_dist
+        dist = vae.encode(self.vae_input(pixels.to(param.device, param.dtype))).latent_dist
         entry = {"parameters": dist.parameters.detach().float().cpu(),
                  "original_size": torch.as_tensor(original_size).cpu(),
                  "crop_top_left": torch.as_tensor(crop_top_left).cpu()}

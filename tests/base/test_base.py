@@ -33,6 +33,7 @@ QWEN_WORDS = ["a", "Ġphoto", "Ġof", "Ġsks", "Ġtoy"]  # byte-level BPE: a wor
     ("builtin:tiny-flux", "flux", "FluxPipeline", CLIP_WORDS),
     ("builtin:tiny-flux2", "flux2", "Flux2KleinPipeline", QWEN_WORDS),
     ("builtin:tiny-zimage", "zimage", "ZImagePipeline", QWEN_WORDS),
+    ("builtin:tiny-qwenimage", "qwenimage", "QwenImagePipeline", QWEN_WORDS),
 ])
 def test_builtin_is_deterministic_and_loads(tmp_path: Path, kind: str, fam: str, cls: str, words: list[str]) -> None:
     from diffusers import DiffusionPipeline

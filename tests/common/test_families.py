@@ -12,14 +12,16 @@ pytestmark = pytest.mark.quick  # make test-fast
 
 
 @pytest.mark.parametrize("kind, latent_channels", [("builtin:tiny-sd3", 16), ("builtin:tiny-flux", 16),
-                                                    ("builtin:tiny-flux2", 8), ("builtin:tiny-zimage", 16)])
+                                                    ("builtin:tiny-flux2", 8), ("builtin:tiny-zimage", 16),
+                                                    ("builtin:tiny-qwenimage", 4)])
 def test_builtins_are_recognised(tmp_path, kind, latent_channels) -> None:
     """(Same seed, same bytes: tests/base/test_base.py, for every built-in.)"""
     family = families.BUILTINS[kind]
     a = families.build_tiny_pipeline(kind, 0, tmp_path / "a")
     assert families.detect(a) is family
     pipe = family.pipeline_class().from_pretrained(a)
-    assert pipe.vae.config.latent_channels == latent_channels and families.of_pipeline(pipe) is family
+    channels = pipe.vae.config.get("latent_channels", pipe.vae.config.get("z_dim"))  # (Qwen-Image's 3D VAE: z_dim)
+    assert channels == latent_channels and families.of_pipeline(pipe) is family
 
 
 def test_the_t5_tokenizer_loads_with_transformers(tmp_path) -> None:
@@ -77,3 +79,66 @@ def test_conditioning_has_the_pipelines_layout(tmp_path, kind) -> None:
     ref, ref_pooled = out[0], None if pooled_at is None else out[pooled_at]
     assert hidden.shape == ref.shape and torch.allclose(hidden, ref, atol=1e-5)
     assert (pooled is None) if ref_pooled is None else torch.allclose(pooled, ref_pooled, atol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def tiny_qwenimage(tmp_path_factory):
+    return families.build_tiny_pipeline("builtin:tiny-qwenimage", 0, tmp_path_factory.mktemp("qwenimage"))
+
+
+def test_masked_conditioning_is_the_pipelines(tiny_qwenimage) -> None:
+    """Qwen-Image: training's prompts are padded to max_sequence_length with their mask in the pooled slot;
+    cut to the pipeline's length they equal its encode_prompt (system turn dropped, each prompt its own
+    length), and the transformer predicts the same through the padding as on the pipeline's embeddings."""
+    from diffusers import QwenImagePipeline
+
+    path = tiny_qwenimage
+    family = families.detect(path)
+    components = family.load_components(path)
+    prompts = ["a photo of sks toy", "a red cube on the beach"]
+    with torch.no_grad():
+        hidden, mask = family.encode_prompt(components, family.tokenize(components, prompts, max_sequence_length=32))
+        pipe = QwenImagePipeline.from_pretrained(path)
+        ref, ref_mask = pipe.encode_prompt(prompts, max_sequence_length=32)
+        n = ref.shape[1]
+        assert hidden.shape == (2, 32, ref.shape[2]) and mask.dtype == hidden.dtype
+        assert torch.allclose(hidden[:, :n], ref, atol=1e-5) and not hidden[:, n:].any()
+        assert torch.equal(mask[:, :n], ref_mask.to(mask.dtype)) and not mask[:, n:].any()
+        assert ref_mask.sum(1).tolist()[0] < n  # the first prompt is shorter: padded in both
+        system = pipe.prompt_template_encode.split("{}")[0]  # the turn the pipeline drops, as Qwen's tokens
+        assert len(pipe.tokenizer(system).input_ids) == pipe.prompt_template_encode_start_idx == 34
+        turns = [{"role": "system", "content": system.split("\n", 1)[1].split("<|im_end|>")[0]},
+                 {"role": "user", "content": prompts[0]}]  # its chat template renders the pipeline's template
+        assert pipe.tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=True) \
+            == pipe.prompt_template_encode.format(prompts[0])
+        latents = torch.randn(2, 4, 8, 8, generator=torch.Generator().manual_seed(0))
+        t = torch.tensor([500.0, 250.0])
+        pred = family.predict(components.denoiser, latents, t, hidden, mask, None)
+        packed = QwenImagePipeline._pack_latents(latents, 2, 4, 8, 8)
+        direct = components.denoiser(hidden_states=packed, timestep=t / 1000, encoder_hidden_states=ref,
+                                     encoder_hidden_states_mask=ref_mask, img_shapes=[[(1, 4, 4)]] * 2)[0]
+    assert pred.shape == latents.shape
+    assert torch.allclose(pred, QwenImagePipeline._unpack_latents(direct, 8, 8, 1)[:, :, 0], atol=1e-5)
+
+
+def test_a_guidance_value_runs_true_cfg(tiny_qwenimage) -> None:
+    """Qwen-Image's pipeline guides (`true_cfg_scale`) only with a negative prompt: a call with guidance
+    above 1 and none sends " " (the stages' guidance guides, a second transformer pass per step); a
+    negative prompt given is kept, and guidance 1 or none leaves the pipeline unguided."""
+    from tasks.common import pipeline_call
+
+    family = families.by_name("qwenimage")
+    args = pipeline_call.call_arguments(["a", "b"], steps=1, guidance=4.0, **family.call_convention())
+    assert args["true_cfg_scale"] == 4.0 and args["negative_prompt"] == [" ", " "]
+    assert pipeline_call.call_arguments("a", steps=1, guidance=4.0, negative="blur",
+                                        **family.call_convention())["negative_prompt"] == "blur"
+    assert "negative_prompt" not in pipeline_call.call_arguments("a", steps=1, guidance=1.0,
+                                                                 **family.call_convention())
+    pipe = family.pipeline_class().from_pretrained(tiny_qwenimage)
+    calls = []
+    pipe.transformer.register_forward_hook(lambda *_: calls.append(1))
+    for guidance, passes in ((4.0, 4), (1.0, 2), (None, 2)):
+        calls.clear()
+        family.generate(pipe, ["a photo of sks toy"], steps=2, height=32, width=32, guidance=guidance,
+                        output_type="np")
+        assert len(calls) == passes, (guidance, len(calls))

@@ -47,6 +47,7 @@ SCANNED = ("tasks", "flows")
 EXPLICIT = frozenset({
     "UNet2DConditionModel", "SD3Transformer2DModel", "FluxTransformer2DModel", "Flux2Transformer2DModel",
     "AutoencoderKLFlux2", "added_cond_kwargs", "pooled_projections", "guidance_embeds",
+    "QwenImageTransformer2DModel", "AutoencoderKLQwenImage", "encoder_hidden_states_mask", "img_shapes",
 })
 
 #: (file, name): a mention that is not a family, with why. Each must still occur (see below).

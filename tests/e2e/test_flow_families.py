@@ -1,5 +1,6 @@
-"""SD3, FLUX.1, FLUX.2 klein and Z-Image end to end with the real `dvc`: `base.model: builtin:tiny-<family>`
-and `train.method: lora` (FLUX.1, Z-Image: DoRA on an int8 base; SD3: exported as run-time adapters over a
+"""SD3, FLUX.1, FLUX.2 klein, Z-Image and Qwen-Image end to end with the real `dvc`: `base.model:
+builtin:tiny-<family>` and `train.method: lora` (FLUX.1, Z-Image and Qwen-Image: DoRA on an int8 base;
+SD3: exported as run-time adapters over a
 shared base export), then registration; every output is loaded by the family's own classes
 (diffusers' pipeline with `load_lora_weights`, optimum-intel's OpenVINO pipeline or OpenVINO GenAI's
 Text2ImagePipeline with the adapter, the MLflow pyfunc in a second process and over HTTP with
@@ -29,8 +30,9 @@ SMALL = {
 }
 
 
-#: FLUX.1 and Z-Image train DoRA on an int8 base (torchao), as a 24 GB user of the real 12B / 6B model would
-QUANTIZED = {name: {"base_model_precision": "int8", "lora_type": "dora"} for name in ("flux", "zimage")}
+#: FLUX.1 (12B), Z-Image (6B) and Qwen-Image (20B) train DoRA on a quantized base (torchao int8 here), as a
+#: 24 GB user of the real models would
+QUANTIZED = {name: {"base_model_precision": "int8", "lora_type": "dora"} for name in ("flux", "zimage", "qwenimage")}
 #: SD3's LoRA is exported for OpenVINO GenAI to apply at run time (export.adapters: runtime), as a
 #: team with many fine-tunes of one base would; GenAI applies SD3's transformer layers only
 RUNTIME = {"sd3": {"train": {"train_text_encoder": False}, "export": {"adapters": "runtime"}}}
@@ -56,7 +58,7 @@ def small_params(root: Path, builtin: str) -> None:
     (root / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
 
 
-FAMILIES = ["sd3", "flux", "flux2", "zimage"]
+FAMILIES = ["sd3", "flux", "flux2", "zimage", "qwenimage"]
 
 
 def reproduce(root: Path, name: str) -> str | None:
@@ -98,6 +100,7 @@ def pipeline(request, reproduced_families) -> tuple[str, Path]:
 
 def test_the_lora_loads_with_the_family_pipeline(pipeline) -> None:
     import torch
+
     from tasks.common.families import by_name
 
     name, root = pipeline

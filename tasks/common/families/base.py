@@ -231,6 +231,12 @@ class ModelFamily:
         return scheduler
 
     @classmethod
+    def vae_input(cls, pixels: Any) -> Any:
+        """A batch of images (b, c, h, w) as the VAE's encoder takes it: unchanged (Qwen-Image's 3D VAE:
+        one frame, (b, c, 1, h, w))."""
+        return pixels
+
+    @classmethod
     def scale_latents(cls, vae: Any, latents: Any) -> Any:
         """A VAE posterior sample in the denoiser's latent space (training's x_0): shifted and scaled
         by the VAE config's shift_factor and scaling_factor, which the pipeline undoes before decoding."""

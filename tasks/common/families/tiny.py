@@ -192,18 +192,20 @@ _QWEN_CHAT_TEMPLATE = (
 )
 
 
-def qwen_tokenizer(max_length: int = 512):
+def qwen_tokenizer(max_length: int = 512, extra_words: tuple[str, ...] = ()):
     """A byte-level BPE tokenizer over the corpus, as Qwen2/Qwen3's: the 256 byte symbols, merges
     learned from the corpus words with their leading space ('Ġ'), then `<|endoftext|>` (padding),
     `<|im_start|>`, `<|im_end|>` (end of a turn) and `<think>`, `</think>`, with a Qwen3-style chat
-    template. Saved and read back with `Qwen2TokenizerFast.from_pretrained`, as a pipeline loads it."""
+    template. Saved and read back with `Qwen2TokenizerFast.from_pretrained`, as a pipeline loads it.
+    `extra_words` (as the pre-tokenizer cuts them: 'Ġ' for a leading space) are learned as well, with
+    merges enough to make each one token (Qwen-Image's system prompt, which its pipeline counts)."""
     import tempfile
 
     from tokenizers import AddedToken
     from transformers import Qwen2TokenizerFast
 
     words = ["Ġ" + w for w in _CORPUS.split()] + ["user", "assistant"]  # the template's roles, after a newline
-    merges = _learn_merges(words, _NUM_MERGES, end="")
+    merges = _learn_merges(words + list(extra_words), _NUM_MERGES + sum(len(w) - 1 for w in extra_words), end="")
     tokens = list(_byte_unicode().values()) + ["".join(pair) for pair in merges]
     vocab = {tok: i for i, tok in enumerate(dict.fromkeys(tokens))}
     tok = Qwen2TokenizerFast(vocab=vocab, merges=merges, eos_token="<|im_end|>", pad_token="<|endoftext|>",

@@ -25,7 +25,7 @@ class Loss:
             if self.latent_cache is not None:
                 latents = self.latent_cache.latents(modules["vae"], batch, rand, scale)
             else:
-                latents = encode_latents(modules["vae"], batch.pixels, rand, scale)
+                latents = encode_latents(modules["vae"], batch.pixels, rand, scale, c.family.vae_input)
         noised = self.objective.noise(latents, rand)
         family = c.family
         encoders = [modules[n] for n in c.text_encoder_names()]
