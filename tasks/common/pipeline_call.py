@@ -42,9 +42,14 @@ def call_arguments(prompts: list[str] | str, *, steps: int, height: int | None =
 
 
 def generate(pipe: Any, prompts: list[str] | str, *, latents: Any = None, extra: dict[str, Any] | None = None,
-             **settings: Any) -> list[Any]:
+             default_sample_size: int | None = None, **settings: Any) -> list[Any]:
     """`pipe`'s images for `prompts` (see call_arguments for `settings`). `latents` (a tensor or
-    array) is passed as given; `extra`: arguments only some pipelines take (GenAI's `adapters`)."""
+    array) is passed as given; `extra`: arguments only some pipelines take (GenAI's `adapters`);
+    `default_sample_size`: with no size given, this latent side times the VAE's factor (a family
+    whose pipeline hard-codes its pixel size, which a small VAE would make far larger)."""
+    if default_sample_size and settings.get("height") is None and settings.get("width") is None:
+        side = default_sample_size * int(getattr(pipe, "vae_scale_factor", 8))
+        settings = {**settings, "height": side, "width": side}
     kwargs = call_arguments(prompts, **settings)
     if latents is not None:
         kwargs["latents"] = latents

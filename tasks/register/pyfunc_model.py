@@ -47,16 +47,17 @@ def _sample_size(module: Any) -> Any:
     return config.get("sample_size") if isinstance(config, dict) else getattr(config, "sample_size", None)
 
 
-def model_size(pipe: Any) -> tuple[tuple[int, int], bool]:
+def model_size(pipe: Any, convention: dict[str, Any] | None = None) -> tuple[tuple[int, int], bool]:
     """((height, width) the pipeline makes by default, whether that is the only size it makes).
 
     A static-shape OpenVINO export has its shape (and ignores a requested one); otherwise the
-    denoiser's sample size (`default_sample_size` for SDXL, SD3, FLUX) times the VAE scale factor;
-    512 px when neither is known."""
+    denoiser's sample size (`default_sample_size` for SDXL, SD3, FLUX; the family's, recorded in
+    its call `convention`, where the pipeline hard-codes it) times the VAE scale factor; 512 px
+    when none is known."""
     height, width = getattr(pipe, "height", -1), getattr(pipe, "width", -1)
     if isinstance(height, int) and isinstance(width, int) and height > 0 and width > 0:
         return (height, width), True
-    sample = getattr(pipe, "default_sample_size", None)
+    sample = getattr(pipe, "default_sample_size", None) or (convention or {}).get("default_sample_size")
     if sample is None:  # the denoiser: the one component besides the VAE whose config has a sample size
         components = getattr(pipe, "components", None) or {}
         sizes = [_sample_size(module) for name, module in components.items() if name != "vae"]
@@ -163,7 +164,7 @@ class DiffusionImageModel(mlflow.pyfunc.PythonModel):
         self.convention = dict((model_config or {}).get("pipeline_call") or {})
         self.pipe, self.backend = pipe, backend
         self.pipe.set_progress_bar_config(disable=True)
-        (height, width), static = model_size(pipe)
+        (height, width), static = model_size(pipe, self.convention)
         self.budget = limits.Budget(config["budget_images"], height, width)
         self.size = (height, width) if static else None  # a static export makes this size only
         # `mlflow models serve` runs each request in a thread of its worker: a pipeline (its

@@ -142,3 +142,18 @@ def test_a_guidance_value_runs_true_cfg(tiny_qwenimage) -> None:
         family.generate(pipe, ["a photo of sks toy"], steps=2, height=32, width=32, guidance=guidance,
                         output_type="np")
         assert len(calls) == passes, (guidance, len(calls))
+
+
+def test_a_hard_coded_pipeline_size_follows_the_vae(tmp_path) -> None:
+    """Z-Image's pipeline makes 1024 px when given no size, whatever its VAE; the family's call makes
+    its default latent side times the VAE's factor (1024 px for the real model, 256 for the tiny
+    one), and the served model's default size says the same."""
+    from tasks.register.pyfunc_model import model_size
+
+    family = families.BUILTINS["builtin:tiny-zimage"]
+    pipe = family.pipeline_class().from_pretrained(families.build_tiny_pipeline(family.builtin, 0, tmp_path))
+    assert pipe.vae_scale_factor == 2 and family.native_size(pipe) == 256
+    image = family.generate(pipe, "a photo of sks toy", steps=1, guidance=0.0)[0]
+    assert image.size == (256, 256)
+    assert model_size(pipe, family.call_convention()) == ((256, 256), False)
+    assert model_size(pipe) == ((512, 512), False)  # unrecorded: the served model's old guess

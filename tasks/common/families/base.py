@@ -126,6 +126,9 @@ class ModelFamily:
     genai_lora_prefixes: ClassVar[dict[str, str] | None] = None
     #: the pipeline call's keyword for the guidance value (Qwen-Image's true CFG: "true_cfg_scale")
     guidance_argument: ClassVar[str] = "guidance_scale"
+    #: the latent side the pipeline generates when given no size, where neither it nor its denoiser's
+    #: config says (Z-Image's pipeline hard-codes 1024 px); None: the pipeline knows
+    default_sample_size: ClassVar[int | None] = None
 
     # --- recognising a folder -------------------------------------------------------------------
     @classmethod
@@ -293,7 +296,8 @@ class ModelFamily:
     def call_convention(cls) -> dict[str, Any]:
         """What this family's pipeline call needs beyond the shared arguments (recorded with a
         registered model, whose served code cannot import the families)."""
-        return {"guidance_argument": cls.guidance_argument}
+        sample = {} if cls.default_sample_size is None else {"default_sample_size": cls.default_sample_size}
+        return {"guidance_argument": cls.guidance_argument, **sample}
 
     @classmethod
     def latent_shape(cls, pipe: Any, height: int, width: int) -> tuple[int, ...]:

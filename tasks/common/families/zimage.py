@@ -17,7 +17,7 @@ No text-encoder training and no textual inversion, as diffusers' train_dreamboot
 """
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import Any
 
 from tasks.common.families.base import PredictInputs
 from tasks.common.families.flow import FlowMatchingFamily, flow_scheduler
@@ -33,8 +33,7 @@ class ZImage(FlowMatchingFamily):
     trainable_text_encoders = ()
     default_weighting_scheme = "none"
     default_max_sequence_length = 512  # ZImagePipeline's
-    #: the transformer's latent side at the pipeline's default 1024 px (x the VAE's factor: pixels)
-    default_latent_size: ClassVar[int] = 128
+    default_sample_size = 128  # the pipeline's 1024 px over the real VAE's factor 8
 
     @classmethod
     def refused_options(cls) -> dict[str, str]:
@@ -73,7 +72,7 @@ class ZImage(FlowMatchingFamily):
 
     @classmethod
     def native_size(cls, pipe: Any) -> int:
-        return cls.default_latent_size * int(pipe.vae_scale_factor)
+        return cls.default_sample_size * int(pipe.vae_scale_factor)
 
     @classmethod
     def build_tiny(cls, seed: int) -> Any:
