@@ -21,9 +21,11 @@ def call_arguments(prompts: list[str] | str, *, steps: int, height: int | None =
                    guidance: float | None = None, negative: list[str] | str | None = None,
                    generator: Any = None, images_per_prompt: int | None = None,
                    output_type: str | None = None, callback: Any = None,
-                   guidance_argument: str = GUIDANCE_ARGUMENT) -> dict[str, Any]:
+                   guidance_argument: str = GUIDANCE_ARGUMENT, arguments: dict[str, Any] | None = None
+                   ) -> dict[str, Any]:
     """The keyword arguments of one pipeline call (the prompt by name: FLUX.2 klein's first
-    positional argument is an input image)."""
+    positional argument is an input image); `arguments`: what the family's call convention passes
+    on every call (Sana: no complex human instruction, as it trains)."""
     optional = {
         "negative_prompt": negative,
         "num_images_per_prompt": images_per_prompt,
@@ -34,7 +36,8 @@ def call_arguments(prompts: list[str] | str, *, steps: int, height: int | None =
         "output_type": output_type,
         "callback_on_step_end": callback,
     }
-    return {"prompt": prompts, "num_inference_steps": steps, **{k: v for k, v in optional.items() if v is not None}}
+    return {"prompt": prompts, "num_inference_steps": steps, **(arguments or {}),
+            **{k: v for k, v in optional.items() if v is not None}}
 
 
 def generate(pipe: Any, prompts: list[str] | str, *, latents: Any = None, extra: dict[str, Any] | None = None,

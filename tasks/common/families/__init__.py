@@ -16,12 +16,14 @@ from tasks.common.errors import UserError
 from tasks.common.families.base import Components, ModelFamily, PredictInputs
 from tasks.common.families.flux import Flux
 from tasks.common.families.flux2 import Flux2Klein
+from tasks.common.families.sana import Sana
 from tasks.common.families.sd import StableDiffusion
 from tasks.common.families.sd3 import StableDiffusion3
 from tasks.common.families.sdxl import StableDiffusionXL
 
 #: Every family, in the order detection tries them (the more specific first).
-FAMILIES: tuple[type[ModelFamily], ...] = (StableDiffusionXL, StableDiffusion3, StableDiffusion, Flux, Flux2Klein)
+FAMILIES: tuple[type[ModelFamily], ...] = (StableDiffusionXL, StableDiffusion3, StableDiffusion, Flux, Flux2Klein,
+                                            Sana)
 #: `base.model` values of the built-in tiny models.
 BUILTINS: dict[str, type[ModelFamily]] = {f.builtin: f for f in FAMILIES}
 
@@ -121,5 +123,5 @@ def build_tiny_pipeline(kind: str, seed: int, out: Path) -> Path:
 
 
 __all__ = ["BUILTINS", "FAMILIES", "Components", "ModelFamily", "PredictInputs", "StableDiffusion", "StableDiffusionXL",
-           "StableDiffusion3", "Flux", "Flux2Klein", "build_tiny_pipeline", "by_name", "denoiser_names", "detect",
-           "from_index", "of_pipeline", "read_index", "register", "stored_dtypes", "supported", "unregister"]
+           "StableDiffusion3", "Flux", "Flux2Klein", "Sana", "build_tiny_pipeline", "by_name", "denoiser_names",
+           "detect", "from_index", "of_pipeline", "read_index", "register", "stored_dtypes", "supported", "unregister"]
