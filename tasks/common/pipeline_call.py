@@ -25,7 +25,7 @@ def call_arguments(prompts: list[str] | str, *, steps: int, height: int | None =
                    ) -> dict[str, Any]:
     """The keyword arguments of one pipeline call (the prompt by name: FLUX.2 klein's first
     positional argument is an input image); `arguments`: what the family's call convention passes
-    on every call (Sana: no complex human instruction, as it trains)."""
+    on every call, None values included (Sana: `complex_human_instruction=None`, as it trains)."""
     optional = {
         "negative_prompt": negative,
         "num_images_per_prompt": images_per_prompt,

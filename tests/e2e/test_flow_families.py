@@ -1,5 +1,5 @@
-"""SD3, FLUX.1 and FLUX.2 klein end to end with the real `dvc`: `base.model: builtin:tiny-<family>`
-and `train.method: lora` (FLUX.1: DoRA on an int8 base; SD3: exported as run-time adapters over a
+"""SD3, FLUX.1, FLUX.2 klein and Sana end to end with the real `dvc`: `base.model: builtin:tiny-<family>`
+and `train.method: lora` (FLUX.1 and Sana: DoRA on an int8 base; SD3: exported as run-time adapters over a
 shared base export), then registration; every output is loaded by the family's own classes
 (diffusers' pipeline with `load_lora_weights`, optimum-intel's OpenVINO pipeline or OpenVINO GenAI's
 Text2ImagePipeline with the adapter, the MLflow pyfunc in a second process and over HTTP with
@@ -30,7 +30,8 @@ SMALL = {
 
 
 #: FLUX.1 trains DoRA on an int8 base (torchao), as a 24 GB user of the real 12B model would
-QUANTIZED = {"flux": {"base_model_precision": "int8", "lora_type": "dora"}}
+QUANTIZED = {"flux": {"base_model_precision": "int8", "lora_type": "dora"},
+             "sana": {"base_model_precision": "int8", "lora_type": "dora"}}
 #: SD3's LoRA is exported for OpenVINO GenAI to apply at run time (export.adapters: runtime), as a
 #: team with many fine-tunes of one base would; GenAI applies SD3's transformer layers only
 RUNTIME = {"sd3": {"train": {"train_text_encoder": False}, "export": {"adapters": "runtime"}}}
@@ -56,7 +57,7 @@ def small_params(root: Path, builtin: str) -> None:
     (root / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
 
 
-FAMILIES = ["sd3", "flux", "flux2"]
+FAMILIES = ["sd3", "flux", "flux2", "sana"]
 
 
 def reproduce(root: Path, name: str) -> str | None:
@@ -98,10 +99,11 @@ def pipeline(request, reproduced_families) -> tuple[str, Path]:
 
 def test_the_lora_loads_with_the_family_pipeline(pipeline) -> None:
     import torch
-    from diffusers import Flux2KleinPipeline, FluxPipeline, StableDiffusion3Pipeline
+    from diffusers import Flux2KleinPipeline, FluxPipeline, SanaPipeline, StableDiffusion3Pipeline
 
     name, root = pipeline
-    cls = {"sd3": StableDiffusion3Pipeline, "flux": FluxPipeline, "flux2": Flux2KleinPipeline}[name]
+    cls = {"sd3": StableDiffusion3Pipeline, "flux": FluxPipeline, "flux2": Flux2KleinPipeline,
+           "sana": SanaPipeline}[name]
     pipe = cls.from_pretrained(root / "models/base")
     before = {k: v.clone() for k, v in pipe.transformer.state_dict().items() if "to_q" in k}
     keys = load_file(root / "models/finetuned/pytorch_lora_weights.safetensors").keys()
@@ -117,7 +119,7 @@ def test_the_lora_loads_with_the_family_pipeline(pipeline) -> None:
 
 
 def test_the_export_loads_and_generates(pipeline) -> None:
-    from optimum.intel import OVFlux2KleinPipeline, OVFluxPipeline, OVStableDiffusion3Pipeline
+    from optimum.intel import OVFlux2KleinPipeline, OVFluxPipeline, OVSanaPipeline, OVStableDiffusion3Pipeline
 
     name, root = pipeline
     report = json.loads((root / "reports/export.json").read_text())
@@ -131,7 +133,8 @@ def test_the_export_loads_and_generates(pipeline) -> None:
                                      adapters=adapter_config(runner.adapters))
         assert tuple(image.shape) == (1, 64, 64, 3)
         return
-    cls = {"sd3": OVStableDiffusion3Pipeline, "flux": OVFluxPipeline, "flux2": OVFlux2KleinPipeline}[name]
+    cls = {"sd3": OVStableDiffusion3Pipeline, "flux": OVFluxPipeline, "flux2": OVFlux2KleinPipeline,
+           "sana": OVSanaPipeline}[name]
     assert report["pipeline_class"] == cls.__name__
     pipe = cls.from_pretrained(root / "models/openvino", dynamic_shapes=False)
     image = pipe(prompt="a photo of sks toy", num_inference_steps=2, height=64, width=64).images[0]

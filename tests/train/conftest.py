@@ -93,7 +93,12 @@ def tiny_flux2(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return _builtin(tmp_path_factory, "flux2")
 
 
-@pytest.fixture(params=["sd3", "flux", "flux2"])
+@pytest.fixture(scope="session")
+def tiny_sana(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _builtin(tmp_path_factory, "sana")
+
+
+@pytest.fixture(params=["sd3", "flux", "flux2", "sana"])
 def flow_base(request: pytest.FixtureRequest) -> Path:
     """Each flow-matching transformer family in turn."""
     return request.getfixturevalue(f"tiny_{request.param}")

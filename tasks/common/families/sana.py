@@ -14,8 +14,9 @@ concatenates it like one); `predict` passes it as the transformer's `encoder_att
 The complex human instruction (a long preamble the pipeline's `__call__` puts before each prompt by
 default): diffusers' script encodes prompts without it (`--complex_human_instruction` defaults to
 None) and validates without it too, so training does here, and every generation (validation, class
-images, export, evaluation, the served model) passes `complex_human_instruction=[]` through the call
-convention: training and generation see the same conditioning.
+images, export, evaluation, the served model) passes `complex_human_instruction=None` through the call
+convention: training and generation see the same conditioning. (None, as the script passes it:
+optimum-intel's OV pipelines fail on an empty list argument.)
 
 Latents: the autoencoder's latent (deterministic, no posterior to sample) times the VAE config's
 scaling_factor; no packing. Flow matching on the base's scheduler config read as a
@@ -86,7 +87,7 @@ class Sana(FlowMatchingFamily):
     @classmethod
     def call_convention(cls) -> dict[str, Any]:
         """No complex human instruction, as training encodes prompts (and as the script validates)."""
-        return {**super().call_convention(), "arguments": {"complex_human_instruction": []}}
+        return {**super().call_convention(), "arguments": {"complex_human_instruction": None}}
 
     @classmethod
     def build_tiny(cls, seed: int) -> Any:
