@@ -45,6 +45,27 @@ def _sample(dist: Any, rand: RowRandom | None) -> torch.Tensor:
     return dist.mean + dist.std * rand.randn(tuple(dist.mean.shape[1:]), dist.mean.device, dist.mean.dtype)
 
 
+#: a posterior's log-variance at DiagonalGaussianDistribution's floor: the point mass of a deterministic autoencoder
+_POINT_LOGVAR = -30.0
+
+
+def _posterior(encoded: Any) -> Any:
+    """The VAE's posterior: diffusers' DiagonalGaussianDistribution, or for a deterministic autoencoder
+    (an encoder output with a `latent` and no distribution, as the deep-compression autoencoder's) a
+    point mass at it, whose samples are the latent itself."""
+    dist = getattr(encoded, "latent_dist", None)
+    return dist if dist is not None else _distribution(
+        torch.cat([encoded.latent, torch.full_like(encoded.latent, _POINT_LOGVAR)], dim=1))
+
+
+def _distribution(parameters: torch.Tensor) -> Any:
+    """The posterior of stored parameters (mean and log-variance); a point mass stays one."""
+    from diffusers.models.autoencoders.vae import DiagonalGaussianDistribution
+
+    point = bool((parameters.chunk(2, dim=1)[1] <= _POINT_LOGVAR).all())
+    return DiagonalGaussianDistribution(parameters, deterministic=point)
+
+
 #: (vae, posterior sample) -> the denoiser's latents: the family's `scale_latents`
 Scale = Callable[[torch.nn.Module, torch.Tensor], torch.Tensor]
 #: images (b, c, h, w) -> the VAE encoder's input: the family's `vae_input`
@@ -56,7 +77,7 @@ def encode_latents(vae: torch.nn.Module, pixels: torch.Tensor, rand: RowRandom |
                    ) -> torch.Tensor:
     """VAE posterior sample, brought into the denoiser's latent space by `scale` (float32)."""
     param = next(vae.parameters())
-    latents = _sample(vae.encode(vae_input(pixels.to(param.device, param.dtype))).latent_dist, rand)
+    latents = _sample(_posterior(vae.encode(vae_input(pixels.to(param.device, param.dtype)))), rand)
     return scale(vae, latents.float())
 
 
@@ -78,8 +99,6 @@ class LatentCache:
 
     def latents(self, vae: torch.nn.Module, batch: Batch, rand: RowRandom | None = None,
                 scale: Scale = ModelFamily.scale_latents) -> torch.Tensor:
-        from diffusers.models.autoencoders.vae import DiagonalGaussianDistribution
-
         keys, pixels = batch.latent_keys, batch.pixels
         if any(k is None for k in keys):
             return encode_latents(vae, pixels, rand, scale, self.vae_input)
@@ -101,7 +120,7 @@ class LatentCache:
                                     batch.crops_top_left[i], masks[i]))
         # (`misses` counts encodings: with a disk store, entries an earlier run wrote are hits)
         stacked = torch.cat([r.to(param.device) for r in rows])
-        return scale(vae, _sample(DiagonalGaussianDistribution(stacked), rand))
+        return scale(vae, _sample(_distribution(stacked), rand))
 
     def encode(self, vae: torch.nn.Module, key: str, pixels: torch.Tensor, original_size: Any,
                crop_top_left: Any, mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -109,7 +128,7 @@ class LatentCache:
         A subject mask ([1, H, W]) is stored beside them at the latent's size (`latent_mask`)."""
         param = next(vae.parameters())
         self.misses += 1
-        dist = vae.encode(self.vae_input(pixels.to(param.device, param.dtype))).latent_dist
+        dist = _posterior(vae.encode(self.vae_input(pixels.to(param.device, param.dtype))))
         entry = {"parameters": dist.parameters.detach().float().cpu(),
                  "original_size": torch.as_tensor(original_size).cpu(),
                  "crop_top_left": torch.as_tensor(crop_top_left).cpu()}

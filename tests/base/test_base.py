@@ -24,6 +24,7 @@ def tree_hashes(root: Path) -> dict[str, str]:
 
 CLIP_WORDS = ["a</w>", "photo</w>", "of</w>", "sks</w>", "toy</w>"]  # the locally learned CLIP BPE
 QWEN_WORDS = ["a", "Ġphoto", "Ġof", "Ġsks", "Ġtoy"]  # byte-level BPE: a word's leading space is 'Ġ'
+GEMMA_WORDS = ["a", "▁photo", "▁of", "▁sks", "▁toy"]  # SentencePiece BPE: a word's leading space is '▁'
 
 
 @pytest.mark.parametrize("kind,fam,cls,words", [
@@ -34,6 +35,7 @@ QWEN_WORDS = ["a", "Ġphoto", "Ġof", "Ġsks", "Ġtoy"]  # byte-level BPE: a wor
     ("builtin:tiny-flux2", "flux2", "Flux2KleinPipeline", QWEN_WORDS),
     ("builtin:tiny-zimage", "zimage", "ZImagePipeline", QWEN_WORDS),
     ("builtin:tiny-qwenimage", "qwenimage", "QwenImagePipeline", QWEN_WORDS),
+    ("builtin:tiny-sana", "sana", "SanaPipeline", GEMMA_WORDS),
 ])
 def test_builtin_is_deterministic_and_loads(tmp_path: Path, kind: str, fam: str, cls: str, words: list[str]) -> None:
     from diffusers import DiffusionPipeline

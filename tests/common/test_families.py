@@ -13,7 +13,7 @@ pytestmark = pytest.mark.quick  # make test-fast
 
 @pytest.mark.parametrize("kind, latent_channels", [("builtin:tiny-sd3", 16), ("builtin:tiny-flux", 16),
                                                     ("builtin:tiny-flux2", 8), ("builtin:tiny-zimage", 16),
-                                                    ("builtin:tiny-qwenimage", 4)])
+                                                    ("builtin:tiny-qwenimage", 4), ("builtin:tiny-sana", 4)])
 def test_builtins_are_recognised(tmp_path, kind, latent_channels) -> None:
     """(Same seed, same bytes: tests/base/test_base.py, for every built-in.)"""
     family = families.BUILTINS[kind]
@@ -53,12 +53,14 @@ def test_an_unknown_pipeline_is_refused_naming_the_supported_ones() -> None:
 
 
 @pytest.mark.parametrize("kind", ["builtin:tiny-sd3", "builtin:tiny-flux", "builtin:tiny-flux2",
-                                  "builtin:tiny-zimage"])
+                                  "builtin:tiny-zimage", "builtin:tiny-sana"])
 def test_conditioning_has_the_pipelines_layout(tmp_path, kind) -> None:
     """Training's prompt encoding equals the pipeline's own encode_prompt (SD3: CLIP-L|CLIP-G padded,
     then T5; FLUX: T5's sequence, CLIP's pooled output; FLUX.2 klein: Qwen3's layers 9, 18, 27 of the
     chat-templated prompt, nothing pooled; Z-Image: Qwen3's second-to-last layer, each prompt's own
-    tokens, with the mask that cuts them), for a batch of prompts of different lengths."""
+    tokens, with the mask that cuts them; Sana: Gemma-2's last hidden state of the lowercased prompt
+    padded on the right, its attention mask where the pooled output goes), for a batch of prompts of
+    different lengths (Qwen-Image: test_masked_conditioning_is_the_pipelines)."""
     path = families.build_tiny_pipeline(kind, 0, tmp_path)
     family = families.detect(path)
     components = family.load_components(path)
@@ -68,17 +70,19 @@ def test_conditioning_has_the_pipelines_layout(tmp_path, kind) -> None:
     with torch.no_grad():
         hidden, pooled = family.encode_prompt(components, ids)
         pipe = family.pipeline_class().from_pretrained(path)
-        extra = {"do_classifier_free_guidance": False} if family.name in ("sd3", "zimage") else {}
+        extra = {"do_classifier_free_guidance": False} if family.name in ("sd3", "zimage", "sana") else {}
         out = pipe.encode_prompt(prompts, *more, max_sequence_length=32, **extra)
     if family.name == "zimage":  # one tensor per prompt, its own length: the mask cuts the padded rows
         rows = [row[keep.bool()] for row, keep in zip(hidden, pooled)]
         assert [r.shape for r in rows] == [r.shape for r in out[0]] and len({r.shape[0] for r in rows}) == 2
         assert all(torch.allclose(r, ref, atol=1e-5) for r, ref in zip(rows, out[0]))
         return
-    pooled_at = {"sd3": 2, "flux": 1, "flux2": None}[family.name]  # where encode_prompt returns it
+    pooled_at = {"sd3": 2, "flux": 1, "flux2": None, "sana": 1}[family.name]  # where encode_prompt returns it
     ref, ref_pooled = out[0], None if pooled_at is None else out[pooled_at]
     assert hidden.shape == ref.shape and torch.allclose(hidden, ref, atol=1e-5)
-    assert (pooled is None) if ref_pooled is None else torch.allclose(pooled, ref_pooled, atol=1e-5)
+    assert (pooled is None) if ref_pooled is None else torch.allclose(pooled, ref_pooled.to(pooled.dtype), atol=1e-5)
+    if family.name == "sana":  # a mask: the shorter prompt's tail is padding
+        assert 0 < pooled[0].sum() < pooled[1].sum() and pooled[:, -1].sum() == 0
 
 
 @pytest.fixture(scope="module")
@@ -157,3 +161,25 @@ def test_a_hard_coded_pipeline_size_follows_the_vae(tmp_path) -> None:
     assert image.size == (256, 256)
     assert model_size(pipe, family.call_convention()) == ((256, 256), False)
     assert model_size(pipe) == ((512, 512), False)  # unrecorded: the served model's old guess
+
+
+def test_sana_generates_from_the_conditioning_it_trains_on(tmp_path) -> None:
+    """What the transformer sees when the family generates (the call convention: no complex human
+    instruction) is what training encodes, at the default 300 tokens; the pipeline's own default
+    (the instruction before the prompt) is not."""
+    family = families.BUILTINS["builtin:tiny-sana"]
+    path = families.build_tiny_pipeline("builtin:tiny-sana", 0, tmp_path)
+    pipe = family.pipeline_class().from_pretrained(path)
+    seen = []
+    pipe.transformer.register_forward_pre_hook(
+        lambda _m, _a, kw: seen.append((kw["encoder_hidden_states"][-1], kw["encoder_attention_mask"][-1])),
+        with_kwargs=True)
+    components = family.load_components(path)
+    with torch.no_grad():
+        hidden, mask = family.encode_prompt(components, family.tokenize(components, ["A photo of sks toy"]))
+        latents = torch.randn(1, 4, 8, 8)
+        family.generate(pipe, ["A photo of sks toy"], steps=1, height=32, width=32, latents=latents)
+        pipe(prompt="A photo of sks toy", num_inference_steps=1, height=32, width=32, latents=latents)
+    (ours, our_mask), (default, _) = seen
+    assert hidden.shape[1] == 300 and torch.allclose(ours, hidden[0], atol=1e-5) and torch.equal(our_mask, mask[0])
+    assert not torch.allclose(default, hidden[0], atol=1e-3)

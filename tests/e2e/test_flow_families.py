@@ -1,6 +1,6 @@
-"""SD3, FLUX.1, FLUX.2 klein, Z-Image and Qwen-Image end to end with the real `dvc`: `base.model:
-builtin:tiny-<family>` and `train.method: lora` (FLUX.1, Z-Image and Qwen-Image: DoRA on an int8 base;
-SD3: exported as run-time adapters over a
+"""SD3, FLUX.1, FLUX.2 klein, Z-Image, Qwen-Image and Sana end to end with the real `dvc`: `base.model:
+builtin:tiny-<family>` and `train.method: lora` (FLUX.1, Z-Image, Qwen-Image and Sana: DoRA on an int8
+base; SD3: exported as run-time adapters over a
 shared base export), then registration; every output is loaded by the family's own classes
 (diffusers' pipeline with `load_lora_weights`, optimum-intel's OpenVINO pipeline or OpenVINO GenAI's
 Text2ImagePipeline with the adapter, the MLflow pyfunc in a second process and over HTTP with
@@ -30,9 +30,10 @@ SMALL = {
 }
 
 
-#: FLUX.1 (12B), Z-Image (6B) and Qwen-Image (20B) train DoRA on a quantized base (torchao int8 here), as a
-#: 24 GB user of the real models would
-QUANTIZED = {name: {"base_model_precision": "int8", "lora_type": "dora"} for name in ("flux", "zimage", "qwenimage")}
+#: FLUX.1 (12B), Z-Image (6B), Qwen-Image (20B) and Sana train DoRA on a quantized base (torchao int8 here),
+#: as a 24 GB user of the real models would
+QUANTIZED = {name: {"base_model_precision": "int8", "lora_type": "dora"}
+             for name in ("flux", "zimage", "qwenimage", "sana")}
 #: SD3's LoRA is exported for OpenVINO GenAI to apply at run time (export.adapters: runtime), as a
 #: team with many fine-tunes of one base would; GenAI applies SD3's transformer layers only
 RUNTIME = {"sd3": {"train": {"train_text_encoder": False}, "export": {"adapters": "runtime"}}}
@@ -58,7 +59,7 @@ def small_params(root: Path, builtin: str) -> None:
     (root / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
 
 
-FAMILIES = ["sd3", "flux", "flux2", "zimage", "qwenimage"]
+FAMILIES = ["sd3", "flux", "flux2", "zimage", "qwenimage", "sana"]
 
 
 def reproduce(root: Path, name: str) -> str | None:

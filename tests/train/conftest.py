@@ -103,7 +103,12 @@ def tiny_qwenimage(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return _builtin(tmp_path_factory, "qwenimage")
 
 
-@pytest.fixture(params=["sd3", "flux", "flux2", "zimage", "qwenimage"])
+@pytest.fixture(scope="session")
+def tiny_sana(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _builtin(tmp_path_factory, "sana")
+
+
+@pytest.fixture(params=["sd3", "flux", "flux2", "zimage", "qwenimage", "sana"])
 def flow_base(request: pytest.FixtureRequest) -> Path:
     """Each flow-matching transformer family in turn."""
     return request.getfixturevalue(f"tiny_{request.param}")

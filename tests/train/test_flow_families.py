@@ -1,6 +1,6 @@
-"""SD3, FLUX.1, FLUX.2 klein and Qwen-Image (flow-matching transformers) through the train stage: each method
-overfits a fixed batch and its output loads with the family's own diffusers class; exact resume
-holds; what the family lacks is refused before any weights load, naming the key."""
+"""SD3, FLUX.1, FLUX.2 klein, Z-Image, Qwen-Image and Sana (flow-matching transformers) through the train
+stage: each method overfits a fixed batch and its output loads with the family's own diffusers class;
+exact resume holds; what the family lacks is refused before any weights load, naming the key."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -117,7 +117,9 @@ def test_four_steps_equal_two_plus_resume_plus_two(tmp_path, tiny_flux, instance
     ("tiny_sd", dict(weighting_scheme="logit_normal"), "train.weighting_scheme"),
     ("tiny_sd3", dict(launcher="xla"), "train.launcher"),
     ("tiny_flux2", dict(train_text_encoder=True), "train.train_text_encoder"),
+    ("tiny_zimage", dict(train_text_encoder=True), "train.train_text_encoder"),
     ("tiny_qwenimage", dict(train_text_encoder=True), "train.train_text_encoder"),
+    ("tiny_sana", dict(train_text_encoder=True), "train.train_text_encoder"),
     # settings the family never reads: refused, not ignored
     ("tiny_sd", dict(guidance_scale=2.0), "train.guidance_scale"),
     ("tiny_sd3", dict(guidance_scale=2.0), "train.guidance_scale"),

@@ -17,6 +17,7 @@ from tasks.common.families.base import Components, ModelFamily, PredictInputs
 from tasks.common.families.flux import Flux
 from tasks.common.families.flux2 import Flux2Klein
 from tasks.common.families.qwenimage import QwenImage
+from tasks.common.families.sana import Sana
 from tasks.common.families.sd import StableDiffusion
 from tasks.common.families.sd3 import StableDiffusion3
 from tasks.common.families.sdxl import StableDiffusionXL
@@ -24,7 +25,7 @@ from tasks.common.families.zimage import ZImage
 
 #: Every family, in the order detection tries them (the more specific first).
 FAMILIES: tuple[type[ModelFamily], ...] = (StableDiffusionXL, StableDiffusion3, StableDiffusion, Flux, Flux2Klein,
-                                           ZImage, QwenImage)
+                                           ZImage, QwenImage, Sana)
 #: `base.model` values of the built-in tiny models.
 BUILTINS: dict[str, type[ModelFamily]] = {f.builtin: f for f in FAMILIES}
 
@@ -124,6 +125,6 @@ def build_tiny_pipeline(kind: str, seed: int, out: Path) -> Path:
 
 
 __all__ = ["BUILTINS", "FAMILIES", "Components", "ModelFamily", "PredictInputs", "StableDiffusion", "StableDiffusionXL",
-           "StableDiffusion3", "Flux", "Flux2Klein", "ZImage", "QwenImage", "build_tiny_pipeline", "by_name",
-           "denoiser_names", "detect", "from_index", "of_pipeline", "read_index", "register", "stored_dtypes",
-           "supported", "unregister"]
+           "StableDiffusion3", "Flux", "Flux2Klein", "ZImage", "QwenImage", "Sana", "build_tiny_pipeline",
+           "by_name", "denoiser_names", "detect", "from_index", "of_pipeline", "read_index", "register",
+           "stored_dtypes", "supported", "unregister"]

@@ -225,3 +225,36 @@ def qwen3_config(vocab_size: int, pad_token_id: int, num_hidden_layers: int = 2,
                        num_hidden_layers=num_hidden_layers, num_attention_heads=2, num_key_value_heads=1, head_dim=8,
                        max_position_embeddings=1024, tie_word_embeddings=True, pad_token_id=pad_token_id,
                        use_cache=False)
+
+
+def gemma_tokenizer(max_length: int = 300):
+    """A SentencePiece-style BPE tokenizer with byte fallback over the corpus, as Gemma's: `<pad>` 0,
+    `<eos>` 1, `<bos>` 2, `<unk>` 3, `<mask>` 4, the 256 byte pieces `<0x00>`..`<0xFF>` (what no piece
+    covers, capitals and punctuation here, falls back to bytes), then the corpus's characters with
+    SentencePiece's "▁" and merges learned from its words; a `<bos>` starts every sequence, no `<eos>`
+    ends it. Saved and read back with `GemmaTokenizer.from_pretrained`, as a pipeline loads it."""
+    import tempfile
+
+    from transformers import GemmaTokenizer
+
+    words = ["▁" + w for w in _CORPUS.split()]
+    merges = _learn_merges(words, _NUM_MERGES, end="")
+    tokens = ["<pad>", "<eos>", "<bos>", "<unk>", "<mask>", *(f"<0x{b:02X}>" for b in range(256)),
+              *sorted({c for w in words for c in w}), *("".join(pair) for pair in merges)]
+    vocab = {tok: i for i, tok in enumerate(dict.fromkeys(tokens))}
+    tok = GemmaTokenizer(vocab=vocab, merges=merges, model_max_length=max_length, add_bos_token=True,
+                         add_eos_token=False)
+    with tempfile.TemporaryDirectory() as tmp:
+        tok.save_pretrained(tmp)
+        return GemmaTokenizer.from_pretrained(tmp)
+
+
+def gemma2_config(vocab_size: int, hidden_size: int = 16):
+    """A 2-layer Gemma2 decoder config at toy width (2 query heads of 8, one key/value head), Gemma's
+    special token ids."""
+    from transformers import Gemma2Config
+
+    return Gemma2Config(vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=2 * hidden_size,
+                        num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=8,
+                        query_pre_attn_scalar=8, max_position_embeddings=2048, sliding_window=512,
+                        pad_token_id=0, eos_token_id=1, bos_token_id=2, use_cache=False)
