@@ -1,4 +1,4 @@
-"""FLUX.1-dev (11.9B), FLUX.2 [klein] 4B or Z-Image (6B) LoRA steps on this 24 GB machine, on a quantized base.
+"""FLUX.1-dev (11.9B), FLUX.2 [klein] 4B, Z-Image (6B) or Sana (1.6B) LoRA steps on a quantized base, 24 GB.
 
     .venv/bin/python -m benchmarks.flux_dev.build                                  # once: 32 GB folder
     .venv/bin/python -m benchmarks.flux_dev.train --precision int8 --steps 5       # appends to results.json
@@ -7,6 +7,8 @@
     .venv/bin/python -m benchmarks.flux_dev.train --model flux.2-klein-4b --precision int8 --text-precision int8
     .venv/bin/python -m benchmarks.zimage.build                                    # once: 20 GB (GiB) folder
     .venv/bin/python -m benchmarks.flux_dev.train --model z-image-6b --precision int8 --text-precision int8
+    .venv/bin/python -m benchmarks.sana.build                                      # once: 8.4 GB (GiB) folder
+    .venv/bin/python -m benchmarks.flux_dev.train --model sana-1600m --precision int8
 
 One process runs `python -m tasks.train` (the DVC stage's command) on 4 images of 512 px trained at
 256 px: LoRA rank 16 on the attention projections, `base_model_precision` (int8 = torchao weight-only),
@@ -18,7 +20,8 @@ at exit; the memory log (`flux-memory.log` in the work folder) has the RSS at ev
 each phase's peak is in it. Afterwards the saved LoRA file is loaded into the model's transformer
 (its base weights allocated, never written, so they take no memory) with diffusers' own loader,
 and its tensors compared with the file's. Results go to the model's own folder
-(benchmarks/flux_dev/results.json, benchmarks/flux2_klein/results.json, benchmarks/zimage/results.json).
+(benchmarks/flux_dev/results.json, benchmarks/flux2_klein/results.json, benchmarks/zimage/results.json,
+benchmarks/sana/results.json).
 """
 from __future__ import annotations
 
@@ -47,6 +50,8 @@ MODELS = {
                             folder="flux2-klein-4b", benchmark=HERE.parent / "flux2_klein"),
     "z-image-6b": dict(pipeline="ZImagePipeline", transformer="ZImageTransformer2DModel", folder="z-image-6b",
                        benchmark=HERE.parent / "zimage"),
+    "sana-1600m": dict(pipeline="SanaPipeline", transformer="SanaTransformer2DModel", folder="sana-1600m",
+                       benchmark=HERE.parent / "sana"),
 }
 
 
