@@ -22,6 +22,9 @@ SCRIPTS = (
     "examples/dreambooth/train_dreambooth_lora_sd3.py",
     "examples/dreambooth/train_dreambooth_sd3.py",
     "examples/dreambooth/train_dreambooth_lora_flux.py",
+    "examples/dreambooth/train_dreambooth_lora_sana.py",
+    "examples/dreambooth/train_dreambooth_lora_z_image.py",
+    "examples/dreambooth/train_dreambooth_lora_qwen_image.py",
     "examples/textual_inversion/textual_inversion.py",
     "examples/text_to_image/train_text_to_image.py",
 )

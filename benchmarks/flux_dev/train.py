@@ -51,8 +51,23 @@ MODELS = {
     "z-image-6b": dict(pipeline="ZImagePipeline", transformer="ZImageTransformer2DModel", folder="z-image-6b",
                        benchmark=HERE.parent / "zimage"),
     "sana-1600m": dict(pipeline="SanaPipeline", transformer="SanaTransformer2DModel", folder="sana-1600m",
-                       benchmark=HERE.parent / "sana"),
+                       benchmark=HERE.parent / "sana", script="train_dreambooth_lora_sana.py"),
 }
+
+
+def theirs_command(base: Path, work: Path, data: Path, args: argparse.Namespace, model: dict) -> list[str]:
+    """diffusers' own script for the model (v<installed>, unchanged; benchmarks/diffusers_scripts.py fetches
+    it) at the same settings: LoRA rank 16 on the script's default targets, bf16 (its base is never
+    quantized), checkpointing, the same resolution, steps, learning rate and text length, no validation."""
+    from benchmarks.diffusers_scripts import script
+
+    return [str(script(model["script"])), "--pretrained_model_name_or_path", str(base),
+            "--instance_data_dir", str(data), "--instance_prompt", PROMPT, "--output_dir", str(work / "theirs-out"),
+            "--resolution", str(args.resolution), "--center_crop", "--train_batch_size", "1",
+            "--max_train_steps", str(args.steps), "--learning_rate", "1e-4", "--lr_scheduler", "constant",
+            "--mixed_precision", "bf16", "--rank", str(args.rank), "--gradient_checkpointing",
+            "--max_sequence_length", str(args.max_sequence_length), "--checkpointing_steps", str(10 ** 6),
+            "--seed", "0", "--report_to", "mlflow"]
 
 
 def ours_command(base: Path, work: Path, data: Path, args: argparse.Namespace) -> list[str]:
@@ -98,12 +113,13 @@ def adapters_load(base: Path, out: Path, model: dict) -> dict:
 
 
 def table(results: list[dict]) -> str:
-    rows = ["| base | steps timed | s/step median (min-max) | loss | peak RSS at last step, GB | peak RSS at exit, GB "
-            "| adapters loaded |", "|---|---|---|---|---|---|---|"]
+    rows = ["| loop | base | steps timed | s/step median (min-max) | loss | peak RSS at last step, GB "
+            "| peak RSS at exit, GB | adapters loaded |", "|---|---|---|---|---|---|---|---|"]
     for r in results:
         s = r["step_seconds"]
-        rows.append(f"| {r['precision']} | {r['steps_timed']} | {r['s_per_step']:.1f} ({min(s):.1f}-{max(s):.1f}) | "
-                    f"{', '.join(f'{x:.3f}' for x in r['losses'])} | {r['peak_rss_train_gb']:.1f} | "
+        losses = ", ".join(f"{x:.3f}" for x in r.get("losses", [])) or "(not recorded)"
+        rows.append(f"| {r.get('loop', 'ours')} | {r['precision']} | {r['steps_timed']} | "
+                    f"{r['s_per_step']:.1f} ({min(s):.1f}-{max(s):.1f}) | {losses} | {r['peak_rss_train_gb']:.1f} | "
                     f"{r['peak_rss_gb']:.1f} | {r['adapters']['lora_tensors_equal']}/"
                     f"{r['adapters']['lora_tensors_in_file']} |")
     return "\n".join(rows)
@@ -120,6 +136,8 @@ def main() -> None:
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--max-sequence-length", type=int, default=128)
     add_run_arguments(parser, None)
+    parser.add_argument("--loop", choices=("ours", "theirs"), default="ours",
+                        help="theirs: diffusers' script for the model (where MODELS names one), bf16 base")
     parser.add_argument("--summarize", action="store_true", help="report on the work folder's finished run, "
                         "running nothing")
     args = parser.parse_args()
@@ -135,29 +153,39 @@ def main() -> None:
         build = "benchmarks." + model["benchmark"].name + ".build"
         raise SystemExit(f"{args.base} is missing: run `.venv/bin/python -m {build} --out {args.base}`")
     if args.summarize:
-        timing = summary("ours", args.work / "ours-timing.json", args.warmup)
+        timing = summary(args.loop, args.work / f"{args.loop}-timing.json", args.warmup)
     else:
         shutil.rmtree(args.work, ignore_errors=True)
         args.work.mkdir(parents=True)
-        data, _ = make_images(args.work, 4)
+        data, images = make_images(args.work, 4)  # an imagefolder for ours, the images alone for theirs
         env = {"MLFLOW_TRACKING_URI": f"sqlite:///{args.work / 'mlflow.db'}", "PYTHONPATH": str(ROOT),
                "STEPTIMER_MEMORY_LOG": str(args.work / "flux-memory.log")}
-        timing = timed("ours", ours_command(args.base, args.work, data, args), args.work, args.warmup, env)
+        command = (theirs_command(args.base, args.work, images, args, model) if args.loop == "theirs"
+                   else ours_command(args.base, args.work, data, args))
+        timing = timed(args.loop, command, args.work, args.warmup, env)
     results = json.loads(args.results.read_text()) if args.results.is_file() else []
-    row = {"model": args.model, "method": "lora", "precision": args.precision,
+    precision = args.precision if args.loop == "ours" else "none"  # diffusers' scripts hold a bf16 base
+    row = {"model": args.model, "method": "lora", "precision": precision,
            "text_precision": args.text_precision, "resolution": args.resolution,
            "rank": args.rank, "max_sequence_length": args.max_sequence_length, "gradient_checkpointing": True,
            "batch": 1, "date": time.strftime("%Y-%m-%d"), "cpu": _cpu(), "threads": os.cpu_count(), **timing}
-    report = json.loads((args.work / "report.json").read_text())
-    row["losses"] = [float(line.split(",")[1]) for line in (args.work / "loss.csv").read_text().splitlines()[1:]]
-    row["finite_loss"] = all(math.isfinite(x) for x in row["losses"])
-    row["report"] = {k: report.get(k) for k in ("base_model_precision", "quantized_layers", "peak_rss_mb_by_phase",
-                                                "text_cache_seconds", "latent_cache_seconds", "allocator", "steps",
-                                                "text_encoder_precision")}
-    row["adapters"] = adapters_load(args.base, args.work / "out", model)
+    if args.loop == "ours":
+        row.update(_stage_report(args.work))
+    out = args.work / ("out" if args.loop == "ours" else "theirs-out")
+    row["adapters"] = adapters_load(args.base, out, model)
     print(json.dumps(row), flush=True)
     results.append(row)
     args.results.write_text(json.dumps(results, indent=1) + "\n")
+
+
+def _stage_report(work: Path) -> dict:
+    """The train stage's losses and its own report's figures (quantized layers, peaks per phase)."""
+    report = json.loads((work / "report.json").read_text())
+    losses = [float(line.split(",")[1]) for line in (work / "loss.csv").read_text().splitlines()[1:]]
+    keys = ("base_model_precision", "quantized_layers", "peak_rss_mb_by_phase", "text_cache_seconds",
+            "latent_cache_seconds", "allocator", "steps", "text_encoder_precision")
+    return {"losses": losses, "finite_loss": all(math.isfinite(x) for x in losses),
+            "report": {k: report.get(k) for k in keys}}
 
 
 def _cpu() -> str:
