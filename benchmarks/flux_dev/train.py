@@ -1,4 +1,4 @@
-"""FLUX.1-dev (11.9B), FLUX.2 [klein] 4B, Z-Image (6B) or Sana (1.6B) LoRA steps on a quantized base, 24 GB.
+"""FLUX.1-dev (11.9B), FLUX.2 [klein] 4B, Z-Image (6B), Qwen-Image (20B) or Sana (1.6B) LoRA steps, 24 GB.
 
     .venv/bin/python -m benchmarks.flux_dev.build                                  # once: 32 GB folder
     .venv/bin/python -m benchmarks.flux_dev.train --precision int8 --steps 5       # appends to results.json
@@ -7,6 +7,8 @@
     .venv/bin/python -m benchmarks.flux_dev.train --model flux.2-klein-4b --precision int8 --text-precision int8
     .venv/bin/python -m benchmarks.zimage.build                                    # once: 20 GB (GiB) folder
     .venv/bin/python -m benchmarks.flux_dev.train --model z-image-6b --precision int8 --text-precision int8
+    .venv/bin/python -m benchmarks.qwenimage.build                                 # once: 53 GB (GiB) folder
+    .venv/bin/python -m benchmarks.flux_dev.train --model qwen-image --precision nf4 --text-precision int8
     .venv/bin/python -m benchmarks.sana.build                                      # once: 8.4 GB (GiB) folder
     .venv/bin/python -m benchmarks.flux_dev.train --model sana-1600m --precision int8
 
@@ -21,7 +23,7 @@ each phase's peak is in it. Afterwards the saved LoRA file is loaded into the mo
 (its base weights allocated, never written, so they take no memory) with diffusers' own loader,
 and its tensors compared with the file's. Results go to the model's own folder
 (benchmarks/flux_dev/results.json, benchmarks/flux2_klein/results.json, benchmarks/zimage/results.json,
-benchmarks/sana/results.json).
+benchmarks/qwenimage/results.json, benchmarks/sana/results.json).
 """
 from __future__ import annotations
 
@@ -52,6 +54,8 @@ MODELS = {
                        benchmark=HERE.parent / "zimage"),
     "sana-1600m": dict(pipeline="SanaPipeline", transformer="SanaTransformer2DModel", folder="sana-1600m",
                        benchmark=HERE.parent / "sana", script="train_dreambooth_lora_sana.py"),
+    "qwen-image": dict(pipeline="QwenImagePipeline", transformer="QwenImageTransformer2DModel", folder="qwen-image",
+                       benchmark=HERE.parent / "qwenimage"),
 }
 
 
