@@ -44,7 +44,9 @@ REPO = Path(__file__).resolve().parents[1]
 #: What registration reads, as the stage and argument dvc.yaml gives each path to (the paths are
 #: written there only; flows.params.stage_output reads them).
 OUTPUTS = {"base": ("base", "--out"), "finetuned": ("train", "--out"), "openvino": ("export", "--out"),
-           "evaluation": ("evaluate", "--report")}
+           "evaluation": ("evaluate", "--report"), "training": ("train", "--report")}
+#: Of OUTPUTS, what a pipeline of one's own may leave out (no base stage; a train stage without a report).
+OPTIONAL_OUTPUTS = ("base", "training")
 
 #: A stage killed by SIGKILL/SIGTERM (OOM killer, container limit, node drain) is retried: the rerun
 #: resumes from its checkpoint (train) or redoes a cheap stage. A config or data error (a stage's
@@ -119,7 +121,7 @@ def register_model(root: str, parent_run_id: str, flow_run_id: str | None,
 
     base = Path(root)
     paths = {name: _output(base, name) for name in OUTPUTS}
-    if missing := [name for name, path in paths.items() if path is None and name != "base"]:
+    if missing := [name for name, path in paths.items() if path is None and name not in OPTIONAL_OUTPUTS]:
         raise UserError(f"nothing to register: {base / 'dvc.yaml'} gives no path for "
                         + ", ".join(f"{name} ({' '.join(OUTPUTS[name])})" for name in missing))
     extra = dict(tags or {})  # the version's run is the parent run: no tag needed for it
@@ -129,7 +131,7 @@ def register_model(root: str, parent_run_id: str, flow_run_id: str | None,
         result = register(
             paths["finetuned"], paths["openvino"], paths["evaluation"], lock=base / "dvc.lock",
             params=base / "params.yaml", run_id=parent_run_id, extra_tags=extra,
-            base=paths["base"], champion_rescore=champion_rescore,
+            base=paths["base"], champion_rescore=champion_rescore, train_report=paths["training"],
         )
     except MlflowException as err:
         uri = tracking_uri(base)
