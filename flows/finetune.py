@@ -24,7 +24,7 @@ from prefect.states import Completed, State
 from flows import dvc_stage, experiment, report
 from flows import remote as dvc_remote
 from flows.changes import detect_changes
-from flows.params import stage_output, validate_overrides
+from flows.params import check_params, stage_output, validate_overrides
 from flows.parent_run import ParentRun, parent_run
 from flows.sections import stage_names
 from flows.workspace import workspace_lock
@@ -189,11 +189,13 @@ def finetune(
 
 def check_overrides(root: Path, overrides: dict[str, Any] | None) -> dict[str, Any]:
     """`overrides` as they will be applied, once each key is known (in params.yaml or defined by
-    its stage's typed config: docs/parameters.md) and each section it changes still validates as
-    that config; and, when there are any, the git repository they run in as a DVC experiment.
+    its stage's typed config: docs/parameters.md), every section validates as its config, no
+    combination a later stage refuses is set (flows/params.py `check_params`); and, when there are
+    any, the git repository they run in as a DVC experiment.
     A UserError naming the key otherwise. Reads files only (and asks git): the CLI calls it before
     Prefect starts a server, the flow again for runs started by a deployment."""
     applied = validate_overrides(root / "params.yaml", overrides)
+    check_params(root / "params.yaml", applied)  # every section, and what a later stage would refuse
     if applied:
         experiment.require_git(root)
     return applied
