@@ -21,7 +21,7 @@ export DO_NOT_TRACK ?= 1
 # A local flow run starts a temporary Prefect server; on a busy 2-core machine it needs more than 20 s.
 export PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS ?= 120
 
-.PHONY: help install data demo test test-fast lint serve lock params-doc side-envs bench-env lock-side-envs mlflow-ui clean clean-all
+.PHONY: help install data demo test test-fast lint serve serve-model lock params-doc side-envs bench-env lock-side-envs mlflow-ui clean clean-all
 
 help:
 	@echo "make demo       set up, then run the whole pipeline offline on the built-in tiny model"
@@ -29,6 +29,7 @@ help:
 	@echo "make test       set up, then run the whole test suite (what .ci/run calls)"
 	@echo "make lint       ruff over the tree, with the rules in pyproject.toml (CI runs it)"
 	@echo "make serve      Prefect server + worker on 127.0.0.1:\$${PREFECT_PORT:-4200}, deployments finetune/main and finetune/nightly"
+	@echo "make serve-model  a registered version over HTTP on 127.0.0.1:\$${PORT:-5001} (MODEL=models:/sd-finetuned@champion)"
 	@echo "make mlflow-ui  MLflow UI on 127.0.0.1:5000 over ./mlflow.db"
 	@echo "make lock       re-resolve requirements.in into requirements.lock and requirements-torch.lock"
 	@echo "make params-doc regenerate docs/parameters.md (every params.yaml key) from the stage configs"
@@ -179,6 +180,15 @@ lint: $(STAMP)
 
 serve: $(STAMP)
 	$(BIN)/python -m flows.serve
+
+# A registered version over HTTP (README "The registry"): MODEL (a models:/ URI), PORT, SERVE_ARGS
+# (more `mlflow models serve` options, e.g. --timeout 120 --workers 2). This environment's bin goes
+# on PATH: mlflow starts its scoring server by execing `uvicorn` by name.
+MODEL ?= models:/sd-finetuned@champion
+PORT ?= 5001
+serve-model: $(STAMP)
+	PATH="$(CURDIR)/$(BIN):$$PATH" MLFLOW_TRACKING_URI="$${MLFLOW_TRACKING_URI:-sqlite:///$(CURDIR)/mlflow.db}" \
+	  $(BIN)/mlflow models serve -m "$(MODEL)" --env-manager local -h 127.0.0.1 -p $(PORT) $(SERVE_ARGS)
 
 mlflow-ui: $(STAMP)
 	$(BIN)/mlflow ui --backend-store-uri sqlite:///$(CURDIR)/mlflow.db --host 127.0.0.1 --port $${MLFLOW_PORT:-5000}

@@ -24,7 +24,7 @@ from prefect.states import Completed, State
 from flows import dvc_stage, experiment, report
 from flows import remote as dvc_remote
 from flows.changes import detect_changes
-from flows.params import stage_output, validate_overrides
+from flows.params import check_params, stage_output, validate_overrides
 from flows.parent_run import ParentRun, parent_run
 from flows.sections import stage_names
 from flows.workspace import workspace_lock
@@ -44,7 +44,9 @@ REPO = Path(__file__).resolve().parents[1]
 #: What registration reads, as the stage and argument dvc.yaml gives each path to (the paths are
 #: written there only; flows.params.stage_output reads them).
 OUTPUTS = {"base": ("base", "--out"), "finetuned": ("train", "--out"), "openvino": ("export", "--out"),
-           "evaluation": ("evaluate", "--report")}
+           "evaluation": ("evaluate", "--report"), "training": ("train", "--report")}
+#: Of OUTPUTS, what a pipeline of one's own may leave out (no base stage; a train stage without a report).
+OPTIONAL_OUTPUTS = ("base", "training")
 
 #: A stage killed by SIGKILL/SIGTERM (OOM killer, container limit, node drain) is retried: the rerun
 #: resumes from its checkpoint (train) or redoes a cheap stage. A config or data error (a stage's
@@ -119,7 +121,7 @@ def register_model(root: str, parent_run_id: str, flow_run_id: str | None,
 
     base = Path(root)
     paths = {name: _output(base, name) for name in OUTPUTS}
-    if missing := [name for name, path in paths.items() if path is None and name != "base"]:
+    if missing := [name for name, path in paths.items() if path is None and name not in OPTIONAL_OUTPUTS]:
         raise UserError(f"nothing to register: {base / 'dvc.yaml'} gives no path for "
                         + ", ".join(f"{name} ({' '.join(OUTPUTS[name])})" for name in missing))
     extra = dict(tags or {})  # the version's run is the parent run: no tag needed for it
@@ -129,7 +131,7 @@ def register_model(root: str, parent_run_id: str, flow_run_id: str | None,
         result = register(
             paths["finetuned"], paths["openvino"], paths["evaluation"], lock=base / "dvc.lock",
             params=base / "params.yaml", run_id=parent_run_id, extra_tags=extra,
-            base=paths["base"], champion_rescore=champion_rescore,
+            base=paths["base"], champion_rescore=champion_rescore, train_report=paths["training"],
         )
     except MlflowException as err:
         uri = tracking_uri(base)
@@ -187,11 +189,13 @@ def finetune(
 
 def check_overrides(root: Path, overrides: dict[str, Any] | None) -> dict[str, Any]:
     """`overrides` as they will be applied, once each key is known (in params.yaml or defined by
-    its stage's typed config: docs/parameters.md) and each section it changes still validates as
-    that config; and, when there are any, the git repository they run in as a DVC experiment.
+    its stage's typed config: docs/parameters.md), every section validates as its config, no
+    combination a later stage refuses is set (flows/params.py `check_params`); and, when there are
+    any, the git repository they run in as a DVC experiment.
     A UserError naming the key otherwise. Reads files only (and asks git): the CLI calls it before
     Prefect starts a server, the flow again for runs started by a deployment."""
     applied = validate_overrides(root / "params.yaml", overrides)
+    check_params(root / "params.yaml", applied)  # every section, and what a later stage would refuse
     if applied:
         experiment.require_git(root)
     return applied

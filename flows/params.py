@@ -14,6 +14,10 @@ parameter overrides.
   leaves out (`train.lora_type`, its default applies) is added to its section, as DVC's
   `--set-param +train.lora_type=dora` would add it: the stage reads it from its section, and DVC,
   which tracks the whole section (`params: - train`), reruns the stage.
+- `check_params` then loads every section (overrides applied) as its stage's typed config and
+  refuses the combinations a later stage refuses (flows/combinations.py: `export.adapters: runtime`
+  with DoRA, LoKr, LoHa, a full pipeline or a family GenAI cannot take), naming both keys, before
+  any stage runs.
 """
 from __future__ import annotations
 
@@ -205,8 +209,28 @@ def validate_overrides(params_path: Path, overrides: Mapping[str, Any] | None) -
     return applied
 
 
+def check_params(params_path: Path, applied: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """Load every section of params.yaml (with `applied`, overrides validate_overrides returned) that a
+    stage config reads, as that config, and refuse the combinations a later stage would refuse
+    (flows/combinations.py), naming both keys and the fix; write nothing. The flow calls it before
+    any stage runs. Returns the loaded configs by section."""
+    from flows import combinations
+
+    params_path = Path(params_path)
+    data = read_params(params_path)
+    for dotted, value in (applied or {}).items():
+        _set(data, dotted, value)
+    where = f"{params_path.name} with overrides {_shown(applied, '')}" if applied else params_path.name
+    configs = {section: parse_section(section, data[section], model, where)
+               for section in SECTION_CONFIGS if section in data and (model := section_config(section))}
+    if found := combinations.problems(configs, params_path.parent):
+        raise UserError(f"{where}: settings that a later stage refuses (nothing has run):\n  " + "\n  ".join(found))
+    return configs
+
+
 def _shown(applied: Mapping[str, Any], section: str) -> str:
-    return ", ".join(f"{k}={v!r}" for k, v in applied.items() if k.split(".")[0] == section)
+    """The overrides of `section` ('': all) as `key=value, ...`."""
+    return ", ".join(f"{k}={v!r}" for k, v in applied.items() if section in ("", k.split(".")[0]))
 
 
 def apply_overrides(params_path: Path, overrides: Mapping[str, Any] | None) -> dict[str, Any]:

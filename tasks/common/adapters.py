@@ -23,6 +23,8 @@ log = logging.getLogger(__name__)
 ADAPTER_TYPES = ("lora", "dora", "lokr", "loha")
 #: the types saved as diffusers' LoRA file; the others in peft's layout under PEFT_DIR
 DIFFUSERS_FORMAT = ("lora", "dora")
+#: the types OpenVINO GenAI applies at run time (`export.adapters: runtime`): plain LoRA only
+RUNTIME_TYPES = ("lora",)
 PEFT_DIR = "peft_adapters"
 CONFIG_NAME = "adapter_config.json"
 WEIGHTS_NAME = "adapter_model.safetensors"

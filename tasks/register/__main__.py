@@ -1,6 +1,6 @@
 """python -m tasks.register --finetuned models/finetuned --openvino models/openvino
---evaluation reports/evaluate.json [--base models/base] [--lock dvc.lock] [--params params.yaml]
-[--run-id ID]"""
+--evaluation reports/evaluate.json [--train-report reports/train.json] [--base models/base]
+[--lock dvc.lock] [--params params.yaml] [--run-id ID]"""
 from __future__ import annotations
 
 import argparse
@@ -23,6 +23,8 @@ def main() -> None:
     parser.add_argument("--base", type=Path, default=None,
                         help="base pipeline folder: needed when --finetuned holds LoRA adapters "
                              "only (train.fuse_lora: false)")
+    parser.add_argument("--train-report", type=Path, default=Path("reports/train.json"),
+                        help="the train stage's report: what the version says it trained (tags train.*)")
     parser.add_argument("--lock", type=Path, default=Path("dvc.lock"), help="lineage source")
     parser.add_argument("--params", type=Path, default=Path("params.yaml"))
     parser.add_argument("--run-id", default=None, help="log into this MLflow run, not a new one")
@@ -30,7 +32,7 @@ def main() -> None:
     configure()
     result = register(
         args.finetuned, args.openvino, args.evaluation, args.lock, args.params, args.run_id,
-        base=args.base,
+        base=args.base, train_report=args.train_report,
     )
     log.info(
         "registered %s version %s (aliases: %s) in %s; load it with "

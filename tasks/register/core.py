@@ -40,6 +40,7 @@ from tasks.register.registry import (
     move_champion,
 )
 from tasks.register.serving_limits import SETTINGS, serving_config, signature
+from tasks.register.training import read_train_report, train_tags, trained_line, trained_summary
 
 log = logging.getLogger(__name__)
 
@@ -201,17 +202,22 @@ def register_model(
     champion_rescore: dict[str, Any] | None = None,
     serving: dict[str, Any] | None = None,
     hub_base: HubBase | None = None,
+    trained: dict[str, Any] | None = None,
 ) -> Registered:
-    """Log the pyfunc in run `run_id`, register a version of `model_name`, tag it, set aliases."""
+    """Log the pyfunc in run `run_id`, register a version of `model_name`, tag it, set aliases.
+    `trained`: the train stage's report, which the tags `train.<key>` and the description read."""
     import mlflow
 
     artifacts = model_artifacts(finetuned, openvino, base)
     convention = call_convention(finetuned, base, openvino)
     candidate_score(evaluation, primary_metric)  # a misnamed metric fails before anything is logged
     client = mlflow.MlflowClient()
-    tags = summary_tags(lock, evaluation, git_commit, primary_metric, extra_tags)
+    tags = summary_tags(lock, evaluation, git_commit, primary_metric,
+                        {**train_tags(trained or {}), **(extra_tags or {})})
     tags["model.artifacts"] = "lora_adapters+base" if "base" in artifacts else "pipeline"
     record = lineage_record(lock, evaluation, params, git_commit, extra_tags)
+    if trained:
+        record["train"] = trained_summary(trained)
     with tempfile.TemporaryDirectory(prefix="register-") as work:
         if is_runtime_export(openvino):
             tags.update(_base_export_version(client, model_name, openvino, Path(work), base, run_id, serving,
@@ -226,7 +232,8 @@ def register_model(
     decision = decide(evaluation, primary_metric, primary_metric_goal, champion,
                       promote_uncalibrated)
     reason = decision.reason
-    description = f"{describe(lock, evaluation, git_commit, primary_metric)} Champion: {reason}."
+    line = trained_line(trained) if trained else ""
+    description = f"{describe(lock, evaluation, git_commit, primary_metric, line)} Champion: {reason}."
     record.update(champion=decision.tags(), model={"name": model_name, "source": info.model_uri,
                                                    "artifacts": sorted(artifacts)})
     client.log_dict(run_id, record, LINEAGE_ARTIFACT)
@@ -321,8 +328,10 @@ def register(
     extra_tags: dict[str, Any] | None = None,
     base: Path | None = None,
     champion_rescore: dict[str, Any] | None = None,
+    train_report: Path | None = None,
 ) -> Registered:
-    """Read params, dvc.lock and the evaluation, then register: in `run_id`, or in a new run.
+    """Read params, dvc.lock, the evaluation and the train stage's report (when given: what the
+    version says it trained), then register: in `run_id`, or in a new run.
 
     Everything is read and checked before MLflow is touched, so a missing input fails cleanly.
     The MLflow tracking URI must already be set (`tasks.common.tracking.configure()`).
@@ -346,6 +355,7 @@ def register(
         champion_rescore=champion_rescore,
         serving={"budget_images": cfg.serve_budget_images, "max_waiting": cfg.serve_max_waiting},
         hub_base=hub_reference(read_params(params).get("base") or {}),
+        trained=read_train_report(train_report) if train_report is not None else None,
     )
     if run_id:
         return register_model(run_id=run_id, **kwargs)

@@ -7,11 +7,12 @@
   `{"metrics": {...}, "gate": {"passed": bool, "checks": {...}}}`.
 
 What a model version shows (a registry people can read): a handful of tags (`summary_tags`: base,
-method, data hash, git commit, primary metric, gate, lineage fingerprint) and a description
-(`describe`); everything else, every output hash and every parameter, goes into one JSON
-document (`lineage_record`), logged as `lineage.json` in the version's run and named by the
-version's `lineage` tag. `inputs` (output hashes and stage params, the register section left out)
-and its `fingerprint` identify what the model was built from: `only_if_changed` compares them.
+method, data hash, git commit, primary metric, gate, lineage fingerprint; what trained, `train.<key>`,
+from tasks/register/training.py) and a description (`describe`); everything else, every output hash
+and every parameter, goes into one JSON document (`lineage_record`), logged as `lineage.json` in the
+version's run and named by the version's `lineage` tag. `inputs` (output hashes and stage params,
+the register section left out) and its `fingerprint` identify what the model was built from:
+`only_if_changed` compares them.
 """
 from __future__ import annotations
 
@@ -204,8 +205,9 @@ def summary_tags(
 
 
 def describe(lock: Lock, evaluation: Evaluation, git_commit: str | None,
-             primary_metric: str | None = None) -> str:
-    """One readable paragraph for the version's description in the registry UI."""
+             primary_metric: str | None = None, trained: str = "") -> str:
+    """One readable paragraph for the version's description in the registry UI; `trained`: what
+    trained, in one line (tasks/register/training.py)."""
     p = flatten(lock.params)
     base = p.get("base.model", "?")
     method = p.get("train.method", "?")
@@ -216,7 +218,7 @@ def describe(lock: Lock, evaluation: Evaluation, git_commit: str | None,
     warning = evaluation.uncalibrated
     return (
         (f"{warning[0].upper()}{warning[1:]}. " if warning else "")
-        + f"{base} fine-tuned with {method} for {steps} steps. "
+        + f"{base} fine-tuned with {method} for {steps} steps{f': {trained}' if trained else ''}. "
         f"Evaluation: {scores or 'no metrics'}; the gate {verdict}; protocol "
         f"{evaluation.protocol_tag()}. "
         f"Artifacts: the diffusers pipeline (finetuned/) and its OpenVINO export (openvino/); "

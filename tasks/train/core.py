@@ -35,9 +35,10 @@ from tasks.train.methods import dreambooth, full, lora, textual_inversion  # noq
 from tasks.train.methods.base import TrainingMethod
 from tasks.train.models import load_components
 from tasks.train.no_ops import data_no_ops
-from tasks.train.optim import weight_dtype
+from tasks.train.optim import optimizer_name, weight_dtype
 from tasks.train.selection import CheckpointJudge, best_record
 from tasks.train.steplog import Callback, StepLog
+from tasks.train.trained import trained_settings
 from tasks.train.validation import live_validator, output_validation
 
 log = logging.getLogger(__name__)
@@ -65,6 +66,7 @@ class TrainOutcome:
     concepts: dict[str, dict[str, Any]] = field(default_factory=dict)  # per concept: images, repeats, examples seen
     base_precision: dict[str, Any] = field(default_factory=dict)  # the frozen base's: name, quantized layers
     phase_peaks_mb: dict[str, float] = field(default_factory=dict)  # peak RSS of text_cache, load, steps, save
+    trained: dict[str, Any] = field(default_factory=dict)  # what trained: adapter, optimizer, masks (trained.py)
 
     def report(self) -> dict[str, Any]:
         """reports/train.json (DVC metrics)."""
@@ -73,6 +75,7 @@ class TrainOutcome:
         return {
             "method": self.method,
             "family": self.family,
+            **self.trained,
             "steps": int(self.losses[-1][0]) if self.losses else 0,
             "final_loss": self.losses[-1][1] if self.losses else float("nan"),
             "mean_loss_last_10": sum(tail) / len(tail) if tail else float("nan"),
@@ -158,6 +161,7 @@ def train(
 
     images: dict[str, list[Image.Image]] = {}
     weights: dict[str, str] = {}
+    trained_keys = trained_settings(cfg, dataset.instances, optimizer_name(cfg, result.params))
     if result.ema is not None:
         result.ema.copy_to_params()  # the output is the EMA weights, as in train_text_to_image.py
     del validate, judge  # the live validator and the scoring encoders are done
@@ -182,6 +186,7 @@ def train(
         text_cache_seconds=method.text_cache_seconds,
         checkpoints=[_on_disk(r, checkpoints.run_dir / f"checkpoint-{r['step']}") for r in result.state.scores],
         selected=selected, concepts=concepts, base_precision=base_info, phase_peaks_mb=peaks.peaks,
+        trained=trained_keys,
     )
 
 

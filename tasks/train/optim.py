@@ -26,12 +26,12 @@ def make_optimizer(cfg: TrainConfig, groups: list[dict[str, Any]], lr: float) ->
     """
     kwargs: dict[str, Any] = dict(lr=lr, betas=(cfg.adam_beta1, cfg.adam_beta2), weight_decay=cfg.adam_weight_decay,
                                   eps=cfg.adam_epsilon)
-    if cfg.use_8bit_adam:
+    name = optimizer_name(cfg, [p for g in groups for p in g["params"]])
+    if name == "adamw8bit":
         import bitsandbytes as bnb  # checked at config load
 
         return bnb.optim.AdamW8bit(groups, **kwargs)
-    params = [p for g in groups for p in g["params"]]
-    if params and all(p.dtype == torch.bfloat16 for p in params):  # full_bf16 (the method placed them so)
+    if name == "adamw_bf16_stochastic":
         from tasks.train.bf16_adamw import StochasticAdamW
 
         return StochasticAdamW(groups, **kwargs)
@@ -40,6 +40,17 @@ def make_optimizer(cfg: TrainConfig, groups: list[dict[str, Any]], lr: float) ->
     except (RuntimeError, TypeError, ValueError) as err:  # a device or dtype without the fused kernel
         log.info("fused AdamW unavailable (%s); using the default implementation", err)
         return torch.optim.AdamW(groups, **kwargs)
+
+
+def optimizer_name(cfg: TrainConfig, params: list[torch.Tensor]) -> str:
+    """The optimizer make_optimizer builds for `params` (the trainable tensors), by the name
+    reports/train.json gives it: adamw8bit (`use_8bit_adam`), adamw_bf16_stochastic (weights held in
+    bf16: `full_bf16`, the method placed them so) or adamw."""
+    if cfg.use_8bit_adam:
+        return "adamw8bit"
+    if params and all(p.dtype == torch.bfloat16 for p in params):
+        return "adamw_bf16_stochastic"
+    return "adamw"
 
 
 def make_lr_scheduler(cfg: TrainConfig, optimizer: torch.optim.Optimizer, num_processes: int) -> Any:

@@ -59,6 +59,11 @@ EVAL_PASS = {"metrics": {"clip_t": 0.21, "clip_i": 0.5, "dino": 0.4},
 EVAL_FAIL = {"metrics": {"clip_t": 0.01, "clip_i": 0.1, "dino": 0.05},
              "gate": {"passed": False, "checks": {"clip_t": False}}}
 
+# What the train stage's report says trained (tasks/train/trained.py): the keys a version is tagged with.
+TRAIN_REPORT = {"method": "dreambooth", "family": "sd", "train_text_encoder": False, "optimizer": "adamw",
+                "instance_images": 3, "masked_loss": False, "steps": 3, "final_loss": 0.1,
+                "base_model_precision": "none", "text_encoder_precision": "none"}
+
 DVC_LOCK = """\
 schema: '2.0'
 stages:
@@ -118,6 +123,7 @@ def project(tmp_path: Path, tiny_models: Path) -> Path:
     (root / "params.yaml").write_text("train:\n  max_train_steps: 3\nregister:\n  model_name: sd-test\n")
     (root / "dvc.lock").write_text(DVC_LOCK)
     (root / "reports/evaluate.json").write_text(json.dumps(EVAL_PASS))
+    (root / "reports/train.json").write_text(json.dumps(TRAIN_REPORT))
     git = ["git", "-c", "user.name=t", "-c", "user.email=t@localhost"]
     subprocess.run(["git", "init", "-q"], cwd=root, check=True)
     subprocess.run(["git", "add", "params.yaml", "dvc.lock"], cwd=root, check=True)

@@ -112,3 +112,39 @@ def test_models_serve_answers_with_png_images(project: Path, tmp_path: Path) -> 
         _check_the_model_is_never_tied_up(url)
         log = (tmp_path / "serve.log").read_text()
         assert "stopped a request at image" in log, log[-2000:]
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(900)
+def test_the_readmes_serve_command_runs_as_written(project: Path, tmp_path: Path) -> None:
+    """`make serve-model` (README, "The registry") serves with this environment's bin off PATH, as a new
+    user's shell has it: MLflow execs `uvicorn` by name, which `.venv/bin/mlflow models serve` alone
+    cannot find. The install stamp is taken as it is (`-o`): the test is of serving, not installing."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO
+    from tests.e2e_util import free_port, stop_process_group
+    from tests.register.http_serve import wait_ready
+
+    register(project / "models/finetuned", project / "models/openvino", project / "reports/evaluate.json",
+             project / "dvc.lock", project / "params.yaml")
+    venv_bin = str(Path(sys.executable).parent)
+    path = os.pathsep.join(p for p in os.environ["PATH"].split(os.pathsep) if p.rstrip("/") != venv_bin)
+    env = {**os.environ, "PATH": path}
+    port = free_port()
+    log = tmp_path / "serve.log"
+    with open(log, "wb") as sink:
+        command = ["make", "-s", "-o", ".venv/.installed", "serve-model", "MODEL=models:/sd-test@champion",
+                   f"PORT={port}"]
+        proc = subprocess.Popen(command, cwd=REPO, env=env, stdout=sink, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        wait_ready(url, proc, log)
+        status, answer = post(url, {"inputs": ["a photo of sks toy"], "params": {"num_inference_steps": 1}})
+        assert status == 200, answer
+        assert len(answer["predictions"]) == 1
+    finally:
+        stop_process_group(proc)

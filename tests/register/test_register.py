@@ -16,7 +16,7 @@ from PIL import Image
 
 from tasks.register.core import register
 from tests.conftest import REPO
-from tests.register.conftest import EVAL_FAIL, EVAL_PASS
+from tests.register.conftest import EVAL_FAIL, EVAL_PASS, TRAIN_REPORT
 
 
 def _cli(project: Path, *extra: str) -> subprocess.CompletedProcess[str]:
@@ -47,13 +47,16 @@ def test_cli_registers_version_with_lineage_and_both_aliases(registered: Path) -
     # A few readable tags; the full lineage in one JSON document in the version's run.
     assert set(mv.tags) == {"base", "method", "data", "git_commit", "metric.dino", "gate",
                             "protocol", "lineage.fingerprint", "lineage", "champion.decision",
-                            "model.artifacts", "model.flavors"}
+                            "model.artifacts", "model.flavors", "train.base_model_precision",
+                            "train.text_encoder_precision", "train.optimizer", "train.instance_images",
+                            "train.masked_loss"}
+    assert mv.tags["train.masked_loss"] == "off"
     assert mv.tags["git_commit"] == commit and mv.tags["method"] == "dreambooth"
     assert mv.tags["model.flavors"] == "python_function"  # a full pipeline: no diffusers flavor
     assert mv.tags["data"] == "11111111111111111111111111111111.dir"
     assert mv.tags["metric.dino"] == "0.4" and mv.tags["gate"] == "passed"
     assert mv.tags["champion.decision"].startswith("promoted")
-    assert "dreambooth for 3 steps" in mv.description
+    assert "dreambooth for 3 steps: dreambooth on a full-precision base, adamw, 3 images." in mv.description
     lineage = mlflow.artifacts.load_dict(mv.tags["lineage"])
     assert lineage["outputs"]["models/openvino"] == "33333333333333333333333333333333.dir"
     assert lineage["params"]["train"]["max_train_steps"] == 3
@@ -72,6 +75,34 @@ def test_cli_registers_version_with_lineage_and_both_aliases(registered: Path) -
     location = mlflow.get_logged_model(output.model_id).artifact_location
     code = {Path(f.path).name for f in mlflow.artifacts.list_artifacts(artifact_uri=f"{location}/code")}
     assert code == {"serving_limits.py", "genai_serving.py", "pipeline_call.py"}  # what pyfunc_model.py imports
+
+
+def test_a_dora_version_says_dora_in_its_tags_and_description(project: Path) -> None:
+    """What trained comes from the train stage's report (the CLI reads reports/train.json): DoRA, its
+    rank and alpha, the int8 base, the optimizer, the masks and the concept, as tags and in one line."""
+    report = {**TRAIN_REPORT, "method": "lora", "lora_type": "dora", "rank": 4, "lora_alpha": 4.0,
+              "base_model_precision": "int8-torchao", "masked_loss": True, "masked_images": 2,
+              "masked_loss_unmasked_weight": 0.0, "unmasked_probability": 0.0, "normalize_masked_area_loss": False,
+              "concepts": {"sks": {"images": 3, "repeats": 1.0, "examples_per_epoch": 3, "class_images": 0,
+                                   "loss_weight": 1.0, "examples_seen": 6}}}
+    (project / "reports/train.json").write_text(json.dumps(report))
+    proc = _cli(project)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    mv = mlflow.MlflowClient().get_model_version("sd-test", "1")
+    assert {k: v for k, v in mv.tags.items() if k.startswith("train.")} == {
+        "train.lora_type": "dora", "train.rank": "4", "train.lora_alpha": "4.0",
+        "train.base_model_precision": "int8-torchao", "train.text_encoder_precision": "none",
+        "train.optimizer": "adamw", "train.instance_images": "3",
+        "train.masked_loss": "2 of 3 images (outside the mask weight 0, unmasked probability 0)",
+        "train.concepts": "sks (3 images x1)"}
+    assert ("DoRA r4 (alpha 4) on a base held in int8-torchao, adamw, 3 images (2 with masks), 1 concept: "
+            "sks (3 images x1).") in mv.description
+    lineage = mlflow.artifacts.load_dict(mv.tags["lineage"])
+    assert lineage["train"]["lora_type"] == "dora" and lineage["train"]["masked_images"] == 2
+    assert lineage["train"]["concepts"]["sks"]["images"] == 3
+    (project / "reports/train.json").unlink()
+    proc = _cli(project)
+    assert proc.returncode == 2 and "reports/train.json not found: run the train stage first" in proc.stderr
 
 
 def test_failed_gate_moves_only_candidate(registered: Path) -> None:

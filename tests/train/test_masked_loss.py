@@ -143,6 +143,27 @@ def test_a_short_masked_run_caches_the_latent_size_mask(tmp_path, tiny_sd, maske
     masked = [e for e in entries if "mask" in e]
     assert masked and all(e["mask"].shape[-2:] == e["parameters"].shape[-2:] for e in masked)
     assert all(e["mask"].shape[0] == 1 and e["mask"][0, :, -1].max() == 0 for e in masked)
+    report = outcome.report()  # dreambooth reads no LoRA keys: the report names none
+    assert not {"lora_type", "rank", "lora_alpha"} & set(report)
+    assert report["masked_loss"] is True and report["unmasked_probability"] == 0.5
+
+
+def test_the_report_says_what_trained(tmp_path, tiny_sd, masked_dir) -> None:
+    """reports/train.json of DoRA on an int8 base over 3 images, 2 with masks: the adapter type, rank and
+    alpha, the base's precision, the optimizer and the masks, flat and named as params.yaml names them."""
+    from tasks.train.core import train
+
+    config = _config(tmp_path, method="lora", lora_type="dora", rank=2, base_model_precision="int8",
+                     masked_loss_unmasked_weight=0.1, normalize_masked_area_loss=True, fuse_lora=False)
+    report = train(config, tiny_sd, masked_dir, None, tmp_path / "out").report()
+    assert {k: report[k] for k in ("method", "lora_type", "rank", "lora_alpha", "base_model_precision",
+                                   "text_encoder_precision", "optimizer", "train_text_encoder")} == {
+        "method": "lora", "lora_type": "dora", "rank": 2, "lora_alpha": 2.0, "base_model_precision": "int8-torchao",
+        "text_encoder_precision": "none", "optimizer": "adamw", "train_text_encoder": False}
+    assert {k: report[k] for k in ("instance_images", "masked_loss", "masked_images", "masked_loss_unmasked_weight",
+                                   "unmasked_probability", "normalize_masked_area_loss")} == {
+        "instance_images": 3, "masked_loss": True, "masked_images": 2, "masked_loss_unmasked_weight": 0.1,
+        "unmasked_probability": 0.0, "normalize_masked_area_loss": True}
 
 
 def test_unmasked_draws_are_per_example_and_leave_the_other_draws_alone(tmp_path, masked_dir) -> None:

@@ -1,0 +1,79 @@
+"""Settings a later stage refuses for what another section says, refused when params.yaml loads.
+
+Each stage checks its own section when it loads it (a bad value fails naming its key). A few
+settings are refused by a later stage for what an earlier one wrote: `export.adapters: runtime`
+cannot take a DoRA, LoKr or LoHa output, a full pipeline, an embedding, or a family whose LoRA keys
+OpenVINO GenAI does not apply; the export stage would refuse them after the train stage had run.
+`problems` names each such combination with both keys and the fix; `flows.params.check_params`
+asks it, with every section loaded as its stage's typed config (so a section's own refusals, e.g.
+bf16 inference with run-time adapters, fail there too), before any stage runs. The later stage's
+own check stays, for a pipeline run by hand (`dvc repro`).
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+from tasks.common import families
+from tasks.common.adapters import RUNTIME_TYPES
+
+FUSED = "or set export.adapters: fused"
+
+
+def base_family(base: Any, root: Path) -> type[families.ModelFamily] | None:
+    """The family of `base.model` when it is known before the base stage runs: a built-in, or a local
+    diffusers folder; None for a hub id (the export stage checks it when it runs)."""
+    model = str(getattr(base, "model", ""))
+    if model in families.BUILTINS:
+        return families.BUILTINS[model]
+    folder = Path(model) if Path(model).is_absolute() else root / model
+    return families.detect(folder) if (folder / "model_index.json").is_file() else None
+
+
+def _runtime_method(train: Any) -> list[str]:
+    """What the train stage writes must be a diffusers LoRA file of plain LoRA layers."""
+    spec = train.spec
+    if spec.output != "adapters":
+        what = {"pipeline": "a full pipeline", "embedding": "a text embedding"}.get(spec.output, spec.output)
+        return [f"export.adapters: runtime applies a LoRA file at run time, but train.method: {train.method} "
+                f"writes {what}: set train.method: lora, {FUSED}"]
+    if train.lora_type not in RUNTIME_TYPES:
+        return [f"export.adapters: runtime cannot take train.lora_type: {train.lora_type} (OpenVINO GenAI applies "
+                f"plain LoRA layers only): set train.lora_type: lora, {FUSED}"]
+    return []
+
+
+def _runtime_family(train: Any, family: type[families.ModelFamily] | None, model: str) -> list[str]:
+    """The base's family must have its LoRA keys checked against GenAI, text encoders included."""
+    if family is None or train.spec.output != "adapters":
+        return []
+    prefixes = family.genai_lora_prefixes
+    if prefixes is None:
+        return [f"export.adapters: runtime is not available for {family.title} (base.model: {model}; its LoRA "
+                f"keys have not been checked against OpenVINO GenAI): set export.adapters: fused"]
+    trained = family.trainable_text_encoders
+    encoders = family.text_encoder_names if trained is None else trained
+    if train.train_text_encoder and (extra := [n for n in encoders if n not in prefixes]):
+        return [f"export.adapters: runtime cannot take train.train_text_encoder: true for {family.title} (base.model: "
+                f"{model}): OpenVINO GenAI does not apply LoRA layers of {', '.join(extra)} at run time; set "
+                f"train.train_text_encoder: false, {FUSED}"]
+    return []
+
+
+def runtime_adapters(configs: Mapping[str, Any], root: Path) -> list[str]:
+    """`export.adapters: runtime` against the train method, adapter type and the base's family."""
+    export, train, base = configs.get("export"), configs.get("train"), configs.get("base")
+    if export is None or train is None or export.adapters != "runtime":
+        return []
+    family = base_family(base, root) if base is not None else None
+    return _runtime_method(train) + _runtime_family(train, family, str(getattr(base, "model", "")))
+
+
+#: Every rule: (the loaded sections by name, the repository root) -> problems.
+RULES: tuple[Callable[[Mapping[str, Any], Path], list[str]], ...] = (runtime_adapters,)
+
+
+def problems(configs: Mapping[str, Any], root: Path) -> list[str]:
+    """What RULES refuse in `configs` (each section of params.yaml as its stage's typed config)."""
+    return [problem for rule in RULES for problem in rule(configs, root)]

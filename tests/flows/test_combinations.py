@@ -1,0 +1,67 @@
+"""Settings a later stage refuses are refused when params.yaml loads (flows/combinations.py), naming
+both keys, before any stage runs: from params.yaml itself and from a `--set` on the flow's CLI."""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from flows.params import apply_overrides, check_params
+from tasks.common.errors import UserError
+from tests.conftest import REPO
+
+LORA = {"train.method": "lora", "export.adapters": "runtime"}
+REFUSED = [
+    ({**LORA, "train.lora_type": "dora"},
+     ["export.adapters: runtime", "train.lora_type: dora", "set train.lora_type: lora"]),
+    ({**LORA, "train.lora_type": "lokr"}, ["export.adapters: runtime", "train.lora_type: lokr"]),
+    ({**LORA, "train.lora_type": "loha"}, ["export.adapters: runtime", "train.lora_type: loha"]),
+    ({"export.adapters": "runtime"}, ["export.adapters: runtime", "train.method: dreambooth writes a full pipeline"]),
+    ({"export.adapters": "runtime", "train.method": "textual_inversion", "train.with_prior_preservation": False,
+      "train.placeholder_token": "<sks>", "train.initializer_token": "toy"},
+     ["export.adapters: runtime", "train.method: textual_inversion writes a text embedding"]),
+    ({**LORA, "base.model": "builtin:tiny-flux"}, ["export.adapters: runtime is not available for FLUX.1",
+                                                   "base.model: builtin:tiny-flux", "export.adapters: fused"]),
+    ({**LORA, "base.model": "builtin:tiny-sd3", "train.train_text_encoder": True},
+     ["export.adapters: runtime cannot take train.train_text_encoder: true", "text_encoder, text_encoder_2"]),
+    ({**LORA, "export.inference_precision": "bf16"}, ["export.adapters: runtime", "export.inference_precision"]),
+]
+
+
+@pytest.fixture
+def params(tmp_path: Path) -> Path:
+    shutil.copy(REPO / "params.yaml", tmp_path / "params.yaml")
+    return tmp_path / "params.yaml"
+
+
+@pytest.mark.parametrize(("written", "named"), REFUSED, ids=[str(sorted(w.items()))[:60] for w, _ in REFUSED])
+def test_a_combination_a_later_stage_refuses_fails_at_load(params: Path, written: dict, named: list[str]) -> None:
+    apply_overrides(params, written)  # in params.yaml itself, as a user would write it
+    with pytest.raises(UserError) as err:
+        check_params(params)
+    for text in named:
+        assert text in str(err.value)
+
+
+def test_what_the_export_takes_loads(params: Path) -> None:
+    assert set(check_params(params)) == {"base", "ingest", "class_images", "train", "export", "evaluate", "register"}
+    apply_overrides(params, {**LORA, "train.train_text_encoder": True, "export.compression.mode": "int8"})
+    assert check_params(params)["export"].adapters == "runtime"  # plain LoRA on SD 1.x, text encoder too
+    apply_overrides(params, {"base.model": "builtin:tiny-sdxl"})
+    check_params(params)
+
+
+def test_the_flow_cli_refuses_dora_with_runtime_adapters_before_anything_runs() -> None:
+    before = (REPO / "params.yaml").read_bytes()
+    proc = subprocess.run([sys.executable, "-m", "flows.finetune", "--set", "train.method=lora", "--set",
+                           "train.lora_type=dora", "--set", "export.adapters=runtime"], cwd=REPO,
+                          env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "export.adapters: runtime cannot take train.lora_type: dora" in proc.stderr
+    assert "set train.lora_type: lora, or set export.adapters: fused" in proc.stderr
+    assert "Traceback" not in proc.stderr and "Running stage" not in proc.stdout + proc.stderr
+    assert (REPO / "params.yaml").read_bytes() == before
