@@ -20,6 +20,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from tasks.common.credentials import stage_environ
 from tasks.common.errors import UserError
 
 #: ran: DVC executed the command. skipped: nothing changed since dvc.lock.
@@ -124,12 +125,15 @@ def classify(stage: str, lines: list[str]) -> Status:
 
 
 def stage_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
-    """The environment for `dvc repro`: ours, plus `extra`, with this interpreter's bin dir first.
+    """The environment for `dvc repro`: ours, with only the credentials of the `"dvc"` row of
+    tasks/common/credentials.py (the DVC remote's keys and what its stages may get; never Prefect's
+    auth string), plus `extra`, with this interpreter's bin dir first. Each stage then keeps only
+    its own row (`confine`, the first call of every stage).
 
     dvc.yaml commands say `python -m tasks.<stage>`; putting the running venv's bin first on PATH
     makes that `python` the venv's even when the caller never activated it (Prefect worker, make).
     """
-    env = dict(os.environ)
+    env = stage_environ("dvc")
     bindir = str(Path(sys.executable).parent)
     env["PATH"] = os.pathsep.join([bindir, env.get("PATH", "")]).rstrip(os.pathsep)
     env["PYTHONUNBUFFERED"] = "1"  # stream stage logs as they happen, not at exit

@@ -7,6 +7,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from tasks.common.credentials import redact_params
 from tasks.common.tracking import experiment_name, flatten, git_commit, server_answers, tracking_uri
 
 
@@ -21,7 +22,7 @@ class ParentRun:
     def log_params(self, params: dict[str, Any]) -> None:
         from mlflow.entities import Param
 
-        items = [Param(k, "" if v is None else str(v)[:6000]) for k, v in flatten(params).items()]
+        items = [Param(k, "" if v is None else str(v)[:6000]) for k, v in redact_params(flatten(params)).items()]
         for i in range(0, len(items), 100):  # MLflow caps a batch at 100 params
             self.client.log_batch(self.run_id, params=items[i : i + 100])
 

@@ -8,6 +8,7 @@ from pathlib import Path
 from tasks.base.config import BaseConfig
 from tasks.base.core import resolve
 from tasks.common.config import load_config
+from tasks.common.confine import confine
 from tasks.common.errors import main_guard
 from tasks.common.outputs import atomic_dir
 from tasks.common.tracking import stage_run
@@ -17,6 +18,7 @@ log = logging.getLogger("tasks.base")
 
 @main_guard
 def main() -> None:
+    confine("base")  # only the credentials this stage uses, before any work
     parser = argparse.ArgumentParser(prog="python -m tasks.base", description=__doc__)
     parser.add_argument("--out", type=Path, required=True, help="pipeline folder to write")
     parser.add_argument("--params", type=Path, default=Path("params.yaml"))

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from tasks.class_images.config import ClassImagesConfig
 from tasks.common.config import load_config
+from tasks.common.confine import confine
 from tasks.common.distributed import failures_named, join
 from tasks.common.errors import main_guard
 from tasks.common.launch import start
@@ -19,6 +20,7 @@ from tasks.common.launch import start
 
 @main_guard
 def main() -> None:
+    confine("class_images")  # only the credentials this stage uses, before any work
     parser = argparse.ArgumentParser(prog="python -m tasks.class_images", description=__doc__.split("\n\n")[1])
     parser.add_argument("--base", type=Path, required=True, help="base pipeline folder (stage `base`)")
     parser.add_argument("--out", type=Path, required=True, help="imagefolder to fill (kept between runs)")

@@ -42,6 +42,7 @@ from pydantic import Field
 
 from tasks.common.allocator import Allocator, allocator_env, find_allocators, preload_locally
 from tasks.common.config import StageConfig
+from tasks.common.credentials import redact
 from tasks.common.errors import UserError
 from tasks.common.stop_signals import OPEN_MPI, WORKER_ENV, relay, wait_for_group
 
@@ -77,7 +78,9 @@ class LaunchConfig(StageConfig):
     network_interface: str | None = Field(None, description="NIC between the nodes (e.g. ens786f1); null: any")
     oneccl_env_script: str | None = Field(
         "auto", description="sourced before mpirun; auto: oneCCL bindings' env/setvars.sh when installed; null: none")
-    env: dict[str, str] = Field(default_factory=dict, description="extra environment for every rank")
+    env: dict[str, str] = Field(default_factory=dict, description=(
+        "extra environment for every rank; the value of a secret-looking name (PASSWORD, TOKEN, SECRET, KEY, "
+        "AUTH, CREDENTIAL) shows as *** in logs and MLflow params. Secrets belong in the environment, not here"))
     accelerate_config: Path | None = Field(None, description="`accelerate launch --config_file` (launcher accelerate)")
 
     @property
@@ -123,7 +126,8 @@ class Host:
 
 @dataclass
 class LaunchPlan:
-    """The launcher command, the environment it adds, and a shell line that reproduces it."""
+    """The launcher command, the environment it adds, and a shell line that reproduces it (for logs:
+    secret-looking values of the environment show as ***)."""
 
     cmd: list[str]
     env: dict[str, str] = field(default_factory=dict)
@@ -131,7 +135,7 @@ class LaunchPlan:
     stop_as: dict[int, int] = field(default_factory=dict)  # how the first SIGTERM/SIGINT is passed on
 
     def shell(self) -> str:
-        assignments = [f"{k}={shlex.quote(v)}" for k, v in sorted(self.env.items())]
+        assignments = [f"{k}={shlex.quote(v)}" for k, v in sorted(redact(self.env).items())]
         line = " ".join([*assignments, shlex.join(self.cmd)])
         return f". {shlex.quote(self.source)} && {line}" if self.source else line
 
@@ -368,7 +372,7 @@ def start(stage: str, launcher: str, launch: LaunchConfig, argv: list[str] | Non
         env = xla_env(launch)
         os.environ.update(env)
         log.info("launcher xla: %s (one process per host; run the same command on every host)",
-                 " ".join(f"{k}={v}" for k, v in sorted(env.items())))
+                 " ".join(f"{k}={v}" for k, v in sorted(redact(env).items())))
         return
     the_plan = plan(stage, launcher, launch, list(sys.argv[1:] if argv is None else argv))
     line = the_plan.shell()

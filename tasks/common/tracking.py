@@ -24,6 +24,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from tasks.common.credentials import redact_params
+
 log = logging.getLogger(__name__)
 
 PARENT_ENV = "FINETUNE_PARENT_RUN_ID"
@@ -180,8 +182,7 @@ class StageRun:
     def log_params(self, params: Mapping[str, Any], prefix: str = "") -> None:
         import mlflow
 
-        flat = flatten(params, prefix)
-        items = list(flat.items())
+        items = list(redact_params(flatten(params, prefix)).items())
         for i in range(0, len(items), 100):  # MLflow caps a batch at 100 params
             mlflow.log_params({k: ("" if v is None else str(v)[:6000]) for k, v in items[i : i + 100]})
 

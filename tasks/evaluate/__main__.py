@@ -20,6 +20,7 @@ import logging
 from pathlib import Path
 
 from tasks.common.config import load_config
+from tasks.common.confine import confine
 from tasks.common.errors import main_guard
 from tasks.common.images import make_grid
 from tasks.common.outputs import atomic_dir, write_json
@@ -77,6 +78,7 @@ def fidelity_metrics(report: dict) -> dict[str, float]:
 
 @main_guard
 def main() -> None:
+    confine("evaluate")  # only the credentials this stage uses, before any work
     parser = argparse.ArgumentParser(prog="python -m tasks.evaluate", description=__doc__)
     parser.add_argument(
         "--model", type=Path, required=True,

@@ -13,6 +13,7 @@ import logging
 from pathlib import Path
 
 from tasks.common.config import load_config
+from tasks.common.confine import confine
 from tasks.common.errors import UserError, main_guard
 from tasks.common.outputs import atomic_dir, write_json
 from tasks.common.tracking import stage_run
@@ -25,6 +26,7 @@ log = logging.getLogger("tasks.export")
 
 @main_guard
 def main() -> None:
+    confine("export")  # only the credentials this stage uses, before any work
     parser = argparse.ArgumentParser(prog="python -m tasks.export", description=__doc__)
     parser.add_argument("--model", type=Path, required=True, help="diffusers pipeline to export")
     parser.add_argument(

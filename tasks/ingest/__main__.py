@@ -12,6 +12,7 @@ from pathlib import Path
 
 from tasks.common.concepts import metric_key
 from tasks.common.config import load_config, read_params
+from tasks.common.confine import confine
 from tasks.common.errors import main_guard
 from tasks.common.images import make_grid
 from tasks.common.outputs import atomic_dir, atomic_file, write_json
@@ -25,6 +26,7 @@ log = logging.getLogger("tasks.ingest")
 
 @main_guard
 def main() -> None:
+    confine("ingest")  # only the credentials this stage uses, before any work
     about = __doc__.split("\n\n")[1]
     parser = argparse.ArgumentParser(prog="python -m tasks.ingest", description=about)
     arg = parser.add_argument

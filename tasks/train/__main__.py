@@ -12,6 +12,7 @@ import argparse
 from pathlib import Path
 
 from tasks.common.config import load_config, read_params
+from tasks.common.confine import confine
 from tasks.common.distributed import failures_named, join
 from tasks.common.errors import main_guard
 from tasks.common.launch import start
@@ -20,6 +21,7 @@ from tasks.train.config import TrainConfig
 
 @main_guard
 def main() -> None:
+    confine("train")  # only the credentials this stage uses, before any work
     parser = argparse.ArgumentParser(prog="python -m tasks.train", description=__doc__.split("\n\n")[1])
     parser.add_argument("--base", type=Path, required=True, help="base pipeline folder (stage `base`)")
     parser.add_argument("--data", type=Path, required=True, help="instance imagefolder (stage `ingest`)")
