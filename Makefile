@@ -154,8 +154,9 @@ test test-fast: export OMP_NUM_THREADS ?= 1
 
 # make test runs its files in TEST_WORKERS processes (pytest-xdist), each file whole in one of them
 # (--dist loadfile: a module's shared set-up is built once). Most tests wait on a subprocess, a server
-# or a single-threaded tiny model, so on 2 cores two workers keep both busy; TEST_WORKERS=0 runs serially.
-TEST_WORKERS ?= 2
+# or a single-threaded tiny model: with two workers a 2-core machine was busy 73% of the run (61 CPU
+# minutes in 42), so three share the two cores; TEST_WORKERS=0 runs serially.
+TEST_WORKERS ?= 3
 
 # The side environments are built first, so that tests/train/test_side_envs.py runs the XLA and
 # IPEX back ends instead of skipping; on a disk with less than SIDE_ENVS_NEED_GB free they are
