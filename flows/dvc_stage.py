@@ -48,6 +48,13 @@ RETRYABLE_SIGNALS = (signal.SIGKILL, signal.SIGTERM)
 
 _SIGNAL_NUMBERS = frozenset(int(s) for s in signal.valid_signals())
 
+#: DVC's closing advice after a stage that wrote dvc.lock ("To track the changes with git, run: git
+#: add dvc.lock", "To enable auto staging, run: dvc config core.autostage true"): the flow runs one
+#: `dvc repro` per stage, so it would come after every stage; the flow gives it once at its end
+#: (`lock_hint`), the error tail keeps it.
+_GIT_HINT = re.compile(r"^(To track the changes with git, run:|To enable auto staging, run:|\s*git add |"
+                       r"\s*dvc config core\.autostage true$)")
+
 #: Lines of DVC's output quoted in the error when a stage fails.
 ERROR_TAIL_LINES = 40
 #: Characters of DVC's output quoted when another dvc command (status, pull, push...) fails.
@@ -198,7 +205,8 @@ def repro(
             line = raw.rstrip("\n").split("\r")[-1].rstrip()
             if not line:
                 continue
-            log(line)
+            if not _GIT_HINT.match(line):
+                log(line)
             tail.append(line)
             if any(pattern.search(line) for pattern, _ in _VERDICTS):
                 seen.append(line)
@@ -207,3 +215,15 @@ def repro(
         raise StageFailed(stage, returncode, list(tail))
     seconds = round(time.monotonic() - start, 2)
     return StageResult(stage=stage, status=classify(stage, seen), seconds=seconds)
+
+
+def lock_hint(root: Path) -> str | None:
+    """DVC's advice, once: when git sees dvc.lock as new or changed in `root`, what to do with it
+    (README, "dvc.lock"); None when git has it as it is, or `root` is not a git repository."""
+    proc = subprocess.run(["git", "status", "--porcelain", "--", "dvc.lock"], cwd=root, capture_output=True,
+                          text=True)
+    if proc.returncode != 0 or not proc.stdout.strip():
+        return None
+    return ("dvc.lock records what this run used and made (new or changed for git): commit it "
+            "(git add dvc.lock) to share the run through git, as the team stack's machines read it; "
+            "README, \"dvc.lock\"")

@@ -184,6 +184,8 @@ def finetune(
         summary = _run(root, stages, applied, register, only_if_changed, flow_run_id)
     _publish(summary, root)
     logger.info("pipeline done: %s", json.dumps(summary))
+    if hint := dvc_stage.lock_hint(root):
+        logger.info(hint)
     return summary
 
 

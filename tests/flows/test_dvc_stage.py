@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from flows.dvc_stage import StageFailed, classify, repro
+from flows.dvc_stage import StageFailed, classify, lock_hint, repro
 
 MAKE = "import sys, pathlib; pathlib.Path('out.txt').write_text(sys.prefix + open('in.txt').read())"
 BROKEN = "import sys; print('reading params'); sys.exit('error: params.yaml: train.seed: bad value')"
@@ -141,3 +141,25 @@ def test_classify_a_pull_and_what_follows_a_failed_one() -> None:
     assert classify("train", [*failed, "Running stage 'train':"]) == "ran"
     assert classify("train", [*failed, "Stage 'train' is cached - skipping run, checking out "
                                        "outputs"]) == "restored"
+
+
+def test_dvcs_git_hints_are_not_repeated_after_each_stage(tmp_path: Path) -> None:
+    """In a git repository DVC ends each repro that wrote dvc.lock with "git add dvc.lock" advice: the
+    stage runner logs everything else, and the flow gives the advice once (`lock_hint`)."""
+    subprocess.run(["git", "init", "-q"], cwd=tmp_path, check=True)
+    subprocess.run([sys.executable, "-m", "dvc", "init", "-q"], cwd=tmp_path, check=True)
+    (tmp_path / "dvc.yaml").write_text(yaml.safe_dump({"stages": {"make": DVC_YAML["stages"]["make"]}}, width=1000))
+    (tmp_path / "in.txt").write_text("one")
+    raw = subprocess.run([sys.executable, "-m", "dvc", "repro", "--single-item", "make"], cwd=tmp_path,
+                         capture_output=True, text=True, check=True)
+    assert "git add" in raw.stdout + raw.stderr, "DVC gives the advice the runner leaves out"
+    (tmp_path / "in.txt").write_text("two")
+    logged: list[str] = []
+    result = repro("make", tmp_path, log=logged.append)
+    assert result.status == "ran" and any("Running stage 'make'" in line for line in logged)
+    assert not [line for line in logged if "git add" in line or "autostage" in line], logged
+    assert "git add dvc.lock" in lock_hint(tmp_path)  # said once, by the flow, while git sees it new
+    subprocess.run(["git", "add", "-A"], cwd=tmp_path, check=True)
+    subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "run"], cwd=tmp_path,
+                   check=True)
+    assert lock_hint(tmp_path) is None
