@@ -144,6 +144,7 @@ def train(
     key, info = run_key(cfg, base, data_files, accelerator.num_processes)
     checkpoints = CheckpointManager(Path(cfg.checkpoints_dir) / key, cfg.checkpoints_total_limit, accelerator, info,
                                     cfg.keep_checkpoints_every_steps)
+    checkpoints.remove_abandoned()  # .partial folders of saves a crash interrupted
     resume_from = checkpoints.resolve(cfg.resume)
     peaks = PhasePeaks()
     components, base_info = _load_parts(cfg, base, method, accelerator, peaks)
