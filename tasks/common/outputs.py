@@ -82,8 +82,10 @@ def publish(tmp: Path, final: Path) -> None:
             old.unlink()
 
 
-def _check_replaceable(path: Path) -> None:
-    """Refuse an output path whose current content this project did not write as an output."""
+def check_replaceable(path: Path | str) -> None:
+    """Refuse an output path whose current content this project did not write as an output (atomic_dir
+    checks on entry; a stage that writes its output only after minutes of work calls it at its start)."""
+    path = Path(path)
     if why := refusal(path):
         raise UserError(f"refusing to write an output folder at {path}: it {why}, and writing it would replace "
                         "what is there; pass --out a folder of the pipeline's own (dvc.yaml's outs)")
@@ -103,16 +105,16 @@ def _check_replaceable(path: Path) -> None:
 @contextmanager
 def atomic_dir(path: Path | str) -> Iterator[Path]:
     """Yield a fresh temporary directory; on success it is marked as an output and replaces `path`
-    (only an empty folder or an earlier output: `_check_replaceable`); on error it is removed."""
+    (only an empty folder or an earlier output: `check_replaceable`); on error it is removed."""
     path = Path(path)
-    _check_replaceable(path)
+    check_replaceable(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
     os.chmod(tmp, 0o755)  # mkdtemp makes it private; the output is an ordinary folder
     try:
         yield tmp
         mark(tmp, OUTPUT_KIND, OUTPUT_MARKER)
-        _check_replaceable(path)  # again: something may have appeared there while the stage ran
+        check_replaceable(path)  # again: something may have appeared there while the stage ran
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

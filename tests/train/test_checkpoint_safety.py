@@ -137,3 +137,16 @@ def test_an_abandoned_partial_save_goes_at_the_next_start_only_from_a_marked_run
     unmarked.mkdir(parents=True)
     manager(unmarked.parent).remove_abandoned()
     assert unmarked.is_dir() and "not removing" in caplog.text and "carries no .sd-finetune-owned" in caplog.text
+
+
+def test_train_refuses_an_output_folder_no_stage_wrote_before_it_trains(tmp_path: Path) -> None:
+    """The output is written after the last step: a folder that cannot be replaced is refused at the start."""
+    from tasks.train.core import train
+
+    out = tmp_path / "finetuned"
+    out.mkdir()
+    (out / "mine.txt").write_text("keep me")
+    with pytest.raises(UserError, match=rf"refusing to replace {re.escape(str(out))}: it is a folder without .*"
+                                        r"choose another --out"):
+        train(TrainConfig(), tmp_path / "no-base", tmp_path / "no-data", None, out)  # neither is looked at
+    assert (out / "mine.txt").read_text() == "keep me"
