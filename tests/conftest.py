@@ -1,6 +1,7 @@
 """Shared fixtures: every test gets its own MLflow store, so no test writes the repo's mlflow.db."""
 from __future__ import annotations
 
+import os
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
@@ -8,6 +9,26 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def disk_syncs(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, ...]]:
+    """What reaches the disk, in order: ("fsync", path) per os.fsync, ("replace", src, dst) per
+    os.replace. The real calls still run (Linux: an fsync's path is read from /proc/self/fd)."""
+    events: list[tuple[str, ...]] = []
+    fsync, replace = os.fsync, os.replace
+
+    def spy_fsync(fd: int) -> None:
+        events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
+        fsync(fd)
+
+    def spy_replace(src, dst, **kw) -> None:
+        replace(src, dst, **kw)
+        events.append(("replace", os.path.realpath(src), os.path.realpath(dst)))
+
+    monkeypatch.setattr(os, "fsync", spy_fsync)
+    monkeypatch.setattr(os, "replace", spy_replace)
+    return events
 
 
 @pytest.fixture(scope="session")

@@ -9,7 +9,8 @@ cyan eyes, yellow antenna ball, star on the chest) seen in varied poses, places 
 The output is byte-for-byte identical on every run (fixed seeds, integer geometry, PNG without
 timestamps), because DVC hashes the folder: regenerating must not look like a data change. When
 the folder already holds exactly these bytes nothing is touched; otherwise the new set is written
-to a temporary sibling and swapped in, so a crash never leaves a half-written folder.
+to a temporary sibling and swapped in, so a crash never leaves a half-written folder. The folder
+carries the stage outputs' marker (tasks/common/outputs.py), which ingest does not read as data.
 
 Only the standard library and Pillow are used, so it runs before (or without) the project install.
 """
@@ -27,7 +28,7 @@ from pathlib import Path
 from PIL import Image, ImageDraw
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run as a script from anywhere
-from tasks.common.outputs import atomic_dir
+from tasks.common.outputs import OUTPUT_MARKER, atomic_dir
 
 SIZE = 128  # output side in pixels
 SS = 4  # supersampling factor: draw at 512 px, downsample once for smooth edges
@@ -228,7 +229,7 @@ def build() -> dict[str, bytes]:
 def _up_to_date(out: Path, files: dict[str, bytes]) -> bool:
     if not out.is_dir() or out.is_symlink():
         return False
-    present = {p.relative_to(out).as_posix() for p in out.rglob("*") if not p.is_dir()}
+    present = {p.relative_to(out).as_posix() for p in out.rglob("*") if not p.is_dir()} - {OUTPUT_MARKER}
     return present == set(files) and all((out / n).read_bytes() == b for n, b in files.items())
 
 

@@ -30,23 +30,24 @@ PROJECT = "sd-finetune-pipeline"
 REPO = Path(__file__).resolve().parents[2]
 
 
-def mark(folder: Path, kind: str) -> Path:
-    """Create `folder` (and parents) if needed and mark it as the project's, of `kind`."""
+def mark(folder: Path, kind: str, marker: str = MARKER) -> Path:
+    """Create `folder` (and parents) if needed and mark it as the project's, of `kind`.
+
+    `marker`: the marker file's name (stage outputs use their own: tasks/common/outputs.py)."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    marker = folder / MARKER
-    if not is_marked(folder, kind):
-        marker.write_text(json.dumps({"made_by": PROJECT, "kind": kind}) + "\n")
+    if not is_marked(folder, kind, marker):
+        (folder / marker).write_text(json.dumps({"made_by": PROJECT, "kind": kind}) + "\n")
     return folder
 
 
-def is_marked(folder: Path, kind: str) -> bool:
-    """Whether `folder` (not a symlink) carries the project's marker of `kind`."""
+def is_marked(folder: Path, kind: str, marker: str = MARKER) -> bool:
+    """Whether `folder` (not a symlink) carries the project's marker of `kind` (in file `marker`)."""
     folder = Path(folder)
     if folder.is_symlink() or not folder.is_dir():
         return False
     try:
-        data = json.loads((folder / MARKER).read_text())
+        data = json.loads((folder / marker).read_text())
     except (OSError, ValueError):
         return False
     return isinstance(data, dict) and data.get("made_by") == PROJECT and data.get("kind") == kind

@@ -23,7 +23,7 @@ from tasks.common.config import load_config
 from tasks.common.confine import confine
 from tasks.common.errors import main_guard
 from tasks.common.images import make_grid
-from tasks.common.outputs import atomic_dir, write_json
+from tasks.common.outputs import atomic_dir, check_replaceable, write_json
 from tasks.common.tracking import stage_run
 from tasks.evaluate.config import EvaluateConfig
 from tasks.evaluate.core import Result, evaluate
@@ -103,6 +103,7 @@ def main() -> None:
     parser.add_argument("--params", type=Path, default=Path("params.yaml"))
     args = parser.parse_args()
     cfg = load_config("evaluate", EvaluateConfig, args.params)
+    check_replaceable(args.out)  # before minutes of generation, not after
     with stage_run("evaluate", params=cfg.model_dump()) as run:
         result = evaluate(args.model, args.base, args.instance_data, cfg,
                           heldout=args.heldout_data, export=args.export)

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from tasks.common.errors import UserError
+from tasks.common.outputs import OUTPUT_MARKER
 from tasks.ingest import kohya
 from tasks.ingest.checks import METADATA_MAX_BYTES, Reject, read_bytes
 from tasks.ingest.config import FolderSource, ImageFolderSource
@@ -99,8 +100,9 @@ def walk(root: Path, label: str, skip: Path | None = None) -> Iterator[tuple[Pat
                     rejected.append(Item.rejected(label, _rel(root, link), reject))
                 else:
                     log.debug("not following directory link %s (inside the root)", link)
+        names = [n for n in filenames if n != OUTPUT_MARKER]  # the demo generator's output marker: not data
         # Real files before links, so that of two identical files the link is the duplicate.
-        yield here, sorted(filenames, key=lambda n: ((here / n).is_symlink(), n)), rejected
+        yield here, sorted(names, key=lambda n: ((here / n).is_symlink(), n)), rejected
 
 
 def _rel(root: Path, path: Path) -> str:

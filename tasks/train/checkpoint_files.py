@@ -83,13 +83,13 @@ def write_manifest(folder: Path, run_key: str, step: int) -> None:
     (folder / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
 
 
-def verify(folder: Path, run_key: str, hashes: bool = True) -> None:
-    """Refuse `folder` unless this stage wrote it for run `run_key` and nothing changed since.
+FIX = "resume only from this run's own checkpoints (train.resume: latest), or start over (train.resume: none)"
 
-    `hashes=False` checks all but the file contents (cheap: for choosing the checkpoint early; the
-    load checks the hashes, right before it reads, since hashing a large checkpoint takes seconds).
-    """
-    fix = "resume only from this run's own checkpoints (train.resume: latest), or start over (train.resume: none)"
+
+def check(folder: Path, run_key: str, hashes: bool = True) -> tuple[str, str] | None:
+    """Why `folder` is not a checkpoint this stage wrote for run `run_key`, unchanged since: (a short
+    reason for a log line, the whole explanation), or None when it verifies. Reads only the manifest,
+    the folder's listing and (`hashes`) the files' bytes."""
     file = folder / MANIFEST
     try:
         manifest = json.loads(file.read_text())
@@ -97,19 +97,27 @@ def verify(folder: Path, run_key: str, hashes: bool = True) -> None:
         if manifest["format"] != FORMAT or manifest["step"] != int(folder.name.rsplit("-", 1)[-1]):
             raise ValueError("format or step does not match")
     except FileNotFoundError:
-        raise UserError(f"{folder} has no {MANIFEST}: it was not written by this stage's checkpointing, "
-                        f"so it is not trusted. Nothing in it was read; {fix}") from None
+        return (f"no {MANIFEST}", f"{folder} has no {MANIFEST}: it was not written by this stage's "
+                "checkpointing, so it is not trusted")
     except (ValueError, KeyError, TypeError) as err:
-        raise UserError(f"{file} is not a valid checkpoint manifest ({err}); {fix}") from None
+        return f"{MANIFEST} is not valid ({err})", f"{file} is not a valid checkpoint manifest ({err})"
     if key != run_key:
-        raise UserError(f"{folder} belongs to run {key}, not to this run {run_key} (other settings, base model or "
-                        f"data); {fix}")
+        return (f"of run {key}, not this run", f"{folder} belongs to run {key}, not to this run {run_key} "
+                "(other settings, base model or data)")
     present = {p.name for p in folder.iterdir() if p.name != MANIFEST}
     problems = [f"{n}: not a checkpoint file" for n in sorted(present) if not ALLOWED.fullmatch(n)]
     problems += [f"{n}: not in the manifest" for n in sorted(present - set(files))]
     problems += [f"{n}: missing" for n in sorted(set(files) - present)]
-    problems += [f"{n}: changed since it was written" for n in sorted(present & set(files))
+    problems += [f"{n}: changed since it was written (hash mismatch)" for n in sorted(present & set(files))
                  if hashes and sha256_file(folder / n) != files[n]]
     if problems:
-        raise UserError(f"{folder} was altered after this stage wrote it ({'; '.join(problems)}). Nothing in it "
-                        f"was read; {fix}")
+        return "; ".join(problems), f"{folder} was altered after this stage wrote it ({'; '.join(problems)})"
+    return None
+
+
+def verify(folder: Path, run_key: str, hashes: bool = True) -> None:
+    """Refuse `folder` unless this stage wrote it for run `run_key` and nothing changed since.
+
+    `hashes=False` checks all but the file contents (hashing a large checkpoint takes seconds)."""
+    if why := check(folder, run_key, hashes):
+        raise UserError(f"{why[1]}. Nothing in it was read; {FIX}")

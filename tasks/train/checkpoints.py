@@ -11,13 +11,17 @@ RNG states, the accumulation counter), the tracked objects (the loop position an
 the EMA weights) as safetensors + JSON, and, through a save hook, only the *trainable* weights of
 each trained module as safetensors (all of the UNet for DreamBooth; the adapters for LoRA; the
 embedding matrix for textual inversion), then a manifest (run key, sha256 of every file). It is
-written to a hidden `.partial` folder and renamed when complete, so a crash while saving never
-leaves a checkpoint that looks whole. A resume verifies the manifest before reading anything and
-never unpickles more than tensors (checkpoint_files.py).
+written to a hidden `.checkpoint-<step>.partial` folder, flushed to disk (files, then the folder),
+renamed when complete and the rename flushed too (outputs.publish), so neither a crash nor a power
+cut while saving leaves a checkpoint that looks whole; a `.partial` folder a crash left is removed
+at the next start. A resume verifies the manifest, hashes included, before any model loads
+(`latest` passes over checkpoints that fail, naming them, to the newest that verifies) and never
+unpickles more than tensors (checkpoint_files.py).
 
-Pruning and overwriting delete only checkpoint folders directly inside a run folder that carries
-the project's marker (tasks/common/safe_remove.py; a checkpoint folder itself holds only the files
-its manifest lists). A run folder from before the marker gets it at its next save.
+Pruning, overwriting and removing abandoned `.partial` folders delete only folders directly inside
+a run folder that carries the project's marker (tasks/common/safe_remove.py; a checkpoint folder
+itself holds only the files its manifest lists). A run folder from before the marker gets it at its
+next save.
 """
 from __future__ import annotations
 
@@ -25,6 +29,7 @@ import hashlib
 import json
 import logging
 import pickle
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -34,6 +39,7 @@ import torch
 from tasks.common import safe_remove
 from tasks.common.errors import UserError
 from tasks.common.fingerprint import folder_fingerprint, sha256_file
+from tasks.common.outputs import publish, write_json
 from tasks.train import checkpoint_files
 from tasks.train.config import NOT_IN_RUN_KEY, TrainConfig
 
@@ -42,6 +48,7 @@ log = logging.getLogger(__name__)
 PREFIX = "checkpoint-"
 RUN_INFO = "run.json"
 KIND = "train-checkpoints"  # the marker's kind on each run folder
+PARTIAL = re.compile(rf"\.{PREFIX}\d+\.partial")  # a save in progress, or one a crash abandoned
 
 
 def run_key(
@@ -147,6 +154,7 @@ class CheckpointManager:
         self.last_saved: int | None = None
         self.protected: int | None = None  # the best checkpoint's step: never pruned
         self.tracked: dict[str, Any] = {}
+        self.verified: Path | None = None  # the checkpoint `resolve` hashed: `load` need not again
 
     @property
     def key(self) -> str:
@@ -168,21 +176,52 @@ class CheckpointManager:
         return sorted(found, key=lambda p: checkpoint_step(p) or 0)
 
     def resolve(self, resume: str) -> Path | None:
-        """The checkpoint `resume` names: none, latest (None when there is none yet), or a folder."""
+        """The checkpoint `resume` names: none, latest (None when there is none yet), or a folder.
+
+        Verified whole (hashes too) before any model loads. A named checkpoint that fails is refused;
+        `latest` takes the newest that verifies, logging each newer one it passes over and why."""
         if resume == "none":
             return None
         if resume == "latest":
-            found = self.checkpoints()
-            if not found:
-                log.info("no checkpoint in %s yet: starting from step 0", self.run_dir)
-                return None
-            checkpoint_files.verify(found[-1], self.key, hashes=False)
-            return found[-1]
-        path = Path(resume)
-        if checkpoint_step(path) is None or not path.is_dir():
-            raise UserError(f"train.resume: {resume} is not a checkpoint-<step> folder")
-        checkpoint_files.verify(path, self.key, hashes=False)
+            path = self._latest_verified()
+        else:
+            path = Path(resume)
+            if checkpoint_step(path) is None or not path.is_dir():
+                raise UserError(f"train.resume: {resume} is not a checkpoint-<step> folder")
+            checkpoint_files.verify(path, self.key)
+        self.verified = path
         return path
+
+    def _latest_verified(self) -> Path | None:
+        found = self.checkpoints()
+        if not found:
+            log.info("no checkpoint in %s yet: starting from step 0", self.run_dir)
+            return None
+        skipped: list[tuple[str, str]] = []  # (short, whole) reason per checkpoint passed over
+        for path in reversed(found):
+            why = checkpoint_files.check(path, self.key)
+            if why is None:
+                if skipped:
+                    log.warning("resuming from %s, the newest checkpoint that verifies; skipped %s", path.name,
+                                "; ".join(short for short, _ in skipped))
+                return path
+            log.warning("skipping checkpoint %s: %s", path, why[0])
+            skipped.append((f"{path.name}: {why[0]}", why[1]))
+        raise UserError(
+            f"no checkpoint in {self.run_dir} verifies, so train.resume: latest has nothing to continue from: "
+            f"{'; '.join(whole for _, whole in skipped)}. Nothing in them was read. Set train.resume: none to start "
+            f"over (its checkpoints replace these as their steps come round), or move {self.run_dir} away first "
+            "to keep them")
+
+    def remove_abandoned(self) -> None:
+        """Delete the `.checkpoint-<step>.partial` folders of saves a crash or a kill interrupted (before
+        training starts; the main process does it); only in a run folder with the marker, as pruning."""
+        if not self.accelerator.is_main_process or not self.run_dir.is_dir():
+            return
+        for path in sorted(self.run_dir.iterdir()):
+            if PARTIAL.fullmatch(path.name) and safe_remove.remove_marked(path, KIND, owner=self.run_dir):
+                log.info("removed %s: a checkpoint save that never finished (the process stopped while saving)",
+                         path)
 
     def save(self, step: int) -> Path:
         """Save the whole training state after `step`; returns the checkpoint folder."""
@@ -191,7 +230,7 @@ class CheckpointManager:
         acc = self.accelerator
         if acc.is_main_process:
             safe_remove.mark(self.run_dir, KIND)
-            (self.run_dir / RUN_INFO).write_text(json.dumps(self.info, indent=2, sort_keys=True) + "\n")
+            write_json(self.run_dir / RUN_INFO, self.info)
             safe_remove.remove_marked(partial, KIND, owner=self.run_dir)
         acc.wait_for_everyone()
         acc.save_state(str(partial))
@@ -202,7 +241,7 @@ class CheckpointManager:
             checkpoint_files.write_manifest(partial, self.key, step)
             if final.exists() and not safe_remove.remove_marked(final, KIND, owner=self.run_dir):
                 raise UserError(f"{final} exists and is not a checkpoint of this run: move it away")
-            partial.rename(final)
+            publish(partial, final)  # flushed to disk before and after the rename
             self._prune()
         acc.wait_for_everyone()
         self.last_saved = step
@@ -214,7 +253,7 @@ class CheckpointManager:
         from accelerate.utils import load as safe_load
 
         path = Path(path)
-        checkpoint_files.verify(path, self.key)
+        checkpoint_files.verify(path, self.key, hashes=path != self.verified)  # resolve hashed its choice
         try:
             # accelerate ignores an unreadable RNG file; a resume that is not exact must fail instead
             safe_load(path / f"random_states_{self.accelerator.process_index}.pkl", weights_only=True)

@@ -20,7 +20,7 @@ from tasks.common import families
 from tasks.common.errors import UserError
 from tasks.common.fingerprint import weight_hashes
 from tasks.common.memory import PhasePeaks, release_memory
-from tasks.common.outputs import atomic_dir, atomic_file
+from tasks.common.outputs import atomic_dir, atomic_file, check_replaceable
 from tasks.common.quantize import BasePrecision, is_quantized
 from tasks.train.backend import caches_on_host
 from tasks.train.checkpoints import CheckpointManager, run_key
@@ -132,6 +132,7 @@ def train(
     from accelerate.utils import set_seed
 
     start = time.perf_counter()
+    check_replaceable(out_dir)  # hours before the output is written
     base = Path(base)
     cfg.check_family(families.detect(base))  # a method or option the family lacks: refused before any load
     cfg = cfg.with_scoring_from(None)  # keys the CLI did not fill from params.yaml: their defaults
@@ -147,6 +148,7 @@ def train(
     key, info = run_key(cfg, base, data_files, accelerator.num_processes)
     checkpoints = CheckpointManager(Path(cfg.checkpoints_dir) / key, cfg.checkpoints_total_limit, accelerator, info,
                                     cfg.keep_checkpoints_every_steps)
+    checkpoints.remove_abandoned()  # .partial folders of saves a crash interrupted
     resume_from = checkpoints.resolve(cfg.resume)
     peaks = PhasePeaks()
     components, base_info = _load_parts(cfg, base, method, accelerator, peaks)

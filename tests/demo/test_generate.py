@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from tasks.common.outputs import OUTPUT_MARKER
 from tests.conftest import REPO
 
 pytestmark = pytest.mark.quick  # make test-fast
@@ -27,7 +28,9 @@ def load_generator():
 
 
 def digest(folder: Path) -> dict[str, str]:
-    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.iterdir())}
+    """{name: sha256} of the demo's files (the output marker, the same in every output, left out)."""
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.iterdir())
+            if p.name != OUTPUT_MARKER}
 
 
 def test_script_output_is_byte_identical_across_runs(tmp_path: Path) -> None:
@@ -42,7 +45,8 @@ def test_script_output_is_byte_identical_across_runs(tmp_path: Path) -> None:
 def test_six_images_with_captions(tmp_path: Path) -> None:
     gen = load_generator()
     gen.main(["--out", str(tmp_path / "s")])
-    files = sorted(p.name for p in (tmp_path / "s").iterdir())
+    files = sorted(p.name for p in (tmp_path / "s").iterdir() if p.name != OUTPUT_MARKER)
+    assert (tmp_path / "s" / OUTPUT_MARKER).is_file()  # written by atomic_dir: a rerun may replace the folder
     stems = sorted({Path(f).stem for f in files})
     assert len(stems) == 6
     assert files == sorted([f"{s}.png" for s in stems] + [f"{s}.txt" for s in stems])
@@ -83,7 +87,8 @@ def test_rerun_leaves_identical_folder_untouched_and_repairs_a_changed_one(tmp_p
 def test_the_concepts_demo_has_two_kohya_folders_masks_and_missing_captions(tmp_path: Path) -> None:
     script = REPO / "data" / "demo" / "concepts.py"
     subprocess.run([sys.executable, str(script), "--out", str(tmp_path / "a")], check=True)
-    files = {p.relative_to(tmp_path / "a").as_posix(): p for p in sorted((tmp_path / "a").rglob("*.*"))}
+    files = {p.relative_to(tmp_path / "a").as_posix(): p for p in sorted((tmp_path / "a").rglob("*.*"))
+             if p.name != OUTPUT_MARKER}
     spec = importlib.util.spec_from_file_location("demo_concepts", script)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module

@@ -10,6 +10,7 @@ import yaml
 
 from tasks.common.genai import ADAPTER_FILE, BASE_DIR, GENAI_LORA_NAME, GenAIRunner, is_runtime_export
 from tasks.common.openvino_model import StaticShape
+from tasks.common.outputs import OUTPUT_MARKER
 from tasks.common.psnr import psnr_db
 from tasks.export.config import ExportConfig
 from tests.export.adapters import lora_images, write_adapters
@@ -168,7 +169,7 @@ def test_cli_writes_the_runtime_layout(two_fine_tunes, tmp_path, monkeypatch, ca
                     "--out", str(out), "--report", str(report), "--params", str(params))
     assert code == 0, capsys.readouterr().err
     assert sorted(p.name for p in out.iterdir()) == sorted(
-        [BASE_DIR, GENAI_LORA_NAME, ADAPTER_FILE, "openvino_runtime.json"])
+        [BASE_DIR, GENAI_LORA_NAME, ADAPTER_FILE, "openvino_runtime.json", OUTPUT_MARKER])
     assert json.loads(report.read_text())["adapters"] == "runtime"
 
 

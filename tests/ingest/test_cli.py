@@ -10,6 +10,8 @@ from pathlib import Path
 import yaml
 from mlflow.tracking import MlflowClient
 
+from tasks.common.outputs import OUTPUT_KIND, OUTPUT_MARKER
+from tasks.common.safe_remove import mark
 from tests.conftest import REPO
 from tests.ingest.util import read_jsonl
 
@@ -72,8 +74,7 @@ def test_cli_without_usable_images_fails_cleanly_and_keeps_old_output(tmp_path: 
     src = tmp_path / "src"
     src.mkdir()
     (src / "broken.png").write_text("not a png")
-    old = tmp_path / "data/processed"
-    old.mkdir(parents=True)
+    old = mark(tmp_path / "data/processed", OUTPUT_KIND, OUTPUT_MARKER)  # an earlier run's output
     (old / "metadata.jsonl").write_text('{"previous": true}\n')
     proc = run_cli(tmp_path, write_params(tmp_path / "params.yaml", folder(src), cache_dir=None))
     assert proc.returncode == 2

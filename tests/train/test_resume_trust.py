@@ -1,5 +1,5 @@
 """Resume without trust: a checkpoint folder is read only if this stage wrote it for this run, and a
-crafted pickle in it never runs, even behind a forged manifest."""
+crafted pickle in it never runs, even behind a forged manifest; `latest` passes over a damaged one."""
 from __future__ import annotations
 
 import json
@@ -11,6 +11,7 @@ import pytest
 
 from tasks.common.errors import UserError
 from tasks.common.fingerprint import sha256_file
+from tasks.train import checkpoint_files
 from tasks.train.config import TrainConfig
 from tasks.train.core import train
 
@@ -117,3 +118,27 @@ def test_another_runs_checkpoint_is_refused(checkpoint, tmp_path, tiny_sd, insta
 def test_an_intact_checkpoint_resumes(checkpoint, tmp_path, tiny_sd, instance_dir) -> None:
     outcome = train(config(tmp_path, resume="latest", max_train_steps=3), tiny_sd, instance_dir, None, tmp_path / "out")
     assert outcome.resumed_from == 2 and [h.step for h in outcome.history] == [3]
+
+
+def test_latest_resumes_from_the_newest_checkpoint_that_verifies(tmp_path, tiny_sd, instance_dir, caplog) -> None:
+    """A checkpoint whose weights file lost a byte (a bad disk, a copy cut short) is passed over, named in
+    the log; the run continues from the one before, exactly, and rewrites the damaged step; a `.partial`
+    folder a crash left mid-save goes at the start."""
+    first = train(config(tmp_path, max_train_steps=3, checkpoints_total_limit=3), tiny_sd, instance_dir, None,
+                  tmp_path / "out")
+    run_dir = first.checkpoint_dir
+    damaged = run_dir / "checkpoint-3" / "trainable_unet.safetensors"
+    data = bytearray(damaged.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    damaged.write_bytes(bytes(data))
+    (run_dir / ".checkpoint-9.partial").mkdir()
+    (run_dir / ".checkpoint-9.partial" / "optimizer.bin").write_bytes(b"cut short")
+    cfg = config(tmp_path, resume="latest", max_train_steps=4, checkpoints_total_limit=3)
+    with caplog.at_level("INFO"):
+        outcome = train(cfg, tiny_sd, instance_dir, None, tmp_path / "out")
+    assert outcome.resumed_from == 2 and [h.step for h in outcome.history] == [3, 4]
+    assert "checkpoint-3: trainable_unet.safetensors: changed since it was written (hash mismatch)" in caplog.text
+    assert ".checkpoint-9.partial: a checkpoint save that never finished" in caplog.text
+    assert not (run_dir / ".checkpoint-9.partial").exists()
+    assert [p[1] for p in outcome.losses[:3]] == pytest.approx([p[1] for p in first.losses], rel=1e-6)
+    checkpoint_files.verify(run_dir / "checkpoint-3", run_dir.name)  # step 3 written again, whole
