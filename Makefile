@@ -21,9 +21,11 @@ export DO_NOT_TRACK ?= 1
 # A local flow run starts a temporary Prefect server; on a busy 2-core machine it needs more than 20 s.
 export PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS ?= 120
 
-.PHONY: help install data demo test test-fast lint serve serve-model lock params-doc side-envs bench-env lock-side-envs mlflow-ui clean clean-all
+.PHONY: help install data demo test test-fast lint figures serve serve-model lock params-doc side-envs bench-env lock-side-envs mlflow-ui clean clean-all
 
 help:
+	@echo "make install    create .venv and install the pinned dependencies (make demo and make test do it first)"
+	@echo "make data       draw the demo datasets into data/demo/ (make demo and make test do it first)"
 	@echo "make demo       set up, then run the whole pipeline offline on the built-in tiny model"
 	@echo "make test-fast  the quick tier, under a minute: no server, launcher or side environment (run it before every commit)"
 	@echo "make test       set up, then run the whole test suite (what .ci/run calls)"
@@ -34,6 +36,7 @@ help:
 	@echo "make lock       re-resolve requirements.in into requirements.lock and requirements-torch.lock"
 	@echo "make params-doc regenerate docs/parameters.md (every params.yaml key) from the stage configs"
 	@echo "make side-envs  build .venv-xla (torch_xla) and .venv-ipex (Intel Extension for PyTorch) for their tests"
+	@echo "make figures    measure the README's figures in fresh clones and rewrite its table (ROWS=\"install demo\": some)"
 	@echo "make bench-env  build .venv-bench (torchvision, for diffusers' example scripts in benchmarks/)"
 	@echo "make clean      delete the pipeline's outputs (models/, data/processed, data/class_images, data/demo/subject, reports/); keeps the MLflow store"
 	@echo "make clean-all  the same and the MLflow store (mlflow.db, mlruns/, mlartifacts/: runs and registered models); or make clean MLFLOW=1"
@@ -181,6 +184,11 @@ lint: $(STAMP)
 
 serve: $(STAMP)
 	$(BIN)/python -m flows.serve
+
+# The README's table of figures (install, demo, test-fast, test, CI), measured in fresh clones
+# (benchmarks/figures.py); ROWS picks some, e.g. make figures ROWS="install demo test-fast".
+figures: $(STAMP)
+	$(BIN)/python -m benchmarks.figures $(ROWS)
 
 # A registered version over HTTP (README "The registry"): MODEL (a models:/ URI), PORT, SERVE_ARGS
 # (more `mlflow models serve` options, e.g. --timeout 120 --workers 2). This environment's bin goes
