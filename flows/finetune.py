@@ -160,7 +160,7 @@ def _flow_run_id() -> str | None:
 @flow(name="finetune")
 def finetune(
     overrides: dict[str, Any] | None = None,
-    register: bool = True,
+    register_model: bool = True,
     only_if_changed: bool = False,
 ) -> dict[str, Any]:
     """Fine-tune: every DVC stage in dvc.yaml order (DVC skips unchanged ones), then register.
@@ -169,8 +169,9 @@ def finetune(
     docs/parameters.md, written in params.yaml or not; validated against the stage configs
     before anything runs, then run as a DVC experiment in a workspace of its own
     (flows/experiment.py): the tracked params.yaml and the outputs stay as they were.
-    register: register the model in MLflow (alias `candidate`; `champion` when the gate passed
-    and it beats the current champion on register.primary_metric).
+    register_model: register the model in MLflow (alias `candidate`; `champion` when the gate
+    passed and it beats the current champion on register.primary_metric). Not `register`: Prefect
+    builds the flow's parameters into a pydantic model, where that name shadows a class attribute.
     only_if_changed: first compare data, code and params with the last registered version
     (flows/changes.py); when nothing changed, end at once as "up to date" and register nothing.
     """
@@ -181,7 +182,7 @@ def finetune(
         applied = check_overrides(root, overrides)  # bad ones fail here, first
         wait_for_server(tracking_uri(root))  # bounded; a clear error before anything runs
         stages = stage_names(root / "dvc.yaml")
-        summary = _run(root, stages, applied, register, only_if_changed, flow_run_id)
+        summary = _run(root, stages, applied, register_model, only_if_changed, flow_run_id)
     _publish(summary, root)
     logger.info("pipeline done: %s", json.dumps(summary))
     if hint := dvc_stage.lock_hint(root):
@@ -368,7 +369,7 @@ def main() -> None:
     overrides = _parse_set(args.set) or None
     check_overrides(REPO, overrides)  # a bad key or value fails in a second, before any server
     try:
-        finetune(overrides=overrides, register=not args.no_register,
+        finetune(overrides=overrides, register_model=not args.no_register,
                  only_if_changed=args.only_if_changed)
     except dvc_stage.StageFailed as err:
         print(f"error: {err}", file=sys.stderr)

@@ -106,7 +106,7 @@ def _gate(gate: dict[str, Any] | None) -> list[str]:
 
 def _model(reg: dict[str, Any] | None, tracking_uri: str) -> list[str]:
     if not reg:
-        return ["", "## Model", "", "Not registered (`register=False`)."]
+        return ["", "## Model", "", "Not registered (`register_model=False`)."]
     link = model_link(tracking_uri, reg["name"], reg["version"])
     return ["", "## Model", "", f"[{reg['name']} version {reg['version']}]({link}), aliases: "
             + ", ".join(f"`{a}`" for a in reg["aliases"]),

@@ -157,7 +157,7 @@ def pytorch_reference(pytorch: Path, work: Path, size: int, steps: int) -> dict[
     from tasks.export.config import ParityConfig
     from tasks.export.parity import pytorch_call
 
-    pipe = StableDiffusionPipeline.from_pretrained(pytorch, torch_dtype=torch.float32)
+    pipe = StableDiffusionPipeline.from_pretrained(pytorch, dtype=torch.float32)
     times: list[float] = []
     pipe.unet.register_forward_pre_hook(lambda *a: times.append(-time.perf_counter()))
     pipe.unet.register_forward_hook(lambda *a: times.append(times.pop() + time.perf_counter()))

@@ -32,7 +32,7 @@ GROUPS = {"attention": ("scaled_dot_product", "flash_attention"), "convolution":
 def load_unet(base: Path, channels_last: bool) -> torch.nn.Module:
     from diffusers import UNet2DConditionModel
 
-    unet = UNet2DConditionModel.from_pretrained(base, subfolder="unet", torch_dtype=torch.bfloat16)
+    unet = UNet2DConditionModel.from_pretrained(base, subfolder="unet", dtype=torch.bfloat16)
     unet.requires_grad_(False).train()
     return unet.to(memory_format=torch.channels_last) if channels_last else unet
 

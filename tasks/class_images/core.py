@@ -159,7 +159,7 @@ def load_pipeline(base: Path, device: Any = None, precision: str = "auto") -> An
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = pipeline_dtype(base, device, precision)
     log.info("class images: the base pipeline in %s on %s", str(dtype).removeprefix("torch."), device)
-    pipe = DiffusionPipeline.from_pretrained(base, torch_dtype=dtype, **extra).to(device)
+    pipe = DiffusionPipeline.from_pretrained(base, dtype=dtype, **extra).to(device)
     pipe.set_progress_bar_config(disable=True)
     return pipe
 

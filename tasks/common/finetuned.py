@@ -116,13 +116,13 @@ def load_finetuned(src: Path, base: Path | None, token: str | None = None) -> tu
     kind = detect(src)
     info: dict[str, Any] = {"method": kind.method}
     if kind.full_pipeline:
-        return DiffusionPipeline.from_pretrained(src, torch_dtype=torch.float32), kind, info
+        return DiffusionPipeline.from_pretrained(src, dtype=torch.float32), kind, info
     adapters_only = (f"{src} holds adapters only ({kind.method}); they are applied to the base pipeline: "
                      "pass --base models/base (run dvc repro base first)")
     if base is None:
         raise UserError(adapters_only)
     families.read_index(base, adapters_only)
-    pipe = DiffusionPipeline.from_pretrained(base, torch_dtype=torch.float32)
+    pipe = DiffusionPipeline.from_pretrained(base, dtype=torch.float32)
     info["base"] = str(base)
     if kind.lora is not None:
         # Fused into every component the file can have layers for (denoiser, text encoders), the

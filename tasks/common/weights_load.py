@@ -1,6 +1,6 @@
 """Loading a diffusers model straight into a lower precision, a few tensors at a time.
 
-`from_pretrained(torch_dtype=...)` maps the whole safetensors file and casts from that mapping:
+`from_pretrained(dtype=...)` maps the whole safetensors file and casts from that mapping:
 every page of the file is resident beside the cast copy until the load ends. For SD 1.5's UNet
 (3.4 GB in float32) loaded into bf16 that is a 5.3 GB peak for a 1.7 GB result, and the peak of
 a LoRA or textual inversion run, whose denoiser is frozen. Opening the file again for every chunk
@@ -35,7 +35,7 @@ CHUNK = 64  # tensors per mapping of the file: SD 1.5's UNet has 686, the larges
 
 
 def load_in_dtype(cls: Any, base: Path, subfolder: str, dtype: torch.dtype, quantize: Any = None) -> Any:
-    """`cls.from_pretrained(base, subfolder=subfolder, torch_dtype=dtype)`, with a lower peak;
+    """`cls.from_pretrained(base, subfolder=subfolder, dtype=dtype)`, with a lower peak;
     `quantize` (a BasePrecision): its Linear layers quantized as they load. `cls`: a diffusers model
     class, or a transformers one (a frozen text encoder: its tied weights are tied after the load)."""
     transformers_model = hasattr(cls, "config_class")
@@ -99,7 +99,7 @@ def _kept_in_fp32(cls: Any, dtype: torch.dtype) -> list[str]:
 
 def _whole(cls: Any, base: Path, subfolder: str, dtype: torch.dtype, quantize: Any) -> Any:
     """from_pretrained, then quantized whole (the peak is the model in `dtype`)."""
-    model = cls.from_pretrained(base, subfolder=subfolder, torch_dtype=dtype)
+    model = cls.from_pretrained(base, subfolder=subfolder, dtype=dtype)
     if quantize is not None:
         log.info("%s: quantized after a whole load (the chunked reader does not cover this model)", subfolder)
         quantize.quantize(model, None, dtype)

@@ -66,7 +66,7 @@ def _load_base(path: Path) -> Any:
     from diffusers import DiffusionPipeline
 
     families.read_index(path, "run the base stage (dvc repro base)")
-    return DiffusionPipeline.from_pretrained(path, torch_dtype=torch.float32)
+    return DiffusionPipeline.from_pretrained(path, dtype=torch.float32)
 
 
 @dataclass

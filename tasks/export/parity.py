@@ -66,7 +66,7 @@ def pytorch_run(src: Path, shape: StaticShape, cfg: ParityConfig) -> PyTorchRun:
     import torch
     from diffusers import DiffusionPipeline
 
-    return pytorch_call(DiffusionPipeline.from_pretrained(src, torch_dtype=torch.float32), shape, cfg)
+    return pytorch_call(DiffusionPipeline.from_pretrained(src, dtype=torch.float32), shape, cfg)
 
 
 def pytorch_call(pt_pipe: Any, shape: StaticShape, cfg: ParityConfig) -> PyTorchRun:

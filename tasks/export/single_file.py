@@ -229,7 +229,7 @@ def write_single_file(src: Path, dst: Path, dtype: str = "fp16") -> dict[str, An
     torch_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[dtype]
     # Loaded in the file's dtype: the same values as casting at the end, at half the memory for
     # fp16/bf16 (an SDXL pipeline is 14 GB in fp32).
-    pipe = DiffusionPipeline.from_pretrained(src, torch_dtype=torch_dtype)
+    pipe = DiffusionPipeline.from_pretrained(src, dtype=torch_dtype)
     kind = layout(pipe)
     tensors = {k: v.to(torch_dtype).contiguous() for k, v in original_state_dict(pipe).items()}
     del pipe

@@ -33,7 +33,7 @@ def _runs(parent_id: str) -> list:
 
 def test_runs_stages_in_order_then_skips_them(prefect_server, toy: Path) -> None:
     _set_params(toy, "first", value=5)
-    first = finetune_module.finetune(register=False)
+    first = finetune_module.finetune(register_model=False)
     assert [(s["stage"], s["status"]) for s in first["stages"]] == [("second", "ran"), ("first", "ran")]
 
     client = mlflow.MlflowClient()
@@ -48,7 +48,7 @@ def test_runs_stages_in_order_then_skips_them(prefect_server, toy: Path) -> None
     assert sorted(r.data.tags["stage"] for r in children) == ["first", "second"]
     assert {r.data.metrics["value"] for r in children} == {1.0, 5.0}
 
-    state = finetune_module.finetune(register=False, return_state=True)
+    state = finetune_module.finetune(register_model=False, return_state=True)
     again = state.result()
     assert [s["status"] for s in again["stages"]] == ["skipped", "skipped"]
     parent2 = client.get_run(again["mlflow_run_id"])
@@ -71,11 +71,11 @@ def test_bad_overrides_fail_before_anything_runs(prefect_server, toy: Path) -> N
     (toy / "params.yaml").chmod(0o664)
     before, mode = (toy / "params.yaml").read_bytes(), (toy / "params.yaml").stat().st_mode
     with pytest.raises(UserError, match="override 'first.valu'"):
-        finetune_module.finetune(overrides={"first.valu": 3}, register=False)
+        finetune_module.finetune(overrides={"first.valu": 3}, register_model=False)
     # A value the stage's typed config refuses (register is read by RegisterConfig).
     with pytest.raises(UserError, match=r"register.model_name: String should match") as err:
         finetune_module.finetune(overrides={"first.value": 4, "register.model_name": "no spaces"},
-                                 register=False)
+                                 register_model=False)
     assert "with overrides register.model_name='no spaces'" in str(err.value)
     assert (toy / "params.yaml").read_bytes() == before
     assert (toy / "params.yaml").stat().st_mode == mode
@@ -107,12 +107,12 @@ def _snapshot(root: Path) -> dict[str, tuple[bytes, int]]:
 def test_overrides_run_as_a_dvc_experiment_and_leave_the_workspace_alone(
         prefect_server, toy: Path) -> None:
     (toy / "params.yaml").chmod(0o664)
-    plain = finetune_module.finetune(register=False)  # the workspace has outputs and dvc.lock
+    plain = finetune_module.finetune(register_model=False)  # the workspace has outputs and dvc.lock
     assert [s["status"] for s in plain["stages"]] == ["ran", "ran"]
     before, status = _snapshot(toy), _git(toy, "status", "--porcelain")
     assert "dvc.lock" in before and "first.out" in before
 
-    result = finetune_module.finetune(overrides={"first.value": 5}, register=False)
+    result = finetune_module.finetune(overrides={"first.value": 5}, register_model=False)
     # Carried over from the workspace, 'second' is unchanged: only 'first' reruns.
     assert [(s["stage"], s["status"]) for s in result["stages"]] == [("second", "skipped"),
                                                                       ("first", "ran")]
@@ -132,7 +132,7 @@ def test_overrides_run_as_a_dvc_experiment_and_leave_the_workspace_alone(
     assert {r.data.metrics["value"] for r in _runs(parent.info.run_id)} == {5.0}
 
     # The next plain run uses the tracked params.yaml: nothing to do.
-    again = finetune_module.finetune(register=False)
+    again = finetune_module.finetune(register_model=False)
     assert [s["status"] for s in again["stages"]] == ["skipped", "skipped"]
     assert (toy / "first.out").read_text() == "2"
 
@@ -140,7 +140,7 @@ def test_overrides_run_as_a_dvc_experiment_and_leave_the_workspace_alone(
 def test_a_failed_experiment_leaves_no_trace(prefect_server, toy: Path) -> None:
     before = (toy / "params.yaml").read_bytes()
     with pytest.raises(StageFailed, match="stage 'second' failed"):
-        finetune_module.finetune(overrides={"second.fail": True}, register=False)
+        finetune_module.finetune(overrides={"second.fail": True}, register_model=False)
     assert (toy / "params.yaml").read_bytes() == before
     assert _experiments(toy) == {}
     assert _git(toy, "status", "--porcelain") == ""
@@ -150,7 +150,7 @@ def test_a_failed_experiment_leaves_no_trace(prefect_server, toy: Path) -> None:
 def test_failing_stage_fails_the_flow_and_the_parent_run(prefect_server, toy: Path) -> None:
     _set_params(toy, "second", fail=True)
     with pytest.raises(StageFailed, match="stage 'second' failed") as err:
-        finetune_module.finetune(register=False)
+        finetune_module.finetune(register_model=False)
     assert "error: params.yaml: second.fail is set" in str(err.value)
     assert (toy / "second.attempts").read_text() == "x"  # a config error is not retried
     (parent,) = mlflow.search_runs(search_all_experiments=True, output_format="list",
@@ -176,7 +176,7 @@ def test_only_if_changed_and_the_run_summary_artifact(prefect_server, toy: Path)
     from flows.changes import lineage_of_workspace
     from tasks.register.lineage import fingerprint
 
-    state = finetune_module.finetune(register=False, return_state=True)
+    state = finetune_module.finetune(register_model=False, return_state=True)
     first = state.result()
     page = _artifact(state.state_details.flow_run_id)
     assert f"MLflow run: [{first['mlflow_run_id']}](http://127.0.0.1:5000/#/experiments/" in page
@@ -202,7 +202,7 @@ def test_only_if_changed_and_the_run_summary_artifact(prefect_server, toy: Path)
     assert "**Up to date**: up to date: nothing changed since toy v1" in _artifact(
         state.state_details.flow_run_id)
 
-    changed = finetune_module.finetune(overrides={"first.value": 7}, register=False,
+    changed = finetune_module.finetune(overrides={"first.value": 7}, register_model=False,
                                        only_if_changed=True)
     assert [s["status"] for s in changed["stages"]] == ["skipped", "ran"]
     assert changed["changes"].startswith("changed: stage 'first': changed deps: params.yaml")
@@ -213,7 +213,7 @@ def test_a_killed_stage_is_retried_and_completes(prefect_server, toy: Path,
     fast = finetune_module.repro_stage.with_options(retry_delay_seconds=0)
     monkeypatch.setattr(finetune_module, "repro_stage", fast)
     _set_params(toy, "second", kill_once=True)
-    result = finetune_module.finetune(register=False)
+    result = finetune_module.finetune(register_model=False)
     assert [s["status"] for s in result["stages"]] == ["ran", "ran"]
     assert (toy / "second.attempts").read_text() == "xx"  # killed once (SIGKILL), then completed
     assert (toy / "second.out").read_text() == "1"
@@ -233,7 +233,7 @@ def test_a_second_run_in_the_same_workspace_is_refused(prefect_server, toy: Path
         assert holder.stdout.readline().strip() == "locked"
         before = (toy / "params.yaml").read_text()
         with pytest.raises(WorkspaceBusy) as err:
-            finetune_module.finetune(overrides={"first.value": 9}, register=False)
+            finetune_module.finetune(overrides={"first.value": 9}, register_model=False)
         assert f"another pipeline run is already running in {toy} (pid {holder.pid}" in str(err.value)
         assert "flow run other" in str(err.value) and "separate clone" in str(err.value)
         assert (toy / "params.yaml").read_text() == before and not (toy / "second.out").exists()

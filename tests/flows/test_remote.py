@@ -68,7 +68,7 @@ def test_machine_b_pulls_what_machine_a_pushed_and_runs_nothing(
     a = team_toy(toy, remote)
     assert default_remote(a).describe() == f"team {remote}"
 
-    first = finetune_module.finetune(register=False)
+    first = finetune_module.finetune(register_model=False)
     assert [s["status"] for s in first["stages"]] == ["ran", "ran"]
     assert first["dvc_remote"] == f"team {remote}"
     parent = mlflow.MlflowClient().get_run(first["mlflow_run_id"])
@@ -85,7 +85,7 @@ def test_machine_b_pulls_what_machine_a_pushed_and_runs_nothing(
     assert files(b) == {}
     missing = dvc_status(b)
     assert _status_reasons(missing) and not _status_reasons(missing, allow_missing=True)
-    pulled = finetune_module.finetune(register=False)
+    pulled = finetune_module.finetune(register_model=False)
     assert [(s["stage"], s["status"]) for s in pulled["stages"]] == [("second", "pulled"),
                                                                       ("first", "pulled")]
     assert files(b) == files(a)
@@ -95,7 +95,7 @@ def test_machine_b_pulls_what_machine_a_pushed_and_runs_nothing(
     # Machine C: a clone from before dvc.lock was committed. The stages have no lock to compare
     # with, and are restored from the run-cache machine A pushed.
     c = clone(a, tmp_path / "c", monkeypatch, rev=before_lock)
-    restored = finetune_module.finetune(register=False)
+    restored = finetune_module.finetune(register_model=False)
     assert [s["status"] for s in restored["stages"]] == ["restored", "restored"]
     assert files(c) == files(a) and not list(c.glob("*.attempts")) and dvc_status(c) == {}
 
@@ -104,7 +104,7 @@ def test_an_input_no_clone_could_get_stops_the_flow_before_it_runs(
         prefect_server, toy: Path, tmp_path: Path) -> None:
     team_toy(toy, tmp_path / "remote", track=False)  # photos/ is ignored by git, not in DVC
     with pytest.raises(UserError, match="photos is tracked by neither git nor DVC") as err:
-        finetune_module.finetune(register=False)
+        finetune_module.finetune(register_model=False)
     assert "dvc add photos && git add photos.dvc" in str(err.value)
     assert not (toy / "second.attempts").exists()
     assert mlflow.search_runs(search_all_experiments=True, output_format="list") == []
@@ -115,7 +115,7 @@ def test_inputs_changed_without_dvc_add_stop_the_flow(
     team_toy(toy, tmp_path / "remote")
     (toy / "photos/b.txt").write_text("a new photo")  # not recorded in photos.dvc
     with pytest.raises(UserError, match="photos has changes that photos.dvc does not record"):
-        finetune_module.finetune(register=False)
+        finetune_module.finetune(register_model=False)
     assert not (toy / "second.attempts").exists() and (toy / "photos/b.txt").exists()
 
 
@@ -125,7 +125,7 @@ def test_a_failed_push_fails_the_run(prefect_server, toy: Path, tmp_path: Path) 
     team_toy(toy, blocker / "remote")  # no folder can be made under a file, not even by root
     with pytest.raises(UserError, match="`dvc push` to DVC remote team .* failed, so nothing "
                                         "was registered"):
-        finetune_module.finetune(register=False)
+        finetune_module.finetune(register_model=False)
     (parent,) = mlflow.search_runs(search_all_experiments=True, output_format="list",
                                    filter_string="tags.pipeline = 'finetune'")
     assert parent.info.status == "FAILED" and REMOTE_TAG not in parent.data.tags
@@ -138,7 +138,7 @@ def test_an_experiment_pushes_its_outputs_too(prefect_server, toy: Path, tmp_pat
 
     remote = tmp_path / "remote"
     team_toy(toy, remote)
-    result = finetune_module.finetune(overrides={"first.value": 5}, register=False)
+    result = finetune_module.finetune(overrides={"first.value": 5}, register_model=False)
     assert result["dvc_experiment"] and result["dvc_remote"] == f"team {remote}"
     md5 = hashlib.md5(b"5").hexdigest()  # the experiment's first.out
     assert (remote / "files/md5" / md5[:2] / md5[2:]).is_file()

@@ -116,7 +116,7 @@ class LoRA(TrainingMethod):
         from diffusers import DiffusionPipeline
 
         # In the precision the base is stored in (a bf16 SD3.5 stays bf16, not float32 at twice the size).
-        pipe = DiffusionPipeline.from_pretrained(base, torch_dtype=families.stored_dtypes(base))
+        pipe = DiffusionPipeline.from_pretrained(base, dtype=families.stored_dtypes(base))
         if self.diffusers_format:
             fuse_lora_file(pipe, out_dir / WEIGHT_NAME, self.fused_components)
         else:
