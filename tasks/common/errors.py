@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import sys
 from collections.abc import Callable
 
@@ -12,19 +13,36 @@ class UserError(Exception):
 
 
 def main_guard(func: Callable[[], None]) -> Callable[[], None]:
-    """Wrap a stage's CLI entry point: configure logging, print UserErrors cleanly, exit 2 on them."""
+    """Wrap a stage's CLI entry point: configure logging (the project's lines on the terminal, other
+    libraries' in the stage's log file: tasks.common.quiet), print UserErrors cleanly, exit 2 on them."""
 
     @functools.wraps(func)
     def wrapper() -> None:
-        logging.basicConfig(
-            level=logging.INFO,
-            format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-            datefmt="%H:%M:%S",
-        )
         try:
+            level = log_level()
+            logging.basicConfig(
+                level=level,
+                format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+                datefmt="%H:%M:%S",
+            )
+            from tasks.common.quiet import quiet, stage_name
+
+            quiet(stage_name(), verbose=level <= logging.DEBUG)
             func()
         except UserError as err:
             print(f"error: {err}", file=sys.stderr)
             sys.exit(2)
 
     return wrapper
+
+
+LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+
+
+def log_level() -> int:
+    """The terminal's level from LOG_LEVEL (default INFO); DEBUG also shows other libraries' lines."""
+    name = os.environ.get("LOG_LEVEL", "INFO").strip().upper() or "INFO"
+    if name not in LEVELS:
+        raise UserError(f"LOG_LEVEL={os.environ['LOG_LEVEL']!r} is not a level: use one of "
+                        f"{', '.join(LEVELS)} (DEBUG shows other libraries' log lines too)")
+    return getattr(logging, name)

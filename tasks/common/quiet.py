@@ -1,0 +1,95 @@
+"""A stage's terminal shows the project's own log lines; every other library's go to its log file.
+
+`quiet(stage)` runs in `main_guard` right after logging is configured. Records of the project's
+loggers (`tasks.*`, `flows.*`, `__main__`, and the flow's Prefect run loggers) and records at ERROR
+or above from anyone reach the terminal as before; the rest (MLflow, transformers, diffusers, torch,
+bitsandbytes, Python warnings through `py.warnings`, ...) are appended to `.cache/logs/<stage>.log`
+under the working directory. `LOG_LEVEL=DEBUG` turns the routing off: everything shows on the
+terminal, as it was before.
+
+Several libraries write to the terminal through stream handlers of their own, installed when they
+are imported, often after the stage started (transformers, diffusers, torch, MLflow, nncf). The
+gate is therefore one wrapper around `logging.Handler.handle`: any handler that writes to the
+terminal (a stream handler other than a file's, or torch's `_StderrHandler`), whoever installed it
+and whenever, passes the project's records and errors, and sends the rest to the log file (each
+record once). Other handlers (files, Prefect's API handler, pytest's capture) are left alone.
+"""
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import sys
+from pathlib import Path
+
+#: logger names whose records are the project's own lines
+PROJECT = ("tasks", "flows", "__main__", "prefect.flow_runs", "prefect.task_runs")
+#: set in the environment once the log file was announced (a re-executed stage, its ranks)
+ANNOUNCED = "SD_PIPELINE_LOG_FILE"
+LOG_DIR = Path(".cache/logs")
+
+_file: logging.Handler | None = None
+_original_handle = logging.Handler.handle
+
+
+def is_project(name: str) -> bool:
+    return any(name == p or name.startswith(p + ".") for p in PROJECT)
+
+
+def is_terminal(handler: logging.Handler) -> bool:
+    """A handler writing to stderr/stdout: stream handlers but a file's, torch's `_StderrHandler`."""
+    if isinstance(handler, logging.StreamHandler):
+        return not isinstance(handler, logging.FileHandler)
+    return type(handler).__name__.endswith("StderrHandler")
+
+
+def _gated_handle(self: logging.Handler, record: logging.LogRecord):
+    if (_file is None or record.levelno >= logging.ERROR or is_project(record.name)
+            or not is_terminal(self)):
+        return _original_handle(self, record)
+    if not getattr(record, "_sd_filed", False):
+        record._sd_filed = True
+        _file.handle(record)
+    return False
+
+
+def quiet(stage: str, verbose: bool) -> Path | None:
+    """Route third-party log records of this process to `.cache/logs/<stage>.log` (None: verbose)."""
+    global _file
+    logging.captureWarnings(True)
+    if verbose:
+        return None
+    path = LOG_DIR / f"{stage}.log"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handler = logging.FileHandler(path, mode="a", encoding="utf-8")
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    stamp = datetime.datetime.now().isoformat(timespec="seconds")
+    handler.stream.write(f"==== {stamp} pid {os.getpid()}: {' '.join(sys.argv)}\n")
+    _file = handler
+    logging.Handler.handle = _gated_handle
+    _progress_bars_off()
+    if os.environ.get(ANNOUNCED) != str(path.resolve()):
+        os.environ[ANNOUNCED] = str(path.resolve())
+        logging.getLogger("tasks.common.quiet").info(
+            "other libraries' log lines and warnings go to %s (LOG_LEVEL=DEBUG shows them here)", path)
+    return path
+
+
+def _progress_bars_off() -> None:
+    """Hugging Face libraries' progress bars (downloads, shard writing, component loading) off;
+    the project's own bars (plain tqdm) stay."""
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # read by huggingface_hub at import
+    if "huggingface_hub" in sys.modules:
+        sys.modules["huggingface_hub"].utils.disable_progress_bars()
+    for lib in ("transformers", "diffusers"):
+        if f"{lib}.utils.logging" in sys.modules:
+            sys.modules[f"{lib}.utils.logging"].disable_progress_bar()
+
+
+def stage_name() -> str:
+    """`base` for `python -m tasks.base`, `finetune` for `python -m flows.finetune` or a script's stem."""
+    spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+    if spec is not None and spec.name:
+        parts = [p for p in spec.name.split(".") if p != "__main__"]
+        return parts[-1]
+    return Path(sys.argv[0]).stem or "python"
