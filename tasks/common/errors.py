@@ -25,9 +25,10 @@ def main_guard(func: Callable[[], None]) -> Callable[[], None]:
                 format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                 datefmt="%H:%M:%S",
             )
-            from tasks.common.quiet import quiet, stage_name
+            if func.__module__ == "__main__":  # a stage's process, not a test calling main()
+                from tasks.common.quiet import quiet, stage_name
 
-            quiet(stage_name(), verbose=level <= logging.DEBUG)
+                quiet(stage_name(), verbose=level <= logging.DEBUG)
             func()
         except UserError as err:
             print(f"error: {err}", file=sys.stderr)

@@ -53,6 +53,18 @@ def _gated_handle(self: logging.Handler, record: logging.LogRecord):
     return False
 
 
+class _RunLog(logging.FileHandler):
+    """The stage's log file, created (folder, header line) at its first record: a stage that
+    stops before any other library speaks leaves no file."""
+
+    def _open(self):
+        Path(self.baseFilename).parent.mkdir(parents=True, exist_ok=True)
+        stream = super()._open()
+        stamp = datetime.datetime.now().isoformat(timespec="seconds")
+        stream.write(f"==== {stamp} pid {os.getpid()}: {' '.join(sys.argv)}\n")
+        return stream
+
+
 def quiet(stage: str, verbose: bool) -> Path | None:
     """Route third-party log records of this process to `.cache/logs/<stage>.log` (None: verbose)."""
     global _file
@@ -60,11 +72,8 @@ def quiet(stage: str, verbose: bool) -> Path | None:
     if verbose:
         return None
     path = LOG_DIR / f"{stage}.log"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    handler = logging.FileHandler(path, mode="a", encoding="utf-8")
+    handler = _RunLog(path, mode="a", encoding="utf-8", delay=True)
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-    stamp = datetime.datetime.now().isoformat(timespec="seconds")
-    handler.stream.write(f"==== {stamp} pid {os.getpid()}: {' '.join(sys.argv)}\n")
     _file = handler
     logging.Handler.handle = _gated_handle
     _progress_bars_off()
