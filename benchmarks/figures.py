@@ -37,10 +37,11 @@ SUMMARY = re.compile(r"=+ (?P<line>\d+ passed.*? in (?P<seconds>[\d.]+)s).* =+")
 
 
 def machine() -> str:
-    """The CPU model and core count, as lscpu says."""
+    """The CPU model, whether it has AMX (speed ratios differ with it) and the core count, as lscpu says."""
     text = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
     model = re.search(r"Model name:\s*(.+)", text)
-    return f"{model.group(1).strip() if model else 'unknown CPU'}, {os.cpu_count()} cores"
+    amx = "AMX" if "amx_tile" in text else "no AMX"
+    return f"{model.group(1).strip() if model else 'unknown CPU'} ({amx}), {os.cpu_count()} cores"
 
 
 def timed(cmd: list[str], cwd: Path, env: dict[str, str] | None = None) -> tuple[float, str]:
