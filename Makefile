@@ -13,6 +13,11 @@ TORCH_PIP = PIP_CONSTRAINT=/dev/null $(BIN)/pip install --quiet --no-cache-dir
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+# make install puts uv (pinned in requirements.lock) into .venv with pip, then installs the locks with
+# it: parallel downloads and unpacking, bytecode compiled on both cores (measured: benchmarks/README.md,
+# "Install"). Its cache is the project's .cache/uv (below), hardlinked into the environments.
+UV_PIN := $(shell grep -E '^uv==' requirements.lock)
+UV_PIP = $(BIN)/uv pip install --quiet --python $(BIN)/python
 
 # Prefect state stays inside the project; no telemetry from a machine without internet.
 export PREFECT_HOME ?= $(CURDIR)/.prefect
@@ -63,14 +68,15 @@ $(BIN)/python:
 # cannot be reached, PyPI's build of the same version.
 $(STAMP): $(BIN)/python requirements.lock requirements-torch.lock pyproject.toml
 	$(call check_python,$(BIN)/python,rm -rf $(VENV) && )
-	@echo "installing pinned dependencies into $(VENV) (about 2.4 GB; minutes on a fresh machine)"
+	@echo "installing pinned dependencies into $(VENV) (about 2.4 GB, and CUDA libraries where PyPI's torch is the one reachable)"
 	@start=$$(date +%s); \
-	$(BIN)/pip install --quiet --no-cache-dir --no-deps -r requirements.lock && \
+	$(BIN)/pip install --quiet --no-cache-dir --no-deps $(UV_PIN) && \
+	$(UV_PIP) --compile-bytecode --no-deps -r requirements.lock && \
 	{ $(TORCH_PIP) --no-deps --no-index -r requirements-torch.lock 2>/dev/null || \
-	  $(TORCH_PIP) --no-deps --retries 1 -r requirements-torch.lock || \
+	  $(UV_PIP) --compile-bytecode --no-deps -r requirements-torch.lock 2>/dev/null || \
 	  { echo "warning: PyTorch's CPU index is out of reach; installing PyPI's build of $(TORCH_PIN) (it carries CUDA libraries, about 3 GB more, and runs on CPU the same)"; \
-	    $(TORCH_PIP) $(TORCH_PIN); }; } && \
-	$(BIN)/pip install --quiet --no-cache-dir --no-deps -e . && \
+	    $(UV_PIP) --compile-bytecode $(TORCH_PIN); }; } && \
+	$(UV_PIP) --no-deps -e . && \
 	if $(BIN)/python -c "import torchvision" 2>/dev/null; then \
 	  echo "error: torchvision is installed in $(VENV); it breaks transformers' imports with torch's CPU build (pip uninstall torchvision)"; exit 1; fi && \
 	echo "install took $$(( $$(date +%s) - start )) s"

@@ -17,6 +17,7 @@ record once). Other handlers (files, Prefect's API handler, pytest's capture) ar
 from __future__ import annotations
 
 import datetime
+import importlib.abc
 import logging
 import os
 import sys
@@ -85,14 +86,50 @@ def quiet(stage: str, verbose: bool) -> Path | None:
 
 
 def _progress_bars_off() -> None:
-    """Hugging Face libraries' progress bars (downloads, shard writing, component loading) off;
-    the project's own bars (plain tqdm) stay."""
+    """Libraries' progress bars (Hugging Face downloads, shard writing, diffusers' component
+    loading, MLflow's artifact downloads) off; the project's own bars (plain tqdm) stay."""
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # read by huggingface_hub at import
+    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")  # read at each download
     if "huggingface_hub" in sys.modules:
         sys.modules["huggingface_hub"].utils.disable_progress_bars()
-    for lib in ("transformers", "diffusers"):
-        if f"{lib}.utils.logging" in sys.modules:
-            sys.modules[f"{lib}.utils.logging"].disable_progress_bar()
+    for lib in BAR_SWITCHES:
+        if lib in sys.modules:
+            sys.modules[lib].disable_progress_bar()
+    if not any(isinstance(f, _BarsOffOnImport) for f in sys.meta_path):
+        sys.meta_path.insert(0, _BarsOffOnImport())
+
+
+#: the modules whose `disable_progress_bar()` turns a library's bars off (diffusers' start on)
+BAR_SWITCHES = ("transformers.utils.logging", "diffusers.utils.logging")
+
+
+class _BarsOffOnImport(importlib.abc.MetaPathFinder):
+    """Turns a library's bars off as its logging module is imported: diffusers and transformers
+    are mostly imported after the stage started, and diffusers ignores the environment."""
+
+    def find_spec(self, name, path, target=None):
+        if name not in BAR_SWITCHES:
+            return None
+        for finder in sys.meta_path:
+            if finder is self:
+                continue
+            spec = finder.find_spec(name, path, target) if hasattr(finder, "find_spec") else None
+            if spec is not None and spec.loader is not None:
+                spec.loader = _BarsOffLoader(spec.loader)
+                return spec
+        return None
+
+
+class _BarsOffLoader(importlib.abc.Loader):
+    def __init__(self, loader: importlib.abc.Loader) -> None:
+        self.loader = loader
+
+    def create_module(self, spec):
+        return self.loader.create_module(spec)
+
+    def exec_module(self, module) -> None:
+        self.loader.exec_module(module)
+        module.disable_progress_bar()
 
 
 def stage_name() -> str:

@@ -81,6 +81,35 @@ def test_late_library_handlers_go_to_the_log_file(tmp_path: Path) -> None:
     assert (tmp_path / ".cache/logs/prog.log").read_text().count("==== ") == 2, "appended, a header per run"
 
 
+#: a stage importing diffusers and transformers after it started, as stages do, then drawing the
+#: bars they draw while loading a pipeline; MLflow's artifact downloads read the environment
+BARS = '''
+import os
+from tasks.common.errors import main_guard
+
+@main_guard
+def main():
+    from diffusers.utils import logging as diffusers_logging
+    from transformers.utils import logging as transformers_logging
+    for lib in (diffusers_logging, transformers_logging):
+        for _ in lib.tqdm(range(3), desc=f"BAR {lib.__name__}"):
+            pass
+    print("mlflow bars", os.environ.get("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "on"))
+
+main()
+'''
+
+
+def test_libraries_imported_late_draw_no_progress_bars(tmp_path: Path) -> None:
+    (tmp_path / "bars.py").write_text(BARS)
+    proc = run(tmp_path, "bars.py", timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    terminal = proc.stdout + proc.stderr
+    assert "BAR " not in terminal and "mlflow bars false" in terminal, terminal
+    loud = run(tmp_path, "bars.py", level="DEBUG", timeout=120)
+    assert "BAR diffusers.utils.logging" in loud.stderr and "mlflow bars on" in loud.stdout
+
+
 @pytest.mark.quick
 def test_debug_shows_everything_on_the_terminal(tmp_path: Path) -> None:
     (tmp_path / "prog.py").write_text(PROGRAM)
