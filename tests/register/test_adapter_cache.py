@@ -11,12 +11,18 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
+import time
 from pathlib import Path
 
 import numpy as np
 import pytest
+from mlflow.exceptions import MlflowException
 
 from tasks.register.adapter_cache import MARKER, AdapterCache, confined_file, folder_bytes
+from tasks.register.pyfunc_model import DiffusionImageModel
+from tasks.register.serving_limits import TIMEOUT_ENV
+from tests.register.test_serving_limits import SlowPipe
 
 pytestmark = pytest.mark.quick  # make test-fast
 
@@ -145,3 +151,70 @@ def test_a_killed_servers_cache_folder_is_removed_at_the_next_start(tmp_path) ->
     AdapterCache("k", 1000, root=str(root)).close()
     assert not killed.exists() and Path(live.folder).is_dir() and (root / "not-ours").is_dir()
     live.close()
+
+
+class AdapterPipe(SlowPipe):
+    """A stand-in for genai_serving.AdapterServer (no compiled model): names resolved through the
+    real AdapterCache and registry, generation like SlowPipe."""
+
+    own = None
+
+    def __init__(self, step_s: float, cache: AdapterCache) -> None:
+        super().__init__(step_s)
+        self.cache, self.looked_up = cache, 0
+
+    def resolve(self, spec: str, check) -> list:
+        from tasks.register.genai_serving import parse_adapters
+
+        self.looked_up += bool(spec)  # a request without `adapter` resolves "" (nothing to look up)
+        return [(self.cache.get(name, alias, version, check)[1].file, weight)
+                for name, alias, version, weight in parse_adapters(spec)]
+
+
+def _served(cache: AdapterCache, max_waiting: int) -> tuple[DiffusionImageModel, AdapterPipe]:
+    model, pipe = DiffusionImageModel(), AdapterPipe(0.02, cache)
+    model.serve(pipe, "genai", {"budget_images": 100, "max_waiting": max_waiting})
+    return model, pipe
+
+
+def _generating(model: DiffusionImageModel, steps: int):
+    """A request holding the model for `steps` steps, in a thread."""
+    thread = threading.Thread(target=model.predict, args=(None, ["a"], {"num_inference_steps": steps}))
+    thread.start()
+    while not model.turns.model.locked():
+        time.sleep(0.01)
+    return thread
+
+
+def test_an_adapter_request_beyond_the_queue_gets_429_before_any_look_up(cache, tmp_path, monkeypatch) -> None:
+    monkeypatch.delenv(TIMEOUT_ENV, raising=False)
+    register_adapter(tmp_path / "src", "style", 4)
+    model, pipe = _served(cache, max_waiting=0)
+    holder = _generating(model, 25)
+    with pytest.raises(MlflowException, match=r"the model is busy: one request generating and 0 waiting") as info:
+        model.predict(None, ["a"], {"adapter": "style/1", "num_inference_steps": 2})
+    assert info.value.get_http_status_code() == 429 and info.value.json_kwargs["retry_after_s"] >= 1
+    assert pipe.looked_up == 0 and not cache.entries, "refused before looking anything up"
+    holder.join(10)
+    assert len(model.predict(None, ["a"], {"adapter": "style/1", "num_inference_steps": 2})) == 1
+    assert list(cache.entries) == ["style/1"], "with the model free, looked up and downloaded"
+
+
+def test_an_adapter_request_past_its_deadline_gets_the_generations_timeout(cache, tmp_path, monkeypatch) -> None:
+    monkeypatch.delenv(TIMEOUT_ENV, raising=False)
+    register_adapter(tmp_path / "src", "style", 4)
+    model, pipe = _served(cache, max_waiting=1)
+    holder = _generating(model, 40)  # no deadline for it
+    model.timeout_s = 0.2  # what the server's --timeout sets, for the next request
+    with pytest.raises(MlflowException, match=r"waited 0.2 s for the model") as info:
+        model.predict(None, ["a"], {"adapter": "style/1", "num_inference_steps": 2})
+    assert info.value.get_http_status_code() == 504 and pipe.looked_up == 0 and not cache.entries
+    holder.join(10)
+    model.timeout_s = 1e-6  # past by the time the adapter is looked up
+    with pytest.raises(MlflowException, match=rf"stopped after 1e-06 s \({TIMEOUT_ENV}\), at image 1 of 1, "
+                                              "before looking up adapter style/1") as info:
+        model.predict(None, ["a"], {"adapter": "style/1", "num_inference_steps": 2})
+    assert info.value.get_http_status_code() == 504 and not cache.entries and not model.turns.model.locked()
+    model.timeout_s = None
+    assert len(model.predict(None, ["a"], {"adapter": "style/1", "num_inference_steps": 2})) == 1
+    assert list(cache.entries) == ["style/1"] and pipe.looked_up == 2
