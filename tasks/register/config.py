@@ -46,6 +46,14 @@ class RegisterConfig(StageConfig):
         description="requests that may wait for the served model (per worker) while it generates; "
                     "the next gets HTTP 429 with retry_after_s",
     )
+    serve_adapter_cache_mb: float = Field(
+        1024.0,
+        gt=0,
+        allow_inf_nan=False,
+        description="a base export's endpoint (export.adapters: runtime): the most disk, in MB, its "
+                    "downloaded adapters take (one cache folder per worker; the least recently used "
+                    "version is deleted to make room, at most 8 versions are kept)",
+    )
     promote_uncalibrated: bool = Field(
         False,
         description="let `champion` move on uncalibrated scores (random-weight built-in "

@@ -222,6 +222,8 @@ def register_model(
         if is_runtime_export(openvino):
             tags.update(_base_export_version(client, model_name, openvino, Path(work), base, run_id, serving,
                                              convention))
+            # what the base export's endpoint reads to decide it may apply this version (adapter_cache.py)
+            record["base_export"] = {k: tags[f"base_export.{k}"] for k in ("key", "model", "version")}
             artifacts["adapter"] = str(stage_adapter(openvino, Path(work), tags))
             tags["model.artifacts"] = "runtime_adapter"
         hub = hub_base if fits(finetuned, hub_base) else None
@@ -353,7 +355,8 @@ def register(
         base=Path(base).resolve() if base is not None else None,
         promote_uncalibrated=cfg.promote_uncalibrated,
         champion_rescore=champion_rescore,
-        serving={"budget_images": cfg.serve_budget_images, "max_waiting": cfg.serve_max_waiting},
+        serving={"budget_images": cfg.serve_budget_images, "max_waiting": cfg.serve_max_waiting,
+                 "adapter_cache_mb": cfg.serve_adapter_cache_mb},
         hub_base=hub_reference(read_params(params).get("base") or {}),
         trained=read_train_report(train_report) if train_report is not None else None,
     )

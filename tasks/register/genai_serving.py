@@ -6,10 +6,12 @@ stage for `export.adapters: runtime`) loads this: its requests name the adapters
 param, e.g. `sks-toy@champion`, `sks-toy/3`, or a blend `sks-toy/3:0.7,other@champion:0.3`.
 
 - A name is resolved through the MLflow registry the endpoint runs against (MLFLOW_TRACKING_URI):
-  an alias or a version of a registered model whose version was registered for this base (its
-  tag `base_export.key` equals the base's); anything else is a ValueError naming the field.
-- An adapter's files are downloaded on first use and kept in a bounded LRU cache
-  (`max_adapters`); one compiled pipeline serves them all, the LoRA applied per call.
+  an alias or a version of a registered model whose lineage document names this base export
+  (adapter_cache.py); anything else is a ValueError naming the field.
+- An adapter's files are downloaded on first use into one cache folder bounded in bytes
+  (model_config `adapter_cache_mb`) and in versions, deleted when evicted (adapter_cache.py); the
+  pyfunc resolves them inside the model's turn, under the request's deadline (`check`). One
+  compiled pipeline serves them all, the LoRA applied per call.
 - GenAI applies, in MODE_DYNAMIC, only the layers it compiled LoRA branches for: a new adapter
   whose layers the compiled set does not cover recompiles the pipeline once (seconds), with the
   cached adapters and the new one.
@@ -21,8 +23,13 @@ import logging
 import os
 import re
 import threading
-from collections import OrderedDict
+from collections.abc import Callable
 from typing import Any
+
+try:  # logged beside this file as the model's code (MLflow `code_paths`)
+    import adapter_cache
+except ImportError:  # this file imported from the repository (tests, the register stage)
+    from tasks.register import adapter_cache
 
 log = logging.getLogger("sd_pyfunc.genai")
 
@@ -30,7 +37,7 @@ log = logging.getLogger("sd_pyfunc.genai")
 BASE_INFO = "genai_base.json"
 #: The registered adapter version's artifact: genai_lora.safetensors, runtime_adapter.json and
 #: BASE_REF, the base export's registered version it applies to.
-ADAPTER_ARTIFACT = "adapter"
+ADAPTER_ARTIFACT = adapter_cache.ADAPTER_ARTIFACT
 BASE_REF = "base_export.json"
 _REF = re.compile(r"^(?P<name>[A-Za-z0-9][\w.\-]*)(?:@(?P<alias>[\w\-]+)|/(?P<version>\d+))"
                   r"(?::(?P<weight>-?\d+(?:\.\d+)?))?$")
@@ -67,25 +74,26 @@ class AdapterServer:
     """GenAI's Text2ImagePipeline over one base export, called like a diffusers pipeline with
     `adapters=[(file, weight)]`; `resolve()` turns the `adapter` param into those files."""
 
-    def __init__(self, export: str, ov_config: dict[str, str], max_adapters: int = 8,
+    def __init__(self, export: str, ov_config: dict[str, str], cache_mb: float = 1024.0,
                  own: str | None = None) -> None:
-        """`own`: the one adapter file of an adapter version's endpoint (None: the base's endpoint)."""
+        """`own`: the one adapter file of an adapter version's endpoint (None: the base's endpoint,
+        which downloads the adapters requests name into a cache of `cache_mb` MB)."""
         with open(os.path.join(export, BASE_INFO)) as fh:
             self.info = json.load(fh)
         shape = self.info["static_shape"]
         self.export, self.ov_config = export, ov_config
         self.height, self.width = int(shape["height"]), int(shape["width"])
         self.guidance = float(self.info["guidance_scale"])
-        self.max_adapters = max_adapters
-        self.cache: OrderedDict[str, tuple[Any, str]] = OrderedDict()  # "name/version" -> (Adapter, file)
         self.covered: set[str] = set()
         self.lock = threading.Lock()
         self._compile([own] if own else [])
-        self.own = None
+        self.own, self.cache = None, None
         if own:
             import openvino_genai as genai
 
             self.own = genai.Adapter(own)
+        else:
+            self.cache = adapter_cache.AdapterCache(self.info["key"], int(cache_mb * 2**20))
 
     def _compile(self, files: list[str]) -> None:
         import openvino_genai as genai
@@ -101,39 +109,35 @@ class AdapterServer:
     def set_progress_bar_config(self, **_: Any) -> None:
         """GenAI draws no progress bar."""
 
-    def resolve(self, spec: str) -> list[tuple[Any, float]]:
-        """The `adapter` param as [(GenAI Adapter, weight)], downloading what is new."""
+    def resolve(self, spec: str, check: Callable[[str], None] = lambda _: None) -> list[tuple[Any, float]]:
+        """The `adapter` param as [(GenAI Adapter, weight)], downloading what is new; `check(what)`
+        before each step that takes time (the pyfunc's deadline)."""
         refs = parse_adapters(spec)
         with self.lock:
-            return [(self._adapter(name, alias, version), weight) for name, alias, version, weight in refs]
+            keep: frozenset[str] = frozenset()
+            out = []
+            for name, alias, version, weight in refs:
+                key, entry, _ = self.cache.get(name, alias, version, check, keep)
+                keep |= {key}
+                out.append((self._loaded(key, entry, check), weight))
+            return out
 
-    def _adapter(self, name: str, alias: str | None, version: str | None) -> Any:
-        import mlflow
+    def _loaded(self, key: str, entry: Any, check: Callable[[str], None]) -> Any:
+        """The GenAI Adapter of a cached version, compiled for: a new adapter whose layers the
+        compiled pipeline does not cover recompiles it once, with every cached adapter."""
         import openvino_genai as genai
-        from mlflow.exceptions import MlflowException
 
-        client = mlflow.MlflowClient()
-        ref = f"{name}@{alias}" if alias else f"{name}/{version}"
-        try:
-            mv = client.get_model_version_by_alias(name, alias) if alias else client.get_model_version(name, version)
-        except MlflowException:
-            raise ValueError(f"adapter: {ref} is not a registered model version here") from None
-        key = f"{name}/{mv.version}"
-        if key in self.cache:
-            self.cache.move_to_end(key)
-            return self.cache[key][0]
-        if mv.tags.get("base_export.key") != self.info["key"]:
-            raise ValueError(f"adapter: {ref} (version {mv.version}) was not registered for this base "
-                             "export (its tag base_export.key differs): serve it from its own base's endpoint")
-        folder = mlflow.artifacts.download_artifacts(f"models:/{name}/{mv.version}/artifacts/{ADAPTER_ARTIFACT}")
-        with open(os.path.join(folder, "runtime_adapter.json")) as fh:
-            file = os.path.join(folder, json.load(fh)["file"])
-        self.cache[key] = (genai.Adapter(file), file)
-        while len(self.cache) > self.max_adapters:
-            self.cache.popitem(last=False)
-        if not _layers(file) <= self.covered:
-            self._compile([f for _, f in self.cache.values()])
-        return self.cache[key][0]
+        if entry.handle is None:
+            try:
+                entry.handle = (genai.Adapter(entry.file), _layers(entry.file))
+            except Exception as err:  # GenAI's error type varies: a file it cannot read
+                self.cache.evict(key)
+                raise ValueError(f"adapter: {key}: its adapter file cannot be loaded ({err})") from None
+        adapter, layers = entry.handle
+        if not layers <= self.covered:
+            check(f"compiling the base export for adapter {key}")
+            self._compile([e.file for e in self.cache.entries.values()])
+        return adapter
 
     def __call__(self, prompt: str, num_inference_steps: int, guidance_scale: float, generator: Any,
                  callback_on_step_end: Any = None, adapters: Any = (), **_: Any) -> Any:
@@ -175,8 +179,7 @@ def base_export_of(adapter_dir: str) -> tuple[str, str, str]:
 
     with open(os.path.join(adapter_dir, BASE_REF)) as fh:
         ref = json.load(fh)
-    with open(os.path.join(adapter_dir, "runtime_adapter.json")) as fh:
-        lora = os.path.join(adapter_dir, json.load(fh)["file"])
+    lora = adapter_cache.adapter_file(adapter_dir, f"adapter version {ref.get('model')}")
     uri = f"models:/{ref['model']}/{ref['version']}/artifacts"
     log.info("loading the base export %s/%s this adapter applies to", ref["model"], ref["version"])
     folder = mlflow.artifacts.download_artifacts(uri)

@@ -141,9 +141,10 @@ class DiffusionImageModel(mlflow.pyfunc.PythonModel):
         if "adapter" in artifacts and "openvino" not in artifacts:  # a run-time adapter version:
             export, pipeline, own = _genai_serving().base_export_of(artifacts["adapter"])  # its base's
             artifacts.update(openvino=export, base=pipeline)
-        path = artifacts.get("openvino")
+        path, model_config = artifacts.get("openvino"), getattr(context, "model_config", None)
         if path and _want_openvino() and os.path.isfile(os.path.join(path, "genai_base.json")):
-            pipe, backend = _genai_serving().AdapterServer(path, _runtime_config(path), own=own), "genai"
+            cache_mb = limits.serving_config(model_config)["adapter_cache_mb"]
+            pipe, backend = _genai_serving().AdapterServer(path, _runtime_config(path), cache_mb, own=own), "genai"
         elif path and _want_openvino():
             from optimum.intel import OVDiffusionPipeline
 
@@ -151,7 +152,7 @@ class DiffusionImageModel(mlflow.pyfunc.PythonModel):
         else:
             path = artifacts["finetuned"]
             pipe, backend = _diffusers_pipeline(artifacts), "diffusers"
-        self.serve(pipe, backend, getattr(context, "model_config", None))
+        self.serve(pipe, backend, model_config)
         log.info("loaded the %s pipeline from %s; a request may cost %s pixel-steps (%g images of %dx%d px "
                  "at %d steps), %d may wait, timeout %s s", backend, path, self.budget.pixel_steps,
                  self.budget.images, self.budget.height, self.budget.width, self.budget.steps,
@@ -180,11 +181,13 @@ class DiffusionImageModel(mlflow.pyfunc.PythonModel):
         deadline = None if self.timeout_s is None else time.monotonic() + self.timeout_s
         multiple = int(getattr(self.pipe, "vae_scale_factor", 8))
         prompts, settings = limits.check_request(model_input, params, multiple, self.budget, self.size)
-        settings["adapters"] = self._adapters(settings.pop(limits.ADAPTER_PARAM), settings)
+        spec = self._adapter_spec(settings.pop(limits.ADAPTER_PARAM), settings)
         seed, per_prompt = settings["seed"], settings["num_images_per_prompt"]
         rows: list[dict[str, Any]] = []
+        # adapters are looked up, downloaded and compiled in the model's turn, under the deadline
         with self.turns.turn(deadline):
             try:
+                settings["adapters"] = self._adapters(spec, deadline)
                 for k in range(len(prompts) * per_prompt):
                     rows.append(self._generate(prompts[k // per_prompt], seed + k, settings, deadline))
             except limits.PastDeadline as stop:
@@ -195,9 +198,9 @@ class DiffusionImageModel(mlflow.pyfunc.PythonModel):
                     f"{len(prompts) * per_prompt}, {stop}: lower the cost or raise the server's --timeout") from None
         return pd.DataFrame(rows, columns=["prompt", "seed", "image"])
 
-    def _adapters(self, spec: str, settings: dict[str, Any]) -> dict[str, Any]:
-        """The `adapter` param as the pipeline call's extra argument (only a base export's endpoint
-        takes one); a bad_request names the field."""
+    def _adapter_spec(self, spec: str, settings: dict[str, Any]) -> str | None:
+        """The `adapter` param checked before the queue (no look-up): None where the endpoint
+        applies no adapter or its own; a bad_request names the field."""
         if self.backend == "genai" and settings["guidance_scale"] <= 1:
             raise limits.bad_request(f"guidance_scale: {settings['guidance_scale']:g}; this base export is compiled "
                               "with classifier-free guidance: allowed above 1")
@@ -205,9 +208,26 @@ class DiffusionImageModel(mlflow.pyfunc.PythonModel):
             if spec:
                 raise limits.bad_request(f"{limits.ADAPTER_PARAM}: this endpoint serves one fine-tune; adapters are "
                                   "applied by the endpoint of their registered base export (<model>-base)")
-            return {} if self.backend != "genai" else {"adapters": [(self.pipe.own, 1.0)]}
+            return None
         try:
-            return {"adapters": self.pipe.resolve(spec)}
+            _genai_serving().parse_adapters(spec)
+        except ValueError as err:
+            raise limits.bad_request(str(err)) from None
+        return spec
+
+    def _adapters(self, spec: str | None, deadline: float | None) -> dict[str, Any]:
+        """The pipeline call's extra argument: the adapters `spec` names, looked up and downloaded
+        now (a bad_request names the field; PastDeadline past the deadline)."""
+        if self.backend != "genai":
+            return {}
+        if spec is None:
+            return {"adapters": [(self.pipe.own, 1.0)] if self.pipe.own is not None else []}
+
+        def check(what: str) -> None:
+            if deadline is not None and time.monotonic() > deadline:
+                raise limits.PastDeadline(f"before {what}")
+        try:
+            return {"adapters": self.pipe.resolve(spec, check)}
         except ValueError as err:
             raise limits.bad_request(str(err)) from None
 

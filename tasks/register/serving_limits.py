@@ -72,8 +72,9 @@ MAX_IMAGES = 16  # prompts x num_images_per_prompt in one request: bounds its ti
 DEFAULTS: dict[str, Any] = {name: s.default for name, s in SETTINGS.items()}
 #: The model's serving config (logged as its `model_config`; a served process may override a key
 #: through MLflow's MLFLOW_PYFUNC_INFERENCE_CONFIG): a request may cost at most `budget_images`
-#: images at the model's default size and steps; at most `max_waiting` requests wait for the model.
-SERVING_DEFAULTS: dict[str, Any] = {"budget_images": 4.0, "max_waiting": 4}
+#: images at the model's default size and steps; at most `max_waiting` requests wait for the model;
+#: a base export's endpoint keeps at most `adapter_cache_mb` MB of downloaded adapters on disk.
+SERVING_DEFAULTS: dict[str, Any] = {"budget_images": 4.0, "max_waiting": 4, "adapter_cache_mb": 1024.0}
 TIMEOUT_ENV = "MLFLOW_SCORING_SERVER_REQUEST_TIMEOUT"  # what `mlflow models serve --timeout` sets
 
 
@@ -179,12 +180,15 @@ def check_request(model_input: Any, params: dict[str, Any] | None, size_multiple
 def serving_config(model_config: dict[str, Any] | None) -> dict[str, Any]:
     """SERVING_DEFAULTS updated from the model's config, checked (a bad value stops the load)."""
     config = {**SERVING_DEFAULTS, **{k: v for k, v in (model_config or {}).items() if k in SERVING_DEFAULTS}}
-    budget, waiting = config["budget_images"], config["max_waiting"]
-    if isinstance(budget, bool) or not isinstance(budget, (int, float)) or not 0 < budget < math.inf:
-        raise ValueError(f"model_config budget_images: {budget!r} is not a number above 0")
+    waiting = config["max_waiting"]
+    for name in ("budget_images", "adapter_cache_mb"):
+        value = config[name]
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+            raise ValueError(f"model_config {name}: {value!r} is not a number above 0")
     if isinstance(waiting, bool) or not isinstance(waiting, int) or waiting < 0:
         raise ValueError(f"model_config max_waiting: {waiting!r} is not an integer from 0")
-    return {"budget_images": float(budget), "max_waiting": waiting}
+    return {"budget_images": float(config["budget_images"]), "max_waiting": waiting,
+            "adapter_cache_mb": float(config["adapter_cache_mb"])}
 
 def request_timeout() -> float | None:
     """The server's request timeout in seconds (`mlflow models serve --timeout`), None outside it."""

@@ -101,8 +101,14 @@ def test_a_version_for_another_base_is_refused_and_the_adapter_version_serves_al
     _register(tmp_path / "o", lora_a, other, base)
     client = mlflow.MlflowClient()
     assert len(client.search_model_versions("name='sd-test-base'")) == 2  # a second base export
+    first = mlflow.artifacts.load_dict(f"runs:/{client.get_model_version('sd-test', '1').run_id}/lineage.json")
+    assert first["base_export"] == {"key": client.get_model_version("sd-test-base", "1").tags["base_export.key"],
+                                    "model": "sd-test-base", "version": "1"}
+    # a tag is editable by anyone allowed to tag: retagged for base 1, version 2 is still refused
+    client.set_model_version_tag("sd-test", "2", "base_export.key", first["base_export"]["key"])
     served = mlflow.pyfunc.load_model("models:/sd-test-base/1")
-    with pytest.raises(MlflowException, match="adapter: sd-test/2 .*not registered for this base"):
+    with pytest.raises(MlflowException, match="adapter: sd-test/2 .*not registered for this base export "
+                                              r"\(its lineage document names base export ffffffffffff"):
         served.predict([PROMPT], params={**CALL, "adapter": "sd-test/2"})
     alone = mlflow.pyfunc.load_model("models:/sd-test/1")  # its base export, fetched from sd-test-base/1
     mine = _images(alone.predict([PROMPT], params=CALL))[0]

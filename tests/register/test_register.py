@@ -74,7 +74,7 @@ def test_cli_registers_version_with_lineage_and_both_aliases(registered: Path) -
     assert {"MLmodel", "artifacts", "code", "pyfunc_model.py"} <= files
     location = mlflow.get_logged_model(output.model_id).artifact_location
     code = {Path(f.path).name for f in mlflow.artifacts.list_artifacts(artifact_uri=f"{location}/code")}
-    assert code == {"serving_limits.py", "genai_serving.py", "pipeline_call.py"}  # what pyfunc_model.py imports
+    assert code == {"serving_limits.py", "genai_serving.py", "adapter_cache.py", "pipeline_call.py"}  # its imports
 
 
 def test_a_dora_version_says_dora_in_its_tags_and_description(project: Path) -> None:

@@ -53,9 +53,10 @@ def test_the_budget_counts_the_default_size_and_a_static_shape() -> None:
 
 def test_serving_config_fills_in_and_refuses_bad_values() -> None:
     assert serving_config(None) == SERVING_DEFAULTS
-    assert serving_config({"budget_images": 2, "other": 1}) == {"budget_images": 2.0, "max_waiting": 4}
+    assert serving_config({"budget_images": 2, "other": 1}) == {**SERVING_DEFAULTS, "budget_images": 2.0}
     for bad in ({"budget_images": 0}, {"budget_images": "4"}, {"budget_images": float("inf")},
-                {"max_waiting": -1}, {"max_waiting": 1.5}, {"max_waiting": True}):
+                {"max_waiting": -1}, {"max_waiting": 1.5}, {"max_waiting": True}, {"adapter_cache_mb": 0},
+                {"adapter_cache_mb": "1"}):
         with pytest.raises(ValueError, match=f"model_config {next(iter(bad))}"):
             serving_config(bad)
 
@@ -173,4 +174,5 @@ def test_the_register_params_defaults_are_the_models() -> None:
     from tasks.register.config import RegisterConfig
 
     cfg = RegisterConfig(model_name="m")
-    assert {"budget_images": cfg.serve_budget_images, "max_waiting": cfg.serve_max_waiting} == SERVING_DEFAULTS
+    assert {"budget_images": cfg.serve_budget_images, "max_waiting": cfg.serve_max_waiting,
+            "adapter_cache_mb": cfg.serve_adapter_cache_mb} == SERVING_DEFAULTS
