@@ -52,8 +52,12 @@ _SIGNAL_NUMBERS = frozenset(int(s) for s in signal.valid_signals())
 #: add dvc.lock", "To enable auto staging, run: dvc config core.autostage true"): the flow runs one
 #: `dvc repro` per stage, so it would come after every stage; the flow gives it once at its end
 #: (`lock_hint`), the error tail keeps it.
+#: DVC's "Use `dvc push`" after each stage is left out too: the flow pushes itself where a remote is
+#: set (flows/remote.py). DVC also warns of every empty output; ingest's list of rejected files is
+#: empty when nothing was rejected, which is no news.
 _GIT_HINT = re.compile(r"^(To track the changes with git, run:|To enable auto staging, run:|\s*git add |"
-                       r"\s*dvc config core\.autostage true$)")
+                       r"\s*dvc config core\.autostage true$|Use `dvc push` to send your updates to remote storage\.$|"
+                       r"WARNING: '[^']*_rejected\.jsonl' is empty\.$)")
 
 #: Lines of DVC's output quoted in the error when a stage fails.
 ERROR_TAIL_LINES = 40
