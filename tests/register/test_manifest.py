@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -14,58 +15,23 @@ import pytest
 
 from tasks.register import manifest, verified
 from tasks.register.registry import CHAMPION, LINEAGE_ARTIFACT, champion_of
+from tests.register.manifest_model import register_echo, verifying
 
 pytestmark = pytest.mark.quick  # make test-fast
 
 NAME = "sd-manifest"
-MODEL_CODE = """
-import mlflow
-
-class Echo(mlflow.pyfunc.PythonModel):
-    def load_context(self, context):
-        import helper
-        self.prefix = open(context.artifacts["weights"]).read().strip()
-
-    def predict(self, context, model_input: list[str], params=None) -> list[str]:
-        return [f"{self.prefix}:{x}" for x in model_input]
-
-mlflow.models.set_model(Echo())
-"""
 
 
 def register(tmp_path: Path, manifested: bool = True) -> tuple[Any, Path]:
     """Version 1 of NAME (alias champion) and the store's folder of its files."""
-    (tmp_path / "model_code.py").write_text(MODEL_CODE)
-    (tmp_path / "helper.py").write_text("VALUE = 1\n")
-    (tmp_path / "weights.safetensors").write_text("w1\n")
-    client = mlflow.MlflowClient()
-    with mlflow.start_run() as active:
-        info = mlflow.pyfunc.log_model(name="model", python_model=str(tmp_path / "model_code.py"),
-                                       artifacts={"weights": str(tmp_path / "weights.safetensors")},
-                                       code_paths=[str(tmp_path / "helper.py")], pip_requirements=[])
-    run = active.info.run_id
-    if manifested:
-        manifest.record_logged(client, run, info)
-    client.log_dict(run, {"metrics": {"dino": 0.4}, "protocol": {"id": "p1"},
-                          "model": {"name": NAME, "source": info.model_uri}}, LINEAGE_ARTIFACT)
-    client.create_registered_model(NAME)
-    mv = client.create_model_version(NAME, source=info.model_uri, run_id=run, model_id=info.model_id)
-    if manifested:
-        manifest.record_lineage(client, run, info.model_uri, LINEAGE_ARTIFACT)
-    client.set_registered_model_alias(NAME, CHAMPION, mv.version)
-    return mv, Path(client.get_logged_model(info.model_id).artifact_location.removeprefix("file://"))
+    mv, location = register_echo(tmp_path, NAME, manifested=manifested)
+    return mv, Path(location.removeprefix("file://"))
 
 
 @pytest.fixture
-def checked() -> None:
-    """`models:/` resolved by the verifying repository in this process (what the entry point does
-    where the project is installed); MLflow's own afterwards."""
-    from mlflow.store.artifact.artifact_repository_registry import _artifact_repository_registry
-    from mlflow.store.artifact.models_artifact_repo import ModelsArtifactRepository
-
-    verified.use()
-    yield
-    _artifact_repository_registry.register("models", ModelsArtifactRepository)
+def checked() -> Iterator[None]:
+    with verifying():
+        yield
 
 
 @pytest.mark.parametrize("file", ["model_code.py", "code/helper.py", "artifacts/weights.safetensors", "MLmodel"])
@@ -99,7 +65,8 @@ def test_a_removed_or_added_file_is_refused_and_so_is_a_rewritten_manifest(tmp_p
         client.log_param(mv.run_id, manifest.MANIFEST_PARAM.format(manifest.model_key(mv.source)), "0" * 64)
 
 
-def test_the_cli_refuses_to_serve_a_changed_champion(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+def test_the_cli_refuses_to_serve_a_changed_champion(tmp_path: Path, checked: None,
+                                                     capsys: pytest.CaptureFixture) -> None:
     _, store = register(tmp_path)
     (store / "model_code.py").write_text("import os  # rewritten\n")
     with pytest.raises(SystemExit) as stop:
