@@ -78,6 +78,7 @@ def _stored_tree(uri: str, work: Path) -> Path:
     repo = get_artifact_repository(uri)
     if isinstance(repo, LocalArtifactRepository):
         return Path(repo.artifact_dir)
+    work.mkdir(parents=True)
     return Path(repo.download_artifacts("", str(work)))
 
 
