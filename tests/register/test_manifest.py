@@ -45,6 +45,8 @@ def test_a_changed_file_of_the_champion_is_refused_by_name(tmp_path: Path, check
 
 def test_a_removed_or_added_file_is_refused_and_so_is_a_rewritten_manifest(tmp_path: Path, checked: None) -> None:
     mv, store = register(tmp_path)
+    copy = Path(verified.download(f"models:/{NAME}/1", str(tmp_path / "ok")))  # the re-score's download
+    assert (copy / "artifacts" / "weights.safetensors").read_text() == "w1\n"
     (store / "code" / "sitecustomize.py").write_text("import os\n")
     with pytest.raises(manifest.ManifestMismatch, match="code/sitecustomize.py was not registered"):
         mlflow.pyfunc.load_model(f"models:/{NAME}/1")
