@@ -198,12 +198,13 @@ figures: $(STAMP)
 
 # A registered version over HTTP (README "The registry"): MODEL (a models:/ URI), PORT, SERVE_ARGS
 # (more `mlflow models serve` options, e.g. --timeout 120 --workers 2). This environment's bin goes
-# on PATH: mlflow starts its scoring server by execing `uvicorn` by name.
+# on PATH: mlflow starts its scoring server by execing `uvicorn` by name. MLflow's CLI runs through
+# tasks.register.verified: the version's files are checked against its registered manifest first.
 MODEL ?= models:/sd-finetuned@champion
 PORT ?= 5001
 serve-model: $(STAMP)
 	PATH="$(CURDIR)/$(BIN):$$PATH" MLFLOW_TRACKING_URI="$${MLFLOW_TRACKING_URI:-sqlite:///$(CURDIR)/mlflow.db}" \
-	  $(BIN)/mlflow models serve -m "$(MODEL)" --env-manager local -h 127.0.0.1 -p $(PORT) $(SERVE_ARGS)
+	  $(BIN)/python -m tasks.register.verified models serve -m "$(MODEL)" --env-manager local -h 127.0.0.1 -p $(PORT) $(SERVE_ARGS)
 
 mlflow-ui: $(STAMP)
 	$(BIN)/mlflow ui --backend-store-uri sqlite:///$(CURDIR)/mlflow.db --host 127.0.0.1 --port $${MLFLOW_PORT:-5000}

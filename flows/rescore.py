@@ -73,12 +73,11 @@ def rescore(workdir: Path, model_uri: str, env: Mapping[str, str]) -> dict[str, 
     """Run the evaluate stage on the registered model `model_uri`; its report and seconds."""
     import time
 
-    import mlflow
-
     from flows.dvc_stage import stage_env
+    from tasks.register.verified import download
 
     with tempfile.TemporaryDirectory(prefix="rescore-") as tmp:
-        local = Path(mlflow.artifacts.download_artifacts(model_uri, dst_path=str(Path(tmp) / "m")))
+        local = Path(download(model_uri, str(Path(tmp) / "m")))  # checked against its manifest
         artifacts = {name: local / "artifacts" / name for name in _INPUT_ARGS.values()
                      if (local / "artifacts" / name).is_dir()}
         if "finetuned" not in artifacts:

@@ -19,6 +19,7 @@ from tasks.common.config import load_config, read_params
 from tasks.common.errors import UserError
 from tasks.common.genai import BASE_DIR, is_runtime_export
 from tasks.common.tracking import git_commit, stage_run
+from tasks.register import manifest
 from tasks.register.base_export import BASE_SUFFIX, MODEL_CODE_PATHS, find_base_version, stage_adapter, stage_base
 from tasks.register.config import RegisterConfig
 from tasks.register.diffusers_flavor import HubBase, PyfuncWithDiffusersFlavor, fits, hub_reference
@@ -151,7 +152,7 @@ def log_model(run_id: str, artifacts: dict[str, str], serving: dict[str, Any] | 
     from mlflow.models import Model
 
     log.info("logging the pyfunc model %s (artifacts %s) into run %s", name, artifacts, run_id)
-    return Model.log(
+    info = Model.log(
         artifact_path=None,
         name=name,
         code_paths=[str(p) for p in MODEL_CODE_PATHS],
@@ -165,6 +166,8 @@ def log_model(run_id: str, artifacts: dict[str, str], serving: dict[str, Any] | 
         model_config={**serving_config(serving), "pipeline_call": convention},
         metadata={"lineage": tags},
     )
+    manifest.record_logged(mlflow.MlflowClient(), run_id, info)  # before any version of it exists
+    return info
 
 
 def create_version(client: Any, model_name: str, info: Any, run_id: str, tags: dict[str, str],
@@ -251,6 +254,7 @@ def register_model(
     move = move_aliases(client, model_name, version, decision, redecide)
     if move.note:
         reason = _record_race(client, model_name, version, run_id, record, reason, move)
+    manifest.record_lineage(client, run_id, info.model_uri, LINEAGE_ARTIFACT)  # after its last write
     aliases = (CANDIDATE, CHAMPION) if move.holds else (CANDIDATE,)
     log.info("registered %s version %s with aliases %s (%s)", model_name, version, aliases, reason)
     return Registered(

@@ -41,6 +41,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from tasks.register.manifest import check_lineage
 from tasks.register.promotion import (
     METRIC_TAG,
     Champion,
@@ -67,6 +68,9 @@ def read_lineage(client: Any, version: Any) -> tuple[dict[str, Any] | None, str]
         return None, f"registered without a lineage document ({LINEAGE_ARTIFACT} is not in run {run_id})"
     with tempfile.TemporaryDirectory(prefix="lineage-") as tmp:
         path = client.download_artifacts(run_id, LINEAGE_ARTIFACT, tmp)
+        rewritten = check_lineage(client, version, Path(path))  # tasks/register/manifest.py
+        if rewritten:
+            return None, rewritten
         try:
             doc = json.loads(Path(path).read_text())
         except (OSError, ValueError) as err:

@@ -353,3 +353,46 @@ def test_a_stage_run_as_the_wrong_user_fails_before_any_work_naming_the_fix(
         done = stage(user, password)
         assert done.returncode == 2 and said in done.stderr, done.stderr[-3000:]
         assert "Traceback" not in done.stderr and not (tmp_path / "trained").exists()
+
+
+
+def test_a_champion_rewritten_through_the_artifact_proxy_is_refused_at_load_naming_the_files(
+    mlflow_on_postgres: tuple[str, Path], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """tasks/register/manifest.py on the real server, as the pipeline user: it rewrites any stored
+    file, but not the manifest's param (not even across a delete and restore)."""
+    import importlib.metadata
+
+    import mlflow
+    from mlflow.exceptions import MlflowException
+    from mlflow.store.artifact.artifact_repository_registry import _artifact_repository_registry as repos
+
+    from tasks.register.manifest import MANIFEST_PARAM, ManifestMismatch, model_key
+    from tasks.register.registry import champion_of
+    from tests.register.manifest_model import entry_point_path, register_echo, rewrite, verifying
+
+    uri, _ = mlflow_on_postgres
+    model = compose_env("mlflow-init")["REGISTERED_MODEL"]
+    pipeline = pipeline_client(uri, monkeypatch)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    mv, stored = register_echo(tmp_path, model, pipeline.create_experiment(f"manifest-{uuid.uuid4().hex[:8]}"))
+    for file in ("model_code.py", "artifacts/weights.safetensors", "MLmodel"):
+        rewrite(stored, file, b"rewritten\n", tmp_path / "rw" / file)
+    found = importlib.metadata.distributions(path=[str(entry_point_path(tmp_path))])
+    (point,) = [e for d in found for e in d.entry_points if e.group == "mlflow.artifact_repository"]
+    with verifying():  # MLflow's `models:/` resolver as pyproject's entry point gives it once installed
+        repos.register(point.name, point.load())
+        named = r"MLmodel differs [^;]+; artifacts/weights.safetensors differs [^;]+; model_code.py differs [^;]+\. The"
+        with pytest.raises(ManifestMismatch, match=rf"version {mv.version}: refusing to load it: {named}"):
+            mlflow.pyfunc.load_model(f"models:/{model}@champion")
+    pipeline.log_dict(mv.run_id, {"metrics": {"dino": 9.0}, "model": {"source": mv.source}}, "lineage.json")
+    assert "rewritten after registration" in champion_of(pipeline, mv, "dino").note
+    key = MANIFEST_PARAM.format(model_key(mv.source))
+    digest = pipeline.get_run(mv.run_id).data.params[key]
+    with pytest.raises(MlflowException, match="Changing param values is not allowed"):
+        pipeline.log_param(mv.run_id, key, "0" * 64)
+    pipeline.delete_run(mv.run_id)  # the pipeline made the experiment: it may delete its runs
+    with pytest.raises(MlflowException, match="must be in the 'active' state"):
+        pipeline.log_param(mv.run_id, key, "0" * 64)
+    pipeline.restore_run(mv.run_id)
+    assert pipeline.get_run(mv.run_id).data.params[key] == digest

@@ -14,7 +14,9 @@ import mlflow
 import pytest
 from PIL import Image
 
+from tasks.register import manifest
 from tasks.register.core import register
+from tasks.register.registry import champion_of
 from tests.conftest import REPO
 from tests.register.conftest import EVAL_FAIL, EVAL_PASS, TRAIN_REPORT
 
@@ -75,6 +77,14 @@ def test_cli_registers_version_with_lineage_and_both_aliases(registered: Path) -
     location = mlflow.get_logged_model(output.model_id).artifact_location
     code = {Path(f.path).name for f in mlflow.artifacts.list_artifacts(artifact_uri=f"{location}/code")}
     assert code == {"serving_limits.py", "genai_serving.py", "adapter_cache.py", "pipeline_call.py"}  # its imports
+    # What was registered is what loads (tasks/register/manifest.py): every stored file's SHA-256, in
+    # the run, its digest a param; lineage.json's digest a param after its last write.
+    registered = manifest.expected(client, mv.run_id, mv.source, "sd-test v1")
+    assert {"MLmodel", "pyfunc_model.py", "code/serving_limits.py", "artifacts/openvino/model_index.json",
+            "artifacts/finetuned/unet/diffusion_pytorch_model.safetensors"} <= set(registered)
+    manifest.compare(registered, Path(location.removeprefix("file://")), "", "sd-test v1")  # raises on a difference
+    assert champion_of(client, mv, "dino").score == 0.4  # lineage.json checked against its recorded digest
+    assert manifest.LINEAGE_PARAM.format(manifest.model_key(mv.source)) in run.data.params
 
 
 def test_a_dora_version_says_dora_in_its_tags_and_description(project: Path) -> None:
