@@ -144,32 +144,24 @@ def needs(host: str) -> None:
 
 
 @pytest.mark.e2e
-def test_a_stock_pip_resolves_every_pin_of_the_lock_from_pypi(tmp_path: Path) -> None:
-    """What `make install` runs first (pip -r requirements.lock), as on a fresh machine."""
-    needs("pypi.org")
-    done = stock_pip(REPO / "requirements.lock", tmp_path / "report.json")
-    assert done.returncode == 0, f"stock pip fails on requirements.lock:\n{done.stderr[-3000:]}"
-    report = json.loads((tmp_path / "report.json").read_text())["install"]
-    resolved = {canonicalize_name(item["metadata"]["name"]): item["metadata"]["version"]
-                for item in report}
-    assert resolved == pins("requirements.lock")
-    urls = [item["download_info"]["url"] for item in report]
-    assert all(url.startswith("https://files.pythonhosted.org/") for url in urls), urls
-
-
-@pytest.mark.e2e
-@pytest.mark.parametrize("lock", SIDE_LOCKS)
-def test_a_stock_uv_resolves_every_pin_of_the_side_locks_from_pypi(
-    tmp_path: Path, lock: str
-) -> None:
-    """`make side-envs` installs these with uv; with pip's dry run they would mean downloading
-    4 GB of CUDA wheels (this network's index serves no separate metadata), uv reads metadata."""
+@pytest.mark.parametrize("lock", ["requirements.lock", *SIDE_LOCKS])
+def test_a_stock_uv_resolves_every_pin_of_each_lock_from_pypi(tmp_path: Path, lock: str) -> None:
+    """`make install` and `make side-envs` install these with uv (--no-deps), as on a fresh
+    machine: no uv or pip configuration, an empty cache. uv reads wheel metadata; pip's dry run
+    would download every wheel (4 GB of CUDA packages for the side locks)."""
     needs("pypi.org")
     done = stock_uv(REPO / lock, tmp_path)
     assert done.returncode == 0, f"a stock uv cannot install {lock}:\n{done.stderr[-3000:]}"
     resolved = dict(line.split(" + ", 1)[1].split("==", 1) for line in done.stderr.splitlines()
                     if line.startswith(" + "))
     assert {canonicalize_name(k): v for k, v in resolved.items()} == pins(lock)
+
+
+def test_make_install_installs_the_locks_with_the_pinned_uv() -> None:
+    makefile = (REPO / "Makefile").read_text()
+    assert re.search(r"^UV_PIN := \$\(shell grep -E '\^uv==' requirements\.lock\)$", makefile, re.M)
+    assert "$(UV_PIP) --compile-bytecode --no-deps -r requirements.lock" in makefile
+    assert "uv" in pins("requirements.lock")
 
 
 def test_torch_is_pinned_to_pytorchs_cpu_index_only() -> None:
