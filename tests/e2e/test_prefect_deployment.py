@@ -1,5 +1,6 @@
-"""End to end with the real `prefect`: `python -m flows.serve` (server, work pool, `prefect deploy`,
-worker) on a free loopback port in a copy of the repo, then `prefect deployment run finetune/main
+"""End to end with the real `prefect`, by the README's commands (its "Orchestration: Prefect"
+block, read from README.md): `make serve` (server, work pool, `prefect deploy`, worker) on a free
+loopback port in a copy of the repo, then `.venv/bin/prefect deployment run finetune/main
 --watch`: the first run's worker is killed (SIGKILL, with everything it started) in the middle of
 `train`; serve restarts the worker and marks that run Crashed; the next run skips the finished
 stages, resumes training from the checkpoint and registers version 1. Then a run with nothing
@@ -9,9 +10,10 @@ on Ctrl-C."""
 from __future__ import annotations
 
 import json
+import os
+import shlex
 import signal
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -19,11 +21,24 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.e2e_util import QUICK_CHECKS, copy_repo, e2e_env, free_port
+from tests.e2e_util import QUICK_CHECKS, VENV_BIN, copy_repo, e2e_env, free_port
+from tests.readme_blocks import blocks
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(3600)]
 
 STAGES = ["base", "ingest", "class_images", "train", "export", "evaluate"]
+
+
+def readme_commands() -> tuple[list[str], str, list[str]]:
+    """The README's Prefect block: the serve command, the export line it says serve prints, and
+    the deployment run."""
+    block = next(b for b in blocks() if "prefect deployment run finetune/main" in b.text)
+    serve, export, run = [ln.split("#", 1)[0].strip() for ln in block.text.splitlines() if ln.strip()]
+    assert export.startswith("export PREFECT_API_URL=http://127.0.0.1:4200/api"), export
+    return shlex.split(serve), export, shlex.split(run)
+
+
+SERVE, EXPORT, RUN = readme_commands()
 
 
 class Serve:
@@ -32,7 +47,7 @@ class Serve:
     def __init__(self, root: Path, env: dict[str, str]) -> None:
         self.lines: list[str] = []
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "flows.serve"], cwd=root, env=env, text=True,
+            SERVE, cwd=root, env=env, text=True,
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
         )
         self._reader = threading.Thread(target=self._read, daemon=True)
@@ -59,15 +74,13 @@ class Serve:
 
     def interrupt(self, timeout: float = 90) -> float:
         start = time.monotonic()
-        self.proc.send_signal(signal.SIGINT)  # what Ctrl-C sends
+        os.killpg(self.proc.pid, signal.SIGINT)  # what Ctrl-C sends, to the terminal's foreground group
         self.proc.wait(timeout=timeout)
         self._reader.join(timeout=10)
         return time.monotonic() - start
 
     def kill(self) -> None:
         if self.proc.poll() is None:
-            import os
-
             os.killpg(self.proc.pid, signal.SIGKILL)
 
 
@@ -77,13 +90,15 @@ def _kill_worker_mid_train(root: Path, serve: Serve, env: dict[str, str]) -> int
     the step of that checkpoint."""
     import psutil
 
-    watch = subprocess.Popen([sys.executable, "-m", "prefect", "deployment", "run", "finetune/main", "--watch"],
+    watch = subprocess.Popen(RUN,
                              cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     deadline = time.monotonic() + 1500
     while not (checkpoints := sorted(root.glob(".cache/train/*/checkpoint-*"))):
         assert time.monotonic() < deadline and watch.poll() is None, serve.output[-5000:]
         time.sleep(0.2)
-    (worker,) = [p for p in psutil.Process(serve.proc.pid).children() if "worker" in p.cmdline()]
+    (flows_serve,) = [p for p in psutil.Process(serve.proc.pid).children(recursive=True)
+                      if "flows.serve" in p.cmdline()]  # under make
+    (worker,) = [p for p in flows_serve.children() if "worker" in p.cmdline()]
     tree = [worker, *worker.children(recursive=True)]
     assert any("tasks.train" in " ".join(p.cmdline()) for p in tree), "killed in the middle of train"
     for proc in tree:
@@ -98,7 +113,7 @@ def _deployment_run(root: Path, env: dict[str, str], name: str = "finetune/main"
                     ) -> tuple[subprocess.CompletedProcess[str], float]:
     start = time.monotonic()
     proc = subprocess.run(
-        [sys.executable, "-m", "prefect", "deployment", "run", name, "--watch"],
+        [name if arg == "finetune/main" else arg for arg in RUN],
         cwd=root, env=env, capture_output=True, text=True, timeout=3000,
     )
     return proc, time.monotonic() - start
@@ -120,6 +135,7 @@ def test_deployment_run_registers_a_model(tmp_path_factory: pytest.TempPathFacto
     import mlflow
 
     root = copy_repo(tmp_path_factory.mktemp("prefect-e2e"), params=QUICK_CHECKS)
+    (root / ".venv").symlink_to(VENV_BIN.parent)  # as make install leaves it
     port = free_port()
     uri = f"sqlite:///{root / 'mlflow.db'}"
     env = e2e_env(root, PREFECT_PORT=str(port), MLFLOW_TRACKING_URI=uri)
@@ -129,7 +145,7 @@ def test_deployment_run_registers_a_model(tmp_path_factory: pytest.TempPathFacto
     try:
         ready_s = serve.wait_for("export PREFECT_API_URL=", timeout=600)
         api = f"http://127.0.0.1:{port}/api"
-        assert f"export PREFECT_API_URL={api}" in serve.output
+        assert EXPORT.replace(":4200/", f":{port}/") in serve.output
         assert "prefect deployment run finetune/main" in serve.output
         run_env = {**env, "PREFECT_API_URL": api}
 
@@ -187,7 +203,8 @@ def test_deployment_run_registers_a_model(tmp_path_factory: pytest.TempPathFacto
         assert any(f"[{model_name} version 1](" in p and "## Gate:" in p for p in pages)
 
         stop_s = serve.interrupt()
-        assert serve.proc.returncode == 0, serve.output[-3000:]
+        # make waits for flows.serve to stop, then ends by the same SIGINT (as it does in a terminal)
+        assert serve.proc.returncode in (0, -signal.SIGINT), serve.output[-3000:]
         assert "stopped the worker and the server" in serve.output
         print(f"\nserve ready {ready_s:.1f} s; resumed deployment run {first_s:.1f} s; "
               f"second (all skipped) {second_s:.1f} s; nightly (up to date) {nightly_s:.1f} s; "
