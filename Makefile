@@ -166,6 +166,8 @@ test test-fast: export OMP_NUM_THREADS ?= 1
 # or a single-threaded tiny model: with two workers a 2-core machine was busy 73% of the run (61 CPU
 # minutes in 42), so three share the two cores; TEST_WORKERS=0 runs serially.
 TEST_WORKERS ?= 3
+# The quick tier in two (one per core): its tests are CPU-bound, a second worker cut it by a fifth.
+FAST_WORKERS ?= 2
 
 # The side environments are built first, so that tests/train/test_side_envs.py runs the XLA and
 # IPEX back ends instead of skipping; on a disk with less than SIDE_ENVS_NEED_GB free they are
@@ -182,7 +184,7 @@ test: data
 # The quick tier (modules marked `pytestmark = pytest.mark.quick`): what needs no server, launcher,
 # side environment or minutes of model work, the tier to run before every commit; make test runs it too.
 test-fast: data
-	$(BIN)/python -m pytest -m quick $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -m quick -n $(FAST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 # ruff with the rules in pyproject.toml, over the whole tree (CI runs it before the tests).
 lint: $(STAMP)
