@@ -83,6 +83,14 @@ def redact(env: Mapping[str, str]) -> dict[str, str]:
     return {k: REDACTED if looks_secret(k) else v for k, v in env.items()}
 
 
+def redact_nested(params: Mapping[str, object], parent: str = "") -> dict[str, object]:
+    """`redact_params` for nested params (dvc.lock's, a lineage document's): the secret-looking
+    entries of every `env` mapping shown as ***."""
+    return {key: (REDACTED if parent == "env" and looks_secret(str(key))
+                  else redact_nested(value, str(key)) if isinstance(value, Mapping) else value)
+            for key, value in params.items()}
+
+
 def redact_params(flat: Mapping[str, object]) -> dict[str, object]:
     """Flattened params (`train.launch.env.HF_TOKEN`) with an environment mapping's secret-looking
     entries shown as ***; every other value as it is (`train.placeholder_token` stays)."""

@@ -25,6 +25,7 @@ from typing import Any
 
 import yaml
 
+from tasks.common.credentials import redact_nested
 from tasks.common.errors import UserError
 from tasks.common.tracking import flatten
 
@@ -95,7 +96,7 @@ def read_lock(path: Path, required: tuple[str, ...] = KEY_OUTPUTS) -> Lock:
             f"{path} has no hash for {', '.join(missing)}: the stages producing them have not run; "
             "run `dvc repro` first"
         )
-    return Lock(hashes=hashes, params=params)
+    return Lock(hashes=hashes, params=redact_nested(params))  # launch.env secrets never leave
 
 
 def _set_dotted(params: dict[str, Any], key: str, value: Any) -> None:

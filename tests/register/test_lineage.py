@@ -113,3 +113,22 @@ def test_single_keys_a_stage_tracks_from_another_section_nest(tmp_path: Path) ->
     assert lock.params == {"register": {"primary_metric": "dino"}, "train": {"max_train_steps": 3},
                            "evaluate": {"clip_model": "builtin:tiny-clip", "seed": 0}}
     assert set(inputs(lock)) == {"param.train.max_train_steps", "param.evaluate.clip_model", "param.evaluate.seed"}
+
+
+def test_launch_env_secrets_from_dvc_lock_never_reach_the_lineage_or_tags(tmp_path: Path) -> None:
+    """A token put in params.yaml's train.launch.env is in dvc.lock; the lineage document, its
+    inputs (version tags) and fingerprint show *** in its place, other variables as they are."""
+    (tmp_path / "dvc.lock").write_text(
+        "schema: '2.0'\nstages:\n  train:\n    cmd: x\n    params:\n      params.yaml:\n        train:\n"
+        "          launch:\n            env:\n              HF_TOKEN: hf_planted_secret\n"
+        "              OMP_PROC_BIND: close\n")
+    lock = read_lock(tmp_path / "dvc.lock", required=())
+    assert lock.params["train"]["launch"]["env"] == {"HF_TOKEN": "***", "OMP_PROC_BIND": "close"}
+    record = lineage_record(lock, read_evaluation_pass(tmp_path), {}, None)
+    assert "hf_planted_secret" not in json.dumps(record)
+    assert record["inputs"]["param.train.launch.env.HF_TOKEN"] == "***"
+
+
+def read_evaluation_pass(tmp_path: Path):
+    (tmp_path / "evaluate.json").write_text(json.dumps(EVAL_PASS))
+    return read_evaluation(tmp_path / "evaluate.json")
