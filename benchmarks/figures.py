@@ -66,11 +66,12 @@ def measure(what: list[str], work: Path) -> dict[str, str]:
     clone = work / "clone"
     subprocess.run(["git", "clone", "-q", str(REPO), str(clone)], check=True)
     if {"install", "demo", "repro", "test-fast"} & set(what):
-        seconds, _ = timed(["make", "install"], clone)
-        figures["install"] = f"{seconds:.0f} s"
+        installed, _ = timed(["make", "install"], clone)
+        figures["install"] = f"{installed:.0f} s"
     if {"demo", "repro"} & set(what):
         seconds, _ = timed(["make", "demo"], clone)
-        figures["demo"] = f"{seconds:.0f} s"
+        whole = installed + seconds
+        figures["demo"] = f"{seconds:.0f} s (a fresh clone's `make demo`, the install included: {whole:.0f} s)"
     if "repro" in what:
         path = f"{clone / '.venv/bin'}{os.pathsep}{os.environ['PATH']}"
         seconds, _ = timed([str(clone / ".venv/bin/dvc"), "repro"], clone, {"PATH": path})
