@@ -24,7 +24,8 @@ from tasks.common.credentials import stage_environ
 from tasks.common.errors import UserError
 
 #: ran: DVC executed the command. skipped: nothing changed since dvc.lock.
-#: restored: DVC found this exact run in its run-cache and checked the outputs out instead.
+#: restored: DVC found this exact run in its run-cache and checked the outputs out instead (only
+#: without a remote: a pulling run ignores the run-cache, `repro(pull=True)`).
 #: pulled (`repro(..., pull=True)`): nothing changed but the outputs were missing here, and DVC
 #: pulled them from the remote.
 Status = Literal["ran", "skipped", "restored", "pulled"]
@@ -186,10 +187,14 @@ def repro(
 ) -> StageResult:
     """Run `dvc repro --single-item <stage>` in `root`, streaming each output line to `log`.
 
-    pull: `--pull`, with a default DVC remote (flows/remote.py): an unchanged stage whose outputs
-    are missing here gets them from the remote; a changed one pulls its missing deps and the
-    remote's run-cache, and is restored when a machine ran it with the same inputs."""
-    cmd = dvc_argv("repro", "--single-item", *(["--pull"] if pull else []), stage)
+    pull: `--pull --no-run-cache`, with a default DVC remote (flows/remote.py): an unchanged stage
+    whose outputs are missing here gets them from the remote (checked against their md5s: the
+    flow requires the remote's `verify`); a changed one pulls its missing deps and runs. The
+    remote's run-cache is never trusted: any holder of the remote's keys could push an entry
+    that restores a stage, the evaluation gate included, without running it (infra/README.md,
+    "Who can write where")."""
+    pulling = ["--pull", "--no-run-cache"] if pull else []
+    cmd = dvc_argv("repro", "--single-item", *pulling, stage)
     start = time.monotonic()
     seen: list[str] = []
     tail: deque[str] = deque(maxlen=ERROR_TAIL_LINES)

@@ -8,10 +8,14 @@ workspace is one of several machines that share data and models through it:
   another machine would not have it (the usual case: `ingest.data_dir`, which the team tracks with
   `dvc add`); and a `.dvc`-tracked folder must not hold changes its `.dvc` file does not record
   (they would train here and be missing everywhere else).
+- `check_verify`: the remote must have DVC's `verify = true`, so that every object pulled is
+  hashed again and one whose content does not match its name (rewritten on the remote by any
+  holder of its keys) is refused: the stage then runs instead.
 - `pull_sources`: the `.dvc`-tracked inputs missing here (a new clone, an empty cache) are pulled.
-  The stages' own outputs are pulled stage by stage by `dvc repro --pull` (flows/dvc_stage.py):
-  an unchanged stage's outputs come from the remote instead of being recomputed, and a stage run
-  elsewhere with the same inputs is restored from the run-cache.
+  The stages' own outputs are pulled stage by stage by `dvc repro --pull --no-run-cache`
+  (flows/dvc_stage.py): an unchanged stage's outputs (named by dvc.lock, from git) come from the
+  remote instead of being recomputed; the remote's run-cache is never used, since an entry in it
+  could restore a stage that never ran (a forged evaluation report).
 - `push`, after the stages: `dvc push --run-cache` sends every output of dvc.lock, the
   `.dvc`-tracked inputs and the run-cache, so the registered model version can name the remote
   where its data lives (tag `dvc.remote`).
@@ -38,6 +42,7 @@ REMOTE_TAG = "dvc.remote"
 class Remote:
     name: str
     url: str  # without credentials
+    verify: bool = False  # DVC's `verify`: pulled objects are hashed again
 
     def describe(self) -> str:
         """`<name> <url>`: the value of the `dvc.remote` tag."""
@@ -66,7 +71,7 @@ def default_remote(root: Path) -> Remote | None:
         if remote is None:
             raise UserError(f"{root}/.dvc/config names '{name}' as the default DVC remote, but no "
                             f"remote '{name}' is defined: `dvc remote add -d {name} <url>`")
-        return Remote(name, _without_credentials(str(remote["url"])))
+        return Remote(name, _without_credentials(str(remote["url"])), bool(remote.get("verify")))
 
 
 def _inside(path: str, folder: str) -> bool:
@@ -157,6 +162,18 @@ def check_shared(root: Path, remote: Remote, inputs: Inputs) -> None:
         )
 
 
+def check_verify(remote: Remote) -> None:
+    """Refuse a remote whose pulls are not verified: a rewritten object would be used as is."""
+    if not remote.verify:
+        raise UserError(
+            f"DVC remote '{remote.name}' ({remote.url}) does not verify what it pulls: an object "
+            "rewritten on the remote by anyone holding its keys (a forged model or evaluation "
+            "report under a genuine md5) would be used as is. Turn verification on and commit "
+            f"it: dvc remote modify {remote.name} verify true && git add .dvc/config && git "
+            "commit -m 'verify DVC pulls'"
+        )
+
+
 def pull_sources(root: Path, remote: Remote, inputs: Inputs,
                  log: Callable[[str], None] = print) -> list[str]:
     """`dvc pull` the `.dvc`-tracked inputs that are missing here; the ones pulled."""
@@ -180,6 +197,7 @@ def prepare(root: Path, log: Callable[[str], None] = print) -> Remote | None:
     remote = default_remote(root)
     if remote is None:
         return None
+    check_verify(remote)
     inputs = pipeline_inputs(root)
     check_shared(root, remote, inputs)
     if inputs.outside:

@@ -198,3 +198,31 @@ def test_each_minio_user_reaches_only_its_own_bucket() -> None:
     env = SERVICES["worker"]["environment"]
     assert env["AWS_ACCESS_KEY_ID"] == "worker" and "MINIO_ROOT" not in str(env)
     assert SERVICES["mlflow"]["environment"]["AWS_ACCESS_KEY_ID"] == "mlflow"
+
+
+def _allows(policy: dict, action: str, resource: str, user: str) -> bool:
+    """IAM-style evaluation of a policy of Allow statements: `*` matches any characters (`/` too),
+    `${aws:username}` is the caller's name."""
+    from fnmatch import fnmatchcase
+
+    return any(action in st["Action"] and any(
+        fnmatchcase(resource, r.replace("${aws:username}", user)) for r in st["Resource"])
+        for st in policy["Statement"] if st["Effect"] == "Allow")
+
+
+def test_a_laptop_key_reads_adds_objects_and_never_writes_the_run_cache() -> None:
+    """infra/README.md, "Who can write where": the `laptop-dvc` policy of the DVC bucket."""
+    import runpy
+
+    policy = runpy.run_path(str(INFRA / "minio_access.py"))["laptop_policy"]("dvc", "cache")
+    obj, runs = "arn:aws:s3:::dvc/cache/files/md5/86/266e3e", "arn:aws:s3:::dvc/cache/runs/77/7784/f695"
+    assert _allows(policy, "s3:ListBucket", "arn:aws:s3:::dvc", "alice")
+    assert _allows(policy, "s3:GetObject", runs, "alice") and _allows(policy, "s3:GetObject", obj, "alice")
+    assert _allows(policy, "s3:PutObject", obj, "alice")  # its data's `dvc push`; pulls verify it
+    assert not _allows(policy, "s3:PutObject", runs, "alice")
+    assert not _allows(policy, "s3:DeleteObject", obj, "alice")
+    assert not _allows(policy, "s3:PutObject", "arn:aws:s3:::mlflow/1/model.safetensors", "alice")
+    own, other = "arn:aws:s3:::dvc/laptops/alice/x", "arn:aws:s3:::dvc/laptops/bob/x"
+    assert _allows(policy, "s3:PutObject", own, "alice") and _allows(policy, "s3:DeleteObject", own, "alice")
+    assert not _allows(policy, "s3:PutObject", other, "alice")
+    assert not _allows(policy, "s3:DeleteObject", other, "alice")

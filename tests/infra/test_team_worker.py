@@ -101,6 +101,7 @@ def team_setup(root: Path, remote: Path) -> str:
     data_dir = yaml.safe_load((root / "params.yaml").read_text())["ingest"]["data_dir"]
     run(root, sys.executable, "-m", "dvc", "add", "-q", data_dir)
     run(root, sys.executable, "-m", "dvc", "remote", "add", "-d", "team", str(remote))
+    run(root, sys.executable, "-m", "dvc", "remote", "modify", "team", "verify", "true")
     run(root, "git", "add", "-A")
     run(root, *GIT, "commit", "-q", "-m", "team set-up")
     return name
