@@ -72,7 +72,7 @@ def test_every_marked_command_runs_as_written_in_order(walkthrough) -> None:
     assert "Data and pipelines are up to date." in status
     assert status.count("didn't change, skipping") == 6, status
     assert "Traceback" not in load, load[-3000:]
-    answer = json.loads(serve[serve.index('{"predictions"'):].splitlines()[0])
+    answer, _ = json.JSONDecoder().raw_decode(serve[serve.index('{"predictions"'):])  # curl ends no line
     assert len(answer["predictions"]) == 1 and answer["predictions"][0]["image"], serve[-2000:]
 
 
