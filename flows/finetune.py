@@ -281,8 +281,9 @@ def _run_pipeline(root: Path, workdir: Path, stages: list[str], applied: dict[st
 
 
 def _rescore_champion(root: Path, workdir: Path, parent: ParentRun) -> dict[str, Any] | None:
-    """When the champion was scored under another evaluation protocol, score it again under the
-    current one (flows/rescore.py), so promotion compares like with like."""
+    """When the champion was scored under another evaluation protocol (or its score cannot be
+    read), score it again under the current one (flows/rescore.py), so promotion compares like
+    with like; a failed re-score is handed on, and the champion holds."""
     from mlflow.exceptions import MlflowException
 
     from flows import rescore
@@ -307,9 +308,9 @@ def _rescore_champion(root: Path, workdir: Path, parent: ParentRun) -> dict[str,
     try:
         result = rescore.rescore(workdir, f"models:/{name}/{champion.version}", env)
     except UserError as err:
-        logger.warning("could not re-score the champion: %s", err)
+        logger.warning("could not re-score the champion v%s, so it holds: %s", champion.version, err)
         parent.set_tags({"champion.rescore_error": str(err)[:5000]})
-        return None
+        return {"version": str(champion.version), "error": str(err)}  # promotion fails closed
     parent.set_tags({"champion.rescored_seconds": result["seconds_total"]})
     logger.info("champion v%s re-scored in %s s", champion.version, result["seconds_total"])
     return {"version": str(champion.version), "report": result}

@@ -41,11 +41,12 @@ _OUTPUT_ARGS = ("--out", "--report", "--metrics")
 
 def needs_rescore(champion: Champion | None, report: Mapping[str, Any]) -> bool:
     """True when a champion exists and the protocol its lineage document records (None: unknown,
-    or no document) differs from the current evaluation's."""
+    or no document) differs from the current evaluation's, or its score cannot be read (without
+    one it holds: tasks/register/promotion.py)."""
     if champion is None:
         return False
     current = (report.get("protocol") or {}).get("id")
-    return bool(current) and champion.protocol != current
+    return bool(current) and (champion.protocol != current or champion.score is None)
 
 
 #: The registered model's artifacts that replace the evaluate command's inputs.

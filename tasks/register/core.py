@@ -38,6 +38,7 @@ from tasks.register.registry import (
     LINEAGE_ARTIFACT,
     Move,
     current_champion,
+    ensure_registered_model,
     move_champion,
 )
 from tasks.register.serving_limits import SETTINGS, serving_config, signature
@@ -82,23 +83,29 @@ def pip_requirements() -> list[str]:
 
 
 def _rescored(client: Any, model_name: str, champion: Champion | None,
-              rescore: dict[str, Any] | None, metric: str) -> tuple[Champion | None, str]:
+              rescore: dict[str, Any] | None, metric: str) -> tuple[Champion | None, dict[str, str]]:
     """The champion with its score under the current protocol, when the flow re-scored it
-    (`rescore`: {"version", "report"}); the new score is also tagged on the champion's version."""
+    (`rescore`: {"version", "report"}; the new score is also tagged on the champion's version),
+    or with why it could not (`rescore`: {"version", "error"}); the new version's tags saying so."""
     if champion is None or not rescore or str(rescore.get("version")) != champion.version:
-        return champion, ""
+        return champion, {}
+    if rescore.get("error"):  # the flow tried and failed: the champion keeps what it had
+        log.warning("%s v%s could not be re-scored: %s", model_name, champion.version, rescore["error"])
+        note = "; ".join(filter(None, [champion.note, f"re-scoring it failed: {rescore['error']}"]))
+        return (Champion(champion.version, champion.score, champion.protocol, note=note),
+                {"champion.rescore_error": str(rescore["error"])[:5000]})
     report = rescore["report"]
     score = report.get("metrics", {}).get(metric)
     protocol = (report.get("protocol") or {}).get("id")
     if not isinstance(score, (int, float)) or not protocol:
-        return champion, ""
+        return champion, {}
     text = (f"v{champion.version} re-scored under protocol {protocol}: {metric}={score:.6g} "
             f"(was {champion.score if champion.score is not None else 'none'} under "
             f"{champion.protocol or 'unknown'}; {report.get('seconds_total', '?')} s)")
     client.set_model_version_tag(model_name, champion.version, f"rescore.{protocol}",
                                  f"{metric}={score:.6g}")
     log.info("%s", text)
-    return Champion(champion.version, float(score), protocol, note=champion.note), text
+    return Champion(champion.version, float(score), protocol, note=champion.note), {"champion.rescored": text}
 
 
 def model_artifacts(finetuned: Path, openvino: Path, base: Path | None) -> dict[str, str]:
@@ -174,14 +181,8 @@ def create_version(client: Any, model_name: str, info: Any, run_id: str, tags: d
                    description: str) -> str:
     """The commit point of a registration: one request creates the version with its description
     and every tag, after the model files and lineage.json are stored. A server lost before it
-    leaves no version; one lost after it, a complete version that no alias points to yet."""
-    from mlflow.exceptions import MlflowException
-
-    try:
-        client.create_registered_model(model_name)
-    except MlflowException as err:
-        if err.error_code not in ("RESOURCE_ALREADY_EXISTS", "ALREADY_EXISTS"):
-            raise
+    leaves no version; one lost after it, a complete version that no alias points to yet.
+    `model_name` exists already (registry.ensure_registered_model, before any upload)."""
     mv = client.create_model_version(model_name, source=info.model_uri, run_id=run_id, tags=tags,
                                      description=description, model_id=info.model_id)
     return str(mv.version)
@@ -215,6 +216,7 @@ def register_model(
     convention = call_convention(finetuned, base, openvino)
     candidate_score(evaluation, primary_metric)  # a misnamed metric fails before anything is logged
     client = mlflow.MlflowClient()
+    ensure_registered_model(client, model_name)  # before any upload
     tags = summary_tags(lock, evaluation, git_commit, primary_metric,
                         {**train_tags(trained or {}), **(extra_tags or {})})
     tags["model.artifacts"] = "lora_adapters+base" if "base" in artifacts else "pipeline"
@@ -233,20 +235,20 @@ def register_model(
         tags["model.flavors"] = "python_function,diffusers" if hub else "python_function"
         info = log_model(run_id, artifacts, serving, tags, convention, hub=hub)
     champion = current_champion(client, model_name, primary_metric)
-    champion, rescored = _rescored(client, model_name, champion, champion_rescore, primary_metric)
+    champion, rescore_tags = _rescored(client, model_name, champion, champion_rescore, primary_metric)
     decision = decide(evaluation, primary_metric, primary_metric_goal, champion,
                       promote_uncalibrated)
     reason = decision.reason
     line = trained_line(trained) if trained else ""
     description = f"{describe(lock, evaluation, git_commit, primary_metric, line)} Champion: {reason}."
     record.update(champion=decision.tags(), model={"name": model_name, "source": info.model_uri,
-                                                   "artifacts": sorted(artifacts)})
+                                                   "run_id": run_id, "artifacts": sorted(artifacts)})
     client.log_dict(run_id, record, LINEAGE_ARTIFACT)
     tags["lineage"] = f"runs:/{run_id}/{LINEAGE_ARTIFACT}"
     tags["champion.decision"] = reason
-    if rescored:
-        tags["champion.rescored"] = rescored
+    tags.update(rescore_tags)
     version = create_version(client, model_name, info, run_id, tags, description)
+    name_the_version(client, model_name, version, run_id, record)
 
     def redecide(holder: Champion | None) -> Decision:
         return decide(evaluation, primary_metric, primary_metric_goal, holder, promote_uncalibrated)
@@ -277,6 +279,7 @@ def _base_export_version(client: Any, model_name: str, openvino: Path, work: Pat
     base_name = f"{model_name}{BASE_SUFFIX}"
     version = find_base_version(client, base_name, info["key"])
     if version is None:
+        ensure_registered_model(client, base_name)
         tags = {"base_export.key": info["key"], "base_export.fingerprint": info["base_fingerprint"],
                 "model.artifacts": "base_export"}
         logged = log_model(run_id, {"openvino": str(base_dir), "finetuned": str(base)}, serving, tags, convention,
@@ -286,6 +289,22 @@ def _base_export_version(client: Any, model_name: str, openvino: Path, work: Pat
                                  "serves its registered fine-tunes named in the `adapter` param.")
         log.info("registered the base export as %s version %s", base_name, version)
     return {"base_export.key": info["key"], "base_export.model": base_name, "base_export.version": version}
+
+
+def name_the_version(client: Any, model_name: str, version: str, run_id: str,
+                     record: dict[str, Any]) -> None:
+    """lineage.json names its version once the version exists (registry.read_lineage reads only
+    a document that does); until then no alias has moved to it."""
+    from mlflow.exceptions import MlflowException
+
+    record["model"]["version"] = version
+    try:
+        client.log_dict(run_id, record, LINEAGE_ARTIFACT)
+    except MlflowException as err:
+        raise UserError(
+            f"{model_name} version {version} is registered, but its lineage document (run {run_id}) "
+            f"does not name it yet ({err}), so it has no score that promotion would read; no alias "
+            "moved to it. Once the server answers, run again") from None
 
 
 def _record_race(client: Any, model_name: str, version: str, run_id: str,

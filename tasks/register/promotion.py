@@ -3,9 +3,10 @@
 Rule: the evaluation gate must pass, AND the candidate must beat the current champion on
 `register.primary_metric` in the direction `register.primary_metric_goal`. Strictly better: a tie
 keeps the champion (re-registering the same model does not move the alias). With no champion yet,
-passing the gate is enough. A champion without a score for the metric (registered before the
-metric existed, or under another primary metric) cannot be compared: the candidate that passed
-the gate replaces it, and the reason says so.
+passing the gate is enough. Promotion fails closed: a champion whose score cannot be read (no
+readable lineage document, one that does not name its version, no score for the metric) and that
+was not re-scored holds the alias; the reason says why (with the re-score's error when the flow
+tried one), and the way out: re-score it, or move `champion` by hand once it is checked.
 
 Scores are compared only under the same evaluation protocol (tasks/evaluate/protocol.py: the
 encoders, prompts, seeds, sizes, data, backend and precision they were measured with). A champion
@@ -105,6 +106,13 @@ def score_from_tags(tags: dict[str, str], metric: str) -> float | None:
     return value if value is not None and math.isfinite(value) else None
 
 
+def unscored(champion: Champion, metric: str, fmt: str) -> str:
+    """Why a champion without a readable score holds (fail closed), and the way out."""
+    return (f"not promoted: champion v{champion.version} holds, its {metric} score cannot be "
+            f"read or re-scored ({champion.note or 'no score'}); re-score it (the flow does when "
+            f"it can) or move the champion alias by hand once it is checked ({fmt})")
+
+
 def decide(evaluation: Evaluation, metric: str, goal: Goal, champion: Champion | None,
            promote_uncalibrated: bool = False) -> Decision:
     score = candidate_score(evaluation, metric)
@@ -124,9 +132,7 @@ def decide(evaluation: Evaluation, metric: str, goal: Goal, champion: Champion |
     elif champion is None:
         promote, reason = True, f"promoted: the gate passed and there was no champion ({fmt})"
     elif champion.score is None:
-        promote, reason = True, (
-            f"promoted: the gate passed; champion v{champion.version} has no {metric} score to "
-            f"compare ({fmt})")
+        return Decision(False, unscored(champion, metric, fmt), metric, score, champion)
     else:
         better = score > champion.score if goal == "maximize" else score < champion.score
         versus = f"{fmt} vs champion v{champion.version} {metric}={champion.score:.6g}, {goal}"

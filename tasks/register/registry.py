@@ -5,14 +5,16 @@ Where a score comes from. A version's tags (`metric.<primary>`, `protocol`, `lin
 What a version was scored at, under which protocol, and what it was built from is read from its
 lineage document instead: `lineage.json` in the version's own run (its `run_id`, fixed when the
 version is created; never the run the editable `lineage` tag names), and only when the document
-says it describes that version (`model.source`). A tag that disagrees with the document is named
-in the log and in the decision; the document wins. A version without a readable document (one
-registered before lineage.json existed, or whose document was removed or damaged) has no score:
-it is treated as a champion without a score (any candidate that passes the gate replaces it), and
-the reason says why. A re-scored champion's score counts only inside the flow run that computed
-it (flows/rescore.py hands the report to tasks/register in-process); the `rescore.<protocol>` tag
-it leaves on the champion is display only and is never read back. Changing a document takes
-write access to the run's artifacts (MLflow's experiment permission), not to the model's tags.
+names that version: its `model` section's name, version and run id (and source, when recorded)
+are the version's. A tag that disagrees with the document is named in the log and in the
+decision; the document wins. A version without a readable document (one registered before
+lineage.json existed or before it named its version, or whose document was removed, damaged or
+replaced) has no score: as champion it holds (promotion fails closed, tasks/register/promotion.py)
+until the flow re-scores it or someone moves the alias by hand, and the reason says why. A
+re-scored champion's score counts only inside the flow run that computed it (flows/rescore.py
+hands the report to tasks/register in-process); the `rescore.<protocol>` tag it leaves on the
+champion is display only and is never read back. Changing a document takes write access to the
+run's artifacts (MLflow's experiment permission), not to the model's tags.
 
 The race rule. MLflow moves an alias with no compare-and-set, so two registrations deciding
 against the same champion at once could each move it. A promoted version therefore reads
@@ -35,12 +37,14 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from tasks.common.errors import UserError
 from tasks.register.manifest import check_lineage
 from tasks.register.promotion import (
     METRIC_TAG,
@@ -57,6 +61,34 @@ LINEAGE_ARTIFACT = "lineage.json"
 CHAMPION = "champion"
 #: How many times a promoted version moves `champion` and reads it back before it gives up.
 MOVE_TRIES = 3
+
+
+def ensure_registered_model(client: Any, name: str) -> None:
+    """Registered model `name` exists, or is created here where the store has no users (a local
+    store, a server without the basic-auth app). On a server with users (an http(s) URI, the
+    client has MLFLOW_TRACKING_USERNAME) the admin's bootstrap creates it (infra/mlflow_access.py): MLflow
+    gives whoever creates a registered model MANAGE on it, deletion included."""
+    from mlflow.exceptions import MlflowException
+
+    try:
+        client.get_registered_model(name)
+        return
+    except MlflowException as err:
+        if err.error_code != "RESOURCE_DOES_NOT_EXIST":
+            raise
+    server = str(getattr(client, "tracking_uri", "")).startswith(("http://", "https://"))
+    if server and os.environ.get("MLFLOW_TRACKING_USERNAME"):
+        raise UserError(
+            f"registered model '{name}' does not exist on the tracking server, and the pipeline's "
+            "user does not create it (it would own it, deletion included): the server's admin "
+            "creates it with the pipeline's grants, `python infra/mlflow_access.py add-user "
+            f"<user> --role pipeline --model {name.removesuffix('-base')}` or `bootstrap` with "
+            "REGISTERED_MODEL set (infra/README.md, \"Users and permissions\")")
+    try:
+        client.create_registered_model(name)
+    except MlflowException as err:
+        if err.error_code not in ("RESOURCE_ALREADY_EXISTS", "ALREADY_EXISTS"):
+            raise
 
 
 def read_lineage(client: Any, version: Any) -> tuple[dict[str, Any] | None, str]:
@@ -77,11 +109,25 @@ def read_lineage(client: Any, version: Any) -> tuple[dict[str, Any] | None, str]
             return None, f"its lineage document (run {run_id}) cannot be read: {err}"
     if not isinstance(doc, dict):
         return None, f"its lineage document (run {run_id}) is not a JSON object"
-    source = (doc.get("model") or {}).get("source")
+    problem = _names_other(doc.get("model"), version, run_id)
+    return (None, problem) if problem else (doc, "")
+
+
+def _names_other(owner: Any, version: Any, run_id: str) -> str:
+    """Why the document's `model` section does not name `version` ("" when it does): its model
+    name, version and run id, and its source when recorded."""
+    if not isinstance(owner, dict) or not {"name", "version", "run_id"} <= owner.keys():
+        return (f"its lineage document (run {run_id}) does not name the version it belongs to "
+                "(model.name, model.version, model.run_id)")
+    said = (str(owner["name"]), str(owner["version"]), str(owner["run_id"]))
+    if said != (version.name, str(version.version), run_id):
+        return (f"the lineage document in run {run_id} describes {said[0]} v{said[1]} (run "
+                f"{said[2]}), not this version ({version.name} v{version.version})")
+    source = owner.get("source")
     if source is not None and source != version.source:
-        return None, (f"the lineage document in run {run_id} describes {source}, not this "
-                      f"version ({version.source})")
-    return doc, ""
+        return (f"the lineage document in run {run_id} describes {source}, not this version "
+                f"({version.source})")
+    return ""
 
 
 def _finite(value: Any) -> float | None:
@@ -110,7 +156,7 @@ def champion_of(client: Any, version: Any, metric: str) -> Champion:
     """`version` as the champion to beat: score and protocol from its lineage document."""
     doc, problem = read_lineage(client, version)
     if doc is None:
-        log.warning("%s v%s: %s; it counts as a champion without a score", version.name,
+        log.warning("%s v%s: %s; it has no score that can be read", version.name,
                     version.version, problem)
         return Champion(str(version.version), None, None, note=problem)
     score = _finite((doc.get("metrics") or {}).get(metric))

@@ -40,11 +40,13 @@ def _register(root: Path, uri: str) -> str:
         client.create_registered_model("toy")
     built_from = lineage_of_workspace(root)
     run = client.create_run(client.get_experiment_by_name("Default").experiment_id)
-    client.log_dict(run.info.run_id, {"inputs": built_from}, "lineage.json")
     tags = {"lineage.fingerprint": fingerprint(built_from), "git_commit": "x",
             "lineage": f"runs:/{run.info.run_id}/lineage.json"}
-    return client.create_model_version("toy", source=str(root / "processed"), tags=tags,
-                                       run_id=run.info.run_id).version
+    version = client.create_model_version("toy", source=str(root / "processed"), tags=tags,
+                                          run_id=run.info.run_id).version
+    owner = {"name": "toy", "version": version, "run_id": run.info.run_id}  # the document names it
+    client.log_dict(run.info.run_id, {"inputs": built_from, "model": owner}, "lineage.json")
+    return version
 
 
 def _repro(root: Path) -> None:

@@ -188,9 +188,10 @@ def test_only_if_changed_and_the_run_summary_artifact(prefect_server, toy: Path)
     client.create_registered_model("toy")
     built_from = lineage_of_workspace(toy)
     run = client.create_run(client.get_experiment_by_name("Default").experiment_id).info.run_id
-    client.log_dict(run, {"inputs": built_from}, "lineage.json")
-    client.create_model_version("toy", source=str(toy), run_id=run, tags={
-        "lineage.fingerprint": fingerprint(built_from)})
+    version = client.create_model_version("toy", source=str(toy), run_id=run, tags={
+        "lineage.fingerprint": fingerprint(built_from)}).version
+    client.log_dict(run, {"inputs": built_from, "model": {"name": "toy", "version": version,
+                                                          "run_id": run}}, "lineage.json")
     runs_before = len(mlflow.search_runs(search_all_experiments=True, output_format="list"))
 
     state = finetune_module.finetune(only_if_changed=True, return_state=True)

@@ -234,6 +234,43 @@ def start_mlflow(postgres: Postgres, home: Path, port: int,
     return proc
 
 
+def add_user(uri: str, name: str, password: str, role: str = "reader") -> str:
+    """infra/README.md's way to add a user: the admin runs mlflow_access.py, the password on
+    stdin. What it printed."""
+    admin = compose_env("mlflow-init", MLFLOW_TRACKING_URI=uri)
+    done = subprocess.run([sys.executable, str(INFRA / "mlflow_access.py"), "add-user", name,
+                           "--role", role], input=password + "\n", env=e2e_env(REPO, **admin),
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and f"created as {role}" in done.stdout, done.stderr[-2000:]
+    return done.stdout
+
+
+def login(monkeypatch: pytest.MonkeyPatch, user: str, password: str) -> None:
+    """MLflow's clients in this process act as `user` from now on, for this test only (MLflow
+    reads the credentials from the environment when a request is made)."""
+    monkeypatch.setenv("MLFLOW_TRACKING_USERNAME", user)
+    monkeypatch.setenv("MLFLOW_TRACKING_PASSWORD", password)
+
+
+def access_tool(monkeypatch: pytest.MonkeyPatch, uri: str, *argv: str, stdin: str = "") -> str:
+    """infra/mlflow_access.py's main(argv) in this process (no interpreter start), as compose's
+    mlflow-init runs it: the admin's credentials, `stdin` for a password. What it printed."""
+    import contextlib
+    import importlib.util
+    import io
+
+    for key, value in compose_env("mlflow-init", MLFLOW_TRACKING_URI=uri).items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setattr(sys, "stdin", io.StringIO(stdin))
+    spec = importlib.util.spec_from_file_location("mlflow_access", INFRA / "mlflow_access.py")
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        tool.main(list(argv))
+    return out.getvalue()
+
+
 def pipeline_client(uri: str, monkeypatch: pytest.MonkeyPatch) -> Any:
     """An MlflowClient authenticated as the pipeline (MLflow reads the credentials from the
     environment when a request is made; set for this test only)."""

@@ -18,6 +18,7 @@ import sys
 import time
 import uuid
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -26,11 +27,13 @@ from tests.conftest import REPO
 from tests.e2e_util import e2e_env, free_port, stop_process_group
 from tests.infra.stack import (
     COMPOSE,
-    INFRA,
     NO_POSTGRES,
     Postgres,
+    access_tool,
+    add_user,
     compose_env,
     debian_postgres_bin,
+    login,
     needs_psycopg2,
     pipeline_client,
     pipeline_credentials,
@@ -217,15 +220,6 @@ def _status(method: str, url: str, auth: tuple[str, str] | None = None, **kwargs
     return requests.request(method, url, auth=auth, timeout=30, **kwargs).status_code
 
 
-def add_reader(uri: str, name: str, password: str) -> None:
-    """infra/README.md's way to add a user: the admin runs mlflow_access.py, the password on stdin."""
-    admin = compose_env("mlflow-init", MLFLOW_TRACKING_URI=uri)
-    done = subprocess.run([sys.executable, str(INFRA / "mlflow_access.py"), "add-user", name],
-                          input=password + "\n", env=e2e_env(REPO, **admin), capture_output=True,
-                          text=True, timeout=120)
-    assert done.returncode == 0 and "created as reader" in done.stdout, done.stderr[-2000:]
-
-
 def test_mlflow_lets_in_only_the_pipeline_to_write_its_model(
     mlflow_on_postgres: tuple[str, Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -233,7 +227,7 @@ def test_mlflow_lets_in_only_the_pipeline_to_write_its_model(
     uri, _ = mlflow_on_postgres
     model = compose_env("mlflow-init")["REGISTERED_MODEL"]
     reader = ("alice", f"reader/{uuid.uuid4().hex}")
-    add_reader(uri, *reader)
+    add_user(uri, *reader)
     pipeline = pipeline_client(uri, monkeypatch)
     run = pipeline.create_run(pipeline.create_experiment(f"doors-{uuid.uuid4().hex[:8]}"))
     source = f"{run.info.artifact_uri}/model"
@@ -271,6 +265,64 @@ def test_mlflow_lets_in_only_the_pipeline_to_write_its_model(
     method, path, kwargs = writes["delete a version"]
     assert _status(method, api + path, pipeline_auth, **kwargs) == 403
     assert pipeline.get_model_version_by_alias(model, "champion").version == v1.version
+
+
+def test_bootstrap_owns_what_the_pipeline_writes_to_and_the_pipeline_deletes_nothing(
+    mlflow_on_postgres: tuple[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The fixture ran compose's mlflow-init (bootstrap): the admin made the `finetune` experiment,
+    `<model>` and `<model>-base`, so a reader cannot create them first (and own them); the
+    pipeline, EDIT on each, creates runs and registers versions there but deletes nothing."""
+    import mlflow
+    from mlflow.exceptions import MlflowException
+    from mlflow.server import get_app_client
+
+    from tasks.common.errors import UserError
+    from tasks.register.core import create_version
+    from tasks.register.registry import ensure_registered_model
+
+    uri, _ = mlflow_on_postgres
+    model = compose_env("mlflow-init")["REGISTERED_MODEL"]
+    names, client = [model, f"{model}-base"], mlflow.MlflowClient(uri)
+    reader = ("carol", f"reader/{uuid.uuid4().hex}")
+    access_tool(monkeypatch, uri, "add-user", reader[0], stdin=reader[1])
+    assert "EDIT on experiment 'finetune'" in access_tool(
+        monkeypatch, uri, "add-user", "ci", "--role", "pipeline", stdin=uuid.uuid4().hex)
+    login(monkeypatch, *reader)
+    for create, name in [(client.create_experiment, "finetune"),
+                         *((client.create_registered_model, n) for n in names)]:
+        with pytest.raises(MlflowException) as taken:
+            create(name)
+        assert taken.value.error_code == "RESOURCE_ALREADY_EXISTS", name
+    experiment = client.get_experiment_by_name("finetune").experiment_id
+    with pytest.raises(MlflowException, match="403"):
+        client.create_run(experiment)
+
+    login(monkeypatch, "pipeline", pipeline_credentials()["MLFLOW_TRACKING_PASSWORD"])
+    run = client.create_run(experiment)  # EDIT on the experiment creates runs in it
+    logged = SimpleNamespace(model_uri=f"{run.info.artifact_uri}/model", model_id=None)
+    versions = [create_version(client, n, logged, run.info.run_id, {"gate": "passed"}, "test")
+                for n in names if ensure_registered_model(client, n) is None]
+    client.set_registered_model_alias(model, "champion", versions[0])
+    for delete, args in [(client.delete_model_version, (names[1], versions[1])),
+                         (client.delete_registered_model, (names[1],)),
+                         (client.delete_run, (run.info.run_id,)),
+                         (client.delete_experiment, (experiment,))]:
+        with pytest.raises(MlflowException, match="403"):
+            delete(*args)
+    with pytest.raises(UserError, match="'elsewhere' does not exist on the tracking server"):
+        ensure_registered_model(client, "elsewhere")  # it would be the pipeline's to delete
+
+    access = get_app_client("basic-auth", tracking_uri=uri)
+    login(monkeypatch, "admin", compose_env("mlflow-init")["MLFLOW_TRACKING_PASSWORD"])
+    access.revoke_user_permission("pipeline", "registered_model", names[1])
+    access.grant_user_permission("pipeline", "registered_model", names[1], "MANAGE")
+    assert f"EDIT (lowered from MANAGE) on registered model '{names[1]}'" in access_tool(
+        monkeypatch, uri, "bootstrap")
+    resources = [("experiment", experiment), *(("registered_model", n) for n in names)]
+    held = {user: {access.get_user_permission(user, *r).permission for r in resources}
+            for user in ("pipeline", "ci", "carol")}
+    assert held == {"pipeline": {"EDIT"}, "ci": {"EDIT"}, "carol": {"READ"}}
 
 
 def test_prefect_refuses_requests_without_the_auth_string_or_a_csrf_token(
@@ -328,7 +380,7 @@ def test_a_stage_run_as_the_wrong_user_fails_before_any_work_naming_the_fix(
 ) -> None:
     uri, _ = mlflow_on_postgres
     reader = ("bob", f"reader/{uuid.uuid4().hex}")
-    add_reader(uri, *reader)
+    add_user(uri, *reader)
     (tmp_path / "stage.py").write_text(OWN_STAGE)
     pipeline = pipeline_credentials()
 

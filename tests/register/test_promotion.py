@@ -40,10 +40,29 @@ def test_candidate_must_strictly_beat_the_champion(score: float, goal: str, prom
     assert tags["champion.primary_metric"] == "dino"
 
 
-def test_champion_without_a_score_is_replaced_and_the_reason_says_so() -> None:
-    d = decide(_ev(0.2), "dino", "maximize", Champion("2", None))
-    assert d.promote and "champion v2 has no dino score to compare" in d.reason
+def test_champion_without_a_score_holds_and_the_reason_says_why() -> None:
+    """Fail closed: a champion whose score cannot be read is not replaced, however good the
+    candidate; the reason names the problem and the way out."""
+    d = decide(_ev(0.99), "dino", "maximize", Champion("2", None, note="its lineage document is gone"))
+    assert not d.promote and d.reason == (
+        "not promoted: champion v2 holds, its dino score cannot be read or re-scored (its lineage "
+        "document is gone); re-score it (the flow does when it can) or move the champion alias by "
+        "hand once it is checked (dino=0.99)")
     assert d.tags()["champion.previous_score"] == "none"
+    assert d.tags()["champion.previous_note"] == "its lineage document is gone"
+
+
+def test_a_champion_whose_rescore_failed_holds_and_the_candidate_records_why() -> None:
+    """The flow could not re-score an unscored champion (flows/finetune.py hands the error on):
+    the decision and the candidate's tag `champion.rescore_error` say so."""
+    from tasks.register.core import _rescored
+
+    unread = Champion("2", None, note="registered without a lineage document")
+    champion, tags = _rescored(None, "sd", unread, {"version": "2", "error": "no openvino/ in v2"}, "dino")
+    assert tags == {"champion.rescore_error": "no openvino/ in v2"}
+    d = decide(_ev(0.99), "dino", "maximize", champion)
+    assert not d.promote and ("(registered without a lineage document; re-scoring it failed: no "
+                              "openvino/ in v2)") in d.reason
 
 
 def test_unknown_primary_metric_names_the_key_and_the_choices() -> None:

@@ -65,8 +65,8 @@ def test_cli_registers_version_with_lineage_and_both_aliases(registered: Path) -
     assert lineage["params"]["register"]["model_name"] == "sd-test"
     assert lineage["metrics"]["clip_t"] == 0.21 and lineage["gate"]["passed"] is True
     assert lineage["champion"]["champion.promoted"] == "true"
-    assert lineage["model"] == {"name": "sd-test", "source": mv.source,
-                                "artifacts": ["finetuned", "openvino"]}
+    assert lineage["model"] == {"name": "sd-test", "version": "1", "run_id": mv.run_id,  # names its version
+                                "source": mv.source, "artifacts": ["finetuned", "openvino"]}
     # The CLI logs into a run of its own, named after it.
     run = client.get_run(mv.run_id)
     assert run.info.run_name == "register" and run.info.status == "FINISHED"

@@ -24,12 +24,13 @@ def _version(client: Any, tmp_path: Path, dino: float | None, protocol: str = "p
     """A version whose run holds lineage.json with `dino` (None: a run without the document)."""
     run = client.create_run(client.get_experiment_by_name("Default").experiment_id).info.run_id
     source = str(tmp_path / run)
-    if dino is not None:
-        client.log_dict(run, {"metrics": {"dino": dino}, "protocol": {"id": protocol},
-                              "model": {"name": NAME, "source": source}}, "lineage.json")
     if not client.search_registered_models(f"name='{NAME}'"):
         client.create_registered_model(NAME)
-    return str(client.create_model_version(NAME, source=source, run_id=run, tags=tags or {}).version)
+    version = str(client.create_model_version(NAME, source=source, run_id=run, tags=tags or {}).version)
+    if dino is not None:
+        client.log_dict(run, {"metrics": {"dino": dino}, "protocol": {"id": protocol}, "model": {
+            "name": NAME, "version": version, "run_id": run, "source": source}}, "lineage.json")
+    return version
 
 
 def _challenger(dino: float):
@@ -67,32 +68,49 @@ def test_the_champions_score_comes_from_its_lineage_document(tmp_path: Path) -> 
     assert decision.tags()["champion.previous_note"] == champion.note
 
 
-def test_a_champion_without_a_lineage_document_has_no_score(tmp_path: Path) -> None:
+def test_a_champion_without_a_lineage_document_holds(tmp_path: Path) -> None:
+    """Fail closed: a champion whose score cannot be read is not replaced by a candidate that
+    passed the gate; the reason says why and the way out."""
     client = mlflow.MlflowClient()
     v1 = _version(client, tmp_path, None, tags={"metric.dino": "99.0"})
     client.set_registered_model_alias(NAME, CHAMPION, v1)
     champion = current_champion(client, NAME, "dino")
     run_id = client.get_model_version(NAME, v1).run_id
     assert (champion.score, champion.protocol) == (None, None)
-    decision = _challenger(0.1)(champion)
-    assert decision.promote and decision.reason == (
-        "promoted: the gate passed; champion v1 has no dino score to compare (dino=0.1); champion "
-        f"v1: registered without a lineage document (lineage.json is not in run {run_id})")
+    decision = _challenger(0.9)(champion)
+    assert not decision.promote and decision.reason == (
+        "not promoted: champion v1 holds, its dino score cannot be read or re-scored (registered "
+        f"without a lineage document (lineage.json is not in run {run_id})); re-score it (the flow "
+        "does when it can) or move the champion alias by hand once it is checked (dino=0.9)")
+    assert decision.tags()["champion.promoted"] == "false"
 
 
-def test_a_lineage_document_of_another_model_is_not_the_champions(tmp_path: Path) -> None:
-    """The document names the model it describes: one logged for another version does not score
-    this one."""
+def test_a_lineage_document_must_name_the_version_it_belongs_to(tmp_path: Path) -> None:
+    """A forged document that names no version (`{"metrics": {"dino": 99}}`), one of another
+    version of the same run's model, or of another model's source, scores nothing: the champion
+    has no score (and holds, above)."""
     client = mlflow.MlflowClient()
-    v1 = _version(client, tmp_path, 0.9)
+    v1, v2 = _version(client, tmp_path, 0.9), _version(client, tmp_path, 0.2)
     mv = client.get_model_version(NAME, v1)
-    client.log_dict(mv.run_id, {"metrics": {"dino": 0.9}, "model": {"source": "models:/m-other"}},
-                    "lineage.json")
+    v2_run = client.get_model_version(NAME, v2).run_id
     client.set_registered_model_alias(NAME, CHAMPION, v1)
-    champion = current_champion(client, NAME, "dino")
-    assert champion.score is None
-    assert champion.note == (f"the lineage document in run {mv.run_id} describes models:/m-other, "
-                             f"not this version ({mv.source})")
+    owner = {"name": NAME, "version": v1, "run_id": mv.run_id}
+    for doc, why in [
+        ({"metrics": {"dino": 99}}, f"its lineage document (run {mv.run_id}) does not name the version it "
+                                    "belongs to (model.name, model.version, model.run_id)"),
+        ({"model": {**owner, "version": v2}}, f"the lineage document in run {mv.run_id} describes "
+                                              f"{NAME} v{v2} (run {mv.run_id}), not this version ({NAME} v{v1})"),
+        ({"model": {**owner, "run_id": v2_run}}, f"the lineage document in run {mv.run_id} describes "
+                                                 f"{NAME} v{v1} (run {v2_run}), not this version ({NAME} v{v1})"),
+        ({"model": {**owner, "source": "models:/m-other"}},
+         f"the lineage document in run {mv.run_id} describes models:/m-other, not this version ({mv.source})"),
+    ]:
+        client.log_dict(mv.run_id, {"metrics": {"dino": 99.0}, "protocol": {"id": "p1"}, **doc}, "lineage.json")
+        champion = current_champion(client, NAME, "dino")
+        assert (champion.score, champion.note) == (None, why)
+    client.log_dict(mv.run_id, {"metrics": {"dino": 0.9}, "protocol": {"id": "p1"}, "model": owner},
+                    "lineage.json")
+    assert current_champion(client, NAME, "dino") == Champion(v1, 0.9, "p1")
 
 
 class RacingClient(mlflow.MlflowClient):
