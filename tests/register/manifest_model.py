@@ -47,11 +47,11 @@ def register_echo(tmp_path: Path, name: str, experiment_id: str | None = None,
     run = active.info.run_id
     if manifested:
         manifest.record_logged(client, run, info)
-    client.log_dict(run, {"metrics": {"dino": 0.4}, "protocol": {"id": "p1"},
-                          "model": {"name": name, "source": info.model_uri}}, LINEAGE_ARTIFACT)
     if not client.search_registered_models(f"name='{name}'"):
         client.create_registered_model(name)
     mv = client.create_model_version(name, source=info.model_uri, run_id=run, model_id=info.model_id)
+    owner = {"name": name, "version": str(mv.version), "run_id": run, "source": info.model_uri}
+    client.log_dict(run, {"metrics": {"dino": 0.4}, "protocol": {"id": "p1"}, "model": owner}, LINEAGE_ARTIFACT)
     if manifested:
         manifest.record_lineage(client, run, info.model_uri, LINEAGE_ARTIFACT)
     client.set_registered_model_alias(name, CHAMPION, mv.version)
