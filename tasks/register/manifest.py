@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from tasks.common.errors import UserError
+from tasks.common.fingerprint import sha256_file
 
 log = logging.getLogger(__name__)
 
@@ -39,19 +40,10 @@ MANIFEST_DIR = "manifests"
 REQUIRE_ENV = "FINETUNE_REQUIRE_MANIFEST"
 #: Written by MLflow itself into a downloaded registered model's root (name and version), every load.
 MLFLOW_META = "registered_model_meta"
-_CHUNK = 1 << 20
 
 
 class ManifestMismatch(UserError):
     """A registered model's stored files differ from what was registered."""
-
-
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        while chunk := fh.read(_CHUNK):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def digest_tree(root: Path) -> dict[str, str]:
