@@ -30,6 +30,12 @@ CONFIG_RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "offload_ema": (lambda c: c.use_ema, "needs use_ema: true"),
     "prior_loss_weight": (lambda c: c.with_prior_preservation, "needs with_prior_preservation: true"),
     "validation_steps": (lambda c: c.num_validation_images > 0, "needs num_validation_images > 0"),
+    **dict.fromkeys(("prodigy_beta3", "prodigy_decouple", "prodigy_use_bias_correction", "prodigy_safeguard_warmup"),
+                    (lambda c: c.optimizer == "prodigy", "only optimizer: prodigy reads it")),
+    **dict.fromkeys(("adam_beta1", "adam_beta2"), (lambda c: c.optimizer != "adafactor",
+                                                   "optimizer: adafactor has no betas (its beta2 follows the step)")),
+    "adam_epsilon": (lambda c: c.optimizer not in ("adafactor", "lion"),
+                     "optimizer: adafactor and lion have no epsilon"),
 }
 
 #: flow-matching keys that only one weighting scheme reads
