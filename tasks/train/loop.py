@@ -41,7 +41,7 @@ from tasks.train.data import EpochSampler
 from tasks.train.ema import Ema
 from tasks.train.interrupts import StopFlag, TrainingInterrupted, stop_on_signals
 from tasks.train.methods.base import TrainingMethod
-from tasks.train.optim import make_lr_scheduler, make_optimizer, weight_dtype
+from tasks.train.optim import evaluating, make_lr_scheduler, make_optimizer, set_training, weight_dtype
 from tasks.train.selection import CheckpointJudge, WeightsAnchor
 from tasks.train.steplog import Callback, RngSnapshot, StepLog, peak_memory_mb
 
@@ -220,6 +220,7 @@ class _Loop:
         register_weight_hooks(accelerator, {n: modules[n] for n in self.trainable})
         if resume_from is not None and self.checkpoints is not None:
             self._resume(resume_from)
+        set_training(self.optimizer, True)  # schedule-free: the training point (a checkpoint holds it)
         self.pending = _Step()
         self.snapshot = RngSnapshot.take(accelerator)
 
@@ -328,7 +329,7 @@ class _Loop:
             _check_weights(self.params, state.step, float(self.lr), checkpoints)  # only good ones are saved
         if self.validate is not None and (cfg.validation_steps and state.step % cfg.validation_steps == 0
                                           or checkpoint_now and judge is not None):
-            with self.ema.swapped_in() if self.ema is not None else nullcontext():
+            with evaluating(self.optimizer), self.ema.swapped_in() if self.ema is not None else nullcontext():
                 entry.validation = self.validate(state.step, self.live)
         if checkpoint_now:
             if judge is not None:  # scored before saving: kept in it
@@ -363,6 +364,7 @@ class _Loop:
 
     def finish(self, start: float) -> LoopResult:
         self.accelerator.wait_for_everyone()
+        set_training(self.optimizer, False)  # schedule-free: the averaged weights are the output
         trained = {n: self.accelerator.unwrap_model(m) for n, m in self.wrapped.items()}
         self.backend.finish(trained)
         return LoopResult(self.history, self.state, time.perf_counter() - start, self.run_images, trained,

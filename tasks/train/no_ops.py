@@ -30,10 +30,17 @@ CONFIG_RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "offload_ema": (lambda c: c.use_ema, "needs use_ema: true"),
     "prior_loss_weight": (lambda c: c.with_prior_preservation, "needs with_prior_preservation: true"),
     "validation_steps": (lambda c: c.num_validation_images > 0, "needs num_validation_images > 0"),
+    **dict.fromkeys(("prodigy_beta3", "prodigy_decouple", "prodigy_use_bias_correction", "prodigy_safeguard_warmup"),
+                    (lambda c: c.optimizer == "prodigy", "only optimizer: prodigy reads it")),
+    **dict.fromkeys(("adam_beta1", "adam_beta2"), (lambda c: c.optimizer != "adafactor",
+                                                   "optimizer: adafactor has no betas (its beta2 follows the step)")),
+    "adam_epsilon": (lambda c: c.optimizer not in ("adafactor", "lion"),
+                     "optimizer: adafactor and lion have no epsilon"),
 }
 
-#: flow-matching keys that only one weighting scheme reads
-SCHEME_KEYS = {"logit_mean": "logit_normal", "logit_std": "logit_normal", "mode_scale": "mode"}
+#: flow-matching keys that only one timestep density reads
+DENSITY_KEYS = {"logit_mean": "logit_normal", "logit_std": "logit_normal", "mode_scale": "mode",
+                "sigmoid_scale": "sigmoid"}
 
 
 def _set_away_from_default(cfg: Any, key: str) -> bool:
@@ -48,14 +55,22 @@ def config_no_ops(cfg: Any) -> list[str]:
 
 
 def family_no_ops(cfg: Any, family: Any) -> list[str]:
-    """Weighting-scheme keys the family's scheme (the config's, else the family's own) never reads."""
+    """Density keys the timestep density never reads: `timestep_sampling`'s, else the weighting
+    scheme's (the config's, else the family's own; sigma_sqrt, cosmap and none draw uniformly)."""
     own = family.objective_options()  # the objective's settings where the config leaves them null
     if "weighting_scheme" not in own:
         return []  # an objective without schemes: the family's refused_options name these keys
     scheme = cfg.weighting_scheme or own["weighting_scheme"]
-    return [f"train.{key} is set, but only weighting_scheme: {needs} reads it ({family.title} trains with "
-            f"{scheme!r}{'' if cfg.weighting_scheme else ', its default'}); remove it or set weighting_scheme: {needs}"
-            for key, needs in SCHEME_KEYS.items() if _set_away_from_default(cfg, key) and scheme != needs]
+    if cfg.timestep_sampling:
+        density, source = cfg.timestep_sampling, f"timestep_sampling: {cfg.timestep_sampling}"
+    else:
+        density = scheme if scheme in ("logit_normal", "mode") else "uniform"
+        source = f"weighting_scheme {scheme!r}{'' if cfg.weighting_scheme else ', its default'}"
+    return [f"train.{key} is set, but only a {needs} timestep density reads it ({family.title} samples with "
+            f"{source}); remove it or set timestep_sampling: {needs}" if needs != "mode" else
+            f"train.{key} is set, but only weighting_scheme: mode reads it ({family.title} samples with {source}); "
+            "remove it or set weighting_scheme: mode"
+            for key, needs in DENSITY_KEYS.items() if _set_away_from_default(cfg, key) and density != needs]
 
 
 def data_no_ops(cfg: Any, sizes: Sequence[tuple[int, int]], tags_present: bool, captions_used: bool) -> list[str]:

@@ -9,12 +9,18 @@ the denoiser's prediction.
   timesteps and sigmas of the base's FlowMatchEulerDiscreteScheduler at index u x 1000,
   x_t = (1 - sigma) x_0 + sigma noise, target noise - x_0, loss weighted by
   `compute_loss_weighting_for_sd3(weighting_scheme, sigma)`.
+  `timestep_sampling` (uniform, sigmoid, logit_normal: ai-toolkit's, SimpleTuner's and kohya's
+  names) replaces the scheme's density; `timestep_shift` replaces the base scheduler's shift:
+  sigma = e^mu / (e^mu + 1/t - 1) on the unshifted grid t, with mu = log(shift), or for `auto`
+  FLUX's `calculate_shift` of the image's token count (diffusers' FlowMatchEulerDiscreteScheduler
+  `time_shift`, exponential), so larger images train at noisier levels.
 
 Both draw every random number per batch row from the row's own generator (`RowRandom`), so a row's
 noise does not depend on the batch it is in, the rank or the step it resumes from.
 """
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -46,19 +52,45 @@ class FlowMatching:
         from diffusers.training_utils import compute_density_for_timestep_sampling
 
         cfg = self.cfg
-        kwargs = dict(logit_mean=cfg.logit_mean, logit_std=cfg.logit_std, mode_scale=cfg.mode_scale)
+        scheme, mean, std = self.scheme, cfg.logit_mean, cfg.logit_std
+        if cfg.timestep_sampling is not None:  # sigmoid(scale N(0, 1)) is logit-normal with mean 0, std scale
+            scheme = {"uniform": "none", "logit_normal": "logit_normal", "sigmoid": "logit_normal"}[
+                cfg.timestep_sampling]
+            mean, std = (0.0, cfg.sigmoid_scale) if cfg.timestep_sampling == "sigmoid" else (mean, std)
+        kwargs = dict(logit_mean=mean, logit_std=std, mode_scale=cfg.mode_scale)
         if rand is None:
-            return compute_density_for_timestep_sampling(self.scheme, n, **kwargs)
-        return torch.cat([compute_density_for_timestep_sampling(self.scheme, 1, generator=g, **kwargs)
+            return compute_density_for_timestep_sampling(scheme, n, **kwargs)
+        return torch.cat([compute_density_for_timestep_sampling(scheme, 1, generator=g, **kwargs)
                           for g in rand.generators])
+
+    def sigmas(self, u: torch.Tensor, latent_hw: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Timesteps and sigmas for draws `u` in [0, 1): the base scheduler's (its shift), or with
+        `timestep_shift` the unshifted grid shifted by it (`auto`: by the latents' token count)."""
+        steps = self.scheduler.config.num_train_timesteps
+        indices = (u * steps).long().clamp(max=steps - 1)
+        if self.cfg.timestep_shift is None:
+            return self.scheduler.timesteps[indices], self.scheduler.sigmas[indices]
+        unshifted = 1.0 - indices.double() / steps  # the scheduler's grid with shift 1
+        mu = self._mu(latent_hw)
+        sigmas = (math.exp(mu) / (math.exp(mu) + 1.0 / unshifted - 1.0)).float()
+        return sigmas * steps, sigmas
+
+    def _mu(self, latent_hw: tuple[int, int]) -> float:
+        shift = self.cfg.timestep_shift
+        if shift != "auto":
+            return math.log(float(shift))
+        from diffusers.pipelines.flux.pipeline_flux import calculate_shift
+
+        config = self.scheduler.config
+        tokens = (latent_hw[0] // 2) * (latent_hw[1] // 2)  # 2x2 latent patches (SD3, FLUX's packing)
+        return calculate_shift(tokens, config.base_image_seq_len, config.max_image_seq_len, config.base_shift,
+                               config.max_shift)
 
     def noise(self, latents: torch.Tensor, rand: RowRandom | None) -> NoisedBatch:
         n = latents.shape[0]
-        steps = self.scheduler.config.num_train_timesteps
-        indices = (self._u(n, rand) * steps).long().clamp(max=steps - 1)
-        timesteps = self.scheduler.timesteps[indices].to(latents.device)
-        sigmas = self.scheduler.sigmas[indices].to(latents.device, latents.dtype)
-        sigmas = sigmas.reshape(n, *([1] * (latents.ndim - 1)))
+        timesteps, sigmas = self.sigmas(self._u(n, rand), tuple(latents.shape[-2:]))
+        timesteps = timesteps.to(latents.device)
+        sigmas = sigmas.to(latents.device, latents.dtype).reshape(n, *([1] * (latents.ndim - 1)))
         noise = (rand.randn(tuple(latents.shape[1:]), latents.device, latents.dtype) if rand is not None
                  else torch.randn_like(latents))
         noisy = (1.0 - sigmas) * latents + sigmas * noise

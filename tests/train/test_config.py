@@ -84,6 +84,36 @@ def test_other_bad_settings_name_key_and_fix(tmp_path) -> None:
             load(use_8bit_adam=True)
 
 
+@pytest.mark.parametrize("setting, says", [
+    (dict(optimizer="lion", use_8bit_adam=True), "use_8bit_adam makes AdamW 8-bit, but optimizer is lion"),
+    (dict(method="full", mixed_precision="bf16", full_bf16=True, optimizer="prodigy"),
+     "full_bf16 updates bf16 weights with its own AdamW.*optimizer: prodigy .*set full_bf16: false"),
+    (dict(method="full", mixed_precision="bf16", full_bf16=True, use_8bit_adam=True), "full_bf16 .*use_8bit_adam"),
+    (dict(optimizer="schedulefree_adamw", use_ema=True), "optimizer: schedulefree_adamw .*set use_ema: false"),
+    (dict(optimizer="schedulefree_adamw", lr_scheduler="cosine"), "schedulefree_adamw .*set lr_scheduler: constant"),
+    (dict(optimizer="schedulefree_adamw", select_checkpoint="best", num_validation_images=1),
+     "schedulefree_adamw .*set select_checkpoint: last"),
+    (dict(prodigy_beta3=0.9), "prodigy_beta3 .* only optimizer: prodigy reads it"),
+    (dict(optimizer="lion", prodigy_decouple=False), "prodigy_decouple .* only optimizer: prodigy"),
+    (dict(optimizer="adafactor", adam_beta1=0.8), "adam_beta1 .* adafactor has no betas"),
+    (dict(optimizer="lion", adam_epsilon=1e-6), "adam_epsilon .* lion have no epsilon"),
+    (dict(optimizer="sgd"), r"train\.optimizer"),
+])
+def test_an_optimizer_that_cannot_work_is_refused_naming_the_key(setting, says) -> None:
+    with pytest.raises(UserError, match=says):
+        load(**setting)
+
+
+def test_optimizers_and_their_options_load() -> None:
+    assert load(optimizer="prodigy", learning_rate=1.0, prodigy_beta3=0.9).optimizer_choice == "prodigy"
+    assert load(use_8bit_adam=True).optimizer_choice == "adamw8bit", "diffusers' spelling of adamw8bit"
+    assert load(optimizer="schedulefree_adamw", lr_scheduler="constant_with_warmup",
+                lr_warmup_steps=2).optimizer == "schedulefree_adamw"
+    assert load(optimizer="lion", adam_beta2=0.99).adam_beta2 == 0.99
+    assert load(method="full", mixed_precision="bf16", optimizer="adafactor").bf16_weights("cpu") is False, \
+        "full_bf16's default (null) turns on for adamw only"
+
+
 def test_scale_lr_follows_diffusers() -> None:
     cfg = load(learning_rate=2e-3, scale_lr=True, train_batch_size=2, gradient_accumulation_steps=3)
     assert cfg.effective_learning_rate(num_processes=4) == pytest.approx(2e-3 * 2 * 3 * 4)
@@ -105,10 +135,12 @@ def test_shipped_params_are_valid_and_the_surface_is_frozen() -> None:
         "resolution", "center_crop", "random_flip", "train_batch_size", "dataloader_num_workers",
         "enable_bucket", "min_bucket_reso", "max_bucket_reso", "bucket_reso_steps", "aspect_ratio_buckets",
         "max_train_steps", "gradient_accumulation_steps", "gradient_checkpointing", "learning_rate", "scale_lr",
-        "lr_scheduler", "lr_warmup_steps", "lr_num_cycles", "lr_power", "use_8bit_adam", "adam_beta1",
+        "lr_scheduler", "lr_warmup_steps", "lr_num_cycles", "lr_power", "optimizer", "use_8bit_adam", "adam_beta1",
+        "prodigy_beta3", "prodigy_decouple", "prodigy_use_bias_correction", "prodigy_safeguard_warmup",
         "adam_beta2", "adam_weight_decay", "adam_epsilon", "max_grad_norm", "mixed_precision", "full_bf16",
         "allow_tf32", "prediction_type", "snr_gamma", "noise_offset",
         "weighting_scheme", "logit_mean", "logit_std", "mode_scale", "guidance_scale", "max_sequence_length",
+        "timestep_sampling", "sigmoid_scale", "timestep_shift",
         "use_ema", "ema_decay", "offload_ema", "ema_update_every",
         "cache_latents", "cache_latents_to_disk", "cache_text_encoder_outputs_to_disk",
         "disk_cache_dir", "cache_text_encoder_outputs", "channels_last", "cpu_backend", "torch_compile", "xla",

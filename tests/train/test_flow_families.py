@@ -86,6 +86,14 @@ def test_full_fine_tune_with_a_weighting_scheme(tmp_path, flow_base, one_image) 
     assert not tensors_equal(out / TRANSFORMER, flow_base / TRANSFORMER)
 
 
+def test_a_run_trains_with_shifted_timesteps(tmp_path, tiny_flux, one_image) -> None:
+    """FLUX's resolution-dependent shift and a sigmoid density (their sigmas: tests/train/test_timesteps.py)."""
+    losses = overfit(cfg(tmp_path, method="lora", learning_rate=3e-2, rank=4, max_train_steps=8,
+                         max_sequence_length=SEQ, fuse_lora=False, timestep_shift="auto", timestep_sampling="sigmoid",
+                         sigmoid_scale=1.5), tiny_flux, one_image, tmp_path / "out")
+    assert losses[-1] < 0.97 * losses[0], losses
+
+
 def test_four_steps_equal_two_plus_resume_plus_two(tmp_path, tiny_flux, instance_dir, class_dir) -> None:
     kw = dict(max_train_steps=4, train_batch_size=1, resolution=32, num_validation_images=0, learning_rate=1e-3,
               weighting_scheme="logit_normal", checkpointing_steps=2, max_sequence_length=SEQ)
@@ -125,6 +133,9 @@ def test_four_steps_equal_two_plus_resume_plus_two(tmp_path, tiny_flux, instance
     ("tiny_sd3", dict(guidance_scale=2.0), "train.guidance_scale"),
     ("tiny_flux", dict(logit_std=2.0), "train.logit_std"),  # FLUX's scheme is none unless set
     ("tiny_sd3", dict(mode_scale=1.0), "train.mode_scale"),  # SD3's is logit_normal
+    ("tiny_sd", dict(timestep_shift=3.0), "train.timestep_shift"),
+    ("tiny_sd", dict(timestep_sampling="sigmoid"), "train.timestep_sampling"),
+    ("tiny_sd3", dict(sigmoid_scale=2.0), "train.sigmoid_scale"),  # read by timestep_sampling: sigmoid only
 ])
 def test_what_a_family_lacks_is_refused_before_loading(request, monkeypatch, tmp_path, instance_dir, base_name,
                                                         setting, key) -> None:

@@ -212,7 +212,8 @@ class ModelFamily:
         """train.* keys this family refuses when they are set away from their default (key: why):
         here the flow-matching ones, which a DDPM family has no use for."""
         why = f"a flow-matching option (SD3, FLUX); {cls.title} trains with DDPM noise"
-        keys = ("weighting_scheme", "logit_mean", "logit_std", "mode_scale", "max_sequence_length")
+        keys = ("weighting_scheme", "logit_mean", "logit_std", "mode_scale", "max_sequence_length",
+                "timestep_sampling", "sigmoid_scale", "timestep_shift")
         return {**dict.fromkeys(keys, why),
                 "guidance_scale": f"the guidance input of guidance-distilled FLUX bases; {cls.title} has none"}
 

@@ -71,11 +71,14 @@ class PrecisionSection(StageConfig):
         if method_spec(self.method).frozen_base:
             return (f"full_bf16 holds the weights that {' and '.join(names_training('weights'))} train; {self.method} "
                     "trains small tensors kept in float32: set full_bf16: null")
-        clash = {"use_8bit_adam": self.use_8bit_adam, "use_ema": self.use_ema,
-                 "cpu_backend: ipex": self.cpu_backend == "ipex"}
+        if self.optimizer_choice != "adamw":
+            key = "use_8bit_adam" if self.use_8bit_adam else f"optimizer: {self.optimizer_choice}"
+            return (f"full_bf16 updates bf16 weights with its own AdamW (float32 moments, stochastic rounding); {key} "
+                    "would update them in bf16 and lose the small steps: set full_bf16: false, or optimizer: adamw")
+        clash = {"use_ema": self.use_ema, "cpu_backend: ipex": self.cpu_backend == "ipex"}
         if on := [k for k, v in clash.items() if v]:
             return (f"full_bf16 comes with its own optimizer and float32 moments; {', '.join(on)} cannot go with "
-                    "it (8-bit moments, a bf16 EMA that loses its updates, IPEX's own float32 master weights): "
+                    "it (a bf16 EMA that loses its updates, IPEX's own float32 master weights): "
                     "set full_bf16: false, or turn those off")
         return None
 
@@ -92,4 +95,5 @@ class PrecisionSection(StageConfig):
         if self.full_bf16 is not None:
             return self.full_bf16
         return (device_type == "cpu" and self.mixed_precision == "bf16" and not method_spec(self.method).frozen_base
-                and not (self.use_8bit_adam or self.use_ema or self.cpu_backend == "ipex") and bool(cxx_compiler()))
+                and self.optimizer_choice == "adamw" and not (self.use_ema or self.cpu_backend == "ipex")
+                and bool(cxx_compiler()))

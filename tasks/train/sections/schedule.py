@@ -32,6 +32,13 @@ class ScheduleSection(StageConfig):
     logit_mean: float = Field(0.0, description="mean of the logit_normal weighting scheme")
     logit_std: float = Field(1.0, gt=0.0, description="std of the logit_normal weighting scheme")
     mode_scale: float = Field(1.29, description="scale of the mode weighting scheme")
+    timestep_sampling: Literal["uniform", "sigmoid", "logit_normal"] | None = Field(
+        None, description="timestep density (ai-toolkit's, SimpleTuner's names); null: weighting_scheme's. "
+                          "weighting_scheme then weights the loss only")
+    sigmoid_scale: float = Field(1.0, gt=0.0, description="timestep_sampling sigmoid: sigmoid(scale x N(0, 1))")
+    timestep_shift: float | Literal["auto"] | None = Field(
+        None, description="shift of the sampled sigmas (SD3: 3.0; above 1: noisier); auto: FLUX's "
+                          "resolution-dependent shift; null: the base scheduler's")
     guidance_scale: float = Field(3.5, ge=0.0, description="FLUX guidance-distilled bases: the guidance input")
     max_sequence_length: int | None = Field(
         None, ge=1, le=512, description="T5 tokens per prompt; null: the family's (SD3 77, FLUX 512), at most "
@@ -41,4 +48,10 @@ class ScheduleSection(StageConfig):
     def _schedule_problem(self) -> str | None:
         if self.lr_warmup_steps > self.max_train_steps:
             return "lr_warmup_steps is larger than max_train_steps"
+        if isinstance(self.timestep_shift, float) and self.timestep_shift <= 0:
+            return f"timestep_shift must be above 0 (got {self.timestep_shift}); 1.0 shifts nothing, or use auto"
+        if self.timestep_sampling and self.weighting_scheme in ("logit_normal", "mode"):
+            return (f"timestep_sampling: {self.timestep_sampling} and weighting_scheme: {self.weighting_scheme} both "
+                    "choose the timestep density: set weighting_scheme: none (or sigma_sqrt / cosmap, which only "
+                    "weight the loss), or timestep_sampling: null")
         return None
