@@ -20,6 +20,8 @@ never from timestamps:
    (registered before lineage.json existed, or its document removed): what it was built from is
    unknown, and the reason says so.
 4. No registered version of `register.model_name` yet: changed.
+5. A last version whose registration was cut off after its creation (tag `registration=incomplete`,
+   tasks/register/resume.py): changed, and the registration finishes that version.
 """
 from __future__ import annotations
 
@@ -31,6 +33,7 @@ import yaml
 
 from flows.dvc_stage import MISSING, dvc_status
 from tasks.ingest.deps import interpolate
+from tasks.register.resume import INCOMPLETE, REGISTRATION_TAG, is_incomplete
 
 #: The model version tag naming the DVC experiment a version was built in (flows/finetune.py).
 EXPERIMENT_TAG = "dvc.experiment"
@@ -164,6 +167,10 @@ def detect_changes(root: Path, model_name: str, tracking_uri: str,
         reasons.append(f"no version of model '{model_name}' is registered yet")
         return Changes(True, reasons)
     label = f"{model_name} v{version.version}"
+    if is_incomplete(version):
+        reasons.append(f"the registration of {label} was cut off after the version was created "
+                       f"(tag {REGISTRATION_TAG}={INCOMPLETE}); this run finishes it")
+        return Changes(True, reasons, label)
     now = lineage_of_workspace(root)
     then, notes = registered_lineage(client, version, label)
     if now is None:

@@ -19,7 +19,7 @@ from tasks.common.config import load_config, read_params
 from tasks.common.errors import UserError
 from tasks.common.genai import BASE_DIR, is_runtime_export
 from tasks.common.tracking import git_commit, stage_run
-from tasks.register import manifest
+from tasks.register import manifest, resume
 from tasks.register.base_export import BASE_SUFFIX, MODEL_CODE_PATHS, find_base_version, stage_adapter, stage_base
 from tasks.register.config import RegisterConfig
 from tasks.register.diffusers_flavor import HubBase, PyfuncWithDiffusersFlavor, fits, hub_reference
@@ -177,14 +177,16 @@ def log_model(run_id: str, artifacts: dict[str, str], serving: dict[str, Any] | 
     return info
 
 
-def create_version(client: Any, model_name: str, info: Any, run_id: str, tags: dict[str, str],
-                   description: str) -> str:
+def create_version(client: Any, model_name: str, source: str, model_id: str | None, run_id: str,
+                   tags: dict[str, str], description: str, final: bool = False) -> str:
     """The commit point of a registration: one request creates the version with its description
     and every tag, after the model files and lineage.json are stored. A server lost before it
     leaves no version; one lost after it, a complete version that no alias points to yet.
     `model_name` exists already (registry.ensure_registered_model, before any upload)."""
-    mv = client.create_model_version(model_name, source=info.model_uri, run_id=run_id, tags=tags,
-                                     description=description, model_id=info.model_id)
+    # incomplete until the last write after it (resume.py); `final`: there is none
+    tags = {**tags, resume.REGISTRATION_TAG: resume.COMPLETE if final else resume.INCOMPLETE}
+    mv = client.create_model_version(model_name, source=source, run_id=run_id, tags=tags,
+                                     description=description, model_id=model_id)
     return str(mv.version)
 
 
@@ -223,6 +225,62 @@ def register_model(
     record = lineage_record(lock, evaluation, params, git_commit, extra_tags)
     if trained:
         record["train"] = trained_summary(trained)
+    unfinished = resume.find_unfinished(client, model_name, record["fingerprint"], run_id)
+    if unfinished is not None:
+        resume.announce(model_name, unfinished)
+        if unfinished.lineage_final:
+            return _only_the_tag_left(client, model_name, unfinished)
+        record, run_id = unfinished.record, unfinished.run_id
+        source = unfinished.source
+    else:
+        source, model_id = _log(client, model_name, artifacts, openvino, base, run_id, serving, convention, tags,
+                                record, hub=hub_base if fits(finetuned, hub_base) else None)
+    champion = resume.champion_to_beat(client, model_name, current_champion(client, model_name, primary_metric),
+                                       unfinished, primary_metric)
+    champion, rescore_tags = _rescored(client, model_name, champion, champion_rescore, primary_metric)
+
+    def redecide(holder: Champion | None) -> Decision:
+        return decide(evaluation, primary_metric, primary_metric_goal, holder, promote_uncalibrated)
+
+    decision = redecide(champion)
+    reason = decision.reason
+    line = trained_line(trained) if trained else ""
+    description = f"{describe(lock, evaluation, git_commit, primary_metric, line)} Champion: {reason}."
+    record.update(champion=decision.tags(), model={"name": model_name, "source": source,
+                                                   "run_id": run_id, "artifacts": sorted(artifacts)})
+    client.log_dict(run_id, record, LINEAGE_ARTIFACT)
+    tags.update({"lineage": f"runs:/{run_id}/{LINEAGE_ARTIFACT}", "champion.decision": reason, **rescore_tags})
+    if unfinished is None:
+        version = create_version(client, model_name, source, model_id, run_id, tags, description)
+    else:
+        version = unfinished.version
+        resume.retag(client, model_name, version, {"champion.decision": reason, **rescore_tags})
+    return _after_the_commit(client, model_name, version, run_id, source, record, decision, redecide)
+
+
+def _after_the_commit(client: Any, model_name: str, version: str, run_id: str, source: str,
+                      record: dict[str, Any], decision: Decision, redecide: Callable[[Champion | None], Decision]
+                      ) -> Registered:
+    """The writes after the version exists: its lineage names it, the aliases move, the lineage
+    digest is recorded, and the tag says the registration is complete (resume.py)."""
+    name_the_version(client, model_name, version, run_id, record)
+    reason = decision.reason
+    move = move_aliases(client, model_name, version, decision, redecide)
+    if move.note:
+        reason = _record_race(client, model_name, version, run_id, record, reason, move)
+    manifest.record_lineage(client, run_id, source, LINEAGE_ARTIFACT)  # after its last write
+    resume.mark_complete(client, model_name, version)
+    aliases = (CANDIDATE, CHAMPION) if move.holds else (CANDIDATE,)
+    log.info("registered %s version %s with aliases %s (%s)", model_name, version, aliases, reason)
+    return Registered(name=model_name, version=version, run_id=run_id, model_uri=f"models:/{model_name}/{version}",
+                      aliases=aliases, champion_moved=move.holds, decision=reason)
+
+
+def _log(client: Any, model_name: str, artifacts: dict[str, str], openvino: Path, base: Path | None, run_id: str,
+         serving: dict[str, Any] | None, convention: dict[str, Any], tags: dict[str, str],
+         record: dict[str, Any], hub: HubBase | None) -> tuple[str, str]:
+    """Log the model into `run_id` (a runtime export: its base's version first); its source URI and id.
+    `tags` and `record` gain what the logged model is."""
     with tempfile.TemporaryDirectory(prefix="register-") as work:
         if is_runtime_export(openvino):
             tags.update(_base_export_version(client, model_name, openvino, Path(work), base, run_id, serving,
@@ -231,43 +289,20 @@ def register_model(
             record["base_export"] = {k: tags[f"base_export.{k}"] for k in ("key", "model", "version")}
             artifacts["adapter"] = str(stage_adapter(openvino, Path(work), tags))
             tags["model.artifacts"] = "runtime_adapter"
-        hub = hub_base if fits(finetuned, hub_base) else None
         tags["model.flavors"] = "python_function,diffusers" if hub else "python_function"
         info = log_model(run_id, artifacts, serving, tags, convention, hub=hub)
-    champion = current_champion(client, model_name, primary_metric)
-    champion, rescore_tags = _rescored(client, model_name, champion, champion_rescore, primary_metric)
-    decision = decide(evaluation, primary_metric, primary_metric_goal, champion,
-                      promote_uncalibrated)
-    reason = decision.reason
-    line = trained_line(trained) if trained else ""
-    description = f"{describe(lock, evaluation, git_commit, primary_metric, line)} Champion: {reason}."
-    record.update(champion=decision.tags(), model={"name": model_name, "source": info.model_uri,
-                                                   "run_id": run_id, "artifacts": sorted(artifacts)})
-    client.log_dict(run_id, record, LINEAGE_ARTIFACT)
-    tags["lineage"] = f"runs:/{run_id}/{LINEAGE_ARTIFACT}"
-    tags["champion.decision"] = reason
-    tags.update(rescore_tags)
-    version = create_version(client, model_name, info, run_id, tags, description)
-    name_the_version(client, model_name, version, run_id, record)
+    return info.model_uri, info.model_id
 
-    def redecide(holder: Champion | None) -> Decision:
-        return decide(evaluation, primary_metric, primary_metric_goal, holder, promote_uncalibrated)
 
-    move = move_aliases(client, model_name, version, decision, redecide)
-    if move.note:
-        reason = _record_race(client, model_name, version, run_id, record, reason, move)
-    manifest.record_lineage(client, run_id, info.model_uri, LINEAGE_ARTIFACT)  # after its last write
-    aliases = (CANDIDATE, CHAMPION) if move.holds else (CANDIDATE,)
-    log.info("registered %s version %s with aliases %s (%s)", model_name, version, aliases, reason)
-    return Registered(
-        name=model_name,
-        version=version,
-        run_id=run_id,
-        model_uri=f"models:/{model_name}/{version}",
-        aliases=aliases,
-        champion_moved=move.holds,
-        decision=reason,
-    )
+def _only_the_tag_left(client: Any, model_name: str, unfinished: resume.Unfinished) -> Registered:
+    """A cut-off registration whose every write but the last tag was done: set it."""
+    resume.mark_complete(client, model_name, unfinished.version)
+    decided = unfinished.record.get("champion") or {}
+    moved = decided.get("champion.promoted") == "true"
+    return Registered(name=model_name, version=unfinished.version, run_id=unfinished.run_id,
+                      model_uri=f"models:/{model_name}/{unfinished.version}",
+                      aliases=(CANDIDATE, CHAMPION) if moved else (CANDIDATE,), champion_moved=moved,
+                      decision=str(decided.get("champion.decision", "")))
 
 
 def _base_export_version(client: Any, model_name: str, openvino: Path, work: Path, base: Path | None,
@@ -284,9 +319,9 @@ def _base_export_version(client: Any, model_name: str, openvino: Path, work: Pat
                 "model.artifacts": "base_export"}
         logged = log_model(run_id, {"openvino": str(base_dir), "finetuned": str(base)}, serving, tags, convention,
                            name="base_export")
-        version = create_version(client, base_name, logged, run_id, tags,
+        version = create_version(client, base_name, logged.model_uri, logged.model_id, run_id, tags,
                                  f"OpenVINO export of the base {info['base_fingerprint'][:12]} ({info['family']}); "
-                                 "serves its registered fine-tunes named in the `adapter` param.")
+                                 "serves its registered fine-tunes named in the `adapter` param.", final=True)
         log.info("registered the base export as %s version %s", base_name, version)
     return {"base_export.key": info["key"], "base_export.model": base_name, "base_export.version": version}
 

@@ -77,6 +77,14 @@ def test_changes_against_the_last_registered_version(ws: Path, isolated_mlflow: 
     assert str(_register(ws, isolated_mlflow)) == "2"  # the newest version is the one compared with
     assert not detect_changes(ws, "toy", isolated_mlflow).changed
 
+    # Its registration cut off after the version was created (tasks/register/resume.py): the
+    # nightly runs, and the registration finishes v2 (tests/register/test_resume.py).
+    mlflow.MlflowClient(tracking_uri=isolated_mlflow).set_model_version_tag("toy", "2", "registration", "incomplete")
+    changes = detect_changes(ws, "toy", isolated_mlflow)
+    assert changes.changed and changes.reasons == [
+        "the registration of toy v2 was cut off after the version was created (tag "
+        "registration=incomplete); this run finishes it"]
+
 
 def test_a_version_built_by_an_experiment_is_not_the_workspace_baseline(
         ws: Path, isolated_mlflow: str) -> None:

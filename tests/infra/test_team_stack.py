@@ -18,7 +18,6 @@ import sys
 import time
 import uuid
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -300,8 +299,8 @@ def test_bootstrap_owns_what_the_pipeline_writes_to_and_the_pipeline_deletes_not
 
     login(monkeypatch, "pipeline", pipeline_credentials()["MLFLOW_TRACKING_PASSWORD"])
     run = client.create_run(experiment)  # EDIT on the experiment creates runs in it
-    logged = SimpleNamespace(model_uri=f"{run.info.artifact_uri}/model", model_id=None)
-    versions = [create_version(client, n, logged, run.info.run_id, {"gate": "passed"}, "test")
+    source = f"{run.info.artifact_uri}/model"
+    versions = [create_version(client, n, source, None, run.info.run_id, {"gate": "passed"}, "test")
                 for n in names if ensure_registered_model(client, n) is None]
     client.set_registered_model_alias(model, "champion", versions[0])
     for delete, args in [(client.delete_model_version, (names[1], versions[1])),

@@ -51,7 +51,8 @@ def test_cli_registers_version_with_lineage_and_both_aliases(registered: Path) -
                             "protocol", "lineage.fingerprint", "lineage", "champion.decision",
                             "model.artifacts", "model.flavors", "train.base_model_precision",
                             "train.text_encoder_precision", "train.optimizer", "train.instance_images",
-                            "train.masked_loss"}
+                            "train.masked_loss", "registration"}
+    assert mv.tags["registration"] == "complete"
     assert mv.tags["train.masked_loss"] == "off"
     assert mv.tags["git_commit"] == commit and mv.tags["method"] == "dreambooth"
     assert mv.tags["model.flavors"] == "python_function"  # a full pipeline: no diffusers flavor
