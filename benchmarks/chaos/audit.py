@@ -5,7 +5,8 @@ the MLflow server (each version's files), held against what each run's rerun sai
 - duplicated: versions beyond the first with one lineage fingerprint (each run changes the seed,
   so every fingerprint is built once; a rerun must recognise what its killed run registered).
 - half-registered: a version not READY (PENDING_REGISTRATION, FAILED_REGISTRATION), without its
-  model files (MLmodel) or its lineage.json, or whose lineage.json names another fingerprint; an
+  model files (MLmodel) or its lineage.json, whose lineage.json names another fingerprint or does
+  not name the version, or still tagged `registration=incomplete` (tasks/register/resume.py); an
   alias pointing at a missing version; an MLflow run left RUNNING.
 - candidate behind: after a successful rerun, `candidate` is not on that change's version.
 """
@@ -38,10 +39,13 @@ def gather(pg: Any, uri: str, model: str) -> Registry:
                               f"where name = '{model}'")
     tags = dict(pg.query("mlflow", "select version, value from model_version_tags where "
                                    f"name = '{model}' and key = '{FINGERPRINT_TAG}'"))
+    cut = {v for v, value in pg.query("mlflow", "select version, value from model_version_tags where "
+                                                f"name = '{model}' and key = 'registration'") if value != "complete"}
     for version, status, run_id in rows:
+        problems = _file_problems(uri, model, version, tags.get(version))
+        problems += ["registration=incomplete: cut off, never finished"] if version in cut else []
         reg.versions[str(version)] = {"status": status, "run_id": run_id,
-                                      "fingerprint": tags.get(version),
-                                      "problems": _file_problems(uri, model, version, tags.get(version))}
+                                      "fingerprint": tags.get(version), "problems": problems}
     reg.aliases = {alias: str(version) for alias, version in pg.query(
         "mlflow", f"select alias, version from registered_model_aliases where name = '{model}'")}
     reg.running = [(run, name) for run, name in pg.query(
@@ -69,6 +73,8 @@ def _file_problems(uri: str, model: str, version: Any, fp: str | None) -> list[s
             problems.append("no lineage tag")
         elif record.get("fingerprint") != fp:
             problems.append(f"lineage.json fingerprint {record.get('fingerprint')} != tag {fp}")
+        elif str((record.get("model") or {}).get("version")) != str(version):
+            problems.append(f"lineage.json names version {(record.get('model') or {}).get('version')}")
     except Exception as err:
         problems.append(f"lineage.json unreadable: {str(err)[:120]}")
     return problems

@@ -6,6 +6,9 @@
   Prefect worker, the flow run, its stage); restarted, which marks the orphaned run Crashed.
 - mlflow: the MLflow server's process group; restarted on the same port and database.
 - postgres: the postmaster and its backends; restarted on the same data directory.
+- prefect: the Prefect server's process group; restarted on the same port and database.
+- registration: the worker, at one point of the registration drawn from hooks/sitecustomize.py's
+  POINTS (the flow waits there for the kill), then restarted as for `worker`.
 """
 from __future__ import annotations
 
@@ -18,7 +21,7 @@ import psutil
 
 from benchmarks.chaos.stack import Stack, kill_tree, postmaster
 
-TARGETS = ("stage", "worker", "mlflow", "postgres")
+TARGETS = ("stage", "worker", "mlflow", "postgres", "prefect", "registration")
 #: compose restarts a dead container at once; its start takes what it takes.
 RESTART_DELAY_S = 2.0
 
@@ -34,7 +37,7 @@ class Kill:
 def kill(stack: Stack, target: str) -> Kill | None:
     """Kill `target` now; None when there is nothing of it to kill (no stage running)."""
     killer = {"stage": _kill_stage, "worker": _kill_worker, "mlflow": _kill_mlflow,
-              "postgres": _kill_postgres}[target]
+              "postgres": _kill_postgres, "prefect": _kill_prefect, "registration": _kill_registering}[target]
     return killer(stack)
 
 
@@ -60,6 +63,27 @@ def _kill_worker(stack: Stack) -> Kill:
     stack.start_worker()
     what = "flows.serve --attach" + (f" (in {stages[0]})" if stages else "")
     return Kill("worker", what, at, time.monotonic() - at)
+
+
+def _kill_registering(stack: Stack) -> Kill | None:
+    """The worker, once its flow waits at the armed point of the registration (None: not yet)."""
+    hit = stack.window_dir / "hit"
+    if not hit.is_file():
+        return None
+    point = hit.read_text().split()[0]
+    done = _kill_worker(stack)
+    hit.unlink()
+    (stack.window_dir / "armed").unlink(missing_ok=True)
+    return Kill("registration", f"flows.serve --attach (registering: {point})", done.at, done.restarted_s)
+
+
+def _kill_prefect(stack: Stack) -> Kill:
+    os.killpg(stack.prefect.pid, signal.SIGKILL)
+    at = time.monotonic()
+    stack.prefect.wait()
+    time.sleep(RESTART_DELAY_S)
+    stack.start_prefect()
+    return Kill("prefect", f"prefect server pid {stack.prefect.pid}", at, time.monotonic() - at)
 
 
 def _kill_mlflow(stack: Stack) -> Kill:

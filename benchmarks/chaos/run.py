@@ -1,6 +1,7 @@
 """The chaos run: the nightly flow on the PostgreSQL team stack, each run after a change (a new
-train seed) and with one SIGKILL at a random moment (a stage, the worker, the MLflow server or
-PostgreSQL), the piece restarted, then a rerun with everything up; then the registry's audit.
+train seed) and with one SIGKILL (a stage, the worker, the MLflow server, PostgreSQL or the Prefect
+server at a random moment; the worker at a drawn point of the registration), the piece restarted,
+then a rerun with everything up; then the registry's audit.
 
     PYTHONPATH=$PWD .venv/bin/python -m benchmarks.chaos.run --runs 20 --seed 0
 
@@ -21,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.chaos import audit, kills, nightly
+from benchmarks.chaos.hooks.sitecustomize import POINTS
 from benchmarks.chaos.stack import Stack
 from tests.infra.stack import pipeline_credentials
 
@@ -106,15 +108,31 @@ def rerun(stack: Stack, timeout: float) -> tuple[dict[str, Any], float]:
     return record, start + seconds
 
 
-def chaos_run(stack: Stack, number: int, rng: random.Random, calibration: float) -> dict[str, Any]:
-    """One change, one nightly run with one kill at a random moment, one rerun."""
+def schedule(runs: int, rng: random.Random) -> list[tuple[str, str | None]]:
+    """(target, registration point) per run: the targets in turn, `registration` twice per turn
+    (its points in turn), shuffled; every target is hit once `runs` reaches 7."""
+    turn = [t for t in kills.TARGETS if t != "registration"] + ["registration", "registration"]
+    targets = [turn[i % len(turn)] for i in range(runs)]
+    rng.shuffle(targets)
+    points = iter(list(POINTS) * runs)
+    return [(t, next(points) if t == "registration" else None) for t in targets]
+
+
+def chaos_run(stack: Stack, number: int, rng: random.Random, calibration: float,
+              target: str, point: str | None) -> dict[str, Any]:
+    """One change, one nightly run with one kill (at a random moment, or at `point` of the
+    registration), one rerun."""
     nightly.change(stack.repo, seed=1000 + number)
-    target = rng.choice(kills.TARGETS)
-    delay = rng.uniform(0.02, 0.95) * calibration
+    delay = 0.0 if point else rng.uniform(0.02, 0.95) * calibration
+    if point:
+        (stack.window_dir / "armed").write_text(point)
     start = time.monotonic()
     flow_run = nightly.start(stack.api)
     done = _kill_during(stack, flow_run, target, delay)
+    (stack.window_dir / "armed").unlink(missing_ok=True)
     first = nightly.wait(stack.api, flow_run, timeout=3 * calibration + 600)
+    if done is not None and point:
+        delay = done.at - start
     record: dict[str, Any] = {
         "run": number, "target": target, "kill_after_s": round(delay, 1),
         "killed": done.what if done else None,
@@ -178,8 +196,8 @@ def run_all(stack: Stack, args: argparse.Namespace, result: dict[str, Any]) -> N
         runs.append(quiet_run(stack, label))
         print(json.dumps(runs[-1]), flush=True)
     result["calibration_run_s"] = calibration = runs[-1]["run_s"]
-    for number in range(1, args.runs + 1):
-        runs.append(chaos_run(stack, number, rng, calibration))
+    for number, (target, point) in enumerate(schedule(args.runs, rng), start=1):
+        runs.append(chaos_run(stack, number, rng, calibration, target, point))
         print(json.dumps(runs[-1]), flush=True)
         _write(args.out, result)
     result["summary"] = audit.summarize(runs, audit.gather(stack.pg, stack.uri, stack.model))

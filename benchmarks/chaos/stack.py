@@ -5,6 +5,7 @@ by SIGKILL and restartable as compose's `restart` policy (or an operator) would:
 data, same command."""
 from __future__ import annotations
 
+import os
 import shutil
 import signal
 import subprocess
@@ -28,6 +29,7 @@ from tests.infra.stack import start_postgres as start_test_postgres
 from tests.infra.test_team_worker import team_setup
 
 WORKER_READY = "started!"  # flows.serve deployed, then started the worker
+HOOKS = Path(__file__).resolve().parent / "hooks"  # the registration's window opener
 
 
 def start_postgres(root: Path) -> Postgres:
@@ -109,7 +111,14 @@ class Stack:
         env.update(PREFECT_API_URL=self.api, MLFLOW_TRACKING_URI=self.uri,
                    PREFECT_CLI_PROMPT="false", PREFECT_WORKER_QUERY_SECONDS="2")
         env.pop("PREFECT_UI_API_URL", None)
+        self.window_dir.mkdir(exist_ok=True)
+        env.update(PYTHONPATH=f"{HOOKS}{os.pathsep}{env['PYTHONPATH']}", CHAOS_WINDOW_DIR=str(self.window_dir))
         return env
+
+    @property
+    def window_dir(self) -> Path:
+        """Where the registration's window opener (hooks/sitecustomize.py) is armed and says it waits."""
+        return self.home / "window"
 
     @property
     def worker_log(self) -> Path:
