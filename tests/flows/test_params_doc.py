@@ -84,8 +84,8 @@ def test_sections_follow_dvc_yaml_then_register_and_each_has_its_keys() -> None:
         assert rows[path], path
     assert not rows["train.xla"] and not rows["evaluate.gate"] and not rows["ingest.sources"]
     line = next(x for x in text.splitlines() if x.startswith("| `train.learning_rate` |"))
-    assert line == "| `train.learning_rate` | float | `0.0001` | > 0.0, <= 1.0 | peak learning rate (before scale_lr); "
-                    "prodigy: a multiplier of its own estimate, 1.0 |"
+    assert line == ("| `train.learning_rate` | float | `0.0001` | > 0.0, <= 1.0 | peak learning rate (before "
+                    "scale_lr); prodigy: a multiplier of its own estimate, 1.0 |")
     line = next(x for x in text.splitlines() if x.startswith("| `train.mixed_precision` |"))
     assert "`'no'`, `bf16`, `fp16`" in line, "Literal members, as YAML must write them"
 
