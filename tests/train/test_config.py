@@ -130,7 +130,7 @@ def test_shipped_params_are_valid_and_the_surface_is_frozen() -> None:
         "method", "instance_prompt", "caption_column", "shuffle_tag_p", "keep_tokens", "proportion_empty_prompts",
         "class_prompt", "with_prior_preservation", "prior_loss_weight", "train_text_encoder",
         "placeholder_token", "initializer_token", "num_vectors", "learnable_property",
-        "rank", "lora_alpha", "lora_dropout", "fuse_lora", "lora_type", "decompose_factor", "base_model_precision",
+        "rank", "lora_alpha", "lora_dropout", "fuse_lora", "lora_type", "decompose_factor", "lora_format", "base_model_precision",
         "text_encoder_precision",
         "resolution", "center_crop", "random_flip", "train_batch_size", "dataloader_num_workers",
         "enable_bucket", "min_bucket_reso", "max_bucket_reso", "bucket_reso_steps", "aspect_ratio_buckets",
