@@ -9,7 +9,7 @@ reads the adapter type from the suffixes under that stem:
 - LoHa: `<stem>.hada_w1_a/.hada_w1_b/.hada_w2_a/.hada_w2_b` + alpha (scale alpha / rank, as peft's);
 - LoKr: `<stem>.lokr_w1` (or `_a`/`_b`), `<stem>.lokr_w2` (or `_a`/`_b`) + alpha; ComfyUI and LyCORIS
   scale by alpha / rank only when a factor is low-rank (otherwise by 1), so peft's scale is folded
-  into `lokr_w1` there and no alpha is written.
+  into `lokr_w1` there (and alpha written as the rank).
 
 The stem is the family's prefix (ModelFamily.comfyui_lora_prefixes, comfyui_lycoris_prefixes) and
 the module path: kohya's `lora_unet_<path with _>` for SD/SDXL's UNet, `lora_te_`/`lora_te1_`/
@@ -76,10 +76,10 @@ def component_state(module: Any, prefix: str) -> dict[str, Any]:
         if "dora_scale" in tensors:  # peft's (out,) magnitude; kohya's and ComfyUI's output-axis column
             tensors["dora_scale"] = tensors["dora_scale"].reshape(-1, 1)
         low_rank = any(k in tensors for k in ("lora_down.weight", "hada_w1_a", "lokr_w1_a", "lokr_w2_a"))
-        if low_rank:
-            tensors["alpha"] = tensors[next(iter(tensors))].new_tensor(alpha)
-        else:  # a LoKr of two full factors: ComfyUI and LyCORIS apply it unscaled
+        if not low_rank:  # a LoKr of two full factors: ComfyUI and LyCORIS apply it unscaled
             tensors["lokr_w1"] = tensors["lokr_w1"] * (alpha / rank)
+        # (LyCORIS reads an alpha for every layer: the full LoKr's, rank, is one whatever the reader)
+        tensors["alpha"] = tensors[next(iter(tensors))].new_tensor(alpha if low_rank else rank)
         state.update({f"{stem(prefix, path)}.{suffix}": t for suffix, t in tensors.items()})
     return state
 

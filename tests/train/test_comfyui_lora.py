@@ -54,7 +54,7 @@ def adapted(base: Path, lora_type: str, text: bool = False, rank: int = 4, alpha
 
 def save(tmp_path: Path, pipe: object, trained: dict, lora_type: str, **kw) -> Path:
     """The LoRA method's `save` with lora_format: comfyui, into a fresh folder."""
-    method = LoRA(TrainConfig(method="lora", lora_type=lora_type, lora_format="comfyui", rank=4, **kw))
+    method = LoRA(TrainConfig(method="lora", lora_type=lora_type, lora_format="comfyui", **{"rank": 4, **kw}))
     method._components = SimpleNamespace(family=families.of_pipeline(pipe))
     out = tmp_path / f"out-{lora_type}"
     out.mkdir()
@@ -107,3 +107,139 @@ def test_diffusers_loads_the_comfyui_file_to_the_same_images(tmp_path, request, 
     ours, theirs = latents(base, out / WEIGHT_NAME), latents(base, transformers5_clip_names(comfy, pipe))
     assert not torch.equal(plain, ours), "the adapters change the images"
     assert torch.equal(ours, theirs)
+
+
+def layer_stems(pipe: object, trained: dict, lora_type: str) -> dict[str, object]:
+    """ComfyUI's stem of every peft layer in `trained` -> that layer."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    names = prefixes(families.of_pipeline(pipe), lora_type)
+    return {stem(names[c], path): layer for c, module in trained.items()
+            for path, layer in module.named_modules() if isinstance(layer, BaseTunerLayer)}
+
+
+def grouped(state: dict) -> dict[str, dict[str, torch.Tensor]]:
+    """The file's tensors by key stem: {stem: {suffix: tensor}}."""
+    layers: dict[str, dict[str, torch.Tensor]] = {}
+    for key, tensor in state.items():
+        suffix = next(s for s in (*SUFFIXES.values(), "alpha") if key.endswith("." + s))
+        layers.setdefault(key[: -len(suffix) - 1], {})[suffix] = tensor
+    return layers
+
+
+def full_delta(t: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The weight update ComfyUI computes from one layer's tensors (comfy/weight_adapter: LoRA, LoHa, LoKr)."""
+    if "lora_down.weight" in t:
+        return t["lora_up.weight"] @ t["lora_down.weight"] * (t["alpha"] / t["lora_down.weight"].shape[0])
+    if "hada_w1_a" in t:
+        w = (t["hada_w1_a"] @ t["hada_w1_b"]) * (t["hada_w2_a"] @ t["hada_w2_b"])
+        return w * (t["alpha"] / t["hada_w1_b"].shape[0])
+    w1 = t["lokr_w1"] if "lokr_w1" in t else t["lokr_w1_a"] @ t["lokr_w1_b"]
+    w2 = t["lokr_w2"] if "lokr_w2" in t else t["lokr_w2_a"] @ t["lokr_w2_b"]
+    low = t.get("lokr_w2_b", t.get("lokr_w1_b"))
+    return torch.kron(w1, w2) * (t["alpha"] / low.shape[0] if low is not None else 1.0)
+
+
+#: ComfyUI's key prefixes (comfy/lora.py's key maps) and the pipeline component each one names
+COMFYUI_PREFIXES = {"lora_unet_": "unet", "lora_te_": "text_encoder", "lora_te1_": "text_encoder",
+                    "lora_te2_": "text_encoder_2", "lora_transformer_": "transformer", "lycoris_": "transformer",
+                    "diffusion_model.": "transformer"}
+
+
+def base_weight(base: object, key: str) -> torch.Tensor:
+    """The weight of the base model's module a ComfyUI key stem names, found by its module names as
+    ComfyUI's key map is built: kohya stems are the path with "_" for "." (CLIP's under the original
+    checkpoints' `text_model.`), `diffusion_model.` stems the dotted path."""
+    prefix = next(p for p in COMFYUI_PREFIXES if key.startswith(p))
+    model, rest = getattr(base, COMFYUI_PREFIXES[prefix]), key[len(prefix):]
+    if prefix.endswith("."):
+        return model.get_submodule(rest).weight
+    names = {("text_model." if prefix.startswith("lora_te") and not n.startswith("text_model.") else "")
+             + n: m for n, m in model.named_modules()}
+    (found,) = [m for n, m in names.items() if n.replace(".", "_") == rest]
+    return found.weight
+
+
+# LoKr at rank 4 on the tiny models: two full Kronecker factors (peft's scale folded into lokr_w1);
+# at rank 1: lokr_w2 low-rank (lokr_w2_a, lokr_w2_b) with alpha.
+@pytest.mark.parametrize(("name", "lora_type", "text", "rank"), [
+    ("sd3", "lora", True, 4), ("sd3", "loha", False, 4), ("flux", "lokr", True, 4), ("flux", "dora", True, 4),
+    ("flux2", "lora", False, 4), ("flux2", "loha", False, 4), ("sana", "lora", False, 4), ("sana", "lokr", False, 1),
+    ("zimage", "loha", False, 4), ("qwenimage", "lokr", False, 1), ("sdxl", "lokr", True, 4), ("sd", "loha", True, 4)])
+def test_every_key_names_a_layer_of_the_real_model_with_the_update_peft_applies(tmp_path, request, name, lora_type,
+                                                                                  text, rank) -> None:
+    """ComfyUI's key map is built from the model's module names: each stem of the file names a module
+    of the base model with a weight of the update's shape, and the update ComfyUI's formulas give
+    from the file's tensors is peft's own `get_delta_weight` for that layer (alpha, factors, scale)."""
+    base = request.getfixturevalue(f"tiny_{name}")
+    pipe, trained = adapted(base, lora_type, text, rank=rank, alpha=8.0)
+    out = save(tmp_path, pipe, trained, lora_type, train_text_encoder=text, rank=rank, lora_alpha=8.0)
+    layers = grouped(load_file(out / COMFYUI_LORA_NAME))
+    peft_layers = layer_stems(pipe, trained, lora_type)
+    assert set(layers) == set(peft_layers), "one stem per adapted layer"
+    from diffusers import DiffusionPipeline
+
+    plain = DiffusionPipeline.from_pretrained(base)
+    for key, tensors in layers.items():
+        expected = peft_layers[key].get_delta_weight("default")
+        assert base_weight(plain, key).shape == expected.shape, key
+        if lora_type == "dora":
+            assert tensors["dora_scale"].shape == (expected.shape[0], 1)
+            expected = peft_layers[key].lora_B["default"].weight @ peft_layers[key].lora_A["default"].weight \
+                * peft_layers[key].scaling["default"]
+        assert torch.allclose(full_delta(tensors), expected, rtol=1e-5, atol=1e-6), key
+
+
+def lycoris_network(file: Path, base: Path) -> tuple[object, list]:
+    """The file loaded by LyCORIS onto a fresh base: kohya's network (`lora_unet_`) for SD and SDXL's
+    UNet, its own (`lycoris_`) for the DiT families' transformer."""
+    from diffusers import DiffusionPipeline
+    from lycoris import create_lycoris_from_weights
+    from lycoris.kohya import create_network_from_weights
+
+    pipe = DiffusionPipeline.from_pretrained(base)
+    if hasattr(pipe, "unet"):
+        network, _ = create_network_from_weights(1.0, str(file), pipe.vae, None, pipe.unet)
+        return pipe, network.unet_loras
+    network, _ = create_lycoris_from_weights(1.0, str(file), pipe.transformer)
+    return pipe, network.loras
+
+
+@pytest.mark.parametrize(("name", "lora_type", "rank"), [
+    ("sd", "loha", 4), ("sd", "lokr", 4), ("sdxl", "lokr", 1), ("flux", "loha", 4), ("flux", "lokr", 1),
+    ("zimage", "lokr", 4), ("sd3", "loha", 2)])
+def test_lycoris_loads_lokr_and_loha_to_peft_s_weight_deltas(tmp_path, request, name, lora_type, rank) -> None:
+    base = request.getfixturevalue(f"tiny_{name}")
+    pipe, trained = adapted(base, lora_type, rank=rank, alpha=2.0)
+    out = save(tmp_path, pipe, trained, lora_type, rank=rank, lora_alpha=2.0)
+    _, modules = lycoris_network(out / COMFYUI_LORA_NAME, base)
+    peft_layers = layer_stems(pipe, trained, lora_type)
+    assert {m.lora_name for m in modules} == set(peft_layers), "LyCORIS finds every layer"
+    assert {type(m).__name__ for m in modules} == {"lokr": {"LokrModule"}, "loha": {"LohaModule"}}[lora_type]
+    x = torch.randn(3, modules[0].org_module[0].in_features, generator=torch.Generator().manual_seed(1))
+    for module in modules:
+        layer = peft_layers[module.lora_name].eval()
+        # What LyCORIS' forward adds to the layer's weight (get_weight; 3.2.0's get_diff_weight, used
+        # by its merge, applies the alpha / rank scale a second time).
+        delta = module.get_weight(module.shape) * module.scalar
+        assert torch.allclose(delta, layer.get_delta_weight("default"), rtol=1e-5, atol=1e-7), module.lora_name
+        if module.org_module[0].in_features == x.shape[1]:
+            assert torch.allclose(module.eval()(x), layer(x), rtol=1e-5, atol=1e-6), module.lora_name
+
+
+def test_dora_loads_in_lycoris_to_peft_s_merged_weights(tmp_path, tiny_sd) -> None:
+    """diffusers' loaders drop `dora_scale` (0.40: "not compatible in Diffusers"); LyCORIS' LoCon
+    with weight decomposition reads it (kohya's output-axis (out, 1) magnitude) and merges each
+    layer to peft's DoRA weight."""
+    pipe, trained = adapted(tiny_sd, "dora")
+    out = save(tmp_path, pipe, trained, "dora")
+    _, modules = lycoris_network(out / COMFYUI_LORA_NAME, tiny_sd)
+    peft_layers = layer_stems(pipe, trained, "dora")
+    assert {m.lora_name for m in modules} == set(peft_layers) and all(m.wd for m in modules)
+    for module in modules:
+        layer = peft_layers[module.lora_name]
+        base_weight_before = layer.get_base_layer().weight.detach().clone()
+        layer.merge(adapter_names=["default"])
+        merged, layer.get_base_layer().weight.data = layer.get_base_layer().weight.detach().clone(), base_weight_before
+        layer.merged_adapters.clear()
+        assert torch.allclose(module.get_merged_weight()[0], merged, rtol=1e-5, atol=1e-6), module.lora_name
