@@ -243,3 +243,34 @@ def test_dora_loads_in_lycoris_to_peft_s_merged_weights(tmp_path, tiny_sd) -> No
         merged, layer.get_base_layer().weight.data = layer.get_base_layer().weight.detach().clone(), base_weight_before
         layer.merged_adapters.clear()
         assert torch.allclose(module.get_merged_weight()[0], merged, rtol=1e-5, atol=1e-6), module.lora_name
+
+
+@pytest.mark.parametrize(("lora_type", "module", "args"), [
+    ("lora", "networks.lora", None), ("dora", "networks.lora", {"dora_wd": True}),
+    ("lokr", "lycoris.kohya", {"algo": "lokr"}), ("loha", "lycoris.kohya", {"algo": "loha"})])
+def test_kohya_metadata_and_sd_key_names(tmp_path, tiny_sd, lora_type, module, args) -> None:
+    """kohya's network metadata (ss_network_module/dim/alpha/args) and the family; SD's UNet and
+    CLIP layers under kohya's names, as ComfyUI's key maps list them."""
+    pipe, trained = adapted(tiny_sd, lora_type, text=True, rank=2, alpha=4.0)
+    out = save(tmp_path, pipe, trained, lora_type, train_text_encoder=True, rank=2, lora_alpha=4.0)
+    with safe_open(out / COMFYUI_LORA_NAME, "pt") as fh:
+        meta, keys = fh.metadata(), set(fh.keys())
+    assert meta["ss_network_module"] == module and meta["ss_network_dim"] == "2"
+    assert meta["ss_network_alpha"] == "4.0" and meta["ss_base_model_version"] == "sd"
+    assert (json.loads(meta["ss_network_args"]) if "ss_network_args" in meta else None) == args
+    first = {"lora": "lora_down.weight", "dora": "dora_scale", "lokr": "lokr_w1", "loha": "hada_w1_a"}[lora_type]
+    assert f"lora_unet_down_blocks_1_attentions_0_transformer_blocks_0_attn1_to_q.{first}" in keys
+    assert f"lora_te_text_model_encoder_layers_0_self_attn_q_proj.{first}" in keys
+    assert "lora_te_text_model_encoder_layers_0_self_attn_q_proj.alpha" in keys
+
+
+def test_the_default_format_writes_no_comfyui_file_and_other_methods_refuse_the_key(tmp_path, tiny_sd) -> None:
+    pipe, trained = adapted(tiny_sd, "lora")
+    method = LoRA(TrainConfig(method="lora", rank=4))
+    method._components = SimpleNamespace(family=families.of_pipeline(pipe))
+    method.save(Path("unused"), tmp_path, trained)
+    assert (tmp_path / WEIGHT_NAME).is_file() and not (tmp_path / COMFYUI_LORA_NAME).exists()
+    with pytest.raises(ValueError, match="lora_format is set .* only method: lora reads it"):
+        TrainConfig(method="dreambooth", lora_format="comfyui")
+    with pytest.raises(ValueError, match="lora_format"):
+        TrainConfig(method="lora", lora_format="kohya")
