@@ -14,7 +14,8 @@ reads the adapter type from the suffixes under that stem:
 The stem is the family's prefix (ModelFamily.comfyui_lora_prefixes, comfyui_lycoris_prefixes) and
 the module path: kohya's `lora_unet_<path with _>` for SD/SDXL's UNet, `lora_te_`/`lora_te1_`/
 `lora_te2_` for the CLIP encoders, OneTrainer's `lora_transformer_` (SD3, FLUX.1), `diffusion_model.`
-with the dotted path (Z-Image, Qwen-Image, FLUX.2, Sana) and LyCORIS' `lycoris_` for LoKr and LoHa
+with the dotted path (Z-Image, Qwen-Image, Sana), kohya's `lora_unet_` with BFL's module names for
+FLUX.2 (its q, k and v fused, ModelFamily.comfyui_layers) and LyCORIS' `lycoris_` for LoKr and LoHa
 on the DiT families. tasks/train/README.md ("ComfyUI adapter file") says what loads where.
 """
 from __future__ import annotations
@@ -60,8 +61,9 @@ def split_key(key: str) -> tuple[str, str]:
     raise ValueError(f"{key}: not a LoRA, DoRA, LoKr or LoHa tensor ComfyUI reads")
 
 
-def component_state(module: Any, prefix: str) -> dict[str, Any]:
-    """One component's adapters (peft's `default`) under ComfyUI's keys, in float32."""
+def peft_layers(module: Any) -> dict[str, dict[str, Any]]:
+    """One component's adapters (peft's `default`) by module path, under ComfyUI's suffixes, in
+    float32, each with its alpha (see the module's docstring for LoKr's)."""
     from peft.utils import get_peft_model_state_dict
 
     config = module.peft_config["default"]
@@ -71,8 +73,7 @@ def component_state(module: Any, prefix: str) -> dict[str, Any]:
     for key, tensor in get_peft_model_state_dict(module).items():
         path, suffix = split_key(key)
         layers.setdefault(path, {})[suffix] = tensor.detach().float().contiguous()
-    state: dict[str, Any] = {}
-    for path, tensors in layers.items():
+    for tensors in layers.values():
         if "dora_scale" in tensors:  # peft's (out,) magnitude; kohya's and ComfyUI's output-axis column
             tensors["dora_scale"] = tensors["dora_scale"].reshape(-1, 1)
         low_rank = any(k in tensors for k in ("lora_down.weight", "hada_w1_a", "lokr_w1_a", "lokr_w2_a"))
@@ -80,8 +81,7 @@ def component_state(module: Any, prefix: str) -> dict[str, Any]:
             tensors["lokr_w1"] = tensors["lokr_w1"] * (alpha / rank)
         # (LyCORIS reads an alpha for every layer: the full LoKr's, rank, is one whatever the reader)
         tensors["alpha"] = tensors[next(iter(tensors))].new_tensor(alpha if low_rank else rank)
-        state.update({f"{stem(prefix, path)}.{suffix}": t for suffix, t in tensors.items()})
-    return state
+    return layers
 
 
 def comfyui_state(family: Any, modules: dict[str, Any], lora_type: str) -> dict[str, Any]:
@@ -91,7 +91,9 @@ def comfyui_state(family: Any, modules: dict[str, Any], lora_type: str) -> dict[
         raise ValueError(f"{family.title}: no ComfyUI key prefix for {', '.join(missing)}")
     state: dict[str, Any] = {}
     for name, module in modules.items():
-        state.update(component_state(module, names[name]))
+        layers = family.comfyui_layers(name, peft_layers(module))
+        state.update({f"{stem(names[name], path)}.{suffix}": t for path, tensors in layers.items()
+                      for suffix, t in tensors.items()})
     return state
 
 

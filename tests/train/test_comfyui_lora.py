@@ -2,14 +2,15 @@
 (tasks/common/comfyui_lora.py), written by the LoRA method's own `save`.
 
 - Where diffusers has a converter for the family's ComfyUI keys (SD and SDXL: kohya's `lora_unet_`,
-  `lora_te*_`; FLUX.1: OneTrainer's `lora_transformer_`; Z-Image and Qwen-Image: `diffusion_model.`),
-  `pipe.load_lora_weights` on the ComfyUI file generates the same latents, bit for bit, as on
-  diffusers' own file.
-- Where it has none (SD3's `lora_transformer_`, FLUX.2's and Sana's `diffusion_model.`, `lycoris_`
-  for LoKr/LoHa on the DiT families), every key stem is checked against the module names and weight
-  shapes of the real model, the way ComfyUI's key map is built from them.
-- LoKr and LoHa load with the LyCORIS library (kohya's network and its own) to the same per-layer
-  weight deltas as peft's `get_delta_weight`.
+  `lora_te*_`; FLUX.1: OneTrainer's `lora_transformer_`; FLUX.2: kohya's `lora_unet_` with BFL's
+  names, q, k and v fused; Z-Image and Qwen-Image: `diffusion_model.`), `pipe.load_lora_weights`
+  on the ComfyUI file generates the same latents, bit for bit, as on diffusers' own file.
+- Where it has none (SD3's `lora_transformer_`, Sana's `diffusion_model.`, `lycoris_` for LoKr and
+  LoHa on the DiT families, DoRA's `dora_scale`, which diffusers' loaders drop), every key stem is
+  checked against the module names and weight shapes of the real model, the way ComfyUI's key map
+  is built from them, and the update ComfyUI computes from the file against peft's.
+- LoKr, LoHa (and DoRA) load with the LyCORIS library (kohya's network and its own) to the same
+  per-layer weight deltas (merged weights) as peft's.
 """
 from __future__ import annotations
 
@@ -88,8 +89,8 @@ def latents(base: Path, lora: Path | dict | None) -> torch.Tensor:
 
 
 @pytest.mark.parametrize(("name", "lora_type", "text"), [
-    ("sd", "lora", True), ("sdxl", "lora", True), ("flux", "lora", False), ("zimage", "lora", False),
-    ("qwenimage", "lora", False)])
+    ("sd", "lora", True), ("sdxl", "lora", True), ("flux", "lora", False), ("flux2", "lora", False),
+    ("zimage", "lora", False), ("qwenimage", "lora", False)])
 def test_diffusers_loads_the_comfyui_file_to_the_same_images(tmp_path, request, name, lora_type, text) -> None:
     base = request.getfixturevalue(f"tiny_{name}")
     pipe, trained = adapted(base, lora_type, text)
@@ -164,7 +165,7 @@ def base_weight(base: object, key: str) -> torch.Tensor:
 # at rank 1: lokr_w2 low-rank (lokr_w2_a, lokr_w2_b) with alpha.
 @pytest.mark.parametrize(("name", "lora_type", "text", "rank"), [
     ("sd3", "lora", True, 4), ("sd3", "loha", False, 4), ("flux", "lokr", True, 4), ("flux", "dora", True, 4),
-    ("flux2", "lora", False, 4), ("flux2", "loha", False, 4), ("sana", "lora", False, 4), ("sana", "lokr", False, 1),
+    ("flux2", "loha", False, 4), ("sana", "lora", False, 4), ("sana", "lokr", False, 1),
     ("zimage", "loha", False, 4), ("qwenimage", "lokr", False, 1), ("sdxl", "lokr", True, 4), ("sd", "loha", True, 4)])
 def test_every_key_names_a_layer_of_the_real_model_with_the_update_peft_applies(tmp_path, request, name, lora_type,
                                                                                   text, rank) -> None:
@@ -274,3 +275,26 @@ def test_the_default_format_writes_no_comfyui_file_and_other_methods_refuse_the_
         TrainConfig(method="dreambooth", lora_format="comfyui")
     with pytest.raises(ValueError, match="lora_format"):
         TrainConfig(method="lora", lora_format="kohya")
+
+
+@pytest.mark.parametrize("lora_type", ["lora", "dora"])
+def test_flux2_fuses_q_k_v_into_bfl_qkv_exactly(tmp_path, tiny_flux2, lora_type) -> None:
+    """ComfyUI's FLUX.2 has one `qkv` weight per double-stream block: the file's fused layer gives
+    it the three peft updates stacked (and DoRA's three magnitudes), every other layer under BFL's name."""
+    pipe, trained = adapted(tiny_flux2, lora_type, alpha=8.0)
+    out = save(tmp_path, pipe, trained, lora_type, lora_alpha=8.0)
+    layers = grouped(load_file(out / COMFYUI_LORA_NAME))
+    peft = {path: layer for path, layer in trained["transformer"].named_modules() if hasattr(layer, "lora_A")}
+    attn = "transformer_blocks.0.attn"
+    qkv = layers["lora_unet_double_blocks_0_img_attn_qkv"]
+    parts = [peft[f"{attn}.to_{x}"] for x in "qkv"]
+    assert torch.allclose(full_delta(qkv), torch.cat([p.get_delta_weight("default") for p in parts]), atol=1e-7)
+    if lora_type == "dora":
+        assert torch.equal(qkv["dora_scale"][:, 0], torch.cat([p.lora_magnitude_vector["default"].weight
+                                                               for p in parts]))
+    renamed = {"lora_unet_double_blocks_0_img_attn_proj": f"{attn}.to_out.0",
+               "lora_unet_single_blocks_0_linear1": "single_transformer_blocks.0.attn.to_qkv_mlp_proj",
+               "lora_unet_single_blocks_0_linear2": "single_transformer_blocks.0.attn.to_out"}
+    for key, path in renamed.items():
+        assert torch.allclose(full_delta(layers[key]), peft[path].get_delta_weight("default"), atol=1e-7), key
+    assert len(layers) == len(peft) - 2 * sum(k.endswith("attn.to_q") for k in peft), "q, k, v: one layer each block"

@@ -136,6 +136,12 @@ class ModelFamily:
     #: config says (Z-Image's pipeline hard-codes 1024 px); None: the pipeline knows
     default_sample_size: ClassVar[int | None] = None
 
+    @classmethod
+    def comfyui_layers(cls, component: str, layers: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+        """A component's adapter layers ({module path: {ComfyUI suffix: tensor}}, alpha included) under
+        the module paths ComfyUI's model has, where they differ from diffusers' (FLUX.2's)."""
+        return layers
+
     # --- recognising a folder -------------------------------------------------------------------
     @classmethod
     def matches(cls, index: dict[str, Any]) -> bool:
