@@ -298,3 +298,19 @@ def test_flux2_fuses_q_k_v_into_bfl_qkv_exactly(tmp_path, tiny_flux2, lora_type)
     for key, path in renamed.items():
         assert torch.allclose(full_delta(layers[key]), peft[path].get_delta_weight("default"), atol=1e-7), key
     assert len(layers) == len(peft) - 2 * sum(k.endswith("attn.to_q") for k in peft), "q, k, v: one layer each block"
+
+
+def test_the_train_stage_writes_the_comfyui_file_beside_its_outputs(tmp_path, tiny_sd, one_image) -> None:
+    """One real training step (the stage's `train`): the ComfyUI file beside peft's LoHa folders,
+    every trained layer in it, and the report saying so."""
+    from tasks.train.core import train
+
+    config = TrainConfig(method="lora", lora_type="loha", lora_format="comfyui", rank=2, max_train_steps=1,
+                         train_batch_size=1, resolution=32, num_validation_images=0, fuse_lora=False,
+                         with_prior_preservation=False, checkpoints_dir=tmp_path / "ckpt")
+    outcome = train(config, tiny_sd, one_image, None, tmp_path / "out")
+    assert outcome.report()["lora_format"] == "comfyui"
+    assert (tmp_path / "out" / "peft_adapters" / "unet").is_dir()
+    layers = grouped(load_file(tmp_path / "out" / COMFYUI_LORA_NAME))
+    _, modules = lycoris_network(tmp_path / "out" / COMFYUI_LORA_NAME, tiny_sd)
+    assert len(modules) == len(layers) > 0 and all(k.startswith("lora_unet_") for k in layers)
