@@ -98,7 +98,8 @@ def comfyui_state(family: Any, modules: dict[str, Any], lora_type: str) -> dict[
 
 
 def metadata(family: Any, lora_type: str, rank: int, alpha: float | None) -> dict[str, str]:
-    """kohya's safetensors metadata (ComfyUI shows it; kohya's and LyCORIS' tools read it) and the family."""
+    """kohya's safetensors metadata (what kohya's and LyCORIS' tools and LoRA managers read; ComfyUI's
+    loader needs none of it) and the family."""
     meta = {"ss_network_module": NETWORK_MODULES[lora_type], "ss_network_dim": str(rank),
             "ss_network_alpha": str(float(alpha or rank)), "ss_base_model_version": family.name,
             "modelspec.architecture": f"{family.name}/{lora_type}", "format": "pt"}
