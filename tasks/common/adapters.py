@@ -8,7 +8,8 @@
   `PeftModel.from_pretrained(pipe.unet, "peft_adapters/unet")` loads one (`apply_peft_adapters`).
 
 The train stage builds the configs; the export and evaluate stages (tasks/common/finetuned.py)
-and the LoRA method's fused output apply and fuse the peft folders.
+and the LoRA method's fused output apply and fuse the peft folders. With `train.lora_format:
+comfyui` any of the four is also written as one file under ComfyUI's keys (tasks/common/comfyui_lora.py).
 """
 from __future__ import annotations
 

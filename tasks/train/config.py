@@ -44,7 +44,7 @@ NOT_IN_RUN_KEY = frozenset({
     "validation_prompts", "num_validation_images", "validation_steps", "validation_inference_steps",
     "log_every_steps", "system_metrics_interval", "dataloader_num_workers", "cache_latents",
     "cache_latents_to_disk", "cache_text_encoder_outputs_to_disk", "disk_cache_dir",
-    "cache_text_encoder_outputs", "fuse_lora", "xla",
+    "cache_text_encoder_outputs", "fuse_lora", "lora_format", "xla",
     # How the processes were started does not change a step; how many there are does (the global
     # batch, the data each rank reads, one RNG file per rank in a checkpoint), so the run key
     # holds the number of processes actually training instead (checkpoints.run_key): a resume

@@ -3,8 +3,9 @@
 The registry tags and describes a version from these keys (tasks/register/training.py), so a
 version says DoRA, not only `method: lora`, and how many of its images trained masked:
 
-- `lora_type`, `rank`, `lora_alpha` (null in params.yaml: the rank, as peft uses it): for a method
-  that reads them (tasks/train/methods/specs/);
+- `lora_type`, `rank`, `lora_alpha` (null in params.yaml: the rank, as peft uses it), `lora_format`
+  (comfyui: the output also has comfyui_lora.safetensors): for a method that reads them
+  (tasks/train/methods/specs/);
 - `optimizer`: what make_optimizer built (tasks/train/optim.py `optimizer_name`);
 - `instance_images`: the instance images of the data; `masked_loss`, and with it `masked_images`
   (those whose mask weighs the loss) and the mask settings;
@@ -17,7 +18,7 @@ from collections.abc import Sequence
 from typing import Any
 
 #: The LoRA keys a method may read, in the report's order.
-ADAPTER_KEYS = ("lora_type", "rank", "lora_alpha")
+ADAPTER_KEYS = ("lora_type", "rank", "lora_alpha", "lora_format")
 #: The mask settings reported with `masked_loss: true`.
 MASK_KEYS = ("masked_loss_unmasked_weight", "unmasked_probability", "normalize_masked_area_loss")
 

@@ -124,11 +124,23 @@ class ModelFamily:
     #: kohya key prefix of each component's LoRA in the adapter file OpenVINO GenAI applies at run
     #: time (export.adapters: runtime); None: not checked against GenAI, the export refuses it
     genai_lora_prefixes: ClassVar[dict[str, str] | None] = None
+    #: key prefix of each component's layers in the ComfyUI adapter file (`train.lora_format: comfyui`,
+    #: tasks/common/comfyui_lora.py): one ending in "_" takes the module path with "_" for "." (kohya's
+    #: `lora_unet_down_blocks_0_...`), one ending in "." the dotted path (`diffusion_model.layers.0...`)
+    comfyui_lora_prefixes: ClassVar[dict[str, str]] = {"unet": "lora_unet_", "text_encoder": "lora_te_"}
+    #: the same for LoKr and LoHa where they differ (LyCORIS' and SimpleTuner's `lycoris_`); None: as LoRA
+    comfyui_lycoris_prefixes: ClassVar[dict[str, str] | None] = None
     #: the pipeline call's keyword for the guidance value (Qwen-Image's true CFG: "true_cfg_scale")
     guidance_argument: ClassVar[str] = "guidance_scale"
     #: the latent side the pipeline generates when given no size, where neither it nor its denoiser's
     #: config says (Z-Image's pipeline hard-codes 1024 px); None: the pipeline knows
     default_sample_size: ClassVar[int | None] = None
+
+    @classmethod
+    def comfyui_layers(cls, component: str, layers: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+        """A component's adapter layers ({module path: {ComfyUI suffix: tensor}}, alpha included) under
+        the module paths ComfyUI's model has, where they differ from diffusers' (FLUX.2's)."""
+        return layers
 
     # --- recognising a folder -------------------------------------------------------------------
     @classmethod

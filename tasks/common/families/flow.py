@@ -21,6 +21,10 @@ class FlowMatchingFamily(ModelFamily):
     objective = "flow_matching"
     trains_embeddings = False
     lora_targets = ("to_k", "to_q", "to_v", "to_out.0")
+    # ComfyUI: its own key names under `diffusion_model.` (Z-Image, Qwen-Image read diffusers' module
+    # paths there); LyCORIS' `lycoris_<path>` for LoKr and LoHa (comfy/lora.py maps both)
+    comfyui_lora_prefixes = {"transformer": "diffusion_model."}
+    comfyui_lycoris_prefixes = {"transformer": "lycoris_"}
     #: train.weighting_scheme when it is null (what diffusers' script for the family defaults to)
     default_weighting_scheme: ClassVar[str] = "none"
     xla_tested = False  # the XLA back end's checkpointing and sharding were built and run for UNets

@@ -24,6 +24,10 @@ class Flux(FlowMatchingFamily):
     tokenizer_names = ("tokenizer", "tokenizer_2")
     t5_tokenizer_name = "tokenizer_2"
     trainable_text_encoders = ("text_encoder",)
+    # ComfyUI maps OneTrainer's kohya-style names for FLUX.1 (comfy/lora.py) and diffusers converts them
+    # back (its "mixture" kohya layout); CLIP-L as lora_te1_
+    comfyui_lora_prefixes = {"transformer": "lora_transformer_", "text_encoder": "lora_te1_"}
+    comfyui_lycoris_prefixes = {**comfyui_lora_prefixes, "transformer": "lycoris_"}
     guidance_in_batch = False  # guidance is an input of the distilled transformer
     default_weighting_scheme = "none"  # train_dreambooth_lora_flux.py's default
     default_max_sequence_length = 512

@@ -13,6 +13,7 @@ LoRA loader has no Qwen3 part.
 """
 from __future__ import annotations
 
+import re
 from typing import Any, ClassVar
 
 from tasks.common.families.base import PredictInputs
@@ -24,6 +25,42 @@ from tasks.common.families.tiny import qwen3_config, qwen_tokenizer, seeded
 #: `attn.to_out` is a ModuleList, so no suffix covers both); 24 covers klein 4B (20) and 9B (24).
 _LORA_TARGETS = ("to_k", "to_q", "to_v", "to_out.0", "to_qkv_mlp_proj",
                  *(f"single_transformer_blocks.{i}.attn.to_out" for i in range(24)))
+
+
+#: diffusers' FLUX.2 module -> BFL's, which ComfyUI's FLUX.2 model has (and kohya's `lora_unet_` names,
+#: which diffusers' FLUX.2 loader converts back); a double-stream block's q, k and v are one `qkv`
+_BFL_NAMES = (
+    (r"^transformer_blocks\.(\d+)\.attn\.to_[qkv]$", r"double_blocks.\1.img_attn.qkv"),
+    (r"^transformer_blocks\.(\d+)\.attn\.add_[qkv]_proj$", r"double_blocks.\1.txt_attn.qkv"),
+    (r"^transformer_blocks\.(\d+)\.attn\.to_out\.0$", r"double_blocks.\1.img_attn.proj"),
+    (r"^transformer_blocks\.(\d+)\.attn\.to_add_out$", r"double_blocks.\1.txt_attn.proj"),
+    (r"^transformer_blocks\.(\d+)\.ff\.linear_in$", r"double_blocks.\1.img_mlp.0"),
+    (r"^transformer_blocks\.(\d+)\.ff\.linear_out$", r"double_blocks.\1.img_mlp.2"),
+    (r"^transformer_blocks\.(\d+)\.ff_context\.linear_in$", r"double_blocks.\1.txt_mlp.0"),
+    (r"^transformer_blocks\.(\d+)\.ff_context\.linear_out$", r"double_blocks.\1.txt_mlp.2"),
+    (r"^single_transformer_blocks\.(\d+)\.attn\.to_qkv_mlp_proj$", r"single_blocks.\1.linear1"),
+    (r"^single_transformer_blocks\.(\d+)\.attn\.to_out$", r"single_blocks.\1.linear2"),
+)
+
+
+def _bfl_name(path: str) -> str:
+    for pattern, name in _BFL_NAMES:
+        if re.match(pattern, path):
+            return re.sub(pattern, name, path)
+    raise ValueError(f"FLUX.2 module {path} has no name in ComfyUI's (BFL's) FLUX.2 model")
+
+
+def _fused(parts: list[dict[str, Any]]) -> dict[str, Any]:
+    """One LoRA (or DoRA) layer for q, k and v side by side: the downs stacked, the ups block-diagonal
+    (each output slice sees only its own down), alpha summed with the rank (the same alpha / rank)."""
+    import torch
+
+    fused = {"lora_down.weight": torch.cat([p["lora_down.weight"] for p in parts]),
+             "lora_up.weight": torch.block_diag(*(p["lora_up.weight"] for p in parts)),
+             "alpha": sum(p["alpha"] for p in parts)}
+    if "dora_scale" in parts[0]:  # DoRA's magnitude is per output row: the rows stack
+        fused["dora_scale"] = torch.cat([p["dora_scale"] for p in parts])
+    return fused
 
 
 class Flux2Klein(FlowMatchingFamily):
@@ -39,6 +76,28 @@ class Flux2Klein(FlowMatchingFamily):
     default_max_sequence_length = 512  # Flux2KleinPipeline's
     #: Qwen3 hidden states that make the conditioning (Flux2KleinPipeline's text_encoder_out_layers)
     text_encoder_out_layers: ClassVar[tuple[int, ...]] = (9, 18, 27)
+    # ComfyUI's FLUX.2 has BFL's module names (comfyui_layers), kohya-style; LoKr and LoHa keep
+    # diffusers' under `lycoris_` (a Kronecker or Hadamard product does not fuse)
+    comfyui_lora_prefixes = {"transformer": "lora_unet_"}
+
+    @classmethod
+    def comfyui_layers(cls, component: str, layers: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+        """LoRA and DoRA layers under BFL's module names, each block's q, k and v fused into its `qkv`."""
+        if not all("lora_down.weight" in t for t in layers.values()):
+            return layers
+        groups: dict[str, list[tuple[str, dict[str, Any]]]] = {}
+        for path, tensors in sorted(layers.items()):
+            groups.setdefault(_bfl_name(path), []).append((path, tensors))
+        out = {}
+        for name, parts in groups.items():
+            if name.endswith(".qkv"):
+                order = {re.search(r"(?:to_|add_)([qkv])", p.rsplit(".", 1)[1]).group(1): t for p, t in parts}
+                if sorted(order) != ["k", "q", "v"]:
+                    raise ValueError(f"{name}: ComfyUI's FLUX.2 takes q, k and v together; adapt all three")
+                out[name] = _fused([order["q"], order["k"], order["v"]])
+            else:
+                (out[name],) = [t for _, t in parts]
+        return out
 
     @classmethod
     def refused_options(cls) -> dict[str, str]:

@@ -30,6 +30,10 @@ class StableDiffusion3(FlowMatchingFamily):
     # GenAI 2026.4.1 applies an SD3 LoRA to the transformer under this prefix; no prefix tried
     # (lora_te1/2, lora_te, te1/2, clip_l/g) reached the CLIP encoders, so those layers are refused.
     genai_lora_prefixes = {"transformer": "transformer"}
+    # ComfyUI maps OneTrainer's kohya-style names for SD3 (comfy/lora.py), CLIP-L/G as SDXL's
+    comfyui_lora_prefixes = {"transformer": "lora_transformer_", "text_encoder": "lora_te1_",
+                             "text_encoder_2": "lora_te2_"}
+    comfyui_lycoris_prefixes = {**comfyui_lora_prefixes, "transformer": "lycoris_"}
 
     @classmethod
     def refused_options(cls) -> dict[str, str]:

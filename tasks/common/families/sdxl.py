@@ -27,6 +27,7 @@ class StableDiffusionXL(ModelFamily):
     tokenizer_names = ("tokenizer", "tokenizer_2")
     embedding_keys = ("clip_l", "clip_g")
     genai_lora_prefixes = {"unet": "lora_unet", "text_encoder": "lora_te1", "text_encoder_2": "lora_te2"}
+    comfyui_lora_prefixes = {"unet": "lora_unet_", "text_encoder": "lora_te1_", "text_encoder_2": "lora_te2_"}
 
     @classmethod
     def matches(cls, index: dict[str, Any]) -> bool:

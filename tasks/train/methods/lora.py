@@ -6,7 +6,8 @@ base (`base_model_precision`, tasks/common/quantize.py) the adapters train over 
 The base weights stay frozen in the training precision; only the adapters train, in float32.
 Saves `pytorch_lora_weights.safetensors` (diffusers' format: `pipe.load_lora_weights(folder)`
 loads it) and, with `fuse_lora`, the base pipeline with the adapters fused in next to it, so the
-`export` stage gets the full pipeline it needs.
+`export` stage gets the full pipeline it needs. With `lora_format: comfyui`, also every adapter type
+as one file under ComfyUI's keys (`comfyui_lora.safetensors`, tasks/common/comfyui_lora.py).
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import torch
 
 from tasks.common import families, stream_fuse
 from tasks.common.adapters import DIFFUSERS_FORMAT, PEFT_DIR, apply_peft_adapters, peft_config, save_peft_adapters
+from tasks.common.comfyui_lora import COMFYUI_LORA_NAME, write_comfyui_lora
 from tasks.common.lora import fuse_lora_file
 from tasks.common.quantize import is_quantized
 from tasks.train.config import TrainConfig
@@ -79,6 +81,8 @@ class LoRA(TrainingMethod):
         from peft.utils import get_peft_model_state_dict
 
         self.fused_components = self.components.family.lora_components(list(trained))
+        if self.cfg.lora_format == "comfyui":
+            self.save_comfyui(out_dir, trained)
         if not self.diffusers_format:
             save_peft_adapters(out_dir / PEFT_DIR, trained)
             log.info("saved %s adapters (%s, rank %d) to %s", self.cfg.lora_type, ", ".join(sorted(trained)),
@@ -95,6 +99,13 @@ class LoRA(TrainingMethod):
             out_dir, **layers, weight_name=WEIGHT_NAME, safe_serialization=True)
         log.info("saved %s weights (%s, rank %d) to %s", self.cfg.lora_type, ", ".join(sorted(trained)),
                  self.cfg.rank, out_dir / WEIGHT_NAME)
+
+    def save_comfyui(self, out_dir: Path, trained: dict[str, torch.nn.Module]) -> None:
+        """`lora_format: comfyui`: the adapters also as one file under ComfyUI's keys (tasks/common/comfyui_lora.py)."""
+        c = self.cfg
+        path = out_dir / COMFYUI_LORA_NAME
+        layers = write_comfyui_lora(path, self.components.family, trained, c.lora_type, c.rank, c.lora_alpha)
+        log.info("saved %s (%d layers) in ComfyUI's layout to %s", c.lora_type, layers, path)
 
     def complete_output(self, base: Path, out_dir: Path) -> None:
         """With `fuse_lora`: the base with the LoRA file fused in, once the trained model is gone. A

@@ -8,6 +8,7 @@ from typing import Literal
 from pydantic import Field
 
 from tasks.common.adapters import ADAPTER_TYPES
+from tasks.common.comfyui_lora import LORA_FORMATS
 from tasks.common.config import StageConfig
 
 
@@ -26,3 +27,6 @@ class AdaptersSection(StageConfig):
     lora_type: Literal[ADAPTER_TYPES] = Field(  # type: ignore[valid-type]
         "lora", description="lora | dora (weight-decomposed) | lokr (Kronecker) | loha (Hadamard), peft's layers")
     decompose_factor: int = Field(-1, ge=-1, description="LoKr: the Kronecker factor (peft's name); -1: automatic")
+    lora_format: Literal[LORA_FORMATS] = Field(  # type: ignore[valid-type]
+        "diffusers", description="diffusers: the adapter files above only | comfyui: also one file with ComfyUI's "
+                                 "keys, comfyui_lora.safetensors (SimpleTuner's name; tasks/train/README.md)")

@@ -7,7 +7,7 @@ SPEC = MethodSpec(
     trains="adapters",
     output="adapters",
     trainer="tasks.train.methods.lora:LoRA",
-    options=("rank", "lora_alpha", "fuse_lora", "lora_type", "lora_dropout", "decompose_factor"),
+    options=("rank", "lora_alpha", "fuse_lora", "lora_type", "lora_dropout", "decompose_factor", "lora_format"),
     option_rules={
         "lora_dropout": (lambda c: c.method == SPEC.name and c.lora_type in ("lora", "dora"),
                          "only method: lora with lora_type lora or dora has LoRA's dropout (peft's LoKr and LoHa "
