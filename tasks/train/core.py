@@ -36,6 +36,7 @@ from tasks.train.methods.base import TrainingMethod
 from tasks.train.models import load_components
 from tasks.train.no_ops import data_no_ops
 from tasks.train.optim import optimizer_name, weight_dtype
+from tasks.train.references import refuse_reference_settings
 from tasks.train.selection import CheckpointJudge, best_record
 from tasks.train.steplog import Callback, StepLog
 from tasks.train.trained import trained_settings
@@ -143,7 +144,8 @@ def train(
     method = cfg.spec.trainer_class()(cfg)
     dataset = method.dataset(Path(data_dir), Path(class_dir) if class_dir else None)  # fails fast on bad data
     _refuse_data_no_ops(cfg, method, dataset)
-    refuse_references(family, dataset.instances)
+    refuse_references(family, dataset.instances)  # edit datasets: a family that takes references,
+    refuse_reference_settings(cfg, dataset.instances)  # and no class images or mixed counts per batch
     data_files = [Path(data_dir) / METADATA]
     if cfg.with_prior_preservation and class_dir is not None:
         data_files += method.class_files or [Path(class_dir) / METADATA]  # train.concepts: one per concept

@@ -31,6 +31,7 @@ from tasks.common.errors import UserError
 from tasks.common.images import apply_exif_orientation, to_rgb
 from tasks.train.batch import Batch
 from tasks.train.layout import Layout
+from tasks.train.references import load_references, stack_references
 
 log = logging.getLogger(__name__)
 
@@ -319,6 +320,14 @@ class TrainDataset(Dataset):
     def _load(self, kind: str, position: int, record: Record, rng: np.random.Generator,
               target: tuple[int, int]) -> dict[str, Any]:
         flip = bool(rng.random() < 0.5) if self.random_flip else False
+        out = self._pixels_or_latent(record, rng, target, flip)
+        if record.references:  # edit training: the references get the target's geometry
+            out.update(load_references(record, out["original_size"], target, out["crop_top_left"], flip,
+                                       self.center_crop))
+        return out
+
+    def _pixels_or_latent(self, record: Record, rng: np.random.Generator, target: tuple[int, int],
+                          flip: bool) -> dict[str, Any]:
         if self.latent_store is not None:
             cached = self._cached(record, target, flip)
             if cached is not None:
@@ -387,6 +396,7 @@ def collate(examples: list[dict[str, Any]]) -> Batch:
         parts += [e["class"] for e in examples]
         prompts += [e["class_prompt"] for e in examples]
     weights = [e.get("loss_weight", 1.0) for e in examples] * (len(parts) // len(examples))
+    references, reference_keys = stack_references(parts)
     decoded = [p["pixels"] for p in parts if p["pixels"] is not None]
     height, width = parts[0]["target_size"]
     return Batch(
@@ -404,4 +414,6 @@ def collate(examples: list[dict[str, Any]]) -> Batch:
         loss_weights=torch.tensor(weights, dtype=torch.float32) if any(w != 1.0 for w in weights) else None,
         masks=[p.get("mask") for p in parts],
         mask_off=[bool(p.get("mask_off", True)) for p in parts],
+        references=references,
+        reference_keys=reference_keys,
     )

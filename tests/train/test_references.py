@@ -7,6 +7,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from PIL import Image
 
 from tasks.common.errors import UserError
@@ -58,3 +59,85 @@ def test_a_missing_reference_file_is_named(tmp_path, edit_dir) -> None:
     next((broken / "references").glob("*_1.png")).unlink()
     with pytest.raises(UserError, match=r"lists the reference image\(s\) references/img1_1.png, which are missing"):
         read_imagefolder(broken, "instance images", "Rerun ingest.")
+
+
+def test_a_reference_follows_its_target_through_crop_flip_and_bucket() -> None:
+    """A reference identical to its target comes out identical to it, whatever crop and flip the target got."""
+    from tasks.train.data import prepare_image
+    from tasks.train.references import prepare_reference
+
+    rng = np.random.default_rng(3)
+    image = Image.fromarray(rng.integers(0, 256, (48, 80, 3), dtype=np.uint8))
+    for flip in (False, True):
+        pixels, original, crop = prepare_image(image, (32, 48), False, flip, np.random.default_rng(5))
+        assert crop != (0, 0) or flip  # a random corner, not the centre
+        assert torch.equal(prepare_reference(image, original, (32, 48), crop, flip), pixels)
+
+
+def _batch(tmp_path, base, edit_dir, **kw):
+    from tasks.train.methods import METHODS
+    from tasks.train.models import load_components
+
+    method = METHODS["lora"](_config(tmp_path, max_sequence_length=SEQ, **kw))
+    dataset = method.dataset(edit_dir, None)
+    components = load_components(base)
+    method.bind(components)
+    method.configure()
+    method.setup_caches()  # the in-memory latent cache (cache_latents with centre crops)
+    return method, components, dataset
+
+
+def test_flux2_sees_the_reference_tokens_and_they_change_the_prediction(tmp_path, tiny_flux2, edit_dir) -> None:
+    """The transformer's input sequence is the target's tokens, then each reference's, with time
+    coordinates 10, 20 as Flux2KleinPipeline gives image inputs; other references, another prediction."""
+    method, components, dataset = _batch(tmp_path, tiny_flux2, edit_dir)
+    batch = method.collate([dataset[(0, 1)]])  # the target with two references
+    assert len(batch.references) == 2 and batch.references[0].shape == (1, 3, 32, 32)
+    denoiser = components.modules["transformer"]
+    seen = []
+    hook = denoiser.register_forward_hook(lambda m, args, kwargs, out: seen.append(kwargs), with_kwargs=True)
+    with torch.no_grad():
+        loss, _ = method.compute_loss(batch, components.modules)
+        swapped = method.collate([dataset[(0, 1)]])
+        swapped.references = [r.flip(-1) for r in swapped.references]
+        swapped.reference_keys = None  # not the cached latents of the unflipped references
+        other, _ = method.compute_loss(swapped, components.modules)
+    hook.remove()
+    assert torch.isfinite(loss) and loss != other, "the references change the prediction"
+    ids, hidden = seen[0]["img_ids"], seen[0]["hidden_states"]
+    tokens = 8 * 8  # 32 px / the tiny VAE's factor 2 / 2x2 patches: 8 x 8 tokens per image
+    assert hidden.shape[1] == ids.shape[1] == 3 * tokens
+    assert ids[0, :tokens, 0].unique().tolist() == [0]
+    assert ids[0, tokens:2 * tokens, 0].unique().tolist() == [10] and ids[0, 2 * tokens:, 0].unique().tolist() == [20]
+    assert method.latent_cache is not None and sum(k.startswith("ref:") for k in method.latent_cache.store) == 2
+
+
+def test_flux2_trains_on_an_edit_dataset(tmp_path, tiny_flux2, edit_dir) -> None:
+    """Two steps of LoRA on (references, target, instruction): finite losses, weights written; the
+    references' latents kept in the disk latent cache beside the targets'."""
+    from tasks.train.core import train
+
+    config = _config(tmp_path, method="lora", max_sequence_length=SEQ, cache_latents_to_disk=True,
+                     disk_cache_dir=tmp_path / "enc")
+    outcome = train(config, tiny_flux2, edit_dir, None, tmp_path / "out")
+    losses = [h.loss for h in outcome.history]
+    assert len(losses) == 2 and all(np.isfinite(losses)), losses
+    assert outcome.weights, "the adapter was written"
+    from safetensors import safe_open
+
+    keys = []
+    for path in (tmp_path / "enc").rglob("*.safetensors"):
+        with safe_open(str(path), "pt") as fh:
+            keys.append((fh.metadata() or {}).get("key", ""))
+    assert sum(k.startswith("ref:") for k in keys) == 3, keys  # each reference once (no flips)
+
+
+def test_edit_settings_that_cannot_train_are_refused(tmp_path, tiny_flux2, edit_dir, class_dir) -> None:
+    from tasks.train.core import train
+
+    with pytest.raises(UserError, match="train.with_prior_preservation: class images have no reference images"):
+        train(_config(tmp_path, max_sequence_length=SEQ, with_prior_preservation=True), tiny_flux2, edit_dir,
+              class_dir, tmp_path / "out")
+    with pytest.raises(UserError, match=r"train.train_batch_size: .* \[1, 2\] reference images"):
+        train(_config(tmp_path, max_sequence_length=SEQ, train_batch_size=2), tiny_flux2, edit_dir, None,
+              tmp_path / "out")

@@ -82,6 +82,8 @@ class PredictInputs:
     original_sizes: Any = None
     crops_top_left: Any = None
     target_sizes: Any = None
+    #: edit training: the scaled latents of each reference image ([n, C, h, w] per reference), or None
+    references: Any = None
 
 
 class ModelFamily:
