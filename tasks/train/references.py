@@ -9,7 +9,7 @@ latents; it is not noised: the family puts the reference tokens beside the noisy
 
 Cached like the targets' latents: with fixed crops (`center_crop`) a reference's posterior is kept
 in the latent cache (memory or disk) under its own key (its file's SHA-256, its target's size, crop
-source size and flip), encoded the first time a step needs it.
+source size and flip), filled by the caching pass before the first step (fill_references).
 """
 from __future__ import annotations
 
@@ -59,6 +59,19 @@ def load_references(record: Any, original: tuple[int, int], target: tuple[int, i
         keys.append(f"ref:{digest}:{target[0]}x{target[1]}:{int(flip)}:on={original[0]}x{original[1]}:"
                     f"at={crop[0]},{crop[1]}" if fixed else None)
     return {"references": pixels, "reference_keys": keys}
+
+
+def fill_references(cache: Any, vae: torch.nn.Module, record: Any, target: tuple[int, int], flip: bool) -> None:
+    """Put a centre-cropped target's references into the latent cache (the caching pass before the
+    first step), under the keys its examples will look up."""
+    from tasks.train.data import _cover
+
+    original = record.image_size()
+    width, height = _cover(original, target)
+    crop = ((height - target[0]) // 2, (width - target[1]) // 2)
+    refs = load_references(record, original, target, crop, flip, fixed=True)
+    for pixels, key in zip(refs["references"], refs["reference_keys"]):
+        cache.parameters(vae, key, pixels[None])
 
 
 def stack_references(parts: list[dict[str, Any]]) -> tuple[list[torch.Tensor] | None, list[list[str | None]] | None]:

@@ -141,3 +141,20 @@ def test_edit_settings_that_cannot_train_are_refused(tmp_path, tiny_flux2, edit_
     with pytest.raises(UserError, match=r"train.train_batch_size: .* \[1, 2\] reference images"):
         train(_config(tmp_path, max_sequence_length=SEQ, train_batch_size=2), tiny_flux2, edit_dir, None,
               tmp_path / "out")
+
+
+def test_the_caching_pass_holds_the_references_a_step_needs(tmp_path, tiny_flux2, edit_dir) -> None:
+    """After the caching pass before the first step, a step encodes nothing: targets and references are in."""
+    from contextlib import nullcontext
+    from types import SimpleNamespace
+
+    method, components, dataset = _batch(tmp_path, tiny_flux2, edit_dir)
+    accelerator = SimpleNamespace(process_index=0, num_processes=1, is_local_main_process=True,
+                                  autocast=nullcontext, wait_for_everyone=lambda: None)
+    method.fill_latent_cache(dataset, accelerator)
+    cache = method.latent_cache
+    assert sum(k.startswith("ref:") for k in cache.store) == 3 and cache.misses == 2 + 3
+    with torch.no_grad():
+        for index in range(len(dataset)):
+            method.compute_loss(method.collate([dataset[(0, index)]]), components.modules)
+    assert cache.misses == 5, "every latent a step needed was cached before it"
