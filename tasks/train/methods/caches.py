@@ -16,8 +16,8 @@ from tasks.common.memory import release_memory
 from tasks.train.concepts import concept_prompts
 from tasks.train.data import latent_key, prepare_image
 from tasks.train.diffusion import LatentCache, PromptCache
-from tasks.train.references import fill_references
 from tasks.train.methods.placement import put
+from tasks.train.references import fill_references
 
 log = logging.getLogger(__name__)
 
