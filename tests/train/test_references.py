@@ -158,3 +158,22 @@ def test_the_caching_pass_holds_the_references_a_step_needs(tmp_path, tiny_flux2
         for index in range(len(dataset)):
             method.compute_loss(method.collate([dataset[(0, index)]]), components.modules)
     assert cache.misses == 5, "every latent a step needed was cached before it"
+
+
+def test_the_edit_demo_from_ingest_trains_on_flux2(tmp_path, tiny_flux2) -> None:
+    """data/demo/edits.py -> ingest (control_dir) -> two LoRA steps on tiny FLUX.2 [klein] at batch 1
+    (the demo mixes one and two references), with flips: the stages' contract holds end to end."""
+    import subprocess
+    import sys
+
+    from tasks.train.core import train
+    from tests.conftest import REPO
+    from tests.ingest.util import config, run
+
+    subprocess.run([sys.executable, str(REPO / "data/demo/edits.py"), "--out", str(tmp_path / "edits")], check=True)
+    ingested = run(config([{"type": "folder", "path": str(tmp_path / "edits"), "control_dir": "control"}],
+                          resolution=32, near_duplicate_distance=None), tmp_path / "processed")
+    assert len(ingested.kept) == 4 and not ingested.rejected
+    outcome = train(_config(tmp_path, method="lora", max_sequence_length=SEQ, random_flip=True), tiny_flux2,
+                    tmp_path / "processed", None, tmp_path / "out")
+    assert len(outcome.history) == 2 and all(np.isfinite(h.loss) for h in outcome.history)
