@@ -150,6 +150,7 @@ lock-side-env-%:
 data: $(STAMP)
 	$(BIN)/python data/demo/generate.py --out data/demo/subject
 	$(BIN)/python data/demo/concepts.py --out data/demo/concepts
+	$(BIN)/python data/demo/edits.py --out data/demo/edits
 
 demo: data
 	@start=$$(date +%s); \

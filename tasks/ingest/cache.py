@@ -1,9 +1,10 @@
 """Content-addressed store of processed images, so a re-run processes only what is new.
 
 Layout: `<cache_dir>/<fingerprint>/<sha[:2]>/<sha>.json` (the outcome: kept image facts or a
-rejection), `<sha>.<png|jpg>` (the processed image) and `<sha>.mask.png` (its processed mask,
-if it has one). `sha` is the SHA-256 of the source file's bytes, or, for an image with a mask
-file, of both files' hashes (a changed mask is a new entry, never a stale one); `fingerprint`
+rejection), `<sha>.<png|jpg>` (the processed image), `<sha>.mask.png` (its processed mask,
+if it has one) and `<sha>.ref<i>.png` (its processed reference images, if any). `sha` is the
+SHA-256 of the source file's bytes, or, for an image with a mask file or references, of all the
+files' hashes (a changed mask is a new entry, never a stale one); `fingerprint`
 hashes every parameter that changes the processed pixels and the
 source code that produces them, so a changed parameter or a code change never reuses stale
 results (it starts a new fingerprint directory; only the most recent ones are kept).
@@ -41,7 +42,8 @@ from tasks.common import safe_remove
 log = logging.getLogger(__name__)
 
 #: Source files whose code decides the processed pixels: part of the fingerprint.
-_CODE = ("tasks/ingest/checks.py", "tasks/ingest/work.py", "tasks/ingest/masks.py", "tasks/common/images.py")
+_CODE = ("tasks/ingest/checks.py", "tasks/ingest/work.py", "tasks/ingest/masks.py", "tasks/ingest/references.py",
+         "tasks/common/images.py")
 KEEP_FINGERPRINTS = 3  # parameter sets kept on disk (switching back and forth stays warm)
 USED = ".last_used"
 KIND = "ingest-cache"  # the marker's kind on each parameter set (and on a one-run staging folder)
@@ -83,6 +85,8 @@ class Store:
             return None
         if "mask_source" in entry and not self.mask_path(sha).is_file():
             return None
+        if any(not self.reference_path(sha, i).is_file() for i in range(entry.get("references", 0))):
+            return None
         return entry
 
     def image_path(self, sha: str, ext: str) -> Path:
@@ -91,8 +95,12 @@ class Store:
     def mask_path(self, sha: str) -> Path:
         return self._base(sha).with_suffix(".mask.png")
 
-    def put(self, sha: str, entry: dict[str, Any], image: bytes | None = None, mask: bytes | None = None) -> None:
-        """Write the image and mask (if any), then the entry; each appears atomically (write + rename)."""
+    def reference_path(self, sha: str, index: int) -> Path:
+        return self._base(sha).with_suffix(f".ref{index}.png")
+
+    def put(self, sha: str, entry: dict[str, Any], image: bytes | None = None, mask: bytes | None = None,
+            references: tuple[bytes, ...] | list[bytes] = ()) -> None:
+        """Write the image, mask and references (if any), then the entry; each appears atomically."""
         base = self._base(sha)
         if self.persistent:
             base.parent.mkdir(parents=True, exist_ok=True)
@@ -100,13 +108,18 @@ class Store:
             _write_atomic(self.image_path(sha, entry["ext"]), image)
         if mask is not None:
             _write_atomic(self.mask_path(sha), mask)
+        for i, data in enumerate(references):
+            _write_atomic(self.reference_path(sha, i), data)
         if self.persistent:
             _write_atomic(base.with_suffix(".json"), json.dumps(entry, sort_keys=True).encode())
 
-    def materialize(self, sha: str, ext: str, dest: Path, mask: bool = False) -> None:
-        """Put the processed image (or with `mask`, its mask) at `dest`: a copy from a persistent
-        cache, else a move."""
-        src = self.mask_path(sha) if mask else self.image_path(sha, ext)
+    def materialize(self, sha: str, ext: str, dest: Path, mask: bool = False, reference: int | None = None) -> None:
+        """Put the processed image (or with `mask`, its mask; with `reference`, that reference) at `dest`:
+        a copy from a persistent cache, else a move."""
+        if reference is not None:
+            src = self.reference_path(sha, reference)
+        else:
+            src = self.mask_path(sha) if mask else self.image_path(sha, ext)
         if self.persistent:
             shutil.copyfile(src, dest)
         else:

@@ -31,6 +31,7 @@ REASONS: tuple[str, ...] = (
     "orphan_caption",  # a caption file with no image beside it
     "orphan_mask",  # a `<stem>-masklabel.png` with no image of that stem beside it
     "missing_image",  # metadata names an image that does not exist
+    "missing_reference",  # an edit source (control_dir, cond_image_column) gives this target no reference image
     "bad_metadata",  # metadata that cannot be parsed or lacks a required key
     # the metadata rules of the training notes (seed 003), by their names there
     "consider_every_nth",  # not one of every nth metadata file
@@ -44,6 +45,7 @@ REASONS: tuple[str, ...] = (
     "too_small",  # short side below ingest.min_side
     "aspect_ratio",  # long side / short side above ingest.max_aspect_ratio
     "bad_mask",  # its mask is unreadable, of another size than the image, or all black (detail: the mask)
+    "bad_reference",  # one of its reference images fails the image checks (detail: the reference and why)
     # the caption policy (ingest.captions)
     "empty_caption",  # no caption, and captions.empty is drop
     "long_caption",  # over captions.max_words, and captions.too_long is drop

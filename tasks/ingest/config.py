@@ -86,7 +86,15 @@ class FolderSource(ConceptFields):
         "image (OneTrainer) is read without it",
     )
 
-    @field_validator("mask_dir")
+    control_dir: str | None = Field(
+        None, min_length=1,
+        description="folder of reference (condition) images for edit training, relative to `path` (kohya's "
+        "conditioning_data_dir, musubi-tuner's control_directory): a target's reference has its relative "
+        "path and stem (`control/sub/a.png` for `sub/a.jpg`), several are numbered `a_0.png`, `a_1.png`, ...; "
+        "a target without one is rejected (missing_reference); files in it are never training images",
+    )
+
+    @field_validator("mask_dir", "control_dir")
     @classmethod
     def _relative(cls, value: str | None) -> str | None:
         if value is not None and (Path(value).is_absolute() or ".." in Path(value).parts):
@@ -148,6 +156,11 @@ class ImageFolderSource(ConceptFields):
         description="dataset root; metadata files may sit at any depth; default: ingest.data_dir",
     )
     caption_column: str = Field("text", min_length=1, description="metadata column with captions")
+    cond_image_column: str | None = Field(
+        None, min_length=1, description="metadata column with each target's reference image(s) for edit "
+        "training (diffusers' --cond_image_column): a path relative to the metadata file's folder, as "
+        "`file_name`, or a list of them; null: no references",
+    )
 
 
 class HubSource(ConceptFields):
@@ -164,6 +177,10 @@ class HubSource(ConceptFields):
     split: str = Field("train", min_length=1, description="the dataset split to read")
     image_column: str = Field("image", min_length=1, description="column with the images")
     caption_column: str = Field("text", min_length=1, description="column with the captions")
+    cond_image_column: str | None = Field(
+        None, min_length=1, description="column with each row's reference image (or a list of them) for "
+        "edit training (diffusers' --cond_image_column); null: no references",
+    )
     limit: int | None = Field(None, ge=1, description="read only the first N rows")
 
 

@@ -27,7 +27,7 @@ from PIL import Image
 from tqdm import tqdm
 
 from tasks.common.errors import UserError
-from tasks.ingest import annotate, captions
+from tasks.ingest import annotate, captions, references
 from tasks.ingest.cache import close_store, fingerprint, open_store
 from tasks.ingest.checks import REASONS, Limits, Reject
 from tasks.ingest.config import FolderSource, HubSource, ImageFolderSource, IngestConfig, label
@@ -61,6 +61,7 @@ class Summary:
     captions_truncated: int = 0
     cache_hits: int = 0
     masks: Counter = field(default_factory=Counter)  # kept images with a mask, per mask_source
+    references: Counter = field(default_factory=Counter)  # kept targets with references, and their files
     samples: list[Image.Image] = field(default_factory=list)
     by_concept: Counter = field(default_factory=Counter)  # kept images per concept (rows naming one)
     captions_by_source: Counter = field(default_factory=Counter)
@@ -82,6 +83,7 @@ class Summary:
             "by_source": {k: dict(v) for k, v in self.by_source.items()},
             **({"by_concept": dict(sorted(self.by_concept.items()))} if self.by_concept else {}),
             "masks_by_source": {source: self.masks[source] for source in MASK_SOURCES},
+            "references": {"targets": self.references["targets"], "files": self.references["files"]},
             "captions_by_source": {k: self.captions_by_source[k] for k in CAPTION_SOURCES},
             "annotations": self.annotations,
         }
@@ -269,6 +271,7 @@ class _Judge:
         if mask_file_name:
             (self.out_dir / MASKS).mkdir(exist_ok=True)
             self.store.materialize(key, entry["ext"], self.out_dir / mask_file_name, mask=True)
+        reference_file_names = self._references(key, entry, Path(file_name).stem)
         image_in_metadata = "image" in item.extra
         row = {
             "file_name": file_name,
@@ -288,6 +291,7 @@ class _Judge:
             "repeats": item.repeats,
             "mask_file_name": mask_file_name,
             "mask_source": mask_source,
+            "reference_file_names": reference_file_names,
         }
         _write(self.meta, row)
         self.exact.add(sha, name)
@@ -301,11 +305,24 @@ class _Judge:
         s.captions_truncated += caption.truncated
         if mask_source:
             s.masks[mask_source] += 1
+        if reference_file_names:
+            s.references["targets"] += 1
+            s.references["files"] += len(reference_file_names)
         s.captions_by_source[caption.source] += 1
         if len(s.samples) < MAX_SAMPLES:
             with Image.open(self.out_dir / file_name) as im:
                 factor = max(1, max(im.size) // 256)  # a cheap box reduction for the preview
                 s.samples.append(im.convert("RGB").reduce(factor))
+
+
+    def _references(self, key: str, entry: dict[str, Any], stem: str) -> list[str]:
+        """Copy a kept target's processed references out of the store; their names in the output."""
+        names = references.output_names(stem, entry.get("references", 0)) if entry.get("references") else []
+        if names:
+            (self.out_dir / references.REFERENCES).mkdir(exist_ok=True)
+        for i, name in enumerate(names):
+            self.store.materialize(key, entry["ext"], self.out_dir / name, reference=i)
+        return names
 
 
 def require_kept(summary: Summary, rejected_path: Path | None = None) -> None:

@@ -10,6 +10,7 @@ hash makes the params change whenever the data may have; a branch name like "mai
 """
 from __future__ import annotations
 
+import io
 import logging
 from collections.abc import Iterator
 from pathlib import Path
@@ -45,13 +46,19 @@ def open_dataset(src: HubSource, key: str) -> Any:
     except Exception as err:  # network, auth, missing repo or split: all "cannot load"
         raise _offline_help(src, key, err) from None
     columns = list(ds.features or {}) if getattr(ds, "features", None) else []
-    for col_key, column in (("image_column", src.image_column), ("caption_column", src.caption_column)):
+    wanted = [("image_column", src.image_column), ("caption_column", src.caption_column)]
+    wanted += [("cond_image_column", src.cond_image_column)] if src.cond_image_column else []
+    for col_key, column in wanted:
         if columns and column not in columns:
             raise UserError(
                 f"{key}.{col_key}: {src.name} has no column {column!r}; its columns: "
                 f"{', '.join(columns)}"
             )
-    return ds.cast_column(src.image_column, datasets.Image(decode=False))
+    ds = ds.cast_column(src.image_column, datasets.Image(decode=False))
+    feature = (getattr(ds, "features", None) or {}).get(src.cond_image_column) if src.cond_image_column else None
+    if isinstance(feature, datasets.Image):  # one image per row; a list of images stays as it is
+        ds = ds.cast_column(src.cond_image_column, datasets.Image(decode=False))
+    return ds
 
 
 def _read_local(src: HubSource, path: str) -> bytes:
@@ -97,4 +104,37 @@ def iter_hub(src: HubSource, label: str, key: str) -> Iterator[Item]:
                 continue
         caption = row.get(src.caption_column)
         text = None if caption is None else " ".join(str(caption).split())
-        yield Item(label, rel, Task(data=data or b""), text, "hub")
+        try:
+            refs = _references(src, row)
+        except Reject as reject:
+            yield Item.rejected(label, rel, reject)
+            continue
+        yield Item(label, rel, Task(data=data or b"", reference_data=refs), text, "hub")
+
+
+def _references(src: HubSource, row: dict[str, Any]) -> tuple[bytes, ...]:
+    """A row's reference images' bytes (cond_image_column: an image or a list of them)."""
+    if src.cond_image_column is None:
+        return ()
+    value = row.get(src.cond_image_column)
+    images = value if isinstance(value, list) else [] if value is None else [value]
+    refs = []
+    for image in images:
+        if hasattr(image, "save"):  # a decoded PIL image (a list-of-images column): lossless bytes again
+            buf = io.BytesIO()
+            image.save(buf, format="PNG")
+            image = buf.getvalue()
+        image = image if isinstance(image, dict) else {"bytes": image} if isinstance(image, bytes) else {}
+        data = image.get("bytes")
+        if data is None and image.get("path"):
+            try:
+                data = _read_local(src, str(image["path"]))
+            except Reject as err:
+                raise Reject("outside_root" if err.reason == "outside_root" else "bad_reference",
+                             f"reference {err.detail}") from None
+        if not data:
+            raise Reject("bad_reference", f"reference #{len(refs)} in {src.cond_image_column!r} has no image data")
+        refs.append(data)
+    if not refs:
+        raise Reject("missing_reference", f"no reference image in column {src.cond_image_column!r}")
+    return tuple(refs)

@@ -18,13 +18,13 @@ import logging
 import os
 import posixpath
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from tasks.common.errors import UserError
 from tasks.common.outputs import OUTPUT_MARKER
-from tasks.ingest import kohya
+from tasks.ingest import kohya, references
 from tasks.ingest.checks import METADATA_MAX_BYTES, Reject, read_bytes
 from tasks.ingest.config import FolderSource, ImageFolderSource
 from tasks.ingest.masks import MASKLABEL_SUFFIX
@@ -76,15 +76,16 @@ def source_root(path: Path, key: str) -> Path:
     return path.resolve()
 
 
-def walk(root: Path, label: str, skip: Path | None = None) -> Iterator[tuple[Path, list[str], list[Item]]]:
+def walk(root: Path, label: str, skip: tuple[Path | None, ...] = ()) -> Iterator[tuple[Path, list[str], list[Item]]]:
     """(directory, its file names in order, rejected directory links) for each directory under root.
 
     Directory symlinks are not followed: one leading outside the root is rejected, one inside is
-    skipped (its files are listed at their real location). `skip`: a folder not walked (masks).
+    skipped (its files are listed at their real location). `skip`: folders not walked (masks, references).
     """
+    skipped = {p for p in skip if p is not None}
     for dirpath, dirnames, filenames in os.walk(root, followlinks=False):
         here = Path(dirpath)
-        dirnames[:] = sorted(d for d in dirnames if skip is None or here / d != skip)
+        dirnames[:] = sorted(d for d in dirnames if here / d not in skipped)
         rejected = []
         for d in dirnames:
             link = here / d
@@ -129,7 +130,8 @@ def iter_folder(src: FolderSource, label: str, key: str) -> Iterator[Item]:
 
 def _folder_items(src: FolderSource, root: Path, label: str, key: str) -> Iterator[Item]:
     masks = _mask_root(root, src.mask_dir, f"{key}.mask_dir")
-    for here, names, rejected in walk(root, label, skip=masks):
+    controls = _control_root(root, src.control_dir, f"{key}.control_dir")
+    for here, names, rejected in walk(root, label, skip=(masks, controls)):
         yield from rejected
         label_of = {n[: -len(MASKLABEL_SUFFIX)]: n for n in names if n.lower().endswith(MASKLABEL_SUFFIX)}
         labels = set(label_of.values())
@@ -137,6 +139,7 @@ def _folder_items(src: FolderSource, root: Path, label: str, key: str) -> Iterat
         caption_of = _caption_files(names, labels, src.caption_extensions)
         consumed = set(caption_of.values())
         in_mask_dir = _listing(masks / here.relative_to(root)) if masks is not None else {}
+        refs_here = references.listing(controls / here.relative_to(root), image_stems) if controls else {}
         for name in names:
             path = here / name
             rel = _rel(root, path)
@@ -146,7 +149,8 @@ def _folder_items(src: FolderSource, root: Path, label: str, key: str) -> Iterat
             elif _is_image(name):
                 mask, mask_source = _mask_of(name, here, label_of, in_mask_dir)
                 sidecar = caption_of.get(name)
-                yield _image_item(src, root, path, label, rel, here / sidecar if sidecar else None, mask, mask_source)
+                item = _image_item(src, root, path, label, rel, here / sidecar if sidecar else None, mask, mask_source)
+                yield _with_references(item, refs_here.get(Path(name).stem, []), controls is not None)
             elif name in consumed:
                 continue  # a caption, consumed by its image
             elif Path(name).suffix.lower() in src.caption_extensions:
@@ -182,6 +186,27 @@ def _image_item(src: FolderSource, root: Path, path: Path, label: str, rel: str,
     cap = str(caption) if caption else None
     task = Task(root=str(root), path=str(path), caption_path=cap, mask_path=mask, mask_source=mask_source)
     return Item(label, rel, task, caption_source="file" if cap else "none")
+
+
+def _with_references(item: Item, refs: list[str], wanted: bool) -> Item:
+    """An image item with its reference files; without any where the source expects them: rejected."""
+    if wanted and not refs:
+        return Item.rejected(item.source, item.rel, Reject(
+            "missing_reference", "no reference image with this stem (or stem_0, stem_1, ...) in control_dir"))
+    if refs:
+        item.task = replace(item.task, references=tuple(refs))
+    return item
+
+
+def _control_root(root: Path, control_dir: str | None, key: str) -> Path | None:
+    """The source's folder of reference images (it must exist inside the root), or None."""
+    if control_dir is None:
+        return None
+    folder = root / control_dir
+    if not folder.is_dir() or folder.is_symlink():
+        raise UserError(f"{key}: {folder} is not a folder; create it with the reference images (same relative "
+                        "path and stem as their targets, or stem_0, stem_1, ... for several) or remove control_dir.")
+    return folder
 
 
 def _mask_root(root: Path, mask_dir: str | None, key: str) -> Path | None:
@@ -226,7 +251,10 @@ def iter_imagefolder(src: ImageFolderSource, label: str, key: str) -> Iterator[I
     row get no caption (the caption policy decides); rows naming no existing file are rejected.
     """
     root = source_root(src.path, f"{key}.path")
-    captions, problems = _read_imagefolder_metadata(root, src.caption_column, label, key)
+    refs: dict[str, list[str] | Reject] = {}
+    captions, problems = _read_imagefolder_metadata(root, src.caption_column, label, key,
+                                                    (src.cond_image_column, refs))
+    referenced = {r for paths in refs.values() if isinstance(paths, list) for r in paths}
     yield from problems
     for here, names, rejected in walk(root, label):
         yield from rejected
@@ -234,8 +262,8 @@ def iter_imagefolder(src: ImageFolderSource, label: str, key: str) -> Iterator[I
         for name in names:
             path = here / name
             rel = _rel(root, path)
-            if name in IMAGEFOLDER_METADATA:
-                continue
+            if name in IMAGEFOLDER_METADATA or (rel in referenced and rel not in captions):
+                continue  # the metadata, or a reference image (not a target of its own)
             if name in label_of.values() and rel not in captions:  # a mask (unless the metadata lists it)
                 if not any(Path(n).stem == name[: -len(MASKLABEL_SUFFIX)] for n in names if _is_image(n)
                            and n not in label_of.values()):
@@ -249,8 +277,9 @@ def iter_imagefolder(src: ImageFolderSource, label: str, key: str) -> Iterator[I
                 continue
             how = "metadata" if text is not None else "none"
             mask, mask_source = _mask_of(name, here, label_of, {})
-            yield Item(label, rel, Task(root=str(root), path=str(path), mask_path=mask, mask_source=mask_source),
-                       text, how)
+            item = Item(label, rel, Task(root=str(root), path=str(path), mask_path=mask, mask_source=mask_source),
+                        text, how)
+            yield _column_references(item, root, refs.get(rel, []), src.cond_image_column is not None)
     for rel in sorted(captions):  # rows whose file was not found on disk
         target = root / rel
         reject = (
@@ -261,10 +290,33 @@ def iter_imagefolder(src: ImageFolderSource, label: str, key: str) -> Iterator[I
         yield Item.rejected(label, rel, reject)
 
 
+def _column_references(item: Item, root: Path, refs: list[str] | Reject, wanted: bool) -> Item:
+    """An imagefolder item with the references its row names (cond_image_column)."""
+    if isinstance(refs, Reject):
+        return Item.rejected(item.source, item.rel, refs)
+    return _with_references(item, [str(root / r) for r in refs], wanted)
+
+
+def _row_references(row: dict, column: str, base: str) -> list[str] | Reject:
+    """The reference paths (relative to the root) a metadata row names in `column`: a path or a list."""
+    value = row.get(column)
+    values = value if isinstance(value, list) else [] if value in (None, "") else [value]
+    paths = []
+    for ref in values:
+        if not isinstance(ref, str) or not ref or "://" in ref or ref.startswith("/"):
+            return Reject("bad_metadata", f"{column}: {ref!r} is not a relative path (or list of them)")
+        paths.append(posixpath.normpath(posixpath.join(base, ref)))
+    return paths
+
+
 def _read_imagefolder_metadata(
-    root: Path, column: str, label: str, key: str
+    root: Path, column: str, label: str, key: str,
+    references: tuple[str | None, dict[str, list[str] | Reject]] = (None, {}),
 ) -> tuple[dict[str, str | None], list[Item]]:
-    """{image path relative to root: caption} from every metadata file, and rejected rows."""
+    """{image path relative to root: caption} from every metadata file, and rejected rows.
+
+    `references`: (cond_image_column, a dict filled with {image path: its reference paths or a Reject})."""
+    cond_column, refs = references
     captions: dict[str, str | None] = {}
     problems: list[Item] = []
     seen_column = False
@@ -296,6 +348,8 @@ def _read_imagefolder_metadata(
                 else:
                     value = row.get(column)
                     captions[rel] = None if value is None else " ".join(str(value).split())
+                    if cond_column is not None:
+                        refs[rel] = _row_references(row, cond_column, base)
     if files and not seen_column:
         raise UserError(
             f"{key}.caption_column: no metadata file under {root} has a column {column!r}; set "

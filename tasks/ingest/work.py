@@ -21,6 +21,7 @@ from tasks.common.images import apply_exif_orientation, resize_and_crop, resize_
 from tasks.ingest.cache import Store
 from tasks.ingest.checks import CAPTION_MAX_BYTES, Limits, Reject, decode, read_bytes
 from tasks.ingest.masks import alpha_of, encode_png, finish, has_alpha, read_mask
+from tasks.ingest.references import encode_references, read_reference_file
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +73,8 @@ class Task:
     caption_path: str | None = None  # sidecar caption, read through the same confinement
     mask_path: str | None = None  # the image's mask file (tasks/ingest/masks.py), same confinement
     mask_source: str | None = None  # file | masklabel
+    references: tuple[str, ...] = ()  # its reference images' files (tasks/ingest/references.py), same confinement
+    reference_data: tuple[bytes, ...] = ()  # its reference images' bytes already in hand (hub rows)
 
 
 @dataclass
@@ -108,22 +111,52 @@ def run_task(task: Task, settings: Settings, store: Store) -> Outcome:
         data = task.data if task.data is not None else read_bytes(Path(task.root), Path(task.path))
         caption = read_caption(Path(task.root), Path(task.caption_path)) if task.caption_path else None
         mask = read_mask_file(Path(task.root), Path(task.mask_path)) if task.mask_path else None
+        refs = _read_references(task)
     except Reject as err:
         return Outcome(reject=err)
     if not data:
         return Outcome(reject=Reject("empty_file", "0 bytes"))
     sha = hashlib.sha256(data).hexdigest()
-    key = sha  # a mask is part of the key: a changed mask is never served from the cache
+    key = sha  # a mask and references are part of the key: a changed one is never served from the cache
     if mask is not None:
         key = hashlib.sha256(f"{sha}|{task.mask_source}|{hashlib.sha256(mask).hexdigest()}".encode()).hexdigest()
+    if refs:
+        ref_hashes = "|".join(hashlib.sha256(ref).hexdigest() for ref, _ in refs)
+        key = hashlib.sha256(f"{key}|references|{ref_hashes}".encode()).hexdigest()
     entry = store.get(key)
     cached = entry is not None
     if entry is None:
         named = (mask, Path(task.mask_path).name, task.mask_source) if mask is not None else None
         entry, encoded, encoded_mask = process(data, settings, named)
-        store.put(key, entry, encoded, encoded_mask)
+        encoded_refs = _process_references(entry, refs, settings)
+        if encoded_refs is None:
+            encoded = encoded_mask = None
+        store.put(key, entry, encoded, encoded_mask, encoded_refs or ())
     reject = Reject(entry["reject"], entry["detail"]) if "reject" in entry else None
     return Outcome(sha=sha, reject=reject, entry=entry, caption=caption, cached=cached, key=key)
+
+
+def _read_references(task: Task) -> list[tuple[bytes, str]]:
+    """(bytes, name) of each reference of a task: its files (root-confined) or its bytes in hand."""
+    if task.references:
+        return [(read_reference_file(Path(task.root), Path(p)), Path(p).name) for p in task.references]
+    return [(data, f"#{i}") for i, data in enumerate(task.reference_data)]
+
+
+def _process_references(entry: dict[str, Any], refs: list[tuple[bytes, str]], s: Settings) -> list[bytes] | None:
+    """The encoded references of a kept image ([] without any); None when one rejects the image
+    (`entry` then becomes that rejection)."""
+    if not refs or "reject" in entry:
+        return []
+    try:
+        encoded = encode_references(refs, (entry["width"], entry["height"]), s.limits, s.background,
+                                    PNG_COMPRESS_LEVEL)
+    except Reject as err:
+        entry.clear()
+        entry.update({"reject": err.reason, "detail": err.detail})
+        return None
+    entry["references"] = len(encoded)
+    return encoded
 
 
 def read_mask_file(root: Path, path: Path) -> bytes:

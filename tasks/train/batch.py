@@ -37,6 +37,10 @@ class Batch:
     loss_weights: torch.Tensor | None = None
     #: token ids per tokenizer (TrainingMethod.collate adds them)
     input_ids: list[torch.Tensor] | None = None
+    #: edit training: per reference index, the rows' reference pixels (n, 3, H, W) in [-1, 1], and their
+    #: latent cache keys (None with random crops); None without references (tasks/train/references.py)
+    references: list[torch.Tensor] | None = None
+    reference_keys: list[list[str | None]] | None = None
 
     def to(self, device: Any, non_blocking: bool = False) -> Batch:
         """The batch with its tensors on `device` (accelerate's data loader calls this)."""
@@ -46,9 +50,11 @@ class Batch:
         """The top-level tensor fields by name (the XLA back end shards and logs them)."""
         return {f.name: v for f in fields(self) if isinstance(v := getattr(self, f.name), torch.Tensor)}
 
-    def predict_inputs(self, resolution: int, guidance_scale: float) -> PredictInputs:
-        """What a family's denoiser call reads from this batch and the train settings."""
-        return PredictInputs(resolution, guidance_scale, self.original_sizes, self.crops_top_left, self.target_sizes)
+    def predict_inputs(self, resolution: int, guidance_scale: float, references: Any = None) -> PredictInputs:
+        """What a family's denoiser call reads from this batch and the train settings (`references`:
+        the reference images' latents)."""
+        return PredictInputs(resolution, guidance_scale, self.original_sizes, self.crops_top_left, self.target_sizes,
+                             references)
 
 
 def _to(value: Any, device: Any, non_blocking: bool) -> Any:

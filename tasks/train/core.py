@@ -26,7 +26,7 @@ from tasks.train.backend import caches_on_host
 from tasks.train.checkpoints import CheckpointManager, run_key
 from tasks.train.concepts import examples_report
 from tasks.train.config import TrainConfig
-from tasks.train.data import METADATA
+from tasks.train.data import METADATA, refuse_references
 from tasks.train.loop import LoopResult, make_accelerator, run_loop
 
 # The built-in methods' trainers, which their specs name by path (spec.trainer_class() imports
@@ -36,6 +36,7 @@ from tasks.train.methods.base import TrainingMethod
 from tasks.train.models import load_components
 from tasks.train.no_ops import data_no_ops
 from tasks.train.optim import optimizer_name, weight_dtype
+from tasks.train.references import refuse_reference_settings
 from tasks.train.selection import CheckpointJudge, best_record
 from tasks.train.steplog import Callback, StepLog
 from tasks.train.trained import trained_settings
@@ -134,7 +135,8 @@ def train(
     start = time.perf_counter()
     check_replaceable(out_dir)  # hours before the output is written
     base = Path(base)
-    cfg.check_family(families.detect(base))  # a method or option the family lacks: refused before any load
+    family = families.detect(base)
+    cfg.check_family(family)  # a method or option the family lacks: refused before any load
     cfg = cfg.with_scoring_from(None)  # keys the CLI did not fill from params.yaml: their defaults
     _settings(cfg)
     accelerator = make_accelerator(cfg)
@@ -142,6 +144,8 @@ def train(
     method = cfg.spec.trainer_class()(cfg)
     dataset = method.dataset(Path(data_dir), Path(class_dir) if class_dir else None)  # fails fast on bad data
     _refuse_data_no_ops(cfg, method, dataset)
+    refuse_references(family, dataset.instances)  # edit datasets: a family that takes references,
+    refuse_reference_settings(cfg, dataset.instances)  # and no class images or mixed counts per batch
     data_files = [Path(data_dir) / METADATA]
     if cfg.with_prior_preservation and class_dir is not None:
         data_files += method.class_files or [Path(class_dir) / METADATA]  # train.concepts: one per concept

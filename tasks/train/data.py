@@ -31,6 +31,7 @@ from tasks.common.errors import UserError
 from tasks.common.images import apply_exif_orientation, to_rgb
 from tasks.train.batch import Batch
 from tasks.train.layout import Layout
+from tasks.train.references import load_references, stack_references
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +51,7 @@ class Record:
     concept: str | None = None  # the row's concept (ingest: a source's, or a kohya folder's)
     repeats: int = 1  # times an epoch shows it (ingest's; train.concepts may override)
     mask: Path | None = None  # the subject mask (`mask_file_name`, from the ingest stage)
+    references: tuple[Path, ...] = ()  # reference images of an edit triple (`reference_file_names`, ingest)
 
     def image_size(self) -> tuple[int, int]:
         """(height, width) of the upright image: the metadata's, else read from the file's header."""
@@ -87,6 +89,10 @@ def read_imagefolder(folder: Path, what: str, fix: str, caption_column: str = "t
             if mask is not None and not mask.is_file():
                 raise UserError(f"{what}: {meta}:{line_no} lists the mask {row['mask_file_name']}, which is "
                                 f"missing. {fix}")
+            refs = tuple(folder / name for name in row.get("reference_file_names") or ())
+            if missing := [str(r.relative_to(folder)) for r in refs if not r.is_file()]:
+                raise UserError(f"{what}: {meta}:{line_no} lists the reference image(s) {', '.join(missing)}, "
+                                f"which are missing. {fix}")
             if caption_column != "text" and caption_column not in row:
                 raise UserError(f"{what}: {meta}:{line_no} has no column {caption_column!r} "
                                 f"(train.caption_column); columns: {', '.join(sorted(row))}")
@@ -94,11 +100,22 @@ def read_imagefolder(folder: Path, what: str, fix: str, caption_column: str = "t
             records.append(Record(
                 path, str(row.get(caption_column) or ""), tuple(str(t) for t in tags),
                 row.get("tag_separator") or ", ", row.get("score"), _size(row),
-                row.get("concept"), _repeats(row), mask,
+                row.get("concept"), _repeats(row), mask, refs,
             ))
     if not records:
         raise UserError(f"{what}: {folder} holds no images. {fix}")
     return records
+
+
+def refuse_references(family: Any, records: list[Record]) -> None:
+    """Reference images (an edit dataset) train only on a family that takes them: refused before any load."""
+    with_refs = sum(1 for r in records if r.references)
+    if with_refs and not family.takes_references:
+        raise UserError(
+            f"train: {with_refs} of {len(records)} instance images list reference images (metadata.jsonl "
+            f"`reference_file_names`, from ingest's control_dir or cond_image_column), but {family.title} does "
+            "not train on reference images; use a base that does (FLUX.2 [klein], e.g. builtin:tiny-flux2), "
+            "or ingest the dataset without control_dir / cond_image_column.")
 
 
 def _repeats(row: dict[str, Any]) -> int:
@@ -303,6 +320,14 @@ class TrainDataset(Dataset):
     def _load(self, kind: str, position: int, record: Record, rng: np.random.Generator,
               target: tuple[int, int]) -> dict[str, Any]:
         flip = bool(rng.random() < 0.5) if self.random_flip else False
+        out = self._pixels_or_latent(record, rng, target, flip)
+        if record.references:  # edit training: the references get the target's geometry
+            out.update(load_references(record, out["original_size"], target, out["crop_top_left"], flip,
+                                       self.center_crop))
+        return out
+
+    def _pixels_or_latent(self, record: Record, rng: np.random.Generator, target: tuple[int, int],
+                          flip: bool) -> dict[str, Any]:
         if self.latent_store is not None:
             cached = self._cached(record, target, flip)
             if cached is not None:
@@ -371,6 +396,7 @@ def collate(examples: list[dict[str, Any]]) -> Batch:
         parts += [e["class"] for e in examples]
         prompts += [e["class_prompt"] for e in examples]
     weights = [e.get("loss_weight", 1.0) for e in examples] * (len(parts) // len(examples))
+    references, reference_keys = stack_references(parts)
     decoded = [p["pixels"] for p in parts if p["pixels"] is not None]
     height, width = parts[0]["target_size"]
     return Batch(
@@ -388,4 +414,6 @@ def collate(examples: list[dict[str, Any]]) -> Batch:
         loss_weights=torch.tensor(weights, dtype=torch.float32) if any(w != 1.0 for w in weights) else None,
         masks=[p.get("mask") for p in parts],
         mask_off=[bool(p.get("mask_off", True)) for p in parts],
+        references=references,
+        reference_keys=reference_keys,
     )

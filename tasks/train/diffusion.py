@@ -122,6 +122,16 @@ class LatentCache:
         stacked = torch.cat([r.to(param.device) for r in rows])
         return scale(vae, _sample(_distribution(stacked), rand))
 
+    def parameters(self, vae: torch.nn.Module, key: str, pixels: torch.Tensor) -> torch.Tensor:
+        """The posterior parameters of one image ([1, C, H, W]) under `key`: stored, else encoded and
+        stored (edit training's reference images: tasks/train/references.py)."""
+        entry = self.store.get(key)
+        if entry is not None:
+            self.hits += 1
+            return entry["parameters"]
+        size = torch.tensor(pixels.shape[-2:])
+        return self.encode(vae, key, pixels, size, torch.zeros(2, dtype=torch.long))
+
     def encode(self, vae: torch.nn.Module, key: str, pixels: torch.Tensor, original_size: Any,
                crop_top_left: Any, mask: torch.Tensor | None = None) -> torch.Tensor:
         """Encode one image ([1, C, H, W]) into the store under `key`; returns its posterior parameters.

@@ -42,8 +42,8 @@ def vae_fingerprint(*modules: torch.nn.Module) -> str:
     """SHA-256 of the modules' states (parameter names, dtypes, shapes and bytes)."""
     digest = hashlib.sha256()
     for name, tensor in (item for m in modules for item in sorted(m.state_dict().items())):
-        t = tensor.detach().cpu().contiguous()
-        digest.update(f"{name}|{t.dtype}|{tuple(t.shape)}".encode())
+        t = tensor.detach().cpu().contiguous().reshape(-1)  # 0-d buffers too (FLUX.2's bn.num_batches_tracked)
+        digest.update(f"{name}|{t.dtype}|{tuple(tensor.shape)}".encode())
         digest.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
     return digest.hexdigest()
 

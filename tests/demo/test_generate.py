@@ -107,3 +107,23 @@ def test_the_concepts_demo_has_two_kohya_folders_masks_and_missing_captions(tmp_
         red = (image[..., 0] > 150) & (image[..., 1] < 80) & (image[..., 2] < 80)  # the robot's red body
         assert red.sum() > 50 and (m[red] == 255).mean() > 0.95, "the mask covers the robot"
         assert 0.02 < (m == 255).mean() < 0.6, "and not the whole picture"
+
+
+def test_the_edit_demo_ingests_as_triples(tmp_path: Path) -> None:
+    """data/demo/edits.py: deterministic, and ingest with control_dir keeps every target with its references."""
+    from tests.ingest.util import config, run
+
+    script = REPO / "data" / "demo" / "edits.py"
+    subprocess.run([sys.executable, str(script), "--out", str(tmp_path / "edits")], check=True)
+    spec = importlib.util.spec_from_file_location("demo_edits", script)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    built = module.build()
+    assert all((tmp_path / "edits" / n).read_bytes() == b for n, b in built.items())
+    src = {"type": "folder", "path": str(tmp_path / "edits"), "control_dir": "control"}
+    r = run(config([src], near_duplicate_distance=None), tmp_path / "out")
+    assert not r.rejected and len(r.kept) == 4
+    refs = {row["path"]: len(row["reference_file_names"]) for row in r.kept}
+    assert refs == {"edit_00.png": 1, "edit_01.png": 1, "edit_02.png": 1, "edit_03.png": 2}
+    assert {row["text"] for row in r.kept} >= {"put the toy on the grass", "make the toy raise both arms"}

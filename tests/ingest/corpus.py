@@ -1,6 +1,7 @@
 """A generated corpus of bad and awkward inputs, with the expected fate of each.
 
-`build(root)` writes three sources (a captioned folder, a JSON-metadata dataset, an imagefolder)
+`build(root)` writes four sources (a captioned folder, a JSON-metadata dataset, an imagefolder, an
+edit folder with references)
 and returns the params for them and `expected`: {(source label, path): reason or "kept"}. Every
 rejection reason in checks.REASONS occurs at least once.
 """
@@ -138,6 +139,17 @@ def build(root: Path) -> tuple[list[dict], dict[tuple[str, str], str]]:
     expected.update({(h, "x.png"): "kept", (h, "nested/y.jpg"): "kept",
                      (h, "lost.png"): "missing_image"})
 
+    # an edit dataset: targets with reference images in a control folder
+    edits = root / "edits"
+    e = str(edits)
+    save(edits / "kept.png", picture(300), caption="make it blue")
+    save(edits / "control" / "kept.png", picture(301))
+    save(edits / "alone.png", picture(302), caption="no reference")
+    save(edits / "broken.png", picture(303), caption="bad reference")
+    (edits / "control" / "broken.png").write_bytes(b"\x89PNG truncated")
+    expected.update({(e, "kept.png"): "kept", (e, "alone.png"): "missing_reference",
+                     (e, "broken.png"): "bad_reference"})
+
     rules = {"abs_min_score": 50, "min_score": 200, "tag_bonus_scores": {"monochrome": -75},
              "blacklist_tags": ["animated"], "score_tags": [400]}
     sources = [
@@ -145,5 +157,6 @@ def build(root: Path) -> tuple[list[dict], dict[tuple[str, str], str]]:
         {"type": "metadata_json", "path": m, **rules},
         {"type": "metadata_json", "path": m, "metadata_dir": "every_other", "consider_every_nth": 2},
         {"type": "imagefolder", "path": h},
+        {"type": "folder", "path": e, "control_dir": "control"},
     ]
     return sources, expected

@@ -49,8 +49,8 @@ def test_unknown_key_in_a_source_names_its_index_and_the_keys_it_takes() -> None
     message = error({"sources": [{"type": "folder", "path": "a"},
                                  {"type": "folder", "path": "b", "caption_ext": ".txt"}]})
     assert "ingest.sources.1.caption_ext: unknown key (misspelt?)" in message
-    assert ("A 'folder' source takes: caption_extensions, concept, instance_prompt, kohya_folders, mask_dir, "
-            "path, repeats, type") in message
+    assert ("A 'folder' source takes: caption_extensions, concept, control_dir, instance_prompt, kohya_folders, "
+            "mask_dir, path, repeats, type") in message
 
 
 def test_missing_and_wrong_values_in_sources() -> None:

@@ -31,7 +31,7 @@ def test_every_input_is_kept_or_rejected_with_the_expected_reason(tmp_path: Path
     assert sum(s["total"] for s in report["by_source"].values()) == report["total"]
     # every rejected row says why, and every kept row's image is there, upright RGB
     assert all(row["detail"] for row in r.rejected)
-    files = {p.name for p in r.out.iterdir()} - {"metadata.jsonl", "masks"}
+    files = {p.name for p in r.out.iterdir()} - {"metadata.jsonl", "masks", "references"}
     assert files == {row["file_name"] for row in r.kept}
     masks = {f"masks/{p.name}" for p in (r.out / "masks").iterdir()}
     assert masks == {row["mask_file_name"] for row in r.kept if row["mask_file_name"]} and len(masks) == 1

@@ -82,6 +82,8 @@ class PredictInputs:
     original_sizes: Any = None
     crops_top_left: Any = None
     target_sizes: Any = None
+    #: edit training: the scaled latents of each reference image ([n, C, h, w] per reference), or None
+    references: Any = None
 
 
 class ModelFamily:
@@ -107,6 +109,9 @@ class ModelFamily:
     objective: ClassVar[str] = "ddpm"
     #: image sides must be multiples of this (the VAE's factor 8; x2 where latents are cut into 2x2 patches)
     pixel_multiple: ClassVar[int] = 8
+    #: trains on (reference images, target, instruction) triples: reference latents join the denoiser's
+    #: input sequence (ingest's `reference_file_names`); a family without refuses a dataset that has them
+    takes_references: ClassVar[bool] = False
     #: a new text embedding trains here (what textual inversion needs; tasks/train/methods/spec.py asks)
     trains_embeddings: ClassVar[bool] = True
     #: peft target modules of the denoiser's and the text encoders' attention projections

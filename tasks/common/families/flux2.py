@@ -72,6 +72,7 @@ class Flux2Klein(FlowMatchingFamily):
     lora_targets = _LORA_TARGETS
     trainable_text_encoders = ()
     guidance_in_batch = False  # the unconditional branch is a separate call
+    takes_references = True  # Flux2KleinPipeline's `image` inputs: reference tokens beside the noisy ones
     default_weighting_scheme = "none"  # train_dreambooth_lora_flux2_klein.py's default
     default_max_sequence_length = 512  # Flux2KleinPipeline's
     #: Qwen3 hidden states that make the conditioning (Flux2KleinPipeline's text_encoder_out_layers)
@@ -146,6 +147,8 @@ class Flux2Klein(FlowMatchingFamily):
         b, c, h, w = noisy_latents.shape
         packed = Flux2KleinPipeline._pack_latents(noisy_latents)  # (b, h*w, c), row-major
         img_ids = Flux2KleinPipeline._prepare_latent_ids(noisy_latents).to(packed.device)
+        if inputs.references:
+            packed, img_ids = _with_references(packed, img_ids, inputs.references)
         txt_ids = Flux2KleinPipeline._prepare_text_ids(hidden).to(packed.device)
         guidance = None
         if getattr(denoiser, "module", denoiser).config.guidance_embeds:  # (DDP wraps it in .module)
@@ -187,6 +190,20 @@ class Flux2Klein(FlowMatchingFamily):
             qwen3_config(len(tokenizer), tokenizer.pad_token_id, num_hidden_layers=28)))
         return Flux2KleinPipeline(scheduler=flow_scheduler(shift=3.0, dynamic=True), vae=vae, text_encoder=text_encoder,
                                   tokenizer=tokenizer, transformer=transformer, is_distilled=True)
+
+
+def _with_references(packed: Any, img_ids: Any, references: list[Any]) -> tuple[Any, Any]:
+    """The reference latents' tokens after the noisy target's, with their own position ids: time
+    coordinate 10, 20, ... per reference (Flux2KleinPipeline._prepare_image_ids, as its
+    prepare_image_latents does for `image` inputs and diffusers' klein img2img script for training).
+    The prediction is read from the target's tokens only (`predict` keeps the first h*w)."""
+    import torch
+    from diffusers import Flux2KleinPipeline
+
+    b = packed.shape[0]
+    tokens = [Flux2KleinPipeline._pack_latents(r.to(packed.device, packed.dtype)) for r in references]
+    ids = Flux2KleinPipeline._prepare_image_ids([r[:1] for r in references]).to(img_ids.device, img_ids.dtype)
+    return torch.cat([packed, *tokens], dim=1), torch.cat([img_ids, ids.expand(b, -1, -1)], dim=1)
 
 
 def _with_latent_statistics(vae: Any) -> Any:

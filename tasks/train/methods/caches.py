@@ -17,6 +17,7 @@ from tasks.train.concepts import concept_prompts
 from tasks.train.data import latent_key, prepare_image
 from tasks.train.diffusion import LatentCache, PromptCache
 from tasks.train.methods.placement import put
+from tasks.train.references import fill_references
 
 log = logging.getLogger(__name__)
 
@@ -96,6 +97,8 @@ class Caches:
                 digest = hashes.digest(record.path) if hashes is not None else hashlib.sha256(data).hexdigest()
                 mask_digest = dataset.mask_digest(record, hashes.digest if hashes is not None else None)
                 key = latent_key(digest, target, flip, mask_digest)
+                if record.references:  # edit training: the references' latents too
+                    fill_references(cache, vae, record, target, flip)
                 if key in cache.store:
                     continue
                 with Image.open(io.BytesIO(data) if data is not None else record.path) as image:

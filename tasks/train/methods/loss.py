@@ -9,6 +9,7 @@ from tasks.train.batch import Batch
 from tasks.train.concepts import weighted
 from tasks.train.diffusion import RowRandom, encode_latents
 from tasks.train.masks import loss_weights
+from tasks.train.references import reference_latents
 
 
 class Loss:
@@ -26,6 +27,8 @@ class Loss:
                 latents = self.latent_cache.latents(modules["vae"], batch, rand, scale)
             else:
                 latents = encode_latents(modules["vae"], batch.pixels, rand, scale, c.family.vae_input)
+            references = reference_latents(modules["vae"], batch.references, batch.reference_keys,
+                                           self.latent_cache, scale, c.family.vae_input)
         noised = self.objective.noise(latents, rand)
         family = c.family
         encoders = [modules[n] for n in c.text_encoder_names()]
@@ -40,7 +43,7 @@ class Loss:
         if cfg.channels_last:
             sample = sample.contiguous(memory_format=torch.channels_last)
         pred = family.predict(modules[family.denoiser_name], sample, noised.timesteps, hidden, pooled,
-                              batch.predict_inputs(cfg.resolution, cfg.guidance_scale))
+                              batch.predict_inputs(cfg.resolution, cfg.guidance_scale, references))
         losses = self.objective.loss(pred, noised, loss_weights(cfg, batch.masks, batch.mask_off, pred))
         losses = weighted(losses, batch, self.concepts_seen)  # each row's concept weight; examples counted
         n = batch.num_instances
