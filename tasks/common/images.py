@@ -109,3 +109,10 @@ def apply_exif_orientation(image: Image.Image) -> Image.Image:
     if image.getexif().get(0x0112, 1) == 1:
         return image
     return ImageOps.exif_transpose(image) or image
+
+
+def cover_size(original: tuple[int, int], target: tuple[int, int]) -> tuple[int, int]:
+    """(width, height) an image of `original` (h, w) is resized to, to cover `target` (h, w)."""
+    (h, w), (th, tw) = original, target
+    scale = max(th / h, tw / w)
+    return (max(tw, round(w * scale)), max(th, round(h * scale)))

@@ -28,7 +28,7 @@ from PIL import Image
 from torch.utils.data import Dataset, Sampler
 
 from tasks.common.errors import UserError
-from tasks.common.images import apply_exif_orientation, to_rgb
+from tasks.common.images import apply_exif_orientation, cover_size, to_rgb
 from tasks.train.batch import Batch
 from tasks.train.layout import Layout
 from tasks.train.references import load_references, stack_references
@@ -163,7 +163,7 @@ def prepare_image(
     th, tw = (resolution, resolution) if isinstance(resolution, int) else resolution
     image = to_rgb(apply_exif_orientation(image))
     original = (image.height, image.width)
-    size = _cover(original, (th, tw))
+    size = cover_size(original, (th, tw))
     if size != image.size:
         image = image.resize(size, Image.Resampling.BILINEAR)
     if center_crop or rng is None:
@@ -178,13 +178,6 @@ def prepare_image(
     return torch.from_numpy(array).permute(2, 0, 1).contiguous(), original, (top, left)
 
 
-def _cover(original: tuple[int, int], target: tuple[int, int]) -> tuple[int, int]:
-    """(width, height) an image of `original` (h, w) is resized to, to cover `target` (h, w)."""
-    (h, w), (th, tw) = original, target
-    scale = max(th / h, tw / w)
-    return (max(tw, round(w * scale)), max(th, round(h * scale)))
-
-
 def prepare_mask(mask: Image.Image, original: tuple[int, int], target: tuple[int, int], crop: tuple[int, int],
                  flip: bool) -> torch.Tensor:
     """A subject mask through its image's `prepare_image` geometry -> [1, H, W] weights in [0, 1].
@@ -195,7 +188,7 @@ def prepare_mask(mask: Image.Image, original: tuple[int, int], target: tuple[int
     mask = apply_exif_orientation(mask).convert("L")
     if mask.size != (original[1], original[0]):
         mask = mask.resize((original[1], original[0]), Image.Resampling.BILINEAR)
-    size = _cover(original, target)
+    size = cover_size(original, target)
     if size != mask.size:
         mask = mask.resize(size, Image.Resampling.BILINEAR)
     mask = mask.crop((left, top, left + tw, top + th))

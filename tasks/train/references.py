@@ -22,7 +22,7 @@ import torch
 from PIL import Image
 
 from tasks.common.errors import UserError
-from tasks.common.images import apply_exif_orientation, to_rgb
+from tasks.common.images import apply_exif_orientation, cover_size, to_rgb
 
 
 def prepare_reference(image: Image.Image, original: tuple[int, int], target: tuple[int, int],
@@ -31,13 +31,12 @@ def prepare_reference(image: Image.Image, original: tuple[int, int], target: tup
 
     `original`, `crop`: what prepare_image returned for the target (a reference of another size is
     first stretched onto the target's)."""
-    from tasks.train.data import _cover
 
     (th, tw), (top, left) = target, crop
     image = to_rgb(apply_exif_orientation(image))
     if image.size != (original[1], original[0]):
         image = image.resize((original[1], original[0]), Image.Resampling.BILINEAR)
-    size = _cover(original, target)
+    size = cover_size(original, target)
     if size != image.size:
         image = image.resize(size, Image.Resampling.BILINEAR)
     image = image.crop((left, top, left + tw, top + th))
@@ -64,10 +63,9 @@ def load_references(record: Any, original: tuple[int, int], target: tuple[int, i
 def fill_references(cache: Any, vae: torch.nn.Module, record: Any, target: tuple[int, int], flip: bool) -> None:
     """Put a centre-cropped target's references into the latent cache (the caching pass before the
     first step), under the keys its examples will look up."""
-    from tasks.train.data import _cover
 
     original = record.image_size()
-    width, height = _cover(original, target)
+    width, height = cover_size(original, target)
     crop = ((height - target[0]) // 2, (width - target[1]) // 2)
     refs = load_references(record, original, target, crop, flip, fixed=True)
     for pixels, key in zip(refs["references"], refs["reference_keys"]):
