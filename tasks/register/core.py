@@ -40,6 +40,7 @@ from tasks.register.registry import (
     current_champion,
     ensure_registered_model,
     move_champion,
+    rescored,
 )
 from tasks.register.serving_limits import SETTINGS, serving_config, signature
 from tasks.register.training import read_train_report, train_tags, trained_line, trained_summary
@@ -80,32 +81,6 @@ def pip_requirements() -> list[str]:
         except importlib.metadata.PackageNotFoundError:
             continue
     return reqs
-
-
-def _rescored(client: Any, model_name: str, champion: Champion | None,
-              rescore: dict[str, Any] | None, metric: str) -> tuple[Champion | None, dict[str, str]]:
-    """The champion with its score under the current protocol, when the flow re-scored it
-    (`rescore`: {"version", "report"}; the new score is also tagged on the champion's version),
-    or with why it could not (`rescore`: {"version", "error"}); the new version's tags saying so."""
-    if champion is None or not rescore or str(rescore.get("version")) != champion.version:
-        return champion, {}
-    if rescore.get("error"):  # the flow tried and failed: the champion keeps what it had
-        log.warning("%s v%s could not be re-scored: %s", model_name, champion.version, rescore["error"])
-        note = "; ".join(filter(None, [champion.note, f"re-scoring it failed: {rescore['error']}"]))
-        return (Champion(champion.version, champion.score, champion.protocol, note=note),
-                {"champion.rescore_error": str(rescore["error"])[:5000]})
-    report = rescore["report"]
-    score = report.get("metrics", {}).get(metric)
-    protocol = (report.get("protocol") or {}).get("id")
-    if not isinstance(score, (int, float)) or not protocol:
-        return champion, {}
-    text = (f"v{champion.version} re-scored under protocol {protocol}: {metric}={score:.6g} "
-            f"(was {champion.score if champion.score is not None else 'none'} under "
-            f"{champion.protocol or 'unknown'}; {report.get('seconds_total', '?')} s)")
-    client.set_model_version_tag(model_name, champion.version, f"rescore.{protocol}",
-                                 f"{metric}={score:.6g}")
-    log.info("%s", text)
-    return Champion(champion.version, float(score), protocol, note=champion.note), {"champion.rescored": text}
 
 
 def model_artifacts(finetuned: Path, openvino: Path, base: Path | None) -> dict[str, str]:
@@ -237,7 +212,7 @@ def register_model(
                                 record, hub=hub_base if fits(finetuned, hub_base) else None)
     champion = resume.champion_to_beat(client, model_name, current_champion(client, model_name, primary_metric),
                                        unfinished, primary_metric)
-    champion, rescore_tags = _rescored(client, model_name, champion, champion_rescore, primary_metric)
+    champion, rescore_tags = rescored(client, model_name, champion, champion_rescore, primary_metric)
 
     def redecide(holder: Champion | None) -> Decision:
         return decide(evaluation, primary_metric, primary_metric_goal, holder, promote_uncalibrated)

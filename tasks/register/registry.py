@@ -233,3 +233,29 @@ def _lost(client: Any, model_name: str, version: str, held: str | None, why: str
 def _record(client: Any, model_name: str, version: str | None, key: str, text: str) -> None:
     if version is not None:
         client.set_model_version_tag(model_name, version, key, text[:5000])
+
+
+def rescored(client: Any, model_name: str, champion: Champion | None,
+              rescore: dict[str, Any] | None, metric: str) -> tuple[Champion | None, dict[str, str]]:
+    """The champion with its score under the current protocol, when the flow re-scored it
+    (`rescore`: {"version", "report"}; the new score is also tagged on the champion's version),
+    or with why it could not (`rescore`: {"version", "error"}); the new version's tags saying so."""
+    if champion is None or not rescore or str(rescore.get("version")) != champion.version:
+        return champion, {}
+    if rescore.get("error"):  # the flow tried and failed: the champion keeps what it had
+        log.warning("%s v%s could not be re-scored: %s", model_name, champion.version, rescore["error"])
+        note = "; ".join(filter(None, [champion.note, f"re-scoring it failed: {rescore['error']}"]))
+        return (Champion(champion.version, champion.score, champion.protocol, note=note),
+                {"champion.rescore_error": str(rescore["error"])[:5000]})
+    report = rescore["report"]
+    score = report.get("metrics", {}).get(metric)
+    protocol = (report.get("protocol") or {}).get("id")
+    if not isinstance(score, (int, float)) or not protocol:
+        return champion, {}
+    text = (f"v{champion.version} re-scored under protocol {protocol}: {metric}={score:.6g} "
+            f"(was {champion.score if champion.score is not None else 'none'} under "
+            f"{champion.protocol or 'unknown'}; {report.get('seconds_total', '?')} s)")
+    client.set_model_version_tag(model_name, champion.version, f"rescore.{protocol}",
+                                 f"{metric}={score:.6g}")
+    log.info("%s", text)
+    return Champion(champion.version, float(score), protocol, note=champion.note), {"champion.rescored": text}

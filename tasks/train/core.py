@@ -26,7 +26,7 @@ from tasks.train.backend import caches_on_host
 from tasks.train.checkpoints import CheckpointManager, run_key
 from tasks.train.concepts import examples_report
 from tasks.train.config import TrainConfig
-from tasks.train.data import METADATA, refuse_references
+from tasks.train.data import METADATA
 from tasks.train.loop import LoopResult, make_accelerator, run_loop
 
 # The built-in methods' trainers, which their specs name by path (spec.trainer_class() imports
@@ -36,7 +36,7 @@ from tasks.train.methods.base import TrainingMethod
 from tasks.train.models import load_components
 from tasks.train.no_ops import data_no_ops
 from tasks.train.optim import optimizer_name, weight_dtype
-from tasks.train.references import refuse_reference_settings
+from tasks.train.references import refuse_reference_settings, refuse_references
 from tasks.train.selection import CheckpointJudge, best_record
 from tasks.train.steplog import Callback, StepLog
 from tasks.train.trained import trained_settings

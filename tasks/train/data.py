@@ -107,17 +107,6 @@ def read_imagefolder(folder: Path, what: str, fix: str, caption_column: str = "t
     return records
 
 
-def refuse_references(family: Any, records: list[Record]) -> None:
-    """Reference images (an edit dataset) train only on a family that takes them: refused before any load."""
-    with_refs = sum(1 for r in records if r.references)
-    if with_refs and not family.takes_references:
-        raise UserError(
-            f"train: {with_refs} of {len(records)} instance images list reference images (metadata.jsonl "
-            f"`reference_file_names`, from ingest's control_dir or cond_image_column), but {family.title} does "
-            "not train on reference images; use a base that does (FLUX.2 [klein], e.g. builtin:tiny-flux2), "
-            "or ingest the dataset without control_dir / cond_image_column.")
-
-
 def _repeats(row: dict[str, Any]) -> int:
     value = row.get("repeats")
     return value if isinstance(value, int) and value >= 1 else 1

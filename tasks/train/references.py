@@ -124,3 +124,14 @@ def refuse_reference_settings(cfg: Any, records: list[Any]) -> None:
         raise UserError(f"train.train_batch_size: the instance images have {sorted(counts)} reference images "
                         "(metadata.jsonl `reference_file_names`), and a batch of several needs one count; set "
                         "train.train_batch_size: 1 (gradient_accumulation_steps for a larger effective batch).")
+
+
+def refuse_references(family: Any, records: list[Any]) -> None:
+    """Reference images (an edit dataset) train only on a family that takes them: refused before any load."""
+    with_refs = sum(1 for r in records if r.references)
+    if with_refs and not family.takes_references:
+        raise UserError(
+            f"train: {with_refs} of {len(records)} instance images list reference images (metadata.jsonl "
+            f"`reference_file_names`, from ingest's control_dir or cond_image_column), but {family.title} does "
+            "not train on reference images; use a base that does (FLUX.2 [klein], e.g. builtin:tiny-flux2), "
+            "or ingest the dataset without control_dir / cond_image_column.")

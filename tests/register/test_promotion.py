@@ -55,10 +55,10 @@ def test_champion_without_a_score_holds_and_the_reason_says_why() -> None:
 def test_a_champion_whose_rescore_failed_holds_and_the_candidate_records_why() -> None:
     """The flow could not re-score an unscored champion (flows/finetune.py hands the error on):
     the decision and the candidate's tag `champion.rescore_error` say so."""
-    from tasks.register.core import _rescored
+    from tasks.register.registry import rescored
 
     unread = Champion("2", None, note="registered without a lineage document")
-    champion, tags = _rescored(None, "sd", unread, {"version": "2", "error": "no openvino/ in v2"}, "dino")
+    champion, tags = rescored(None, "sd", unread, {"version": "2", "error": "no openvino/ in v2"}, "dino")
     assert tags == {"champion.rescore_error": "no openvino/ in v2"}
     d = decide(_ev(0.99), "dino", "maximize", champion)
     assert not d.promote and ("(registered without a lineage document; re-scoring it failed: no "
