@@ -14,7 +14,6 @@ Deterministic bytes, written atomically, as generate.py (which it reuses for sce
 """
 from __future__ import annotations
 
-import argparse
 import io
 import random
 import sys
@@ -100,15 +99,8 @@ def build() -> dict[str, bytes]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="output folder (default: %(default)s)")
-    args = parser.parse_args(argv)
-    files = build()
-    changed = generate.write(args.out, files)
-    print(f"{'wrote' if changed else 'up to date:'} {len(files)} files in {args.out} "
-          f"({ROBOT_FOLDER}: {len(generate.SHOTS)} images, {BALL_FOLDER}: {len(BALL_SHOTS)} images)")
-    return 0
-
+    return generate.cli(__doc__, DEFAULT_OUT, build, f"{ROBOT_FOLDER}: {len(generate.SHOTS)} images, "
+                        f"{BALL_FOLDER}: {len(BALL_SHOTS)} images", argv)
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -14,7 +14,6 @@ Deterministic bytes, written atomically, as generate.py.
 """
 from __future__ import annotations
 
-import argparse
 import io
 import random
 import sys
@@ -71,15 +70,8 @@ def build() -> dict[str, bytes]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="output folder (default: %(default)s)")
-    args = parser.parse_args(argv)
-    files = build()
-    changed = generate.write(args.out, files)
-    print(f"{'wrote' if changed else 'up to date:'} {len(files)} files in {args.out} "
-          f"({len(EDITS) + 1} targets with instructions, references in {CONTROL}/)")
-    return 0
-
+    return generate.cli(__doc__, DEFAULT_OUT, build,
+                        f"{len(EDITS) + 1} targets with instructions, references in {CONTROL}/", argv)
 
 if __name__ == "__main__":
     sys.exit(main())

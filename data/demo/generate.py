@@ -22,6 +22,7 @@ import math
 import os
 import random
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -245,17 +246,20 @@ def write(out: Path, files: dict[str, bytes]) -> bool:
     return True
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument(
-        "--out", type=Path, default=DEFAULT_OUT, help="output folder (default: %(default)s)"
-    )
+def cli(doc: str, default_out: Path, files: Callable[[], dict[str, bytes]], what: str,
+        argv: list[str] | None = None) -> int:
+    """A demo script's command line: `--out`, then the files written (or up to date) and `what` they are."""
+    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, default=default_out, help="output folder (default: %(default)s)")
     args = parser.parse_args(argv)
-    files = build()
-    changed = write(args.out, files)
-    n = len(SHOTS)
-    print(f"{'wrote' if changed else 'up to date:'} {n} images + {n} captions in {args.out}")
+    built = files()
+    changed = write(args.out, built)
+    print(f"{'wrote' if changed else 'up to date:'} {len(built)} files in {args.out} ({what})")
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return cli(__doc__, DEFAULT_OUT, build, f"{len(SHOTS)} images + {len(SHOTS)} captions", argv)
 
 
 if __name__ == "__main__":

@@ -116,3 +116,17 @@ def cover_size(original: tuple[int, int], target: tuple[int, int]) -> tuple[int,
     (h, w), (th, tw) = original, target
     scale = max(th / h, tw / w)
     return (max(tw, round(w * scale)), max(th, round(h * scale)))
+
+
+def follow_geometry(image: Image.Image, original: tuple[int, int], target: tuple[int, int],
+                    crop: tuple[int, int], flip: bool) -> Image.Image:
+    """`image` through the resize, crop and flip another image of size `original` (h, w) got to
+    `target` (h, w) at `crop` (top, left): stretched onto `original` first when its size differs."""
+    (th, tw), (top, left) = target, crop
+    if image.size != (original[1], original[0]):
+        image = image.resize((original[1], original[0]), Image.Resampling.BILINEAR)
+    size = cover_size(original, target)
+    if size != image.size:
+        image = image.resize(size, Image.Resampling.BILINEAR)
+    image = image.crop((left, top, left + tw, top + th))
+    return image.transpose(Image.Transpose.FLIP_LEFT_RIGHT) if flip else image

@@ -28,7 +28,7 @@ from PIL import Image
 from torch.utils.data import Dataset, Sampler
 
 from tasks.common.errors import UserError
-from tasks.common.images import apply_exif_orientation, cover_size, to_rgb
+from tasks.common.images import apply_exif_orientation, cover_size, follow_geometry, to_rgb
 from tasks.train.batch import Batch
 from tasks.train.layout import Layout
 from tasks.train.references import load_references, stack_references
@@ -152,17 +152,13 @@ def prepare_image(
     th, tw = (resolution, resolution) if isinstance(resolution, int) else resolution
     image = to_rgb(apply_exif_orientation(image))
     original = (image.height, image.width)
-    size = cover_size(original, (th, tw))
-    if size != image.size:
-        image = image.resize(size, Image.Resampling.BILINEAR)
+    width, height = cover_size(original, (th, tw))
     if center_crop or rng is None:
-        top, left = (image.height - th) // 2, (image.width - tw) // 2
+        top, left = (height - th) // 2, (width - tw) // 2
     else:
-        top = int(rng.integers(0, image.height - th + 1))
-        left = int(rng.integers(0, image.width - tw + 1))
-    image = image.crop((left, top, left + tw, top + th))
-    if flip:
-        image = image.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
+        top = int(rng.integers(0, height - th + 1))
+        left = int(rng.integers(0, width - tw + 1))
+    image = follow_geometry(image, original, (th, tw), (top, left), flip)
     array = np.asarray(image, dtype=np.float32) / 127.5 - 1.0
     return torch.from_numpy(array).permute(2, 0, 1).contiguous(), original, (top, left)
 
@@ -173,16 +169,7 @@ def prepare_mask(mask: Image.Image, original: tuple[int, int], target: tuple[int
 
     `original`, `crop`: what prepare_image returned for the image (a mask of another size is
     first stretched onto the image's)."""
-    (th, tw), (top, left) = target, crop
-    mask = apply_exif_orientation(mask).convert("L")
-    if mask.size != (original[1], original[0]):
-        mask = mask.resize((original[1], original[0]), Image.Resampling.BILINEAR)
-    size = cover_size(original, target)
-    if size != mask.size:
-        mask = mask.resize(size, Image.Resampling.BILINEAR)
-    mask = mask.crop((left, top, left + tw, top + th))
-    if flip:
-        mask = mask.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
+    mask = follow_geometry(apply_exif_orientation(mask).convert("L"), original, target, crop, flip)
     return torch.from_numpy(np.asarray(mask, dtype=np.float32) / 255.0)[None]
 
 

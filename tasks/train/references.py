@@ -22,7 +22,7 @@ import torch
 from PIL import Image
 
 from tasks.common.errors import UserError
-from tasks.common.images import apply_exif_orientation, cover_size, to_rgb
+from tasks.common.images import apply_exif_orientation, cover_size, follow_geometry, to_rgb
 
 
 def prepare_reference(image: Image.Image, original: tuple[int, int], target: tuple[int, int],
@@ -31,17 +31,7 @@ def prepare_reference(image: Image.Image, original: tuple[int, int], target: tup
 
     `original`, `crop`: what prepare_image returned for the target (a reference of another size is
     first stretched onto the target's)."""
-
-    (th, tw), (top, left) = target, crop
-    image = to_rgb(apply_exif_orientation(image))
-    if image.size != (original[1], original[0]):
-        image = image.resize((original[1], original[0]), Image.Resampling.BILINEAR)
-    size = cover_size(original, target)
-    if size != image.size:
-        image = image.resize(size, Image.Resampling.BILINEAR)
-    image = image.crop((left, top, left + tw, top + th))
-    if flip:
-        image = image.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
+    image = follow_geometry(to_rgb(apply_exif_orientation(image)), original, target, crop, flip)
     array = np.asarray(image, dtype=np.float32) / 127.5 - 1.0
     return torch.from_numpy(array).permute(2, 0, 1).contiguous()
 
