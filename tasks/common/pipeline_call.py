@@ -20,14 +20,15 @@ GUIDANCE_ARGUMENT = "guidance_scale"
 def call_arguments(prompts: list[str] | str, *, steps: int, height: int | None = None, width: int | None = None,
                    guidance: float | None = None, negative: list[str] | str | None = None,
                    generator: Any = None, images_per_prompt: int | None = None,
-                   output_type: str | None = None, callback: Any = None,
+                   output_type: str | None = None, callback: Any = None, image: Any = None,
                    guidance_argument: str = GUIDANCE_ARGUMENT, negative_when_guided: str | None = None,
                    arguments: dict[str, Any] | None = None) -> dict[str, Any]:
     """The keyword arguments of one pipeline call (the prompt by name: FLUX.2 klein's first
     positional argument is an input image). `negative_when_guided`: the negative prompt a call with
     guidance above 1 and none of its own sends (Qwen-Image's true CFG runs only with one);
     `arguments`: what the family's call convention passes on every call, None values included
-    (Sana: `complex_human_instruction=None`, as it trains)."""
+    (Sana: `complex_human_instruction=None`, as it trains); `image`: an edit's input (reference)
+    images, a list of PIL images that every prompt of the call sees (FLUX.2 klein's `image`)."""
     if negative is None and negative_when_guided is not None and guidance is not None and guidance > 1:
         negative = negative_when_guided if isinstance(prompts, str) else [negative_when_guided] * len(prompts)
     optional = {
@@ -39,6 +40,7 @@ def call_arguments(prompts: list[str] | str, *, steps: int, height: int | None =
         "generator": generator,
         "output_type": output_type,
         "callback_on_step_end": callback,
+        "image": image,
     }
     return {"prompt": prompts, "num_inference_steps": steps, **(arguments or {}),
             **{k: v for k, v in optional.items() if v is not None}}
