@@ -113,16 +113,25 @@ def model_artifacts(finetuned: Path, openvino: Path, base: Path | None) -> dict[
     return {**artifacts, "base": str(base)}
 
 
+#: Input images a request may send to a model whose family edits (its `image` param): each one's
+#: tokens join every denoising step, so they are bounded like the images asked for
+SERVED_INPUT_IMAGES = 4
+
+
 def call_convention(*folders: Path | None) -> dict[str, Any]:
-    """The family's pipeline-call convention (ModelFamily.call_convention) of the first pipeline
-    folder among `folders` (the fine-tune, the base its adapters apply to, the export or its base)."""
+    """How the served model calls its pipeline, from the first pipeline folder among `folders` (the
+    fine-tune, the base its adapters apply to, the export or its base): the family's convention
+    (ModelFamily.call_convention) as model_config `pipeline_call`, and `input_images`, how many
+    input images a request may send (0 where the family does not edit)."""
     found = [Path(f) for f in folders if f is not None]
     found += [f / BASE_DIR for f in found]  # a run-time adapter export's base
     folder = next((f for f in found if (f / "model_index.json").is_file()), None)
     if folder is None:
         raise UserError(f"none of {', '.join(map(str, found))} is a pipeline folder (model_index.json): run the "
                         "pipeline first (`dvc repro`)")
-    return families.detect(folder).call_convention()
+    family = families.detect(folder)
+    return {"pipeline_call": family.call_convention(),
+            "input_images": SERVED_INPUT_IMAGES if family.takes_references else 0}
 
 
 def log_model(run_id: str, artifacts: dict[str, str], serving: dict[str, Any] | None,
@@ -145,7 +154,7 @@ def log_model(run_id: str, artifacts: dict[str, str], serving: dict[str, Any] | 
         signature=signature(),
         pip_requirements=pip_requirements(),
         # every key logged (MLflow overrides only logged keys); the family's call convention beside the limits
-        model_config={**serving_config(serving), "pipeline_call": convention},
+        model_config={**serving_config(serving), **convention},
         metadata={"lineage": tags},
     )
     manifest.record_logged(mlflow.MlflowClient(), run_id, info)  # before any version of it exists

@@ -8,8 +8,9 @@ imports (fast on CPU), compiled at the precision the export stage validated it a
 diffusers` forces one.
 
 Input: a list of prompts, or a DataFrame with a `prompt` column. Params (all optional): `seed`,
-`num_inference_steps`, `guidance_scale`, `height`, `width`, `num_images_per_prompt`, and for a
-base export's endpoint `adapter`; serving_limits.py (logged beside this file, MLflow `code_paths`)
+`num_inference_steps`, `guidance_scale`, `height`, `width`, `num_images_per_prompt`, for a
+base export's endpoint `adapter`, and for a model that edits (model_config `input_images`) `image`,
+the input images as a list of base64 files (serving_images.py); serving_limits.py (logged beside this file, MLflow `code_paths`)
 holds their types, defaults and ranges, refuses anything outside them with HTTP 400, and bounds a
 request's cost, queue and time. Output: a DataFrame with `prompt`, `seed` and
 `image` (a base64-encoded PNG), one row per image, which `mlflow models serve` returns as JSON.
@@ -163,6 +164,7 @@ class DiffusionImageModel(mlflow.pyfunc.PythonModel):
         config = limits.serving_config(model_config)
         # the family's call convention (ModelFamily.call_convention), recorded at registration
         self.convention = dict((model_config or {}).get("pipeline_call") or {})
+        self.input_images = int((model_config or {}).get("input_images") or 0)  # an edit's, at most
         self.pipe, self.backend = pipe, backend
         self.pipe.set_progress_bar_config(disable=True)
         (height, width), static = model_size(pipe, self.convention)
@@ -180,7 +182,8 @@ class DiffusionImageModel(mlflow.pyfunc.PythonModel):
         """One row per image; see the module docstring for inputs, params and output."""
         deadline = None if self.timeout_s is None else time.monotonic() + self.timeout_s
         multiple = int(getattr(self.pipe, "vae_scale_factor", 8))
-        prompts, settings = limits.check_request(model_input, params, multiple, self.budget, self.size)
+        prompts, settings = limits.check_request(model_input, params, multiple, self.budget, self.size,
+                                                 self.input_images)
         spec = self._adapter_spec(settings.pop(limits.ADAPTER_PARAM), settings)
         seed, per_prompt = settings["seed"], settings["num_images_per_prompt"]
         rows: list[dict[str, Any]] = []
@@ -240,7 +243,7 @@ class DiffusionImageModel(mlflow.pyfunc.PythonModel):
             self.pipe, prompt, steps=settings["num_inference_steps"], guidance=settings["guidance_scale"],
             height=settings["height"], width=settings["width"], generator=torch.Generator("cpu").manual_seed(seed),
             callback=None if deadline is None else limits.stop_at(deadline), extra=settings["adapters"],
-            **self.convention)[0]
+            image=settings["image"] or None, **self.convention)[0]
         return {"prompt": prompt, "seed": seed, "image": to_png_base64(image)}
 
 

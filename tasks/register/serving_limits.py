@@ -36,6 +36,11 @@ from typing import Any
 
 import pandas as pd
 
+try:  # logged beside this file as the model's code (MLflow `code_paths`)
+    import serving_images as images
+except ImportError:  # this file imported from the repository (tests, the register stage)
+    from tasks.register import serving_images as images
+
 
 @dataclass(frozen=True)
 class Setting:
@@ -87,7 +92,8 @@ def signature() -> Any:
         inputs=Schema([ColSpec("string")]),  # unnamed: a plain list of prompts validates
         outputs=Schema([ColSpec("string", "prompt"), ColSpec("long", "seed"), ColSpec("string", "image")]),
         params=ParamSchema([ParamSpec(n, s.type, s.default) for n, s in SETTINGS.items()]
-                           + [ParamSpec(ADAPTER_PARAM, "string", "")]),
+                           + [ParamSpec(ADAPTER_PARAM, "string", ""),
+                              ParamSpec(images.IMAGE_PARAM, "string", [], (-1,))]),  # an edit's input images
     )
 
 
@@ -112,8 +118,9 @@ def check_settings(params: dict[str, Any] | None, size_multiple: int = 8) -> dic
     """The request's settings with defaults filled in, or a bad_request naming the field and range."""
     params = dict(params or {})
     adapter = params.pop(ADAPTER_PARAM, None) or ""
+    params.pop(images.IMAGE_PARAM, None)  # check_request decodes them
     if unknown := sorted(set(params) - set(SETTINGS)):
-        raise bad_request(f"unknown params {unknown}; allowed: {sorted([*SETTINGS, ADAPTER_PARAM])}")
+        raise bad_request(f"unknown params {unknown}; allowed: {sorted([*SETTINGS, ADAPTER_PARAM, images.IMAGE_PARAM])}")
     if not isinstance(adapter, str) or len(adapter) > MAX_PROMPT_CHARS:
         raise bad_request(f"{ADAPTER_PARAM}: {adapter!r} is not a text of at most {MAX_PROMPT_CHARS} characters")
     settings = {**DEFAULTS, ADAPTER_PARAM: adapter}
@@ -146,34 +153,48 @@ class Budget:
     def pixel_steps(self) -> int:
         return int(self.images * self.default_image)
 
-    def check(self, prompts: int, settings: dict[str, Any], size: tuple[int, int] | None = None) -> None:
+    def check(self, prompts: int, settings: dict[str, Any], size: tuple[int, int] | None = None,
+              input_pixels: int = 0) -> None:
         """A bad_request naming the fields and the budget when the request costs more than it.
 
-        `size`: the (height, width) the model makes whatever was asked (a static export's shape)."""
+        `size`: the (height, width) the model makes whatever was asked (a static export's shape);
+        `input_pixels`: an edit's input images, as encoded (their tokens join every step)."""
         height, width = size or (settings["height"] or self.height, settings["width"] or self.width)
         per_prompt, steps = settings["num_images_per_prompt"], settings["num_inference_steps"]
-        cost = prompts * per_prompt * steps * height * width
+        cost = prompts * per_prompt * steps * (height * width + input_pixels)
         if cost <= self.pixel_steps:
             return
+        pixels = f"(height {height} x width {width} + {images.IMAGE_PARAM} {input_pixels} px)" if input_pixels \
+            else f"height {height} x width {width}"
         raise bad_request(
             f"request cost {prompts} prompts x num_images_per_prompt {per_prompt} x num_inference_steps "
-            f"{steps} x height {height} x width {width} = {cost} pixel-steps ({cost / self.default_image:.3g} "
+            f"{steps} x {pixels} = {cost} pixel-steps ({cost / self.default_image:.3g} "
             f"default images) is over this model's budget of {self.pixel_steps} ({self.images:g} images of "
             f"{self.height}x{self.width} px at {self.steps} steps; model_config budget_images): lower "
             "num_images_per_prompt, num_inference_steps, height or width, or split the request")
 
 
 def check_request(model_input: Any, params: dict[str, Any] | None, size_multiple: int = 8,
-                  budget: Budget | None = None, size: tuple[int, int] | None = None) -> tuple[list[str], dict]:
-    """(prompts, settings) of a valid request; a bad_request before any work otherwise."""
+                  budget: Budget | None = None, size: tuple[int, int] | None = None,
+                  input_images: int = 0) -> tuple[list[str], dict]:
+    """(prompts, settings) of a valid request; a bad_request before any work otherwise.
+
+    `input_images`: how many input images the model takes (serving_images.py); settings[`image`]
+    holds the decoded ones ([] without), and an edit with no size asked is made at the first one's
+    (size_multiple x 2: the packed latents' 2x2 patches)."""
     prompts = prompts_from(model_input)
     settings = check_settings(params, size_multiple)
-    images = len(prompts) * settings["num_images_per_prompt"]
-    if images > MAX_IMAGES:
+    count = len(prompts) * settings["num_images_per_prompt"]
+    if count > MAX_IMAGES:
         raise bad_request(f"{len(prompts)} prompts x num_images_per_prompt {settings['num_images_per_prompt']} = "
-                          f"{images} images; at most {MAX_IMAGES} per request: split it")
+                          f"{count} images; at most {MAX_IMAGES} per request: split it")
+    inputs = images.input_images((params or {}).get(images.IMAGE_PARAM), input_images)
+    if inputs and size is None and settings["height"] is None and settings["width"] is None:
+        settings["height"], settings["width"] = images.edit_size(inputs[0], size_multiple * 2,
+                                                                 int(SETTINGS["height"].high))
     if budget is not None:
-        budget.check(len(prompts), settings, size)
+        budget.check(len(prompts), settings, size, images.encoded_pixels(inputs))
+    settings[images.IMAGE_PARAM] = inputs
     return prompts, settings
 
 

@@ -2,11 +2,15 @@
 and the allowed range before any image is generated (the bad-input table runs without a model)."""
 from __future__ import annotations
 
+import base64
+import io
+
 import pandas as pd
 import pytest
+from PIL import Image
 from mlflow.exceptions import MlflowException
 
-from tasks.register.serving_limits import MAX_IMAGES, SETTINGS, check_request, signature
+from tasks.register.serving_limits import MAX_IMAGES, SETTINGS, Budget, check_request, signature
 
 pytestmark = pytest.mark.quick  # make test-fast
 
@@ -52,7 +56,7 @@ def test_defaults_fill_in_and_good_values_pass() -> None:
     prompts, settings = check_request(pd.DataFrame({"prompt": ["a", "b"]}), {"seed": 4, "height": 128})
     assert prompts == ["a", "b"]
     assert settings == {"seed": 4, "num_inference_steps": 20, "guidance_scale": 7.5, "height": 128,
-                        "width": None, "num_images_per_prompt": 1, "adapter": ""}
+                        "width": None, "num_images_per_prompt": 1, "adapter": "", "image": []}
     assert check_request(["a"] * 4, {"num_images_per_prompt": 4, "guidance_scale": 0})[1]["guidance_scale"] == 0.0
     assert len(check_request(["a"] * 8, {"num_images_per_prompt": 2})[0]) * 2 == MAX_IMAGES
     assert check_request(["a"], {"height": 66}, size_multiple=2)[1]["height"] == 66, "the model's VAE factor rules"
@@ -60,5 +64,67 @@ def test_defaults_fill_in_and_good_values_pass() -> None:
 
 def test_the_signature_declares_every_setting_with_its_type_and_default() -> None:
     params = {p.name: (p.dtype.name, p.default) for p in signature().params.params}
-    assert params == {**{name: (s.type, s.default) for name, s in SETTINGS.items()}, "adapter": ("string", "")}
+    assert params == {**{name: (s.type, s.default) for name, s in SETTINGS.items()}, "adapter": ("string", ""),
+                      "image": ("string", [])}
     assert signature().inputs.input_types()[0].name == "string"
+
+
+def _b64(image: Image.Image, fmt: str = "PNG", **save: object) -> str:
+    buf = io.BytesIO()
+    image.save(buf, format=fmt, **save)
+    return base64.b64encode(buf.getvalue()).decode("ascii")
+
+
+RED = Image.new("RGB", (96, 80), (200, 30, 30))
+BAD_IMAGES = [
+    # (image param, input images the model takes, what the error must say)
+    ([_b64(RED)], 0, r"image: this model takes no input image .*send the prompts alone"),
+    ([_b64(RED)] * 5, 4, r"image: 5 input images; this model takes at most 4"),
+    (_b64(RED), 4, r"image: expected a list of base64-encoded images, got str"),
+    ([7], 4, r"image\[0\]: expected a base64-encoded PNG, JPEG or WebP file, got int"),
+    ([_b64(RED), "not base64!"], 4, r"image\[1\]: not base64"),
+    ([base64.b64encode(b"hello, world").decode()], 4, r"image\[0\]: not an image file"),
+    ([_b64(RED, "GIF")], 4, r"image\[0\]: a GIF file; allowed: PNG, JPEG, WEBP"),
+    ([_b64(Image.new("RGB", (32, 80)))], 4, r"image\[0\]: 32x80 px; allowed: each side from 64 to 4096"),
+    ([_b64(Image.new("L", (5000, 64)))], 4, r"image\[0\]: 5000x64 px; allowed"),
+    ([_b64(RED)[:-200]], 4, r"image\[0\]: (not base64|the file is damaged)"),
+    (["A" * (16 * 2**20 + 4)], 4, r"image\[0\]: 16777220 base64 characters; allowed: at most"),
+    ([_b64(Image.new("RGB", (4096, 64)))], 4, r"image\[0\]: 4096x64 px would make a 1024x16 edit; pass height"),
+]
+
+
+@pytest.mark.parametrize(("value", "allowed", "error"), BAD_IMAGES, ids=[e[2][:40] for e in BAD_IMAGES])
+def test_bad_input_images_are_refused_naming_the_image(value, allowed, error) -> None:
+    with pytest.raises(MlflowException, match=error) as info:
+        check_request(["make it blue"], {"image": value}, input_images=allowed)
+    assert info.value.error_code == "INVALID_PARAMETER_VALUE"  # HTTP 400 from mlflow models serve
+
+
+def test_input_images_are_decoded_upright_and_set_the_edit_size() -> None:
+    rotated = Image.new("RGB", (80, 96), (0, 0, 255))
+    exif = rotated.getexif()
+    exif[0x0112] = 6  # stored 80x96, shown turned: 96x80
+    images = [_b64(RED), "data:image/jpeg;base64," + _b64(rotated, "JPEG", exif=exif), _b64(RED, "WEBP")]
+    _, settings = check_request(["make it blue"], {"image": images}, size_multiple=8, input_images=4)
+    assert [im.size for im in settings["image"]] == [(96, 80), (96, 80), (96, 80)]
+    assert {im.mode for im in settings["image"]} == {"RGB"}
+    assert (settings["height"], settings["width"]) == (80, 96), "the first image's size, a multiple of 16"
+    big = Image.new("RGB", (2000, 1500))
+    _, settings = check_request(["a"], {"image": [_b64(big)]}, size_multiple=8, input_images=1)
+    assert (settings["height"], settings["width"]) == (752, 1024), "at most 1024 px a side and a megapixel"
+    _, asked = check_request(["a"], {"image": [_b64(big)], "height": 256, "width": 512}, input_images=1)
+    assert (asked["height"], asked["width"]) == (256, 512), "a size asked for wins"
+    _, static = check_request(["a"], {"image": [_b64(big)]}, input_images=1, size=(64, 64))
+    assert static["height"] is None, "a static export makes its own size"
+    assert check_request(["a"], {}, input_images=4)[1]["image"] == []
+
+
+def test_input_images_count_towards_the_cost() -> None:
+    budget = Budget(1.0, 96, 96, steps=20)
+    check_request(["a"], {"num_inference_steps": 10, "height": 96, "width": 96}, budget=budget)
+    image = _b64(Image.new("RGB", (96, 96)))
+    check_request(["a"], {"num_inference_steps": 10, "height": 96, "width": 96, "image": [image]},
+                  budget=budget, input_images=4)  # 10 x (96x96 + 96x96) = the budget
+    with pytest.raises(MlflowException, match=r"x \(height 96 x width 96 \+ image 18432 px\) = 276480 pixel-steps"):
+        check_request(["a"], {"num_inference_steps": 10, "height": 96, "width": 96, "image": [image] * 2},
+                      budget=budget, input_images=4)

@@ -1,0 +1,105 @@
+"""An edit's input images in a request: the `image` param, decoded and checked before any work.
+
+Logged with the pyfunc as its code (MLflow `code_paths`), so, like serving_limits.py, it imports
+nothing from this repository. A model whose family edits (FLUX.2 [klein]: reference images beside
+the prompt) records how many input images it takes in its model_config (`input_images`); a request
+sends them as the param `image`, a list of base64-encoded PNG, JPEG or WebP files (a `data:` URL
+prefix is accepted), and every prompt of the request edits them. Each is refused with HTTP 400
+naming `image[i]` when it is not base64, not one of those formats, too long, too small or too large
+(`decoded` reads a file's header before its pixels, so a decompression bomb is refused unread).
+
+With input images and no height or width asked, the edit is made at the first image's size, as
+the diffusers pipeline does: scaled down to at most a megapixel (and SETTINGS' largest side),
+floored to the model's size multiple (`edit_size`). The images' own pixels, at the size the
+pipeline encodes them, count towards the request's cost (serving_limits.Budget).
+"""
+from __future__ import annotations
+
+import base64
+import binascii
+import io
+import math
+from typing import Any
+
+IMAGE_PARAM = "image"
+MAX_IMAGE_CHARS = 16 * 2**20  # base64 text of one input image: a 12 MB file
+MIN_SIDE, MAX_SIDE = 64, 4096  # each side of an input image, in pixels
+FORMATS = ("PNG", "JPEG", "WEBP")
+#: The pipeline encodes a larger input image scaled down to this many pixels (Flux2KleinPipeline's)
+ENCODED_PIXELS = 1024 * 1024
+
+
+def _bad(message: str) -> Exception:
+    from mlflow.exceptions import MlflowException
+
+    return MlflowException.invalid_parameter_value(message)
+
+
+def decoded(i: int, text: Any) -> Any:
+    """Input image i as an upright RGB PIL image, or a bad_request naming `image[i]`."""
+    from PIL import Image, ImageOps, UnidentifiedImageError
+
+    field = f"{IMAGE_PARAM}[{i}]"
+    if not isinstance(text, str) or not text:
+        raise _bad(f"{field}: expected a base64-encoded PNG, JPEG or WebP file, got {type(text).__name__}")
+    if len(text) > MAX_IMAGE_CHARS:
+        raise _bad(f"{field}: {len(text)} base64 characters; allowed: at most {MAX_IMAGE_CHARS} (a 12 MB file)")
+    if text.startswith("data:") and "," in text:
+        text = text.split(",", 1)[1]
+    try:
+        data = base64.b64decode(text, validate=True)
+    except (binascii.Error, ValueError) as err:
+        raise _bad(f"{field}: not base64 ({err}); send the file's bytes base64-encoded") from None
+    try:
+        image = Image.open(io.BytesIO(data))
+    except (UnidentifiedImageError, OSError) as err:
+        raise _bad(f"{field}: not an image file ({err}); allowed: {', '.join(FORMATS)}") from None
+    if image.format not in FORMATS:
+        raise _bad(f"{field}: a {image.format} file; allowed: {', '.join(FORMATS)}")
+    width, height = image.size
+    if not (MIN_SIDE <= width <= MAX_SIDE and MIN_SIDE <= height <= MAX_SIDE):
+        raise _bad(f"{field}: {width}x{height} px; allowed: each side from {MIN_SIDE} to {MAX_SIDE} px")
+    try:
+        image.load()
+    except (OSError, ValueError, Image.DecompressionBombError) as err:
+        raise _bad(f"{field}: the file is damaged ({err})") from None
+    return ImageOps.exif_transpose(image).convert("RGB")
+
+
+def input_images(values: Any, allowed: int) -> list[Any]:
+    """The request's input images (`image` param), decoded; [] without; a bad_request naming the field."""
+    if values is None:
+        return []
+    if isinstance(values, str) or not hasattr(values, "__len__"):
+        raise _bad(f"{IMAGE_PARAM}: expected a list of base64-encoded images, got {type(values).__name__}")
+    values = list(values)
+    if values and allowed <= 0:
+        raise _bad(f"{IMAGE_PARAM}: this model takes no input image (its family generates from a prompt only); "
+                   "send the prompts alone")
+    if len(values) > allowed:
+        raise _bad(f"{IMAGE_PARAM}: {len(values)} input images; this model takes at most {allowed}")
+    return [decoded(i, v) for i, v in enumerate(values)]
+
+
+def encoded_size(size: tuple[int, int]) -> tuple[int, int]:
+    """(width, height) an input image of `size` (width, height) is scaled to before it is encoded."""
+    width, height = size
+    scale = min(1.0, math.sqrt(ENCODED_PIXELS / (width * height)))
+    return int(width * scale), int(height * scale)
+
+
+def edit_size(image: Any, multiple: int, max_side: int) -> tuple[int, int]:
+    """(height, width) of an edit made at `image`'s size: at most a megapixel and `max_side`, floored to
+    `multiple`; a bad_request when a side would fall under MIN_SIDE (ask for a height and width)."""
+    width, height = encoded_size(image.size)
+    scale = min(1.0, max_side / max(width, height))
+    out = (int(height * scale) // multiple * multiple, int(width * scale) // multiple * multiple)
+    if min(out) < MIN_SIDE:
+        raise _bad(f"{IMAGE_PARAM}[0]: {image.size[0]}x{image.size[1]} px would make a {out[1]}x{out[0]} edit; "
+                   f"pass height and width (each at least {MIN_SIDE})")
+    return out
+
+
+def encoded_pixels(images: list[Any]) -> int:
+    """The input images' pixels as the pipeline encodes them (their tokens join every step)."""
+    return sum(math.prod(encoded_size(im.size)) for im in images)
