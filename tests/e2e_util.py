@@ -34,7 +34,7 @@ def copy_repo(dst: Path, params: dict[str, dict[str, Any]] | None = None) -> Pat
             (dst / rel).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(src, dst / rel)
     env = e2e_env(dst)
-    for script, out in (("generate.py", "subject"), ("concepts.py", "concepts")):
+    for script, out in (("generate.py", "subject"), ("concepts.py", "concepts"), ("edits.py", "edits")):
         subprocess.run([sys.executable, f"data/demo/{script}", "--out", f"data/demo/{out}"],
                        cwd=dst, env=env, check=True, capture_output=True)
     if params:

@@ -84,29 +84,9 @@ def free_text_encoder_batch(pipe: Any) -> None:
         part.model.reshape(shapes)
 
 
-def free_reference_tokens(pipe: Any) -> None:
-    """Where the family edits (reference images beside the prompt: FLUX.2 klein's `image`), leave
-    the transformer's token axis and the VAE encoder's size free: the references' tokens join the
-    noisy ones, as many as their sizes make. The batch, the output size (the VAE decoder) and the
-    text encoders keep the static shape, so a prompt alone runs as before."""
-    if not families.of_pipeline(pipe).takes_references:
-        return
-    shapes = {}
-    for port in pipe.transformer.model.inputs:
-        if port.get_any_name() in ("hidden_states", "img_ids"):
-            shape = port.get_partial_shape()
-            shape[1] = -1
-            shapes[port] = shape
-    pipe.transformer.model.reshape(shapes)
-    port = pipe.vae_encoder.model.inputs[0]
-    shape = port.get_partial_shape()
-    shape[2], shape[3] = -1, -1
-    pipe.vae_encoder.model.reshape({port: shape})
-
-
 def fix_static_shape(pipe: Any, shape: StaticShape) -> None:
-    """Reshape an OpenVINO pipeline to `shape` (UNet, VAE static; text encoders' batch free; an edit
-    family's reference tokens free)."""
+    """Reshape an OpenVINO pipeline to `shape` (UNet, VAE static; text encoders' batch free; where the
+    family edits, the axes its input images change free: FLUX.2 klein's reference tokens)."""
     pipe.reshape(
         batch_size=shape.batch_size,
         height=shape.height,
@@ -115,7 +95,7 @@ def fix_static_shape(pipe: Any, shape: StaticShape) -> None:
     )
     fix_vae_decoder_batch(pipe, shape.images_per_call)
     free_text_encoder_batch(pipe)
-    free_reference_tokens(pipe)
+    families.of_pipeline(pipe).free_reference_axes(pipe)  # an edit's input images: any size
 
 
 def convert(src: Path, dst: Path, shape: StaticShape | None) -> dict[str, Any]:

@@ -10,9 +10,9 @@ diffusers` forces one.
 Input: a list of prompts, or a DataFrame with a `prompt` column. Params (all optional): `seed`,
 `num_inference_steps`, `guidance_scale`, `height`, `width`, `num_images_per_prompt`, for a
 base export's endpoint `adapter`, and for a model that edits (model_config `input_images`) `image`,
-the input images as a list of base64 files (serving_images.py); serving_limits.py (logged beside this file, MLflow `code_paths`)
-holds their types, defaults and ranges, refuses anything outside them with HTTP 400, and bounds a
-request's cost, queue and time. Output: a DataFrame with `prompt`, `seed` and
+the input images as a list of base64 files (serving_images.py). serving_limits.py (logged beside
+this file, MLflow `code_paths`) holds their types, defaults and ranges, refuses anything outside
+them with HTTP 400, and bounds a request's cost, queue and time. Output: a DataFrame with `prompt`, `seed` and
 `image` (a base64-encoded PNG), one row per image, which `mlflow models serve` returns as JSON.
 Image k of the request (prompt by prompt, then image by image) is generated with seed `seed + k`,
 one image per pipeline call, so results do not depend on the batch and static-shape OpenVINO

@@ -120,7 +120,8 @@ def check_settings(params: dict[str, Any] | None, size_multiple: int = 8) -> dic
     adapter = params.pop(ADAPTER_PARAM, None) or ""
     params.pop(images.IMAGE_PARAM, None)  # check_request decodes them
     if unknown := sorted(set(params) - set(SETTINGS)):
-        raise bad_request(f"unknown params {unknown}; allowed: {sorted([*SETTINGS, ADAPTER_PARAM, images.IMAGE_PARAM])}")
+        allowed = sorted([*SETTINGS, ADAPTER_PARAM, images.IMAGE_PARAM])
+        raise bad_request(f"unknown params {unknown}; allowed: {allowed}")
     if not isinstance(adapter, str) or len(adapter) > MAX_PROMPT_CHARS:
         raise bad_request(f"{ADAPTER_PARAM}: {adapter!r} is not a text of at most {MAX_PROMPT_CHARS} characters")
     settings = {**DEFAULTS, ADAPTER_PARAM: adapter}
@@ -180,8 +181,8 @@ def check_request(model_input: Any, params: dict[str, Any] | None, size_multiple
     """(prompts, settings) of a valid request; a bad_request before any work otherwise.
 
     `input_images`: how many input images the model takes (serving_images.py); settings[`image`]
-    holds the decoded ones ([] without), and an edit with no size asked is made at the first one's
-    (size_multiple x 2: the packed latents' 2x2 patches)."""
+    holds the decoded ones ([] without), and an edit is made at the static shape `size`, else, with
+    no size asked, at the first image's (size_multiple x 2: the packed latents' 2x2 patches)."""
     prompts = prompts_from(model_input)
     settings = check_settings(params, size_multiple)
     count = len(prompts) * settings["num_images_per_prompt"]
@@ -189,7 +190,9 @@ def check_request(model_input: Any, params: dict[str, Any] | None, size_multiple
         raise bad_request(f"{len(prompts)} prompts x num_images_per_prompt {settings['num_images_per_prompt']} = "
                           f"{count} images; at most {MAX_IMAGES} per request: split it")
     inputs = images.input_images((params or {}).get(images.IMAGE_PARAM), input_images)
-    if inputs and size is None and settings["height"] is None and settings["width"] is None:
+    if inputs and size is not None:  # the pipeline would follow the input image, not the static shape
+        settings["height"], settings["width"] = size
+    elif inputs and settings["height"] is None and settings["width"] is None:
         settings["height"], settings["width"] = images.edit_size(inputs[0], size_multiple * 2,
                                                                  int(SETTINGS["height"].high))
     if budget is not None:

@@ -20,7 +20,7 @@ from tasks.common.errors import UserError
 #: The report's keys a version is tagged with as they are (`train.<key>`), when the report has them;
 #: `train.masked_loss` and `train.concepts` say theirs in a line each.
 TAG_KEYS = ("lora_type", "rank", "lora_alpha", "base_model_precision", "text_encoder_precision", "optimizer",
-            "instance_images")
+            "instance_images", "edit_pairs")
 #: The report's mask keys (with `masked_loss: true`).
 MASK_KEYS = ("masked_images", "masked_loss_unmasked_weight", "unmasked_probability", "normalize_masked_area_loss")
 #: How the description writes each `lora_type`.
@@ -100,6 +100,8 @@ def trained_line(report: dict[str, Any]) -> str:
     if images is not None:
         masks = report.get("masked_images") if report.get("masked_loss") else None
         line += f", {images} image{'' if images == 1 else 's'}" + (f" ({masks} with masks)" if masks else "")
+    if edits := report.get("edit_pairs"):
+        line += f", {edits} edit pair{'' if edits == 1 else 's'} (targets with reference images)"
     if concepts := concepts_line(report):
         n = len(report["concepts"])
         line += f", {n} concept{'' if n == 1 else 's'}: {concepts}"

@@ -7,8 +7,9 @@ version says DoRA, not only `method: lora`, and how many of its images trained m
   (comfyui: the output also has comfyui_lora.safetensors): for a method that reads them
   (tasks/train/methods/specs/);
 - `optimizer`: what make_optimizer built (tasks/train/optim.py `optimizer_name`);
-- `instance_images`: the instance images of the data; `masked_loss`, and with it `masked_images`
-  (those whose mask weighs the loss) and the mask settings;
+- `instance_images`: the instance images of the data; `edit_pairs`, on an edit dataset: the targets
+  trained with reference images; `masked_loss`, and with it `masked_images` (those whose mask
+  weighs the loss) and the mask settings;
 - the report's own `base_model_precision`, `text_encoder_precision` (what the base held) and
   `concepts` (per concept: images, repeats, loss weight) are written beside them (core.py).
 """
@@ -32,6 +33,8 @@ def trained_settings(cfg: Any, instances: Sequence[Any], optimizer: str) -> dict
     out["train_text_encoder"] = cfg.train_text_encoder
     out["optimizer"] = optimizer
     out["instance_images"] = len(instances)
+    if edits := sum(bool(getattr(r, "references", ())) for r in instances):
+        out["edit_pairs"] = edits
     out["masked_loss"] = cfg.masked_loss
     if cfg.masked_loss:
         out["masked_images"] = sum(r.mask is not None for r in instances)

@@ -1,14 +1,18 @@
 """SD3, FLUX.1, FLUX.2 klein, Z-Image, Qwen-Image and Sana end to end with the real `dvc`: `base.model:
 builtin:tiny-<family>` and `train.method: lora` (FLUX.1, Z-Image, Qwen-Image and Sana: DoRA on an int8
 base; SD3: exported as run-time adapters over a
-shared base export), then registration; every output is loaded by the family's own classes
-(diffusers' pipeline with `load_lora_weights`, optimum-intel's OpenVINO pipeline or OpenVINO GenAI's
-Text2ImagePipeline with the adapter, the registered MLflow pyfunc by its alias: over HTTP with
-`mlflow models serve` for SD3's run-time adapters and FLUX.1's quantized DoRA, loaded by
-`mlflow.pyfunc.load_model` for the others, whose served path differs only in the family's call).
+shared base export), then registration; FLUX.2 klein trains on the demo's edit triples
+(data/demo/edits: references, target, instruction) and edits an input image at every stage after.
+Every output is loaded by the family's own classes (diffusers' pipeline with `load_lora_weights`,
+optimum-intel's OpenVINO pipeline or OpenVINO GenAI's Text2ImagePipeline with the adapter, the
+registered MLflow pyfunc by its alias: over HTTP with `mlflow models serve` for SD3's run-time
+adapters and FLUX.2's edits, loaded by `mlflow.pyfunc.load_model` for the others, whose served
+path differs only in the family's call).
 Small settings: the point is the chain, not the images."""
 from __future__ import annotations
 
+import base64
+import io
 import json
 import subprocess
 import sys
@@ -17,6 +21,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from PIL import Image
 from safetensors.torch import load_file
 
 from tests.e2e_util import copy_repo, e2e_env
@@ -39,6 +44,10 @@ QUANTIZED = {name: {"base_model_precision": "int8", "lora_type": "dora"}
 #: SD3's LoRA is exported for OpenVINO GenAI to apply at run time (export.adapters: runtime), as a
 #: team with many fine-tunes of one base would; GenAI applies SD3's transformer layers only
 RUNTIME = {"sd3": {"train": {"train_text_encoder": False}, "export": {"adapters": "runtime"}}}
+#: FLUX.2 klein edits: the demo's (reference, target, instruction) triples, references in control/
+#: (class images have no references: no prior preservation beside them)
+EDITS = {"flux2": {"ingest": {"data_dir": "data/demo/edits", "sources": [{"type": "folder", "control_dir": "control"}]},
+                   "train": {"with_prior_preservation": False}}}
 
 
 def small_params(root: Path, builtin: str) -> None:
@@ -48,10 +57,10 @@ def small_params(root: Path, builtin: str) -> None:
     params["base"]["model"] = builtin
     with_text = bool(BUILTINS[builtin].trainable_text_encoders)  # FLUX.2 klein trains no text encoder
     name = builtin.removeprefix("builtin:tiny-")
-    runtime = RUNTIME.get(name, {})
+    runtime, edits = RUNTIME.get(name, {}), EDITS.get(name, {})
     small = {**SMALL, "train": {**SMALL["train"], "train_text_encoder": with_text, **QUANTIZED.get(name, {}),
-                                **runtime.get("train", {})},
-             "export": {**SMALL["export"], **runtime.get("export", {})}}
+                                **runtime.get("train", {}), **edits.get("train", {})},
+             "export": {**SMALL["export"], **runtime.get("export", {})}, "ingest": edits.get("ingest", {})}
     for section, values in small.items():
         for key, value in values.items():
             if isinstance(value, dict):
@@ -64,7 +73,7 @@ def small_params(root: Path, builtin: str) -> None:
 FAMILIES = ["sd3", "flux", "flux2", "zimage", "qwenimage", "sana"]
 #: served by `mlflow models serve` (30 s to start each); the registered versions of the others are
 #: loaded and called in this process, through the same model code
-SERVED_OVER_HTTP = {"sd3", "flux"}
+SERVED_OVER_HTTP = {"sd3", "flux2"}
 
 
 def reproduce(root: Path, name: str) -> str | None:
@@ -123,6 +132,7 @@ def test_the_lora_loads_with_the_family_pipeline(pipeline) -> None:
     assert report["family"] == name and report["method"] == "lora"
     assert report["base_model_precision"] == ("int8-torchao" if name in QUANTIZED else "none")
     assert (report.get("quantized_layers", 0) > 0) == (name in QUANTIZED)
+    assert report.get("edit_pairs") == (4 if name in EDITS else None), "the demo's 4 triples trained as edits"
 
 
 def test_the_export_loads_and_generates(pipeline) -> None:
@@ -145,6 +155,11 @@ def test_the_export_loads_and_generates(pipeline) -> None:
     pipe = cls.from_pretrained(root / "models/openvino", dynamic_shapes=False)
     image = pipe(prompt="a photo of sks toy", num_inference_steps=2, height=64, width=64).images[0]
     assert image.size == (64, 64)
+    if name in EDITS:  # the static export takes input images of any size: their tokens stay free
+        reference = Image.open(root / "data/demo/edits/control/edit_03_0.png").resize((96, 80))
+        edited = pipe(prompt="make it blue", image=[reference, reference], num_inference_steps=2,
+                      height=64, width=64).images[0]
+        assert edited.size == (64, 64)
 
 
 def test_mlflow_models_serve_answers(pipeline, tmp_path) -> None:
@@ -156,15 +171,24 @@ def test_mlflow_models_serve_answers(pipeline, tmp_path) -> None:
     assert isinstance(evaluation["gate"]["passed"], bool)
     env = e2e_env(root, MLFLOW_TRACKING_URI=f"sqlite:///{root / 'mlflow.db'}")
     good = {"inputs": ["a photo of sks toy"], "params": {"num_inference_steps": 2}}
-    bad = {"inputs": ["a"], "params": {"num_inference_steps": -3}}
+    bad, says = {"inputs": ["a"], "params": {"num_inference_steps": -3}}, "num_inference_steps: -3 is out of range"
+    if name in EDITS:  # an edit: the input image as a base64 file, every prompt of the request edits it
+        reference = base64.b64encode((root / "data/demo/edits/control/edit_00.png").read_bytes()).decode()
+        good = {"inputs": ["make it blue"], "params": {"num_inference_steps": 2, "image": [reference]}}
+        bad, says = {"inputs": ["a"], "params": {"image": ["bm90IGFuIGltYWdl"]}}, "image[0]: not an image file"
     if name in SERVED_OVER_HTTP:
         from tests.register.http_serve import models_serve, post
 
         with models_serve("models:/sd-finetuned@candidate", tmp_path / "serve.log", env=env, cwd=root) as (url, _):
             status, body = post(url, good)
             assert status == 200 and body["predictions"][0]["image"].startswith("iVBORw0K"), body
+            if name in EDITS:  # the edit is at the input image's size; the same seed without it differs
+                edited = Image.open(io.BytesIO(base64.b64decode(body["predictions"][0]["image"])))
+                assert edited.size == Image.open(root / "data/demo/edits/control/edit_00.png").size
+                status, plain = post(url, {"inputs": good["inputs"], "params": {"num_inference_steps": 2}})
+                assert status == 200 and plain["predictions"][0]["image"] != body["predictions"][0]["image"]
             status, body = post(url, bad)
-            assert status == 400 and "num_inference_steps: -3 is out of range" in body["message"], body
+            assert status == 400 and says in body["message"], body
     else:
         import mlflow
 

@@ -34,6 +34,16 @@ def test_a_method_without_adapters_names_the_method() -> None:
         "1 of 1 images (outside the mask weight 0.2, unmasked probability 0.1, area-normalised)")
 
 
+def test_an_edit_run_says_how_many_pairs_it_trained() -> None:
+    report = {"method": "lora", "lora_type": "lora", "rank": 4, "lora_alpha": 4.0, "base_model_precision": "none",
+              "optimizer": "adamw", "instance_images": 4, "edit_pairs": 4}
+    assert trained_line(report) == ("LoRA r4 (alpha 4) on a full-precision base, adamw, 4 images, 4 edit pairs "
+                                    "(targets with reference images)")
+    assert train_tags(report)["train.edit_pairs"] == 4
+    assert "train.edit_pairs" not in train_tags(
+        {k: v for k, v in report.items() if k != "edit_pairs"})
+
+
 def test_a_report_that_is_not_the_train_stages_is_refused(tmp_path: Path) -> None:
     with pytest.raises(UserError, match="not found: run the train stage first"):
         read_train_report(tmp_path / "train.json")

@@ -177,3 +177,4 @@ def test_the_edit_demo_from_ingest_trains_on_flux2(tmp_path, tiny_flux2) -> None
     outcome = train(_config(tmp_path, method="lora", max_sequence_length=SEQ, random_flip=True), tiny_flux2,
                     tmp_path / "processed", None, tmp_path / "out")
     assert len(outcome.history) == 2 and all(np.isfinite(h.loss) for h in outcome.history)
+    assert outcome.trained["edit_pairs"] == 4 and outcome.trained["instance_images"] == 4  # reports/train.json's

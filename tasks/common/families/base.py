@@ -293,6 +293,11 @@ class ModelFamily:
         return (*cls.text_encoder_names, cls.denoiser_name, "vae_decoder")
 
     @classmethod
+    def free_reference_axes(cls, ov_pipe: Any) -> None:
+        """Free the axes of a statically reshaped OpenVINO pipeline that an edit's input images
+        change (a family that `takes_references`); nothing for a family that does not."""
+
+    @classmethod
     def lora_components(cls, trained: list[str]) -> list[str]:
         """Pipeline components that carry LoRA layers, for `fuse_lora(components=...)`."""
         return [cls.denoiser_name, *(n for n in trained if n.startswith("text_encoder"))]

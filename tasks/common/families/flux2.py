@@ -140,6 +140,22 @@ class Flux2Klein(FlowMatchingFamily):
         return (patches - mean) / std
 
     @classmethod
+    def free_reference_axes(cls, ov_pipe: Any) -> None:
+        """The transformer's token axis (`hidden_states`, `img_ids`: the references' tokens join the
+        noisy ones, as many as their sizes make) and the VAE encoder's height and width."""
+        model = ov_pipe.transformer.model
+        shapes = {}
+        for port in model.inputs:
+            if port.get_any_name() in ("hidden_states", "img_ids"):
+                shapes[port] = port.get_partial_shape()
+                shapes[port][1] = -1
+        model.reshape(shapes)
+        port = ov_pipe.vae_encoder.model.inputs[0]
+        shape = port.get_partial_shape()
+        shape[2], shape[3] = -1, -1
+        ov_pipe.vae_encoder.model.reshape({port: shape})
+
+    @classmethod
     def predict(cls, denoiser: Any, noisy_latents: Any, timesteps: Any, hidden: Any, pooled: Any,
                 inputs: PredictInputs) -> Any:
         from diffusers import Flux2KleinPipeline
