@@ -118,7 +118,8 @@ def generate(pipe: Any, triples: list[Triple], *, seed: int, num_inference_steps
 
 
 def scores(encoders: Encoders, triples: list[Triple], tuned: list[list[Image.Image]],
-           base: list[list[Image.Image]] | None, identifier: str | None) -> tuple[dict[str, float], list[dict[str, Any]]]:
+           base: list[list[Image.Image]] | None,
+           identifier: str | None) -> tuple[dict[str, float], list[dict[str, Any]]]:
     """edit_* (and base_edit_*, gain_edit_*) means, and one row per triple with its scores beside the base's."""
     sums: dict[str, float] = {}
     rows = []
