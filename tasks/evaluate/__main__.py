@@ -10,7 +10,9 @@ CLIP-T and a Fréchet distance. Apart from the gains, the OpenVINO export (--exp
 same images and is compared with the PyTorch fine-tune (export fidelity: PSNR, metric deltas).
 Applies the gate in params.yaml (`evaluate.gate`), and writes the report (DVC metrics), an
 optional flat metrics file, and a plots folder: grid.png, grid_base.png, grid_export.png,
-per_prompt.csv.
+per_prompt.csv. When --instance-data is an edit dataset (targets with reference images), both models
+also edit its first `evaluate.edits.max_pairs` triples, scored against the targets (edit_* metrics;
+grid_edits.png, per_edit.csv).
 """
 from __future__ import annotations
 
@@ -32,7 +34,8 @@ log = logging.getLogger("tasks.evaluate")
 
 
 def write_plots(result: Result, out: Path, images_per_prompt: int) -> dict[str, Path]:
-    """grid.png (one row per prompt), grid_base.png, per_prompt.csv into `out`."""
+    """grid.png (one row per prompt), grid_base.png, per_prompt.csv (and for an edit set
+    grid_edits.png, per_edit.csv) into `out`."""
     paths = {"grid": out / "grid.png", "csv": out / "per_prompt.csv"}
     flat = [im for row in result.images for im in row]
     make_grid(flat, cols=images_per_prompt).save(paths["grid"])
@@ -47,11 +50,20 @@ def write_plots(result: Result, out: Path, images_per_prompt: int) -> dict[str, 
         make_grid([im for row in export for im in row], cols=images_per_prompt).save(
             paths["grid_export"]
         )
-    with open(paths["csv"], "w", newline="", encoding="utf-8") as fh:
-        writer = csv.DictWriter(fh, fieldnames=list(result.rows[0]))
-        writer.writeheader()
-        writer.writerows(result.rows)
+    _write_csv(paths["csv"], result.rows)
+    edit_grid = result.extra.get("edit_grid")
+    if edit_grid:  # an edit dataset: a row per triple (references, target, fine-tune's, base's edit)
+        paths["grid_edits"], paths["edits_csv"] = out / "grid_edits.png", out / "per_edit.csv"
+        make_grid(edit_grid[0], cols=edit_grid[1]).save(paths["grid_edits"])
+        _write_csv(paths["edits_csv"], result.edit_rows)
     return paths
+
+
+def _write_csv(path: Path, rows: list[dict]) -> None:
+    with open(path, "w", newline="", encoding="utf-8") as fh:
+        writer = csv.DictWriter(fh, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
 
 
 def flat_metrics(report: dict) -> dict[str, float]:
@@ -117,6 +129,8 @@ def main() -> None:
         run.log_metrics(fidelity_metrics(result.report))
         run.log_metrics({f"seconds.{k}": v for k, v in result.report["seconds"].items()})
         run.log_table(result.rows, "evaluate/per_prompt_table.json")
+        if result.edit_rows:
+            run.log_table(result.edit_rows, "evaluate/per_edit_table.json")
         run.log_dict(result.report, "evaluate.json")
         gate = result.report["gate"]
         protocol = result.report["protocol"]

@@ -34,6 +34,18 @@ class GateConfig(StageConfig):
         None, ge=0.0, le=100.0,
         description="export fidelity: lowest per-image PSNR (dB) of OpenVINO vs PyTorch fine-tune",
     )
+    min_edit_clip_t: float | None = Field(
+        None, ge=-1.0, le=1.0, description="edit set: lowest CLIP-T of an edit to its instruction")
+    min_edit_clip_i: float | None = Field(
+        None, ge=-1.0, le=1.0, description="edit set: lowest CLIP-I of an edit to its target")
+    min_edit_dino: float | None = Field(
+        None, ge=-1.0, le=1.0, description="edit set: lowest DINO of an edit to its target")
+    min_gain_edit_clip_t: float | None = Field(
+        None, ge=-2.0, le=2.0, description="edit set: lowest CLIP-T gain over the base's edits")
+    min_gain_edit_clip_i: float | None = Field(
+        None, ge=-2.0, le=2.0, description="edit set: lowest CLIP-I gain over the base's edits")
+    min_gain_edit_dino: float | None = Field(
+        None, ge=-2.0, le=2.0, description="edit set: lowest DINO gain over the base's edits")
 
 
 class DriftConfig(StageConfig):
@@ -80,6 +92,19 @@ class HeldoutConfig(StageConfig):
     enabled: bool = Field(False, description="score held-out captions (needs --heldout-data)")
     max_images: int = Field(64, ge=2, le=10000, description="first N held-out captions/images")
 
+class EditsConfig(StageConfig):
+    """Edit datasets: each (reference images, target, instruction) triple of the instance data.
+
+    Acts only when the instance data's targets list references (metadata.jsonl
+    `reference_file_names`, from ingest): the first `max_pairs` triples go through the fine-tune and
+    the base, one call each (its references, its instruction, the target's size, the same seed and
+    latents for both); each edit is scored against its target (DINO, CLIP-I) and instruction (CLIP-T).
+    """
+
+    enabled: bool = Field(True, description="score the edit set when the instance data has references")
+    max_pairs: int = Field(4, ge=1, le=1000, description="first N (references, target, instruction) triples")
+
+
 class EvaluateConfig(StageConfig):
     """`evaluate` section: prompts, sampling, encoders and the gate."""
 
@@ -114,6 +139,7 @@ class EvaluateConfig(StageConfig):
     drift: DriftConfig = Field(default_factory=DriftConfig)
     heldout: HeldoutConfig = Field(default_factory=HeldoutConfig)
     export_fidelity: ExportFidelityConfig = Field(default_factory=ExportFidelityConfig)
+    edits: EditsConfig = Field(default_factory=EditsConfig)
 
     @model_validator(mode="before")
     @classmethod
@@ -140,18 +166,29 @@ class EvaluateConfig(StageConfig):
     @model_validator(mode="after")
     def _gains_need_base(self) -> EvaluateConfig:
         keys = ("min_gain_clip_t", "min_gain_clip_i", "min_gain_dino", "min_drift_clip_i",
-                "min_drift_dino")
+                "min_drift_dino", *EDIT_GAIN_THRESHOLDS)
         gains = [k for k in keys if getattr(self.gate, k) is not None]
         if gains and not self.compare_base:
             raise ValueError(
                 f"gate.{gains[0]} needs compare_base: true (it is measured against the base)"
             )
-        drift = [k for k in keys[3:] if getattr(self.gate, k) is not None]
+        drift = [k for k in keys[3:5] if getattr(self.gate, k) is not None]
         if drift and not self.drift.enabled:
             raise ValueError(f"gate.{drift[0]} needs drift.enabled: true")
         if self.gate.min_export_psnr is not None and not self.export_fidelity.enabled:
             raise ValueError("gate.min_export_psnr needs export_fidelity.enabled: true")
+        edit = self.edit_thresholds()
+        if edit and not self.edits.enabled:
+            raise ValueError(f"gate.{edit[0]} needs edits.enabled: true (it scores the edit set)")
         return self
+
+    def edit_thresholds(self) -> list[str]:
+        """The gate's edit-set thresholds that are set (they need an edit set to measure)."""
+        return [k for k in (*EDIT_THRESHOLDS, *EDIT_GAIN_THRESHOLDS) if getattr(self.gate, k) is not None]
+
+
+EDIT_THRESHOLDS = ("min_edit_clip_t", "min_edit_clip_i", "min_edit_dino")
+EDIT_GAIN_THRESHOLDS = ("min_gain_edit_clip_t", "min_gain_edit_clip_i", "min_gain_edit_dino")
 
 
 def check_templates(prompts: list[str]) -> list[str]:

@@ -24,6 +24,7 @@ from tasks.common.openvino_model import (
     static_shape,
 )
 from tasks.common.scoring import IMAGE_METRICS, Encoders, Scorer, load_instance_images
+from tasks.evaluate import edits as E
 from tasks.evaluate import extra_metrics as X
 from tasks.evaluate import fidelity as F
 from tasks.evaluate import metrics as M
@@ -41,6 +42,7 @@ class Result:
     images: list[list[Image.Image]]
     base_images: list[list[Image.Image]] | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+    edit_rows: list[dict[str, Any]] = field(default_factory=list)  # one per triple of the edit set
 
 
 def render_prompts(cfg: EvaluateConfig) -> tuple[list[str], list[str]]:
@@ -71,18 +73,23 @@ def _load_base(path: Path) -> Any:
 
 @dataclass
 class _Jobs:
-    """What every model generates: the prompts, and the drift / held-out sets when enabled."""
+    """What every model generates: the prompts, and the drift / held-out / edit sets when enabled."""
 
     main: dict[str, Any]
     drift: dict[str, Any] | None
     heldout: dict[str, Any] | None
+    edits: dict[str, Any] | None = None  # E.generate's arguments: the triples, seed, steps, guidance
 
     def run(self, pipe: Any, who: str) -> dict[str, Any]:
+        if self.edits:  # before any image: a family without reference inputs is refused
+            E.refuse_family(families.of_pipeline(pipe), self.edits["triples"])
         out = {"main": generate(pipe, desc=who, **self.main)}
         if self.drift:
             out["drift"] = generate(pipe, desc=f"{who}: class prompts", **self.drift)
         if self.heldout:
             out["heldout"] = generate(pipe, desc=f"{who}: held-out captions", **self.heldout)
+        if self.edits:
+            out["edits"] = E.generate(pipe, desc=f"{who}: edits", **self.edits)
         return out
 
 
@@ -121,17 +128,48 @@ def evaluate(model: Path, base: Path | None, instance_data: Path, cfg: EvaluateC
         raise UserError("evaluate.heldout.enabled needs --heldout-data (held-out captioned images)")
     prompts, clip_texts = render_prompts(cfg)
     real_images = load_instance_images(instance_data)
+    triples = _edit_set(instance_data, cfg)
     encoders = Encoders.load(cfg.clip_model, cfg.dino_model, cfg.encoder_seed, cfg.clip_revision,
                              cfg.dino_revision, key="evaluate")
-    made = _generate(model, base, cfg.compare_base and base is not None, prompts, cfg, heldout, export)
+    made = _generate(model, base, cfg.compare_base and base is not None, prompts, cfg, heldout, export,
+                     triples)
     start = time.perf_counter()
     scorer = Scorer(encoders.clip, encoders.dino, encoders.clip.embed_texts(clip_texts), real_images)
     metrics, rows = _fine_tuning_metrics(scorer, prompts, clip_texts, made.tuned, made.based, made.heldout)
+    edit_metrics, edit_rows = _edit_scores(encoders, triples, made, cfg.identifier)
+    metrics.update(edit_metrics)
     fidelity = _export_fidelity(scorer, made)
     made.seconds["score"] = round(time.perf_counter() - start, 3)
     report = _gate_and_report(cfg, metrics, fidelity, made, prompts, clip_texts, real_images, scorer)
+    report["edits"] = {"pairs": len(triples), "rows": edit_rows} if triples else None
+    edit_grid = (E.grid_cells(triples, made.tuned["edits"][0], made.based["edits"][0] if made.based else None)
+                 if triples else None)
     return Result(report, rows, made.tuned["main"][0], made.based["main"][0] if made.based else None,
-                  {"export_images": made.exported["images"] if made.exported else None})
+                  {"export_images": made.exported["images"] if made.exported else None,
+                   "edit_grid": edit_grid}, edit_rows)
+
+
+def _edit_scores(encoders: Encoders, triples: list[E.Triple], made: _Generated,
+                 identifier: str) -> tuple[dict[str, float], list[dict[str, Any]]]:
+    """The edit set's metrics and per-triple rows (none without an edit set)."""
+    if not triples:
+        return {}, []
+    return E.scores(encoders, triples, made.tuned["edits"][0],
+                    made.based["edits"][0] if made.based else None, identifier)
+
+
+def _edit_set(instance_data: Path, cfg: EvaluateConfig) -> list[E.Triple]:
+    """The edit set (empty when the data has no references, or evaluate.edits is off); an edit
+    threshold in the gate without one is refused before any generation."""
+    triples = E.load_triples(instance_data, cfg.edits.max_pairs) if cfg.edits.enabled else []
+    if not triples and cfg.edit_thresholds():
+        key = cfg.edit_thresholds()[0]
+        raise UserError(f"evaluate.gate.{key} scores the edit set, but {instance_data} lists no reference "
+                        "images (metadata.jsonl `reference_file_names`, an edit dataset from ingest); set "
+                        f"evaluate.gate.{key}: null, or evaluate on an edit dataset")
+    if triples:
+        log.info("edit set: %d (references, target, instruction) triples of %s", len(triples), instance_data)
+    return triples
 
 
 @dataclass
@@ -149,7 +187,7 @@ class _Generated:
 
 
 def _generate(model: Path, base: Path | None, with_base: bool, prompts: list[str], cfg: EvaluateConfig,
-              heldout: Path | None, export: Path | None) -> _Generated:
+              heldout: Path | None, export: Path | None, triples: list[E.Triple]) -> _Generated:
     """The export's fidelity images first (its static shape sets the call shape), then the fine-tune's
     and, `with_base`, the base's, one pipeline in memory at a time (adapters load onto `base` either way)."""
     exported = None
@@ -167,6 +205,8 @@ def _generate(model: Path, base: Path | None, with_base: bool, prompts: list[str
                    images_per_prompt=cfg.drift.images_per_prompt, **common)
         if cfg.drift.enabled and with_base else None,
         heldout=dict(prompts=heldout_data[0], images_per_prompt=1, **common) if heldout_data else None,
+        edits=dict(triples=triples, seed=cfg.seed, num_inference_steps=cfg.num_inference_steps,
+                   guidance_scale=cfg.guidance_scale) if triples else None,
     )
     tuned = jobs.run(pipe, "fine-tuned (PyTorch fp32)")
     del pipe
@@ -202,11 +242,15 @@ def _gate_and_report(cfg: EvaluateConfig, metrics: dict[str, float], fidelity: d
     report = _report(cfg, metrics, verdict, prompts, clip_texts, made.tuned["main"][0], real_images,
                      made.shape, made.source, drift=made.jobs.drift, heldout=made.heldout,
                      with_base=bool(made.based), fidelity=fidelity,
-                     scorer_dims=(scorer.clip.embedding_dim, scorer.dino.embedding_dim))
+                     scorer_dims=(scorer.clip.embedding_dim, scorer.dino.embedding_dim),
+                     edits=made.jobs.edits["triples"] if made.jobs.edits else None)
     report["seconds"] = made.seconds
     log.info("CLIP-T %.3f, CLIP-I %.3f, DINO %.3f; gate %s; protocol %s", metrics["clip_t"],
              metrics["clip_i"], metrics["dino"], "passed" if verdict["passed"] else "FAILED",
              report["protocol"]["id"])
+    if "edit_dino" in metrics:
+        log.info("edit set: DINO %.3f, CLIP-I %.3f to the targets, CLIP-T %.3f to the instructions",
+                 metrics["edit_dino"], metrics["edit_clip_i"], metrics["edit_clip_t"])
     if fidelity:
         log.info("export fidelity (%s vs PyTorch fp32): PSNR mean %.1f dB, min %.1f dB; "
                  "DINO %+.4f", fidelity["backend"], fidelity["psnr_mean"], fidelity["psnr_min"],
@@ -255,7 +299,8 @@ def _report(cfg: EvaluateConfig, metrics: dict[str, float], verdict: dict[str, A
             prompts: list[str], clip_texts: list[str], images: list[list[Image.Image]],
             real_images: list[Image.Image], shape: StaticShape, source: dict[str, Any], *,
             drift: dict[str, Any] | None, heldout: Any, with_base: bool,
-            fidelity: dict[str, Any] | None, scorer_dims: tuple[int, int]) -> dict[str, Any]:
+            fidelity: dict[str, Any] | None, scorer_dims: tuple[int, int],
+            edits: list[E.Triple] | None) -> dict[str, Any]:
     precision = {"all": "f32"}
     return {
         "metrics": {k: M._json_number(v) for k, v in metrics.items()},
@@ -270,6 +315,7 @@ def _report(cfg: EvaluateConfig, metrics: dict[str, float], verdict: dict[str, A
             "call_shape": shape.as_dict(), "base_compared": with_base,
             "prompt_set": cfg.prompt_set, "drift_prompts": drift["prompts"] if drift else [],
             "heldout_images": len(heldout[0]) if heldout else 0,
+            "edit_pairs": len(edits) if edits else 0,
         },
         "encoders": {"clip": cfg.clip_model, "dino": cfg.dino_model,
                      "clip_dim": scorer_dims[0], "dino_dim": scorer_dims[1]},
@@ -278,6 +324,7 @@ def _report(cfg: EvaluateConfig, metrics: dict[str, float], verdict: dict[str, A
             shape=shape.as_dict(), instance=P.images_hash(real_images),
             heldout=P.images_hash(heldout[1]) if heldout else None,
             base_backend="pytorch" if with_base else None,
-            export_fidelity=cfg.export_fidelity.max_prompts if fidelity else False),
+            export_fidelity=cfg.export_fidelity.max_prompts if fidelity else False,
+            edits={"set": E.set_hash(edits), "pairs": len(edits)} if edits else None),
         "reference_dreambooth_paper_table1": M.PAPER_TABLE1,
     }

@@ -4,7 +4,8 @@ Two scores can be compared only when they were measured the same way: the same e
 revisions, or built-in names and their seed), prompts and CLIP-T texts, seeds, images per prompt,
 steps, guidance, resolution, reference and held-out images, the backend and precision the
 fine-tune and the base are generated with (PyTorch fp32 for both: like with like), and which
-prompts the OpenVINO export is compared on (export fidelity, reported apart). `describe`
+prompts the OpenVINO export is compared on (export fidelity, reported apart), and the edit set
+(its triples' content, when the instance data is an edit dataset). `describe`
 gathers those settings into the report's `protocol` section with a short `id` (a hash of them):
 equal ids, comparable scores. Promotion (tasks/register/promotion.py) compares a challenger with
 the champion only under the same id.
@@ -55,12 +56,14 @@ def uncalibrated_reason(cfg: EvaluateConfig) -> str | None:
 def describe(cfg: EvaluateConfig, *, prompts: list[str], clip_texts: list[str], backend: str,
              precision: dict[str, str], shape: dict[str, Any], instance: str,
              heldout: str | None, base_backend: str | None,
-             export_fidelity: int | None | bool = False) -> dict[str, Any]:
+             export_fidelity: int | None | bool = False,
+             edits: dict[str, Any] | None = None) -> dict[str, Any]:
     """The report's `protocol` section: {id, calibrated, uncalibrated_reason, settings}.
 
     `backend` / `precision` are the fine-tune's (the gains': `base_backend` is the base's, the
     same); `export_fidelity` is False when the export was not compared, else its max_prompts
-    (None: all prompts)."""
+    (None: all prompts); `edits`: the edit set scored ({set: its content hash, pairs}), None
+    without one (then left out of the settings, so evaluations without edits keep their ids)."""
     settings = {
         "clip": _encoder(cfg.clip_model, cfg.clip_revision, cfg.encoder_seed),
         "dino": _encoder(cfg.dino_model, cfg.dino_revision, cfg.encoder_seed),
@@ -80,6 +83,8 @@ def describe(cfg: EvaluateConfig, *, prompts: list[str], clip_texts: list[str], 
         "heldout_images": heldout,
         "drift": cfg.drift.model_dump() if cfg.drift.enabled else None,
     }
+    if edits is not None:
+        settings["edits"] = edits
     text = json.dumps(settings, sort_keys=True, separators=(",", ":"))
     reason = uncalibrated_reason(cfg)
     return {"id": hashlib.sha256(text.encode()).hexdigest()[:12], "calibrated": reason is None,
