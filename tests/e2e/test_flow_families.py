@@ -169,6 +169,10 @@ def test_mlflow_models_serve_answers(pipeline, tmp_path) -> None:
     name, root = pipeline
     evaluation = json.loads((root / "reports/evaluate.json").read_text())
     assert isinstance(evaluation["gate"]["passed"], bool)
+    if name in EDITS:  # each triple's edit scored against its target and instruction, beside the base's
+        assert evaluation["edits"]["pairs"] == 4 and len(evaluation["edits"]["rows"]) == 4
+        assert all(f"{p}edit_{m}" in evaluation["metrics"] for p in ("", "base_", "gain_")
+                   for m in ("dino", "clip_i", "clip_t"))
     env = e2e_env(root, MLFLOW_TRACKING_URI=f"sqlite:///{root / 'mlflow.db'}")
     good = {"inputs": ["a photo of sks toy"], "params": {"num_inference_steps": 2}}
     bad, says = {"inputs": ["a"], "params": {"num_inference_steps": -3}}, "num_inference_steps: -3 is out of range"
