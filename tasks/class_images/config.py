@@ -1,13 +1,15 @@
 """The `class_images` section of params.yaml."""
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
 from tasks.common.concepts import ConceptName
 from tasks.common.config import StageConfig
+from tasks.common.errors import UserError
 from tasks.common.launch import LAUNCHERS, LaunchConfig, launch_problem
+from tasks.common.quantize import BasePrecision
 
 
 class ClassConcept(StageConfig):
@@ -38,6 +40,11 @@ class ClassImagesConfig(StageConfig):
                             "(bf16 releases such as FLUX and SD3.5 then take half the memory of fp32; SD 1.x and "
                             "the built-in models stay fp32)",
     )
+    base_model_precision: str | None = Field(
+        None, description="the denoiser's Linear layers quantized as they load, as the train stage holds it: none | "
+                          "int8 | fp8 | nf4, or with a library (int8-quanto, int8-bnb, fp8-quanto); null: "
+                          "train.base_model_precision's value (a 12B denoiser in int8 takes half its bf16 memory)",
+    )
     launcher: Literal[LAUNCHERS] = Field(  # type: ignore[valid-type]
         "local", description="local | accelerate | mpirun | xla: each rank generates its share of the images"
     )
@@ -49,6 +56,8 @@ class ClassImagesConfig(StageConfig):
 
     @model_validator(mode="after")
     def _check(self) -> ClassImagesConfig:
+        if self.base_model_precision is not None:
+            BasePrecision.parse(self.base_model_precision, key="base_model_precision")  # ValueError: the choices
         if self.launcher == "xla":
             raise ValueError("launcher xla is for training: generate class images with local, mpirun or accelerate")
         if problem := launch_problem(self.launcher, self.launch):
@@ -60,3 +69,16 @@ class ClassImagesConfig(StageConfig):
         if twice := sorted({n for n in names if names.count(n) > 1}):
             raise ValueError(f"concepts: {', '.join(map(repr, twice))} listed twice; name each concept once")
         return self
+
+
+def following_train(cfg: ClassImagesConfig, params: dict[str, Any]) -> ClassImagesConfig:
+    """`cfg` with base_model_precision null replaced by params.yaml's train.base_model_precision
+    (its default, none, where the train section leaves it out)."""
+    if cfg.base_model_precision is not None:
+        return cfg
+    value = (params.get("train") or {}).get("base_model_precision", "none")
+    try:
+        BasePrecision.parse(value, key="train.base_model_precision")
+    except ValueError as err:
+        raise UserError(f"class_images.base_model_precision is null, so it follows {err}") from None
+    return cfg.model_copy(update={"base_model_precision": value})

@@ -25,6 +25,7 @@ from tasks.common import families
 from tasks.common.errors import UserError
 from tasks.common.fingerprint import folder_fingerprint
 from tasks.common.outputs import atomic_file
+from tasks.common.quantize import BasePrecision, place_quantized
 from tasks.common.safe_remove import refusal
 
 log = logging.getLogger(__name__)
@@ -41,7 +42,8 @@ def image_name(index: int) -> str:
 
 def generation_key(cfg: ClassImagesConfig, base_fingerprint: str) -> dict[str, Any]:
     """Everything that changes the pixels of image i (not num_images, not batch_size). An explicit
-    precision other than fp32 is part of it (fp32 and auto keep the keys folders already hold)."""
+    precision other than fp32 is part of it (fp32 and auto keep the keys folders already hold), and
+    a quantized denoiser's precision and library (none keeps them too)."""
     key = {
         "prompt": cfg.prompt,
         "negative_prompt": cfg.negative_prompt,
@@ -51,7 +53,14 @@ def generation_key(cfg: ClassImagesConfig, base_fingerprint: str) -> dict[str, A
         "seed": cfg.seed,
         "base_fingerprint": base_fingerprint,
     }
+    if quantized := _quantized(cfg):
+        key["base_model_precision"] = quantized.name
     return key if cfg.precision in ("auto", "fp32") else {**key, "precision": cfg.precision}
+
+
+def _quantized(cfg: ClassImagesConfig) -> BasePrecision | None:
+    """The quantized denoiser `cfg` asks for (its base_model_precision, resolved: following_train)."""
+    return BasePrecision.parse(cfg.base_model_precision or "none", key="class_images.base_model_precision")
 
 
 @dataclass
@@ -142,9 +151,12 @@ def pipeline_dtype(base: Path, device: Any, precision: str = "auto") -> Any:
     return torch.bfloat16 if stored in (torch.bfloat16, torch.float16) else torch.float32
 
 
-def load_pipeline(base: Path, device: Any = None, precision: str = "auto") -> Any:
+def load_pipeline(base: Path, device: Any = None, precision: str = "auto", quantize: BasePrecision | None = None
+                  ) -> Any:
     """The base model as a diffusers pipeline (any family), safety checker off, on the best device,
-    in `precision` (class_images.precision: `pipeline_dtype`).
+    in `precision` (class_images.precision: `pipeline_dtype`); with `quantize`, the denoiser's Linear
+    layers quantized as they load, a chunk at a time (the train stage's path: its full-precision
+    weights are never all in memory), the rest of the pipeline in `precision`.
 
     The safety checker is turned off as in diffusers' DreamBooth example: it would replace some
     class images by black squares, which the prior loss would then learn.
@@ -158,8 +170,21 @@ def load_pipeline(base: Path, device: Any = None, precision: str = "auto") -> An
         extra = {"safety_checker": None, "requires_safety_checker": False}
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = pipeline_dtype(base, device, precision)
-    log.info("class images: the base pipeline in %s on %s", str(dtype).removeprefix("torch."), device)
-    pipe = DiffusionPipeline.from_pretrained(base, dtype=dtype, **extra).to(device)
+    held = f", the denoiser in {quantize.name}" if quantize else ""
+    log.info("class images: the base pipeline in %s%s on %s", str(dtype).removeprefix("torch."), held, device)
+    denoiser = None
+    if quantize is not None:
+        if problem := quantize.problem(device.type, key="base_model_precision", section="class_images"):
+            raise UserError(problem)
+        family = families.from_index(index, str(base))
+        denoiser = family.load_denoiser(base, dtype, quantize)
+        extra[family.denoiser_name] = denoiser
+    pipe = DiffusionPipeline.from_pretrained(base, dtype=dtype, **extra)
+    for module in pipe.components.values():
+        if module is not None and module is denoiser:  # a quantized layer's weight keeps its format
+            place_quantized(module, device, dtype)
+        elif isinstance(module, torch.nn.Module):
+            module.to(device)
     pipe.set_progress_bar_config(disable=True)
     return pipe
 
@@ -268,7 +293,7 @@ def run(cfg: ClassImagesConfig, base: Path, out_dir: Path, pipe: Any = None, ran
     log.info("class images: %d to generate (%d by rank %d of %d), %d reused in %s", len(todo.missing), len(mine),
              rank, world_size, len(todo.reused), out_dir)
     if mine:
-        pipe = pipe if pipe is not None else load_pipeline(base, device, cfg.precision)
+        pipe = pipe if pipe is not None else load_pipeline(base, device, cfg.precision, _quantized(cfg))
         generate(pipe, cfg, mine, out_dir)
     barrier()
     if rank == 0:

@@ -65,15 +65,15 @@ class BasePrecision:
         return f"{self.precision}-{self.library}"
 
     def problem(self, device_type: str | None = None, adapter: str | None = None,
-                key: str = "base_model_precision") -> str | None:
-        """Why this precision (the value of train.`key`) cannot train here (package, device, adapter
+                key: str = "base_model_precision", section: str = "train") -> str | None:
+        """Why this precision (the value of `section`.`key`) cannot run here (package, device, adapter
         type), or None."""
-        setting, key = key, f"train.{key}: {self.name}"
+        setting, key = key, f"{section}.{key}: {self.name}"
         if not _installed(MODULES[self.library]):
             return f"{key} needs the {PACKAGES[self.library]} package (pip install {PACKAGES[self.library]})"
         if device_type is not None and device_type not in DEVICES[self.library]:
             where = " and ".join(sorted(DEVICES[self.library]))
-            return f"{key} has no kernels on {device_type}; it trains on {where}: set {setting}: none here"
+            return f"{key} has no kernels on {device_type}; it runs on {where}: set {setting}: none here"
         if adapter in UNSUPPORTED_ADAPTERS.get((self.precision, self.library), set()):
             return (f"{key} cannot train lora_type: {adapter} (peft's {adapter} layer fails on these quantized "
                     f"layers); with {adapter} use one of {', '.join(choices_for(adapter))}")

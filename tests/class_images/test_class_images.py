@@ -197,3 +197,38 @@ def test_precision_follows_the_stored_weights_and_is_part_of_the_key(tmp_path: P
     assert summary.generated == 1 and pixels(tmp_path / "cls" / "00000.png").shape == (64, 64, 3)
     assert generation_key(cfg(precision="auto"), "f") == generation_key(cfg(precision="fp32"), "f")
     assert generation_key(cfg(precision="bf16"), "f") == {**generation_key(cfg(), "f"), "precision": "bf16"}
+
+
+def test_a_quantized_denoiser_makes_the_class_images_under_its_own_key(tmp_path: Path, tiny_sd: Path) -> None:
+    """class_images.base_model_precision: the denoiser's Linear layers quantized as they load (the
+    train stage's path), the rest of the pipeline as before; the precision is part of the images' key."""
+    from tasks.class_images.core import generation_key, load_pipeline
+    from tasks.common.quantize import BasePrecision, has_quantized
+
+    pipe = load_pipeline(tiny_sd, "cpu", quantize=BasePrecision.parse("int8"))
+    assert has_quantized(pipe.unet) and not has_quantized(pipe.text_encoder) and not has_quantized(pipe.vae)
+    summary = run(cfg(num_images=2, base_model_precision="int8"), tiny_sd, tmp_path / "cls", pipe=pipe)
+    assert summary.generated == 2
+    full = run(cfg(num_images=2), tiny_sd, tmp_path / "full")
+    assert summary.generated == full.generated == 2
+    for name in ("00000.png", "00001.png"):  # the same noise, the weights rounded to 8 bits: close, not equal
+        quantized, exact = pixels(tmp_path / "cls" / name), pixels(tmp_path / "full" / name)
+        assert quantized.shape == exact.shape == (64, 64, 3) and 0 < np.abs(quantized - exact).mean() < 16
+    key = generation_key(cfg(base_model_precision="int8"), "f")
+    assert key == {**generation_key(cfg(), "f"), "base_model_precision": "int8-torchao"}
+    assert key == generation_key(cfg(base_model_precision="int8-torchao"), "f")
+    assert generation_key(cfg(base_model_precision="none"), "f") == generation_key(cfg(), "f")
+
+
+def test_the_precision_follows_the_train_stage_unless_set() -> None:
+    from tasks.class_images.config import following_train
+
+    params = {"train": {"base_model_precision": "nf4"}}
+    assert following_train(cfg(), params).base_model_precision == "nf4"
+    assert following_train(cfg(base_model_precision="none"), params).base_model_precision == "none"
+    assert following_train(cfg(), {}).base_model_precision == "none"
+    with pytest.raises(UserError, match=r"class_images.base_model_precision is null, so it follows "
+                                        r"train.base_model_precision: 'int4' is not one of"):
+        following_train(cfg(), {"train": {"base_model_precision": "int4"}})
+    with pytest.raises(UserError, match=r"class_images: Value error, base_model_precision: 'int4' is not one of"):
+        parse_section("class_images", {"base_model_precision": "int4"}, ClassImagesConfig)
