@@ -129,6 +129,8 @@ def evaluate(model: Path, base: Path | None, instance_data: Path, cfg: EvaluateC
     prompts, clip_texts = render_prompts(cfg)
     real_images = load_instance_images(instance_data)
     triples = _edit_set(instance_data, cfg)
+    if triples:  # refused before any pipeline loads (the export's fidelity images come first)
+        E.refuse_family(_family_of(model, base), triples)
     encoders = Encoders.load(cfg.clip_model, cfg.dino_model, cfg.encoder_seed, cfg.clip_revision,
                              cfg.dino_revision, key="evaluate")
     made = _generate(model, base, cfg.compare_base and base is not None, prompts, cfg, heldout, export,
@@ -156,6 +158,12 @@ def _edit_scores(encoders: Encoders, triples: list[E.Triple], made: _Generated,
         return {}, []
     return E.scores(encoders, triples, made.tuned["edits"][0],
                     made.based["edits"][0] if made.based else None, identifier)
+
+
+def _family_of(model: Path, base: Path | None) -> type[families.ModelFamily]:
+    """The fine-tune's family: its own pipeline folder's, else (adapters only) its base's."""
+    folder = Path(model) if (Path(model) / "model_index.json").is_file() or base is None else Path(base)
+    return families.detect(folder)
 
 
 def _edit_set(instance_data: Path, cfg: EvaluateConfig) -> list[E.Triple]:

@@ -162,6 +162,8 @@ def test_a_family_without_references_is_refused(tmp_path_factory, edit_data):
     with pytest.raises(UserError, match=r"edit dataset \(2 targets list reference images.*Stable Diffusion.* "
                                         r"does not take reference images.*evaluate.edits.enabled: false"):
         evaluate(sd, None, edit_data, _config())
+    with pytest.raises(UserError, match="does not take reference images"):  # before the export's images
+        evaluate(sd, None, edit_data, _config(), export=tmp_path_factory.mktemp("no-export"))
 
 
 def test_edit_thresholds_need_an_edit_set(tmp_path):
