@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from tasks.class_images.config import ClassImagesConfig
-from tasks.class_images.core import _IMAGE, METADATA, STATE, Summary, _nothing, load_pipeline, run
+from tasks.class_images.core import _IMAGE, METADATA, STATE, Summary, _nothing, load_pipeline, quantized, run
 from tasks.common.errors import UserError
 from tasks.common.safe_remove import refusal
 
@@ -36,12 +36,15 @@ def concept_config(cfg: ClassImagesConfig, k: int) -> ClassImagesConfig:
 class _LazyPipeline:
     """The base pipeline, loaded at the first image a rank has to make (then shared by every concept)."""
 
-    def __init__(self, base: Path, device: Any, pipe: Any = None, precision: str = "auto") -> None:
-        self.base, self.device, self.pipe, self.precision = base, device, pipe, precision
+    def __init__(self, base: Path, device: Any, pipe: Any = None, precision: str = "auto",
+                 quantize: Any = None) -> None:
+        self.base, self.device, self.pipe, self.precision, self.quantize = base, device, pipe, precision, quantize
 
     def loaded(self) -> Any:
+        """The whole pipeline: its text encoders stay for the concepts' prompts (the denoiser quantized
+        as class_images.base_model_precision says)."""
         if self.pipe is None:
-            self.pipe = load_pipeline(self.base, self.device, self.precision)
+            self.pipe = load_pipeline(self.base, self.device, self.precision, self.quantize)
         return self.pipe
 
     @property
@@ -67,7 +70,7 @@ def run_all(cfg: ClassImagesConfig, base: Path, out_dir: Path, pipe: Any = None,
     barrier()
     if not cfg.concepts:
         return run(cfg, base, out_dir, pipe, rank, world_size, barrier, device)
-    lazy = _LazyPipeline(Path(base), device, pipe, cfg.precision)
+    lazy = _LazyPipeline(Path(base), device, pipe, cfg.precision, quantized(cfg))
     per_concept = {c.name: run(concept_config(cfg, k), base, out_dir / c.name, lazy, rank, world_size, barrier, device)
                    for k, c in enumerate(cfg.concepts)}
     parts = list(per_concept.values())

@@ -20,6 +20,7 @@ from typing import Any
 from PIL import Image
 from tqdm import tqdm
 
+from tasks.class_images import encoded
 from tasks.class_images.config import ClassImagesConfig
 from tasks.common import families
 from tasks.common.errors import UserError
@@ -53,12 +54,12 @@ def generation_key(cfg: ClassImagesConfig, base_fingerprint: str) -> dict[str, A
         "seed": cfg.seed,
         "base_fingerprint": base_fingerprint,
     }
-    if quantized := _quantized(cfg):
-        key["base_model_precision"] = quantized.name
+    if held := quantized(cfg):
+        key["base_model_precision"] = held.name
     return key if cfg.precision in ("auto", "fp32") else {**key, "precision": cfg.precision}
 
 
-def _quantized(cfg: ClassImagesConfig) -> BasePrecision | None:
+def quantized(cfg: ClassImagesConfig) -> BasePrecision | None:
     """The quantized denoiser `cfg` asks for (its base_model_precision, resolved: following_train)."""
     return BasePrecision.parse(cfg.base_model_precision or "none", key="class_images.base_model_precision")
 
@@ -151,18 +152,22 @@ def pipeline_dtype(base: Path, device: Any, precision: str = "auto") -> Any:
     return torch.bfloat16 if stored in (torch.bfloat16, torch.float16) else torch.float32
 
 
-def load_pipeline(base: Path, device: Any = None, precision: str = "auto", quantize: BasePrecision | None = None
-                  ) -> Any:
+def load_pipeline(base: Path, device: Any = None, precision: str = "auto", quantize: BasePrecision | None = None,
+                  encode: Sequence[Callable[[Any], Any]] = ()) -> Any:
     """The base model as a diffusers pipeline (any family), safety checker off, on the best device,
     in `precision` (class_images.precision: `pipeline_dtype`); with `quantize`, the denoiser's Linear
     layers quantized as they load, a chunk at a time (the train stage's path: its full-precision
-    weights are never all in memory), the rest of the pipeline in `precision`.
+    weights are never all in memory), the rest of the pipeline in `precision`. With `encode` (the
+    pipeline calls to come, `text_calls`), their text is encoded first and the text encoders
+    released before the denoiser loads (tasks/class_images/encoded.py).
 
     The safety checker is turned off as in diffusers' DreamBooth example: it would replace some
     class images by black squares, which the prior loss would then learn.
     """
+    import diffusers
     import torch
     from diffusers import DiffusionPipeline
+    from diffusers.configuration_utils import FrozenDict
 
     index = families.read_index(base, "run the `base` stage first (dvc repro base)")
     extra: dict[str, Any] = {}
@@ -172,20 +177,26 @@ def load_pipeline(base: Path, device: Any = None, precision: str = "auto", quant
     dtype = pipeline_dtype(base, device, precision)
     held = f", the denoiser in {quantize.name}" if quantize else ""
     log.info("class images: the base pipeline in %s%s on %s", str(dtype).removeprefix("torch."), held, device)
-    denoiser = None
-    if quantize is not None:
-        if problem := quantize.problem(device.type, key="base_model_precision", section="class_images"):
-            raise UserError(problem)
-        family = families.from_index(index, str(base))
-        denoiser = family.load_denoiser(base, dtype, quantize)
-        extra[family.denoiser_name] = denoiser
-    pipe = DiffusionPipeline.from_pretrained(base, dtype=dtype, **extra)
-    for module in pipe.components.values():
-        if module is not None and module is denoiser:  # a quantized layer's weight keeps its format
-            place_quantized(module, device, dtype)
-        elif isinstance(module, torch.nn.Module):
-            module.to(device)
+    if quantize is not None and (problem := quantize.problem(device.type, key="base_model_precision",
+                                                              section="class_images")):
+        raise UserError(problem)
+    family = families.from_index(index, str(base))
+    if not encode and quantize is None:
+        pipe = DiffusionPipeline.from_pretrained(base, dtype=dtype, **extra).to(device)
+        pipe.set_progress_bar_config(disable=True)
+        return pipe
+    pipe = DiffusionPipeline.from_pretrained(base, dtype=dtype, **extra, **{family.denoiser_name: None}).to(device)
     pipe.set_progress_bar_config(disable=True)
+    if encode:
+        config = FrozenDict(getattr(diffusers, index[family.denoiser_name][1]).load_config(
+            base, subfolder=family.denoiser_name))
+        encoded.release_text_encoders(pipe, encoded.record(pipe, encode, config))
+    denoiser = family.load_denoiser(base, dtype, quantize)
+    if quantize is not None:  # a quantized layer's weight keeps its format
+        place_quantized(denoiser, device, dtype)
+    else:
+        denoiser.to(device)
+    encoded.place_denoiser(pipe, denoiser)
     return pipe
 
 
@@ -194,22 +205,35 @@ def _batches(indices: Sequence[int], size: int) -> Iterable[list[int]]:
         yield list(indices[start : start + size])
 
 
+def _call(pipe: Any, cfg: ClassImagesConfig, generators: list[Any]) -> list[Image.Image]:
+    """One pipeline call: the class prompt once per generator."""
+    n = len(generators)
+    return families.of_pipeline(pipe).generate(
+        pipe, [cfg.prompt] * n, height=cfg.resolution, width=cfg.resolution, steps=cfg.num_inference_steps,
+        guidance=cfg.guidance_scale, generator=generators,
+        negative=[cfg.negative_prompt] * n if cfg.negative_prompt else None)
+
+
+def text_calls(cfg: ClassImagesConfig, indices: Sequence[int]) -> list[Callable[[Any], Any]]:
+    """The calls whose text `generate` will need (one per batch size it uses), for load_pipeline's `encode`."""
+    import torch
+
+    sizes = sorted({len(batch) for batch in _batches(indices, cfg.batch_size)})
+    return [lambda pipe, n=n: _call(pipe, cfg, [torch.Generator("cpu").manual_seed(0) for _ in range(n)])
+            for n in sizes]
+
+
 def generate(pipe: Any, cfg: ClassImagesConfig, indices: Sequence[int], out_dir: Path) -> list[Path]:
     """Generate and write images `indices` (each PNG written atomically); returns their paths."""
     import torch
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    family = families.of_pipeline(pipe)
     written: list[Path] = []
     with tqdm(total=len(indices), desc="class images", unit="img", disable=None) as bar:
         for batch in _batches(indices, cfg.batch_size):
             # CPU generators: the initial noise is the same on every device (diffusers moves it).
-            generators = [torch.Generator("cpu").manual_seed(cfg.seed + i) for i in batch]
-            images = family.generate(
-                pipe, [cfg.prompt] * len(batch), height=cfg.resolution, width=cfg.resolution,
-                steps=cfg.num_inference_steps, guidance=cfg.guidance_scale, generator=generators,
-                negative=[cfg.negative_prompt] * len(batch) if cfg.negative_prompt else None)
+            images = _call(pipe, cfg, [torch.Generator("cpu").manual_seed(cfg.seed + i) for i in batch])
             for index, image in zip(batch, images):
                 path = out_dir / image_name(index)
                 with atomic_file(path) as tmp:
@@ -293,7 +317,8 @@ def run(cfg: ClassImagesConfig, base: Path, out_dir: Path, pipe: Any = None, ran
     log.info("class images: %d to generate (%d by rank %d of %d), %d reused in %s", len(todo.missing), len(mine),
              rank, world_size, len(todo.reused), out_dir)
     if mine:
-        pipe = pipe if pipe is not None else load_pipeline(base, device, cfg.precision, _quantized(cfg))
+        if pipe is None:  # the text encoded and its encoders released before the denoiser loads
+            pipe = load_pipeline(base, device, cfg.precision, quantized(cfg), encode=text_calls(cfg, mine))
         generate(pipe, cfg, mine, out_dir)
     barrier()
     if rank == 0:
