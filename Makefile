@@ -163,7 +163,9 @@ demo: data
 test test-fast: export OMP_NUM_THREADS ?= 1
 
 # make test runs its files in TEST_WORKERS processes (pytest-xdist), each file whole in one of them
-# (--dist loadfile: a module's shared set-up is built once). Most tests wait on a subprocess, a server
+# (--dist loadfile: a module's shared set-up is built once), in the order tests/conftest.py gives them
+# (SLOW_FIRST: the modules that take minutes first); --no-loadscope-reorder keeps that order, which
+# xdist otherwise replaces by "most tests first" (it sent the one-test, five-minute modules last). Most tests wait on a subprocess, a server
 # or a single-threaded tiny model: with two workers a 2-core machine was busy 73% of the run (61 CPU
 # minutes in 42), so three share the two cores; TEST_WORKERS=0 runs serially.
 TEST_WORKERS ?= 3
@@ -180,12 +182,12 @@ test: data
 	    echo "warning: not building .venv-xla and .venv-ipex: $${free} GB free here, they need about $(SIDE_ENVS_NEED_GB) GB; tests/train/test_side_envs.py will skip (free disk, then make side-envs)"; \
 	  else $(MAKE) --no-print-directory side-envs || exit 1; fi; \
 	fi
-	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
 
 # The quick tier (modules marked `pytestmark = pytest.mark.quick`): what needs no server, launcher,
 # side environment or minutes of model work, the tier to run before every commit; make test runs it too.
 test-fast: data
-	$(BIN)/python -m pytest -m quick -n $(FAST_WORKERS) --dist loadfile $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -m quick -n $(FAST_WORKERS) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
 
 # ruff with the rules in pyproject.toml, over the whole tree (CI runs it before the tests).
 lint: $(STAMP)

@@ -87,11 +87,15 @@ def stage_runs(uri: str, experiment: str = "finetune") -> list:
 
 
 #: Modules that take minutes (servers, launchers, whole pipelines, side environments), started
-#: first: `make test` runs files in two workers (pytest-xdist, --dist loadfile), and one of these
-#: left to the end runs alone while the other worker idles.
-SLOW_FIRST = ("tests/e2e/", "tests/infra/", "tests/train/test_distributed.py", "tests/train/test_side_envs.py",
-              "tests/test_install.py", "tests/flows/", "tests/register/test_adapter_registry.py",
-              "tests/export/test_runtime_adapters.py")
+#: first, the longest first: `make test` runs files in three workers (pytest-xdist, --dist loadfile
+#: --no-loadscope-reorder, so that this order is the order they are handed out), and one of these
+#: left to the end runs alone while the other workers idle. The files named are the longest in CI
+#: (its --durations, 2026-11-28: team_worker about 700 s, flow_families' set-ups 550 s, the mpirun
+#: tests 400 s, the README walkthrough 320 s, the Prefect deployment 270 s, the side environments).
+SLOW_FIRST = ("tests/infra/test_team_worker.py", "tests/e2e/test_flow_families.py", "tests/train/test_distributed.py",
+              "tests/e2e/test_readme.py", "tests/e2e/test_prefect_deployment.py", "tests/train/test_side_envs.py",
+              "tests/e2e/", "tests/infra/", "tests/test_install.py", "tests/flows/",
+              "tests/register/test_adapter_registry.py", "tests/export/test_runtime_adapters.py")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

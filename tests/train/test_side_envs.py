@@ -70,7 +70,12 @@ def test_xla_spmd_trains_tiny_sdxl_with_the_batch_sharded(tmp_path, tiny_sdxl) -
                "xla": {"compile_cache_dir": str(tmp_path / "xla-cache"), "profile_dir": str(tmp_path / "profile"),
                        "profile_start_step": 2, "profile_steps": 1}}
     # Four PJRT CPU devices: the batch (2 instance + 2 class images) is split one image per device.
-    log, report, out = run_train(python, tmp_path, tiny_sdxl, section, {"PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "4"})
+    # XLA's CPU code generator at optimization level 0: the test proves the sharding, checkpointing,
+    # compile cache and profile, not the CPU code's speed; LLVM's optimizing passes were 40% of
+    # the test's CPU time (200 s -> 118 s measured, 2026-11-28), and the CPU stands in for a TPU.
+    flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_backend_optimization_level=0".strip()
+    log, report, out = run_train(python, tmp_path, tiny_sdxl, section,
+                                 {"PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "4", "XLA_FLAGS": flags})
     assert "back end: xla (PJRT CPU, 4 devices, SPMD mesh {'data': 4}" in log, log[-3000:]
     assert "devices=[4,1,1,1]" in log, "the images arrive sharded over the 4 devices"
     assert "gradient checkpointing of" in log
