@@ -2,6 +2,8 @@
 
     .venv/bin/python -m benchmarks.flux2_klein.build                 # once: .cache/bench/flux2-klein-4b
     .venv/bin/python -m benchmarks.flux2_klein.chain                 # results_chain.json
+    .venv/bin/python -m benchmarks.flux2_klein.chain --stages base ingest class_images \
+        --set class_images.base_model_precision=none --results results_class_images_bf16.json
 
 A clone of this repository's HEAD in `--work` gets the demo subject (data/demo/generate.py) and
 params.yaml set for the real model at a small size: `base.model` the built folder; 2 class images
@@ -14,6 +16,9 @@ the stage, DVC's hashing included in the wall time). The chain stops at the firs
 and records how. A stage that needs more memory than the machine has is stopped when less than
 `--floor-gb` stays available (past that it pages its weights in and out for as long as it runs, and
 the machine with it): return code -9, with its process tree's resident size sampled until then.
+`--stages` runs only the stages named (in the chain's order; a stage needs the ones before it), and
+`--set section.key=value` (value read as YAML) changes a params.yaml key after the chain's own; both
+are recorded in the results.
 """
 from __future__ import annotations
 
@@ -56,21 +61,33 @@ print(json.dumps({"rc": rc, "seconds": round(time.monotonic() - start, 1),
 """
 
 
-def prepare(base: Path, work: Path) -> None:
-    """A clone of HEAD with the demo subject and the chain's params."""
+def prepare(base: Path, work: Path, overrides: dict[str, dict[str, object]] | None = None) -> None:
+    """A clone of HEAD with the demo subject and the chain's params, then `overrides` (section: keys)."""
     shutil.rmtree(work, ignore_errors=True)
     subprocess.run(["git", "clone", "--quiet", str(ROOT), str(work)], check=True)
     subprocess.run([sys.executable, "data/demo/generate.py", "--out", "data/demo/subject"], cwd=work, check=True)
     subprocess.run(["dvc", "config", "cache.type", "hardlink"], cwd=work, check=True)
     params = yaml.safe_load((work / "params.yaml").read_text())
     params["base"]["model"] = str(base)
-    for section, keys in PARAMS.items():
+    for section, keys in [*PARAMS.items(), *(overrides or {}).items()]:
         for key, value in keys.items():
             if isinstance(value, dict):
                 params[section][key].update(value)
             else:
                 params[section][key] = value
     (work / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+
+
+def parse_sets(sets: list[str]) -> dict[str, dict[str, object]]:
+    """`["section.key=value", ...]` as {section: {key: value}}, each value read as YAML."""
+    overrides: dict[str, dict[str, object]] = {}
+    for item in sets:
+        name, eq, value = item.partition("=")
+        section, dot, key = name.partition(".")
+        if not (eq and dot and section and key):
+            raise SystemExit(f"--set {item!r}: expected section.key=value")
+        overrides.setdefault(section, {})[key] = yaml.safe_load(value)
+    return overrides
 
 
 def _tree_rss(pid: int) -> int:
@@ -125,13 +142,18 @@ def main() -> None:
     parser.add_argument("--work", type=Path, default=ROOT / ".cache/bench/flux2-klein-chain")
     parser.add_argument("--results", type=Path, default=HERE / "results_chain.json")
     parser.add_argument("--floor-gb", type=float, default=0.8, help="stop a stage when less memory is available")
+    parser.add_argument("--stages", nargs="+", choices=[*STAGES, "register"], default=[*STAGES, "register"],
+                        help="the stages to run, in the chain's order (default: all, then register)")
+    parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", dest="sets",
+                        help="a params.yaml key set after the chain's own (value read as YAML); repeatable")
     args = parser.parse_args()
+    overrides = parse_sets(args.sets)
     os.environ["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"  # this venv's dvc
     if not (args.base / "model_index.json").is_file():
         raise SystemExit(f"{args.base} is missing: run `.venv/bin/python -m benchmarks.flux2_klein.build`")
-    prepare(args.base.resolve(), args.work)
+    prepare(args.base.resolve(), args.work, overrides)
     rows = []
-    for stage in [*STAGES, "register"]:
+    for stage in [s for s in [*STAGES, "register"] if s in args.stages]:
         argv = ["dvc", "repro", "-s", stage] if stage != "register" else [
             sys.executable, "-m", "tasks.register", "--finetuned", "models/finetuned", "--openvino", "models/openvino",
             "--evaluation", "reports/evaluate.json", "--base", "models/base"]
@@ -147,7 +169,8 @@ def main() -> None:
             break
     result = {"date": time.strftime("%Y-%m-%d"), "commit": subprocess.run(
         ["git", "rev-parse", "HEAD"], cwd=args.work, capture_output=True, text=True).stdout.strip(),
-              "params": PARAMS, "stages": rows}
+              "params": PARAMS, "stages_asked": [s for s in [*STAGES, "register"] if s in args.stages],
+              **({"overrides": overrides} if overrides else {}), "stages": rows}
     args.results.write_text(json.dumps(result, indent=1) + "\n")
 
 
