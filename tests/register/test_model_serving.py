@@ -88,7 +88,7 @@ def test_models_serve_answers_with_png_images(project: Path, tmp_path: Path) -> 
     config = mlflow.models.get_model_info(result.model_uri).flavors["python_function"]["config"]
     convention = {"guidance_argument": "guidance_scale"}
     assert config == {"budget_images": 4.0, "max_waiting": 4, "adapter_cache_mb": 1024.0,
-                      "pipeline_call": convention}, \
+                      "pipeline_call": convention, "input_images": 0}, \
         "register's defaults and the family's call convention, logged with the model"
     with models_serve("models:/sd-test@champion", tmp_path / "serve.log", timeout_s=TIMEOUT_S,
                       config=SERVE_CONFIG) as (url, ready_s):
