@@ -27,6 +27,7 @@ from tasks.common.errors import UserError
 from tasks.common.images import to_rgb
 from tasks.common.scoring import IMAGE_METRICS, Encoders, Scorer, clip_t_text
 from tasks.evaluate.generate import initial_latents
+from tasks.evaluate.protocol import images_hash
 
 log = logging.getLogger(__name__)
 
@@ -74,13 +75,9 @@ def load_triples(folder: Path, limit: int) -> list[Triple]:
 
 def set_hash(triples: list[Triple]) -> str:
     """A content hash of the edit set (targets, references and instructions, in order): the protocol's."""
-    h = hashlib.sha256()
-    for t in triples:
-        h.update(json.dumps([t.instruction, len(t.references)]).encode())
-        for image in (t.target, *t.references):
-            h.update(f"{image.size}{image.mode}".encode())
-            h.update(image.tobytes())
-    return h.hexdigest()[:16]
+    texts = json.dumps([[t.instruction, len(t.references)] for t in triples])
+    pixels = images_hash([image for t in triples for image in (t.target, *t.references)])
+    return hashlib.sha256((texts + pixels).encode()).hexdigest()[:16]
 
 
 def refuse_family(family: Any, triples: list[Triple]) -> None:

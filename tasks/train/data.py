@@ -83,28 +83,30 @@ def read_imagefolder(folder: Path, what: str, fix: str, caption_column: str = "t
             except (json.JSONDecodeError, KeyError, TypeError) as err:
                 raise UserError(
                     f"{what}: {meta}:{line_no} is not a JSON object with a file_name ({err}). {fix}") from None
-            if not path.is_file():
-                raise UserError(f"{what}: {meta}:{line_no} lists {row['file_name']}, which is missing. {fix}")
-            mask = folder / row["mask_file_name"] if row.get("mask_file_name") else None
-            if mask is not None and not mask.is_file():
-                raise UserError(f"{what}: {meta}:{line_no} lists the mask {row['mask_file_name']}, which is "
-                                f"missing. {fix}")
-            refs = tuple(folder / name for name in row.get("reference_file_names") or ())
-            if missing := [str(r.relative_to(folder)) for r in refs if not r.is_file()]:
-                raise UserError(f"{what}: {meta}:{line_no} lists the reference image(s) {', '.join(missing)}, "
-                                f"which are missing. {fix}")
-            if caption_column != "text" and caption_column not in row:
-                raise UserError(f"{what}: {meta}:{line_no} has no column {caption_column!r} "
-                                f"(train.caption_column); columns: {', '.join(sorted(row))}")
-            tags = row.get("tags") or ()
-            records.append(Record(
-                path, str(row.get(caption_column) or ""), tuple(str(t) for t in tags),
-                row.get("tag_separator") or ", ", row.get("score"), _size(row),
-                row.get("concept"), _repeats(row), mask, refs,
-            ))
+            records.append(_record(folder, row, path, f"{what}: {meta}:{line_no}", fix, caption_column))
     if not records:
         raise UserError(f"{what}: {folder} holds no images. {fix}")
     return records
+
+
+def _record(folder: Path, row: dict[str, Any], path: Path, where: str, fix: str, caption_column: str) -> Record:
+    """One metadata row as a Record, its image, mask and references checked on disk; `where` (what,
+    file and line) and `fix` in the UserError of a missing one."""
+    if not path.is_file():
+        raise UserError(f"{where} lists {row['file_name']}, which is missing. {fix}")
+    mask = folder / row["mask_file_name"] if row.get("mask_file_name") else None
+    if mask is not None and not mask.is_file():
+        raise UserError(f"{where} lists the mask {row['mask_file_name']}, which is missing. {fix}")
+    refs = tuple(folder / name for name in row.get("reference_file_names") or ())
+    if missing := [str(r.relative_to(folder)) for r in refs if not r.is_file()]:
+        raise UserError(f"{where} lists the reference image(s) {', '.join(missing)}, which are missing. {fix}")
+    if caption_column != "text" and caption_column not in row:
+        raise UserError(f"{where} has no column {caption_column!r} (train.caption_column); columns: "
+                        f"{', '.join(sorted(row))}")
+    tags = row.get("tags") or ()
+    return Record(path, str(row.get(caption_column) or ""), tuple(str(t) for t in tags),
+                  row.get("tag_separator") or ", ", row.get("score"), _size(row), row.get("concept"),
+                  _repeats(row), mask, refs)
 
 
 def _repeats(row: dict[str, Any]) -> int:
