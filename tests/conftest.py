@@ -1,8 +1,10 @@
 """Shared fixtures: every test gets its own MLflow store, so no test writes the repo's mlflow.db."""
 from __future__ import annotations
 
+import json
 import os
 import shutil
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -103,3 +105,17 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         return next((i for i, prefix in enumerate(SLOW_FIRST) if item.nodeid.startswith(prefix)), len(SLOW_FIRST))
 
     items.sort(key=rank)  # stable: within a rank, collection order
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
+    """With PYTEST_TIMELINE=<file>: one JSON line per test (worker, test, start, end: wall clock,
+    set-up and teardown included), appended by every xdist worker, to see where a run's time goes
+    (tests/timeline.py summarises it per file and worker)."""
+    start = time.time()
+    yield
+    if path := os.environ.get("PYTEST_TIMELINE"):
+        line = {"worker": os.environ.get("PYTEST_XDIST_WORKER", "main"), "test": item.nodeid,
+                "start": round(start, 3), "end": round(time.time(), 3)}
+        with open(path, "a", encoding="utf-8") as fh:
+            fh.write(json.dumps(line) + "\n")
