@@ -176,3 +176,18 @@ def test_each_phase_peak_holds_one_large_model_not_two(ordered):
     assert list(peaks) == ["export", "finetuned", "base", "score"]
     for phase, peak in peaks.items():
         assert 0.9 * BALLAST_MB < peak - ordered["start"] < 1.5 * BALLAST_MB, (phase, peak, ordered["start"])
+
+
+def test_an_encoder_that_cannot_load_is_refused_before_any_pipeline(models, monkeypatch):
+    """The encoders load last, but a wrong name still stops the stage before minutes of generation."""
+    from tasks.common.errors import UserError
+    from tasks.evaluate import core, phases
+
+    def refuse(*args, **kw):
+        raise AssertionError("a pipeline was loaded")
+
+    monkeypatch.setattr(phases, "load_finetuned", refuse)
+    for key, cfg in (("evaluate.clip_model", _config(clip_model="builtin:tiny-clap")),
+                     ("evaluate.dino_model", _config(dino_model=str(models["data"])))):  # no config.json
+        with pytest.raises(UserError, match=key):
+            core.evaluate(models["tunes"][0], models["base"], models["data"], cfg)
