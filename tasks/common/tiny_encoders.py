@@ -208,6 +208,17 @@ def resolve_encoder(
     )
 
 
+def check_encoder(name: str, key: str, revision: str | None = None) -> None:
+    """Refuse now (UserError) an encoder `resolve_encoder` would refuse, loading no weights: so a
+    stage that loads its encoders last (evaluate, after its pipelines) fails before generating."""
+    if name.startswith("builtin:"):
+        if name not in (BUILTIN_CLIP, BUILTIN_DINO):
+            raise UserError(f"{key}: unknown built-in encoder {name!r}; choose one of {BUILTIN_CLIP}, {BUILTIN_DINO}")
+        return
+    with tempfile.TemporaryDirectory(prefix="encoder-") as tmp:
+        resolve_encoder(name, key, 0, Path(tmp), revision)
+
+
 def _load(name: str, key: str, seed: int, revision: str | None, kind: str) -> LoadedEncoder:
     from transformers import (
         AutoTokenizer,

@@ -12,7 +12,10 @@ Applies the gate in params.yaml (`evaluate.gate`), and writes the report (DVC me
 optional flat metrics file, and a plots folder: grid.png, grid_base.png, grid_export.png,
 per_prompt.csv. When --instance-data is an edit dataset (targets with reference images), both models
 also edit its first `evaluate.edits.max_pairs` triples, scored against the targets (edit_* metrics;
-grid_edits.png, per_edit.csv).
+grid_edits.png, per_edit.csv). One pipeline is in memory at a time and the encoders load after the
+last; each phase's peak RSS is in the report (`memory`) and on the MLflow run; the base's images come
+from `evaluate.base_cache_dir` when a fine-tune of the same base was evaluated under the same protocol
+(tasks/evaluate/README.md).
 """
 from __future__ import annotations
 
@@ -88,6 +91,11 @@ def fidelity_metrics(report: dict) -> dict[str, float]:
             if isinstance(v, (int, float)) and not isinstance(v, bool)}
 
 
+def memory_metrics(report: dict) -> dict[str, float]:
+    """Each phase's peak RSS as memory.peak_rss_mb.<phase> (export, finetuned, base, score)."""
+    return {f"memory.peak_rss_mb.{k}": v for k, v in report["memory"]["peak_rss_mb"].items()}
+
+
 @main_guard
 def main() -> None:
     confine("evaluate")  # only the credentials this stage uses, before any work
@@ -128,6 +136,7 @@ def main() -> None:
         run.log_metrics({k: v for k, v in result.report["metrics"].items() if v is not None})
         run.log_metrics(fidelity_metrics(result.report))
         run.log_metrics({f"seconds.{k}": v for k, v in result.report["seconds"].items()})
+        run.log_metrics(memory_metrics(result.report))
         run.log_table(result.rows, "evaluate/per_prompt_table.json")
         if result.edit_rows:
             run.log_table(result.edit_rows, "evaluate/per_edit_table.json")
@@ -136,6 +145,7 @@ def main() -> None:
         protocol = result.report["protocol"]
         run.set_tags({"gate.passed": str(gate["passed"]).lower(), "protocol": protocol["id"],
                       "protocol.calibrated": str(protocol["calibrated"]).lower(),
+                      "base_cache": str(result.report["generation"]["base_cache"]),
                       **({"protocol.note": protocol["uncalibrated_reason"]}
                          if not protocol["calibrated"] else {})})
     log.info(

@@ -140,6 +140,12 @@ class EvaluateConfig(StageConfig):
     heldout: HeldoutConfig = Field(default_factory=HeldoutConfig)
     export_fidelity: ExportFidelityConfig = Field(default_factory=ExportFidelityConfig)
     edits: EditsConfig = Field(default_factory=EditsConfig)
+    base_cache_dir: str | None = Field(
+        None,
+        description="the base's images kept here by the base's fingerprint, the prompts and the generation "
+        "protocol, so the next fine-tune of the same base reuses them without loading the base; null: "
+        "generate them every time (params.yaml: .cache/evaluate-base)",
+    )
 
     @model_validator(mode="before")
     @classmethod

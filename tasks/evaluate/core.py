@@ -1,6 +1,8 @@
 """Evaluate: fine-tune and base in PyTorch fp32 (gains), the export apart (fidelity); score, gate.
 
-Pure work: returns the report, the per-prompt rows and the grids; the CLI writes and logs them.
+Pure work: returns the report, the per-prompt rows and the grids; the CLI writes and logs them. The
+images are made one pipeline at a time (phases.py), the base's possibly read from the base image cache
+(base_cache.py); the scoring encoders load after the last pipeline is gone. tasks/evaluate/README.md.
 """
 from __future__ import annotations
 
@@ -15,22 +17,17 @@ from PIL import Image
 
 from tasks.common import families
 from tasks.common.errors import UserError
-from tasks.common.finetuned import load_finetuned
-from tasks.common.genai import is_runtime_export, open_runtime_export
-from tasks.common.openvino_model import (
-    StaticShape,
-    compiled_precisions,
-    load_ov_pipeline,
-    static_shape,
-)
+from tasks.common.memory import PhasePeaks, release_memory
+from tasks.common.openvino_model import StaticShape
 from tasks.common.scoring import IMAGE_METRICS, Encoders, Scorer, load_instance_images
+from tasks.common.tiny_encoders import check_encoder
 from tasks.evaluate import edits as E
 from tasks.evaluate import extra_metrics as X
 from tasks.evaluate import fidelity as F
 from tasks.evaluate import metrics as M
 from tasks.evaluate import protocol as P
 from tasks.evaluate.config import EvaluateConfig
-from tasks.evaluate.generate import generate
+from tasks.evaluate.phases import PRECISION, Generated, generate_all
 from tasks.evaluate.prompts import prompt_templates
 
 log = logging.getLogger(__name__)
@@ -57,65 +54,6 @@ def render_prompts(cfg: EvaluateConfig) -> tuple[list[str], list[str]]:
     return prompts, texts
 
 
-def _default_shape(pipe: Any) -> StaticShape:
-    """For a dynamic pipeline: one prompt, one image per call, at the denoiser's native size."""
-    size = families.of_pipeline(pipe).native_size(pipe)
-    return StaticShape(1, size, size, 1)
-
-
-def _load_base(path: Path) -> Any:
-    import torch
-    from diffusers import DiffusionPipeline
-
-    families.read_index(path, "run the base stage (dvc repro base)")
-    return DiffusionPipeline.from_pretrained(path, dtype=torch.float32)
-
-
-@dataclass
-class _Jobs:
-    """What every model generates: the prompts, and the drift / held-out / edit sets when enabled."""
-
-    main: dict[str, Any]
-    drift: dict[str, Any] | None
-    heldout: dict[str, Any] | None
-    edits: dict[str, Any] | None = None  # E.generate's arguments: the triples, seed, steps, guidance
-
-    def run(self, pipe: Any, who: str) -> dict[str, Any]:
-        if self.edits:  # before any image: a family without reference inputs is refused
-            E.refuse_family(families.of_pipeline(pipe), self.edits["triples"])
-        out = {"main": generate(pipe, desc=who, **self.main)}
-        if self.drift:
-            out["drift"] = generate(pipe, desc=f"{who}: class prompts", **self.drift)
-        if self.heldout:
-            out["heldout"] = generate(pipe, desc=f"{who}: held-out captions", **self.heldout)
-        if self.edits:
-            out["edits"] = E.generate(pipe, desc=f"{who}: edits", **self.edits)
-        return out
-
-
-def _export_images(export: Path, prompts: list[str], cfg: EvaluateConfig) -> dict[str, Any]:
-    """The export's images of the fidelity prompts, with its call shape, backend and precision."""
-    if is_runtime_export(export):  # export.adapters: runtime: GenAI, base + the run-time adapter
-        pipe = open_runtime_export(export, cfg.guidance_scale)
-        shape, backend = pipe.shape, "openvino-genai-adapter"
-    else:
-        families.read_index(export, "run the export stage (dvc repro export), or set "
-                            "evaluate.export_fidelity.enabled: false")
-        pipe = load_ov_pipeline(export, static=True)
-        shape = static_shape(pipe)
-        backend = "openvino-static" if shape else "openvino-dynamic"
-    shape = shape or _default_shape(pipe)
-    n = cfg.export_fidelity.max_prompts or len(prompts)
-    images, seconds = generate(
-        pipe, prompts[:n], shape, cfg.images_per_prompt, cfg.seed, cfg.num_inference_steps,
-        cfg.guidance_scale, desc=f"fine-tuned ({backend}, export fidelity)")
-    # what the export's openvino_runtime.json made OpenVINO compute in
-    precision = ({n: "f32" for n in families.of_pipeline(pipe).ov_component_names()}
-                 if backend == "openvino-genai-adapter" else compiled_precisions(pipe))
-    return {"images": images, "seconds": seconds, "shape": shape, "backend": backend,
-            "precision": precision}
-
-
 def evaluate(model: Path, base: Path | None, instance_data: Path, cfg: EvaluateConfig,
              heldout: Path | None = None, export: Path | None = None) -> Result:
     """Generate, score and gate. `model` is the fine-tune (a pipeline, or adapters for `base`);
@@ -131,27 +69,49 @@ def evaluate(model: Path, base: Path | None, instance_data: Path, cfg: EvaluateC
     triples = _edit_set(instance_data, cfg)
     if triples:  # refused before any pipeline loads (the export's fidelity images come first)
         E.refuse_family(_family_of(model, base), triples)
+    check_encoder(cfg.clip_model, "evaluate.clip_model", cfg.clip_revision)  # before minutes of generation
+    check_encoder(cfg.dino_model, "evaluate.dino_model", cfg.dino_revision)
+    peaks = PhasePeaks()
+    made = generate_all(model, base, cfg.compare_base and base is not None, prompts, cfg, heldout, export,
+                        triples, peaks)
+    with peaks.phase("score"):  # the encoders load once every pipeline is gone
+        start = time.perf_counter()
+        scores = _score(cfg, made, triples, prompts, clip_texts, real_images)
+        made.seconds["score"] = round(time.perf_counter() - start, 3)
+        release_memory()
+    report = _gate_and_report(cfg, scores, made, prompts, clip_texts, real_images)
+    report["memory"] = {"peak_rss_mb": peaks.peaks}
+    report["edits"] = {"pairs": len(triples), "rows": scores.edit_rows} if triples else None
+    edit_grid = (E.grid_cells(triples, made.tuned["edits"][0], made.based["edits"][0] if made.based else None)
+                 if triples else None)
+    return Result(report, scores.rows, made.tuned["main"][0], made.based["main"][0] if made.based else None,
+                  {"export_images": made.exported["images"] if made.exported else None,
+                   "edit_grid": edit_grid}, scores.edit_rows)
+
+
+@dataclass
+class _Scores:
+    metrics: dict[str, float]
+    rows: list[dict[str, Any]]  # per prompt
+    fidelity: dict[str, Any] | None  # the export's (None: not compared)
+    edit_rows: list[dict[str, Any]]  # per triple of the edit set
+    dims: tuple[int, int]  # the CLIP and DINO embeddings' sizes
+
+
+def _score(cfg: EvaluateConfig, made: Generated, triples: list[E.Triple], prompts: list[str],
+           clip_texts: list[str], real_images: list[Image.Image]) -> _Scores:
+    """Every score of `made`, with the encoders loaded for it (and dropped on return)."""
     encoders = Encoders.load(cfg.clip_model, cfg.dino_model, cfg.encoder_seed, cfg.clip_revision,
                              cfg.dino_revision, key="evaluate")
-    made = _generate(model, base, cfg.compare_base and base is not None, prompts, cfg, heldout, export,
-                     triples)
-    start = time.perf_counter()
     scorer = Scorer(encoders.clip, encoders.dino, encoders.clip.embed_texts(clip_texts), real_images)
     metrics, rows = _fine_tuning_metrics(scorer, prompts, clip_texts, made.tuned, made.based, made.heldout)
     edit_metrics, edit_rows = _edit_scores(encoders, triples, made, cfg.identifier)
     metrics.update(edit_metrics)
-    fidelity = _export_fidelity(scorer, made)
-    made.seconds["score"] = round(time.perf_counter() - start, 3)
-    report = _gate_and_report(cfg, metrics, fidelity, made, prompts, clip_texts, real_images, scorer)
-    report["edits"] = {"pairs": len(triples), "rows": edit_rows} if triples else None
-    edit_grid = (E.grid_cells(triples, made.tuned["edits"][0], made.based["edits"][0] if made.based else None)
-                 if triples else None)
-    return Result(report, rows, made.tuned["main"][0], made.based["main"][0] if made.based else None,
-                  {"export_images": made.exported["images"] if made.exported else None,
-                   "edit_grid": edit_grid}, edit_rows)
+    return _Scores(metrics, rows, _export_fidelity(scorer, made), edit_rows,
+                   (scorer.clip.embedding_dim, scorer.dino.embedding_dim))
 
 
-def _edit_scores(encoders: Encoders, triples: list[E.Triple], made: _Generated,
+def _edit_scores(encoders: Encoders, triples: list[E.Triple], made: Generated,
                  identifier: str) -> tuple[dict[str, float], list[dict[str, Any]]]:
     """The edit set's metrics and per-triple rows (none without an edit set)."""
     if not triples:
@@ -180,57 +140,7 @@ def _edit_set(instance_data: Path, cfg: EvaluateConfig) -> list[E.Triple]:
     return triples
 
 
-@dataclass
-class _Generated:
-    """Every image the evaluation scores, with how it was made and how long it took."""
-
-    tuned: dict[str, Any]  # job name -> (images, seconds) of the fine-tune
-    based: dict[str, Any]  # the same for the base; empty when it is not compared
-    exported: dict[str, Any] | None  # the export's fidelity images (_export_images)
-    jobs: _Jobs
-    heldout: Any  # (captions, images) of the held-out set, or None
-    shape: StaticShape
-    source: dict[str, Any]  # what load_finetuned read
-    seconds: dict[str, float]
-
-
-def _generate(model: Path, base: Path | None, with_base: bool, prompts: list[str], cfg: EvaluateConfig,
-              heldout: Path | None, export: Path | None, triples: list[E.Triple]) -> _Generated:
-    """The export's fidelity images first (its static shape sets the call shape), then the fine-tune's
-    and, `with_base`, the base's, one pipeline in memory at a time (adapters load onto `base` either way)."""
-    exported = None
-    if cfg.export_fidelity.enabled and export is not None:
-        exported = _export_images(export, prompts, cfg)
-    pipe, _, source = load_finetuned(model, base)
-    shape = exported["shape"] if exported else _default_shape(pipe)
-    log.info("generating %d x %d images in PyTorch fp32 at %s", len(prompts), cfg.images_per_prompt, shape)
-    common = dict(shape=shape, seed=cfg.seed, num_inference_steps=cfg.num_inference_steps,
-                  guidance_scale=cfg.guidance_scale)
-    heldout_data = X.load_heldout(heldout, cfg.heldout.max_images) if cfg.heldout.enabled else None
-    jobs = _Jobs(
-        main=dict(prompts=prompts, images_per_prompt=cfg.images_per_prompt, **common),
-        drift=dict(prompts=X.drift_prompts(cfg.drift.prompts, cfg.identifier, cfg.class_name),
-                   images_per_prompt=cfg.drift.images_per_prompt, **common)
-        if cfg.drift.enabled and with_base else None,
-        heldout=dict(prompts=heldout_data[0], images_per_prompt=1, **common) if heldout_data else None,
-        edits=dict(triples=triples, seed=cfg.seed, num_inference_steps=cfg.num_inference_steps,
-                   guidance_scale=cfg.guidance_scale) if triples else None,
-    )
-    tuned = jobs.run(pipe, "fine-tuned (PyTorch fp32)")
-    del pipe
-    seconds = {"generate_finetuned": round(sum(v[1] for v in tuned.values()), 3)}
-    based: dict[str, Any] = {}
-    if with_base:
-        base_pipe = _load_base(base)
-        based = jobs.run(base_pipe, "base (PyTorch fp32)")
-        del base_pipe
-        seconds["generate_base"] = round(sum(v[1] for v in based.values()), 3)
-    if exported:
-        seconds["generate_export"] = round(exported["seconds"], 3)
-    return _Generated(tuned, based, exported, jobs, heldout_data, shape, source, seconds)
-
-
-def _export_fidelity(scorer: Scorer, made: _Generated) -> dict[str, Any] | None:
+def _export_fidelity(scorer: Scorer, made: Generated) -> dict[str, Any] | None:
     """The export's images against the PyTorch fine-tune's of the same prompts and seeds."""
     exported = made.exported
     if not exported:
@@ -241,17 +151,17 @@ def _export_fidelity(scorer: Scorer, made: _Generated) -> dict[str, Any] | None:
                      exported["precision"], exported["backend"])
 
 
-def _gate_and_report(cfg: EvaluateConfig, metrics: dict[str, float], fidelity: dict[str, Any] | None,
-                     made: _Generated, prompts: list[str], clip_texts: list[str], real_images: list[Image.Image],
-                     scorer: Scorer) -> dict[str, Any]:
+def _gate_and_report(cfg: EvaluateConfig, scores: _Scores, made: Generated, prompts: list[str],
+                     clip_texts: list[str], real_images: list[Image.Image]) -> dict[str, Any]:
     """The gate's verdict and the report; its headline in the log."""
+    metrics, fidelity = scores.metrics, scores.fidelity
     gate_values = {**metrics, "export_psnr": fidelity["psnr_min"] if fidelity else None}
     verdict = M.gate(gate_values, cfg.gate.model_dump())
     report = _report(cfg, metrics, verdict, prompts, clip_texts, made.tuned["main"][0], real_images,
                      made.shape, made.source, drift=made.jobs.drift, heldout=made.heldout,
-                     with_base=bool(made.based), fidelity=fidelity,
-                     scorer_dims=(scorer.clip.embedding_dim, scorer.dino.embedding_dim),
+                     with_base=bool(made.based), fidelity=fidelity, scorer_dims=scores.dims,
                      edits=made.jobs.edits["triples"] if made.jobs.edits else None)
+    report["generation"]["base_cache"] = made.base_cache
     report["seconds"] = made.seconds
     log.info("CLIP-T %.3f, CLIP-I %.3f, DINO %.3f; gate %s; protocol %s", metrics["clip_t"],
              metrics["clip_i"], metrics["dino"], "passed" if verdict["passed"] else "FAILED",
@@ -309,7 +219,7 @@ def _report(cfg: EvaluateConfig, metrics: dict[str, float], verdict: dict[str, A
             drift: dict[str, Any] | None, heldout: Any, with_base: bool,
             fidelity: dict[str, Any] | None, scorer_dims: tuple[int, int],
             edits: list[E.Triple] | None) -> dict[str, Any]:
-    precision = {"all": "f32"}
+    precision = PRECISION
     return {
         "metrics": {k: M._json_number(v) for k, v in metrics.items()},
         "gate": verdict,

@@ -59,6 +59,7 @@ def run(flux2, edit_data):
     every pipeline call recorded. The prompts' images are made at 64 px, not the tiny model's
     native 256 (time: the edit set is what is tested here)."""
     import tasks.evaluate.core as core
+    import tasks.evaluate.phases as phases
     from tasks.common.openvino_model import StaticShape
 
     calls: list[dict] = []
@@ -70,7 +71,7 @@ def run(flux2, edit_data):
 
     mp = pytest.MonkeyPatch()
     mp.setattr(Flux2Klein, "generate", classmethod(spy))
-    mp.setattr(core, "_default_shape", lambda pipe: StaticShape(1, SIDE, SIDE, 1))
+    mp.setattr(phases, "default_shape", lambda pipe: StaticShape(1, SIDE, SIDE, 1))
     try:
         result = core.evaluate(flux2, flux2, edit_data, _config(gate={"min_edit_dino": -1.0}))
     finally:

@@ -96,6 +96,9 @@ def test_report_has_metrics_gate_and_details(run):
     assert report["generation"]["precision"] == {"all": "f32"}
     assert report["generation"]["finetuned"] == {"method": "full_pipeline"}
     assert report["generation"]["call_shape"]["batch_size"] == 2
+    assert report["generation"]["base_cache"] == "off"  # no evaluate.base_cache_dir in its params
+    # each phase's peak RSS, one pipeline (or the encoders) at a time: tests/evaluate/test_real_size.py
+    assert set(report["memory"]["peak_rss_mb"]) == {"export", "finetuned", "base", "score"}
     # The export's openvino_runtime.json asks for f32, and that is what ran (fidelity section).
     assert report["export_fidelity"]["backend"] == "openvino-static"
     assert report["export_fidelity"]["precision"] == {
@@ -200,6 +203,9 @@ def test_mlflow_run_has_metrics_and_artifacts(run):
     names = {a.path for a in client.list_artifacts(logged.info.run_id, "evaluate")}
     assert logged.data.metrics["export_fidelity.psnr_mean"] == pytest.approx(
         run["report"]["export_fidelity"]["psnr_mean"], abs=1e-4)
+    for phase, peak in run["report"]["memory"]["peak_rss_mb"].items():
+        assert logged.data.metrics[f"memory.peak_rss_mb.{phase}"] == pytest.approx(peak)
+    assert logged.data.tags["base_cache"] == "off"
     assert {"evaluate/grid.png", "evaluate/grid_base.png", "evaluate/grid_export.png",
             "evaluate/per_prompt.csv",
             "evaluate/per_prompt_table.json"} <= names

@@ -84,13 +84,13 @@ def test_the_evaluate_stage_generates_through_the_runtime_export(two_fine_tunes)
     """evaluate's export-fidelity images come from GenAI (base + adapter) and match PyTorch."""
     from tasks.common.finetuned import load_finetuned
     from tasks.evaluate.config import EvaluateConfig
-    from tasks.evaluate.core import _export_images
     from tasks.evaluate.generate import generate
+    from tasks.evaluate.phases import export_images
 
     base, runs = two_fine_tunes
     lora, export_dir, _ = runs["b"]
     cfg = EvaluateConfig(prompt_set="object", num_inference_steps=2, images_per_prompt=3)
-    made = _export_images(export_dir, ["a photo of sks toy", "sks toy on a beach"], cfg)
+    made = export_images(export_dir, ["a photo of sks toy", "sks toy on a beach"], cfg)
     assert made["backend"] == "openvino-genai-adapter" and made["shape"] == SHAPE
     pipe, _, _ = load_finetuned(lora, base)
     ref, _ = generate(pipe, ["a photo of sks toy", "sks toy on a beach"], SHAPE, 3, cfg.seed, 2,

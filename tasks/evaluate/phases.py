@@ -1,0 +1,186 @@
+"""Every image an evaluation scores, made one pipeline in memory at a time.
+
+The order: the export's fidelity images (its static shape sets the call shape), the fine-tune's
+(PyTorch; adapters load onto the base), then the base's, taken from the base image cache
+(base_cache.py) when an earlier evaluation of the same base made them under the same protocol.
+Each pipeline is dropped and its memory given back (release_memory: diffusers pipelines are full
+of reference cycles) before the next one loads; the scoring encoders load only after the last
+(core.evaluate). Each phase's peak RSS is recorded in a PhasePeaks: `export`, `finetuned`,
+`base` (its load and images, or the cache read), and core's `score`.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tasks.common import families
+from tasks.common.finetuned import load_finetuned
+from tasks.common.genai import is_runtime_export, open_runtime_export
+from tasks.common.memory import PhasePeaks, release_memory
+from tasks.common.openvino_model import StaticShape, compiled_precisions, load_ov_pipeline, static_shape
+from tasks.evaluate import base_cache as C
+from tasks.evaluate import edits as E
+from tasks.evaluate import extra_metrics as X
+from tasks.evaluate.config import EvaluateConfig
+from tasks.evaluate.generate import generate
+
+log = logging.getLogger(__name__)
+
+PRECISION = {"all": "f32"}  # what the fine-tune and the base are generated in (the gains': like with like)
+
+
+def default_shape(pipe: Any) -> StaticShape:
+    """For a dynamic pipeline: one prompt, one image per call, at the denoiser's native size."""
+    size = families.of_pipeline(pipe).native_size(pipe)
+    return StaticShape(1, size, size, 1)
+
+
+def load_base(path: Path) -> Any:
+    import torch
+    from diffusers import DiffusionPipeline
+
+    families.read_index(path, "run the base stage (dvc repro base)")
+    return DiffusionPipeline.from_pretrained(path, dtype=torch.float32)
+
+
+@dataclass
+class Jobs:
+    """What every model generates: the prompts, and the drift / held-out / edit sets when enabled."""
+
+    main: dict[str, Any]
+    drift: dict[str, Any] | None
+    heldout: dict[str, Any] | None
+    edits: dict[str, Any] | None = None  # E.generate's arguments: the triples, seed, steps, guidance
+
+    def run(self, pipe: Any, who: str) -> dict[str, Any]:
+        if self.edits:  # before any image: a family without reference inputs is refused
+            E.refuse_family(families.of_pipeline(pipe), self.edits["triples"])
+        out = {"main": generate(pipe, desc=who, **self.main)}
+        if self.drift:
+            out["drift"] = generate(pipe, desc=f"{who}: class prompts", **self.drift)
+        if self.heldout:
+            out["heldout"] = generate(pipe, desc=f"{who}: held-out captions", **self.heldout)
+        if self.edits:
+            out["edits"] = E.generate(pipe, desc=f"{who}: edits", **self.edits)
+        return out
+
+    def settings(self) -> dict[str, Any]:
+        """Every job's arguments as plain JSON (the call shape as a dict, the edit set as its content
+        hash): what, with the base and its precision, decides the base's images (the cache key)."""
+        out: dict[str, Any] = {}
+        for name in ("main", "drift", "heldout", "edits"):
+            job = getattr(self, name)
+            if job is None:
+                continue
+            plain = dict(job)
+            if isinstance(plain.get("shape"), StaticShape):
+                plain["shape"] = plain["shape"].as_dict()
+            if "triples" in plain:
+                plain["triples"] = {"set": E.set_hash(plain["triples"]), "pairs": len(plain["triples"])}
+            out[name] = plain
+        return out
+
+
+@dataclass
+class Generated:
+    """Every image the evaluation scores, with how it was made and how long it took."""
+
+    tuned: dict[str, Any]  # job name -> (images, seconds) of the fine-tune
+    based: dict[str, Any]  # the same for the base; empty when it is not compared
+    exported: dict[str, Any] | None  # the export's fidelity images (export_images)
+    jobs: Jobs
+    heldout: Any  # (captions, images) of the held-out set, or None
+    shape: StaticShape
+    source: dict[str, Any]  # what load_finetuned read
+    seconds: dict[str, float]
+    base_cache: str | None = None  # hit | miss | off; None when the base is not compared
+
+
+def export_images(export: Path, prompts: list[str], cfg: EvaluateConfig) -> dict[str, Any]:
+    """The export's images of the fidelity prompts, with its call shape, backend and precision."""
+    if is_runtime_export(export):  # export.adapters: runtime: GenAI, base + the run-time adapter
+        pipe = open_runtime_export(export, cfg.guidance_scale)
+        shape, backend = pipe.shape, "openvino-genai-adapter"
+    else:
+        families.read_index(export, "run the export stage (dvc repro export), or set "
+                            "evaluate.export_fidelity.enabled: false")
+        pipe = load_ov_pipeline(export, static=True)
+        shape = static_shape(pipe)
+        backend = "openvino-static" if shape else "openvino-dynamic"
+    shape = shape or default_shape(pipe)
+    n = cfg.export_fidelity.max_prompts or len(prompts)
+    images, seconds = generate(
+        pipe, prompts[:n], shape, cfg.images_per_prompt, cfg.seed, cfg.num_inference_steps,
+        cfg.guidance_scale, desc=f"fine-tuned ({backend}, export fidelity)")
+    # what the export's openvino_runtime.json made OpenVINO compute in
+    precision = ({n: "f32" for n in families.of_pipeline(pipe).ov_component_names()}
+                 if backend == "openvino-genai-adapter" else compiled_precisions(pipe))
+    return {"images": images, "seconds": seconds, "shape": shape, "backend": backend,
+            "precision": precision}
+
+
+def _jobs(prompts: list[str], cfg: EvaluateConfig, shape: StaticShape, with_base: bool, heldout_data: Any,
+          triples: list[E.Triple]) -> Jobs:
+    common = dict(shape=shape, seed=cfg.seed, num_inference_steps=cfg.num_inference_steps,
+                  guidance_scale=cfg.guidance_scale)
+    return Jobs(
+        main=dict(prompts=prompts, images_per_prompt=cfg.images_per_prompt, **common),
+        drift=dict(prompts=X.drift_prompts(cfg.drift.prompts, cfg.identifier, cfg.class_name),
+                   images_per_prompt=cfg.drift.images_per_prompt, **common)
+        if cfg.drift.enabled and with_base else None,
+        heldout=dict(prompts=heldout_data[0], images_per_prompt=1, **common) if heldout_data else None,
+        edits=dict(triples=triples, seed=cfg.seed, num_inference_steps=cfg.num_inference_steps,
+                   guidance_scale=cfg.guidance_scale) if triples else None,
+    )
+
+
+def generate_all(model: Path, base: Path | None, with_base: bool, prompts: list[str], cfg: EvaluateConfig,
+                 heldout: Path | None, export: Path | None, triples: list[E.Triple],
+                 peaks: PhasePeaks) -> Generated:
+    """The export's fidelity images, the fine-tune's and, `with_base`, the base's (see the module
+    docstring): one pipeline in memory at a time, each phase's peak RSS into `peaks`."""
+    heldout_data = X.load_heldout(heldout, cfg.heldout.max_images) if cfg.heldout.enabled else None
+    exported = None
+    if cfg.export_fidelity.enabled and export is not None:
+        with peaks.phase("export"):
+            exported = export_images(export, prompts, cfg)
+            release_memory()  # the OpenVINO pipeline, before the PyTorch one loads
+    with peaks.phase("finetuned"):
+        pipe, _, source = load_finetuned(model, base)
+        shape = exported["shape"] if exported else default_shape(pipe)
+        log.info("generating %d x %d images in PyTorch fp32 at %s", len(prompts), cfg.images_per_prompt, shape)
+        jobs = _jobs(prompts, cfg, shape, with_base, heldout_data, triples)
+        tuned = jobs.run(pipe, "fine-tuned (PyTorch fp32)")
+        del pipe
+        release_memory()
+    seconds = {"generate_finetuned": round(sum(v[1] for v in tuned.values()), 3)}
+    based: dict[str, Any] = {}
+    state = None
+    if with_base:
+        with peaks.phase("base"):
+            based, state, seconds["generate_base"] = _base_images(Path(base), jobs, cfg)
+    if exported:
+        seconds["generate_export"] = round(exported["seconds"], 3)
+    return Generated(tuned, based, exported, jobs, heldout_data, shape, source, seconds, state)
+
+
+def _base_images(base: Path, jobs: Jobs, cfg: EvaluateConfig) -> tuple[dict[str, Any], str, float]:
+    """The base's images of every job, the cache's state (hit | miss | off) and the seconds spent:
+    on a hit, reading the cache (the base pipeline is never loaded); else generating them."""
+    cache = C.BaseImageCache.open(cfg.base_cache_dir, base, jobs.settings(), PRECISION)
+    if cache is not None:
+        start = time.perf_counter()
+        cached = cache.load()
+        if cached is not None:
+            log.info("base images from the cache %s (the base pipeline is not loaded)", cache.path)
+            return cached, "hit", round(time.perf_counter() - start, 3)
+    pipe = load_base(base)
+    based = jobs.run(pipe, "base (PyTorch fp32)")
+    del pipe
+    release_memory()
+    if cache is not None:
+        cache.store(based)
+    return based, "miss" if cache is not None else "off", round(sum(v[1] for v in based.values()), 3)
