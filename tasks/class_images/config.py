@@ -7,9 +7,9 @@ from pydantic import Field, model_validator
 
 from tasks.common.concepts import ConceptName
 from tasks.common.config import StageConfig
-from tasks.common.errors import UserError
 from tasks.common.launch import LAUNCHERS, LaunchConfig, launch_problem
 from tasks.common.quantize import BasePrecision
+from tasks.common.quantize import following_train as train_precision
 
 
 class ClassConcept(StageConfig):
@@ -74,11 +74,5 @@ class ClassImagesConfig(StageConfig):
 def following_train(cfg: ClassImagesConfig, params: dict[str, Any]) -> ClassImagesConfig:
     """`cfg` with base_model_precision null replaced by params.yaml's train.base_model_precision
     (its default, none, where the train section leaves it out)."""
-    if cfg.base_model_precision is not None:
-        return cfg
-    value = (params.get("train") or {}).get("base_model_precision", "none")
-    try:
-        BasePrecision.parse(value, key="train.base_model_precision")
-    except ValueError as err:
-        raise UserError(f"class_images.base_model_precision is null, so it follows {err}") from None
-    return cfg.model_copy(update={"base_model_precision": value})
+    value = train_precision("class_images", cfg.base_model_precision, params)
+    return cfg if value == cfg.base_model_precision else cfg.model_copy(update={"base_model_precision": value})

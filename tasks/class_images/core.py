@@ -26,7 +26,8 @@ from tasks.common import families
 from tasks.common.errors import UserError
 from tasks.common.fingerprint import folder_fingerprint
 from tasks.common.outputs import atomic_file
-from tasks.common.quantize import BasePrecision, place_quantized
+from tasks.common.quantize import BasePrecision
+from tasks.common.quantized_pipeline import compute_dtype, load_with_denoiser_last
 from tasks.common.safe_remove import refusal
 
 log = logging.getLogger(__name__)
@@ -141,15 +142,11 @@ def pipeline_dtype(base: Path, device: Any, precision: str = "auto") -> Any:
     """The torch dtype `precision` (class_images.precision) means for this base on `device`."""
     import torch
 
-    from tasks.common.weights_load import stored_dtype
-
     if precision != "auto":
         return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
     if torch.device(device).type == "cuda":
         return torch.float16
-    family = families.from_index(families.read_index(base), str(base))
-    stored = stored_dtype(Path(base) / family.denoiser_name)
-    return torch.bfloat16 if stored in (torch.bfloat16, torch.float16) else torch.float32
+    return compute_dtype(base)
 
 
 def load_pipeline(base: Path, device: Any = None, precision: str = "auto", quantize: BasePrecision | None = None,
@@ -180,24 +177,18 @@ def load_pipeline(base: Path, device: Any = None, precision: str = "auto", quant
     if quantize is not None and (problem := quantize.problem(device.type, key="base_model_precision",
                                                               section="class_images")):
         raise UserError(problem)
-    family = families.from_index(index, str(base))
     if not encode and quantize is None:
         pipe = DiffusionPipeline.from_pretrained(base, dtype=dtype, **extra).to(device)
         pipe.set_progress_bar_config(disable=True)
         return pipe
-    pipe = DiffusionPipeline.from_pretrained(base, dtype=dtype, **extra, **{family.denoiser_name: None}).to(device)
-    pipe.set_progress_bar_config(disable=True)
-    if encode:
-        config = FrozenDict(getattr(diffusers, index[family.denoiser_name][1]).load_config(
-            base, subfolder=family.denoiser_name))
-        encoded.release_text_encoders(pipe, encoded.record(pipe, encode, config))
-    denoiser = family.load_denoiser(base, dtype, quantize)
-    if quantize is not None:  # a quantized layer's weight keeps its format
-        place_quantized(denoiser, device, dtype)
-    else:
-        denoiser.to(device)
-    encoded.place_denoiser(pipe, denoiser)
-    return pipe
+
+    def encode_first(pipe: Any, index: dict[str, Any]) -> None:
+        if encode:
+            name = families.from_index(index, str(base)).denoiser_name
+            config = FrozenDict(getattr(diffusers, index[name][1]).load_config(base, subfolder=name))
+            encoded.release_text_encoders(pipe, encoded.record(pipe, encode, config))
+
+    return load_with_denoiser_last(base, dtype, device, quantize, extra, encode_first)
 
 
 def _batches(indices: Sequence[int], size: int) -> Iterable[list[int]]:

@@ -117,8 +117,3 @@ def release_text_encoders(pipe: Any, replays: dict[str, Replay]) -> None:
         setattr(pipe, name, replay)
     gc.collect()
     log.info("class images: the prompts encoded, %s released before the denoiser loads", ", ".join(replays))
-
-
-def place_denoiser(pipe: Any, denoiser: torch.nn.Module) -> None:
-    """The loaded denoiser where its placeholder stood."""
-    object.__setattr__(pipe, families.of_pipeline(pipe).denoiser_name, denoiser)

@@ -72,10 +72,11 @@ def peft_components(folder: Path) -> list[str]:
     return sorted(p.name for p in Path(folder).iterdir() if (p / CONFIG_NAME).is_file())
 
 
-def apply_peft_adapters(pipe: Any, folder: Path) -> list[str]:
+def apply_peft_adapters(pipe: Any, folder: Path, merge: bool = True) -> list[str]:
     """Fuse the adapters of `folder` (save_peft_adapters' layout) into the pipeline's components
     through peft's own loader (`PeftModel.from_pretrained(...).merge_and_unload()`); returns the
-    components. An adapter file whose tensors do not all load is refused, not half-applied."""
+    components. `merge` false: peft's adapter layers stay in the components, unfused (over a quantized
+    base). An adapter file whose tensors do not all load is refused, not half-applied."""
     from peft import PeftModel
 
     names = peft_components(folder)
@@ -89,6 +90,6 @@ def apply_peft_adapters(pipe: Any, folder: Path) -> list[str]:
         if missing := [w for w in caught if "missing adapter keys" in str(w.message)]:
             raise ValueError(f"{folder / name}: its adapter tensors do not match the {name} layers "
                              f"({str(missing[0].message)[:200]})")
-        setattr(pipe, name, model.merge_and_unload())
-    log.info("fused peft adapters (%s) from %s", ", ".join(names), folder)
+        setattr(pipe, name, model.merge_and_unload() if merge else model.get_base_model())
+    log.info("%s peft adapters (%s) from %s", "fused" if merge else "applied", ", ".join(names), folder)
     return names

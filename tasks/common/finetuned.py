@@ -9,7 +9,8 @@ Every training method's output is accepted, detected from the folder's contents:
   fused into its weights and the new tokens added to its tokenizers.
 
 Used by the export stage (which saves the result and converts it) and by the evaluate stage
-(which generates with it in PyTorch fp32, beside the base, for like-with-like gains).
+(which generates with it in PyTorch fp32, or on a quantized denoiser with the adapters unfused,
+beside the base, for like-with-like gains).
 """
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from tasks.common import families
 from tasks.common.adapters import PEFT_DIR, apply_peft_adapters, peft_components
 from tasks.common.errors import UserError
 from tasks.common.lora import fuse_lora_file
+from tasks.common.quantized_pipeline import load_with_denoiser_last
 
 log = logging.getLogger(__name__)
 
@@ -103,37 +105,53 @@ def load_embeds(pipe: Any, path: Path, token: str | None) -> list[str]:
     return [name]
 
 
-def load_finetuned(src: Path, base: Path | None, token: str | None = None) -> tuple[
-    Any, SourceKind, dict[str, Any]
-]:
-    """The fine-tuned pipeline in fp32: `src` itself, or the base with `src`'s adapters applied.
+def load_finetuned(src: Path, base: Path | None, token: str | None = None, quantize: Any = None,
+                   dtype: Any = None) -> tuple[Any, SourceKind, dict[str, Any]]:
+    """The fine-tuned pipeline: `src` itself, or the base with `src`'s adapters applied.
 
+    In fp32 with the adapters fused, by default. With `quantize` (a BasePrecision): the denoiser's
+    Linear layers quantized as they load, the rest in `dtype` (tasks/common/quantized_pipeline.py), and
+    the adapters left unfused, peft's layers over the quantized ones (a quantized weight cannot take a
+    fused delta), as the train stage's validation images are made.
     Returns (pipeline, what `src` held, report section {method, base, lora, embeds, tokens}).
     """
-    import torch
-    from diffusers import DiffusionPipeline
-
     kind = detect(src)
     info: dict[str, Any] = {"method": kind.method}
     if kind.full_pipeline:
-        return DiffusionPipeline.from_pretrained(src, dtype=torch.float32), kind, info
+        return _load(src, quantize, dtype), kind, info
     adapters_only = (f"{src} holds adapters only ({kind.method}); they are applied to the base pipeline: "
                      "pass --base models/base (run dvc repro base first)")
     if base is None:
         raise UserError(adapters_only)
     families.read_index(base, adapters_only)
-    pipe = DiffusionPipeline.from_pretrained(base, dtype=torch.float32)
+    pipe = _load(base, quantize, dtype)
     info["base"] = str(base)
     if kind.lora is not None:
-        # Fused into every component the file can have layers for (denoiser, text encoders), the
-        # adapter modules dropped: plain tensors with the LoRA inside.
-        if kind.lora.is_dir():
-            apply_peft_adapters(pipe, kind.lora)
-        else:
-            fuse_lora_file(pipe, kind.lora)
+        _apply_lora(pipe, kind.lora, fuse=quantize is None)
         info["lora"] = str(kind.lora)
     if kind.embeds is not None:
         info["tokens"] = load_embeds(pipe, kind.embeds, token)
         info["embeds"] = str(kind.embeds)
     log.info("applied %s from %s to %s", kind.method, src, base)
     return pipe, kind, info
+
+
+def _load(folder: Path, quantize: Any, dtype: Any) -> Any:
+    """The pipeline of `folder` in fp32, or with its denoiser quantized as it loads (the rest in `dtype`)."""
+    import torch
+    from diffusers import DiffusionPipeline
+
+    if quantize is None:
+        return DiffusionPipeline.from_pretrained(folder, dtype=torch.float32)
+    return load_with_denoiser_last(folder, dtype or torch.float32, "cpu", quantize)
+
+
+def _apply_lora(pipe: Any, lora: Path, fuse: bool) -> None:
+    """`lora` (diffusers' file, or peft's folders) into every component it has layers for: fused, the
+    adapter modules dropped (plain tensors with the LoRA inside), or as peft's layers (unfused)."""
+    if lora.is_dir():
+        apply_peft_adapters(pipe, lora, merge=fuse)
+    elif fuse:
+        fuse_lora_file(pipe, lora)
+    else:
+        pipe.load_lora_weights(lora.parent, weight_name=lora.name)

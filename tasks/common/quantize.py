@@ -97,6 +97,21 @@ class BasePrecision:
         return len(linears)
 
 
+def following_train(section: str, value: str | None, params: dict[str, Any]) -> str:
+    """`section`.base_model_precision's value, where null follows params.yaml's train.base_model_precision
+    (its default, none, where the train section leaves it out); a UserError names both keys for a bad one."""
+    from tasks.common.errors import UserError
+
+    if value is not None:
+        return value
+    value = (params.get("train") or {}).get("base_model_precision", "none")
+    try:
+        BasePrecision.parse(value, key="train.base_model_precision")
+    except ValueError as err:
+        raise UserError(f"{section}.base_model_precision is null, so it follows {err}") from None
+    return value
+
+
 def _autocast_input(module: torch.nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
     """Autocast's cast for a quantized layer: the kernels of torchao's int8 and bitsandbytes' nf4 bypass
     autocast, and a float32 input (a UNet's timestep embedding) would come out float32 into bf16 layers."""

@@ -4,7 +4,8 @@
 
 Generates the prompt list (the DreamBooth paper's object / live set, or custom) with the
 fine-tune (--model: a pipeline, or adapters applied to --base) and, on the same seeds and
-latents, the base model, both in PyTorch fp32, so the gains compare like with like; scores
+latents, the base model, both in PyTorch fp32 (or both on the denoiser quantized as the train stage
+held it: evaluate.base_model_precision), so the gains compare like with like; scores
 CLIP-T, CLIP-I and DINO, language drift on class prompts and, for full fine-tunes, held-out
 CLIP-T and a Fréchet distance. Apart from the gains, the OpenVINO export (--export) makes the
 same images and is compared with the PyTorch fine-tune (export fidelity: PSNR, metric deltas).
@@ -24,13 +25,13 @@ import csv
 import logging
 from pathlib import Path
 
-from tasks.common.config import load_config
+from tasks.common.config import load_config, read_params
 from tasks.common.confine import confine
 from tasks.common.errors import main_guard
 from tasks.common.images import make_grid
 from tasks.common.outputs import atomic_dir, check_replaceable, write_json
 from tasks.common.tracking import stage_run
-from tasks.evaluate.config import EvaluateConfig
+from tasks.evaluate.config import EvaluateConfig, following_train
 from tasks.evaluate.core import Result, evaluate
 
 log = logging.getLogger("tasks.evaluate")
@@ -122,7 +123,7 @@ def main() -> None:
     )
     parser.add_argument("--params", type=Path, default=Path("params.yaml"))
     args = parser.parse_args()
-    cfg = load_config("evaluate", EvaluateConfig, args.params)
+    cfg = following_train(load_config("evaluate", EvaluateConfig, args.params), read_params(args.params))
     check_replaceable(args.out)  # before minutes of generation, not after
     with stage_run("evaluate", params=cfg.model_dump()) as run:
         result = evaluate(args.model, args.base, args.instance_data, cfg,

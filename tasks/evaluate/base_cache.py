@@ -8,7 +8,8 @@ everything the base's images depend on:
 - the base's files (tasks/common/fingerprint.py folder_fingerprint: paths and contents);
 - every job's arguments: the prompts, drift class prompts, held-out captions and the edit set's
   content hash; the call shape, seed, steps, guidance and images per prompt;
-- the precision the base is generated in;
+- the precision the base is generated in (on a quantized denoiser, also the code that loads it:
+  QUANTIZED_CODE);
 - the versions of torch, diffusers and transformers, and the source of the project's generation
   code (tasks/evaluate/generate.py and edits.py, tasks/common/families/, pipeline_call.py): a
   change to any of them changes the images, so it is a miss.
@@ -40,13 +41,15 @@ MANIFEST = "manifest.json"
 _ROOT = Path(__file__).resolve().parents[2]
 GENERATION_CODE = ("tasks/evaluate/generate.py", "tasks/evaluate/edits.py", "tasks/common/families",
                    "tasks/common/pipeline_call.py")
+#: also hashed when the base is generated on a quantized denoiser (its precision names a `denoiser`)
+QUANTIZED_CODE = ("tasks/common/quantize.py", "tasks/common/quantized_pipeline.py")
 LIBRARIES = ("torch", "diffusers", "transformers")
 
 
-def code_hash(root: Path = _ROOT) -> str:
-    """SHA-256 of the generation code's source files (GENERATION_CODE), paths and contents."""
+def code_hash(root: Path = _ROOT, code: tuple[str, ...] = GENERATION_CODE) -> str:
+    """SHA-256 of the generation code's source files (`code`), paths and contents."""
     digest = hashlib.sha256()
-    for rel in GENERATION_CODE:
+    for rel in code:
         path = root / rel
         files = sorted(path.rglob("*.py")) if path.is_dir() else [path]
         for file in files:
@@ -56,8 +59,9 @@ def code_hash(root: Path = _ROOT) -> str:
 
 def cache_key(base: Path, jobs: dict[str, Any], precision: dict[str, str]) -> tuple[str, dict[str, Any]]:
     """(key, what it hashes) for the base's images of `jobs` (phases.Jobs.settings) in `precision`."""
+    code = GENERATION_CODE + (QUANTIZED_CODE if "denoiser" in precision else ())
     settings = {"format": FORMAT, "base": folder_fingerprint(base), "precision": precision, "jobs": jobs,
-                "libraries": {name: version(name) for name in LIBRARIES}, "code": code_hash()}
+                "libraries": {name: version(name) for name in LIBRARIES}, "code": code_hash(code=code)}
     text = json.dumps(settings, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(text.encode()).hexdigest(), settings
 

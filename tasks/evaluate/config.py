@@ -7,6 +7,8 @@ from typing import Any, Literal
 from pydantic import Field, field_validator, model_validator
 
 from tasks.common.config import StageConfig
+from tasks.common.quantize import BasePrecision
+from tasks.common.quantize import following_train as train_precision
 
 _FIELDS = {"identifier", "class_name"}
 
@@ -146,6 +148,18 @@ class EvaluateConfig(StageConfig):
         "protocol, so the next fine-tune of the same base reuses them without loading the base; null: "
         "generate them every time (params.yaml: .cache/evaluate-base)",
     )
+    base_model_precision: str | None = Field(
+        None, description="the fine-tune and the base generated with the denoiser's Linear layers quantized as they "
+                          "load (the train stage's frozen base; LoRA/DoRA unfused on top), the rest in the "
+                          "denoiser's stored dtype: none (fp32) | int8 | fp8 | nf4, or with a library (int8-quanto, "
+                          "int8-bnb, fp8-quanto); null: train.base_model_precision's value",
+    )
+
+    @model_validator(mode="after")
+    def _precision(self) -> EvaluateConfig:
+        if self.base_model_precision is not None:
+            BasePrecision.parse(self.base_model_precision, key="base_model_precision")  # ValueError: the choices
+        return self
 
     @model_validator(mode="before")
     @classmethod
@@ -210,3 +224,15 @@ def check_templates(prompts: list[str]) -> list[str]:
                 "are filled in"
             )
     return prompts
+
+
+def following_train(cfg: EvaluateConfig, params: dict[str, Any]) -> EvaluateConfig:
+    """`cfg` with base_model_precision null replaced by params.yaml's train.base_model_precision
+    (its default, none, where the train section leaves it out)."""
+    value = train_precision("evaluate", cfg.base_model_precision, params)
+    return cfg if value == cfg.base_model_precision else cfg.model_copy(update={"base_model_precision": value})
+
+
+def quantized(cfg: EvaluateConfig) -> BasePrecision | None:
+    """The quantized denoiser `cfg` asks for (its base_model_precision, resolved: following_train)."""
+    return BasePrecision.parse(cfg.base_model_precision or "none", key="evaluate.base_model_precision")

@@ -1,4 +1,4 @@
-"""Evaluate: fine-tune and base in PyTorch fp32 (gains), the export apart (fidelity); score, gate.
+"""Evaluate: fine-tune and base in PyTorch, like with like (gains), the export apart (fidelity); score, gate.
 
 Pure work: returns the report, the per-prompt rows and the grids; the CLI writes and logs them. The
 images are made one pipeline at a time (phases.py), the base's possibly read from the base image cache
@@ -26,8 +26,8 @@ from tasks.evaluate import extra_metrics as X
 from tasks.evaluate import fidelity as F
 from tasks.evaluate import metrics as M
 from tasks.evaluate import protocol as P
-from tasks.evaluate.config import EvaluateConfig
-from tasks.evaluate.phases import PRECISION, Generated, generate_all
+from tasks.evaluate.config import EvaluateConfig, quantized
+from tasks.evaluate.phases import Generated, generate_all
 from tasks.evaluate.prompts import prompt_templates
 
 log = logging.getLogger(__name__)
@@ -57,7 +57,8 @@ def render_prompts(cfg: EvaluateConfig) -> tuple[list[str], list[str]]:
 def evaluate(model: Path, base: Path | None, instance_data: Path, cfg: EvaluateConfig,
              heldout: Path | None = None, export: Path | None = None) -> Result:
     """Generate, score and gate. `model` is the fine-tune (a pipeline, or adapters for `base`);
-    it and the base run in PyTorch fp32 for the gains; `export` (OpenVINO), when given and
+    it and the base run in PyTorch fp32 for the gains (or both on a quantized denoiser:
+    evaluate.base_model_precision); `export` (OpenVINO), when given and
     `export_fidelity` is enabled, is compared with the PyTorch fine-tune and sets the call shape.
 
     `base=None` (or compare_base false) skips the base model; `heldout`: captioned held-out
@@ -69,6 +70,9 @@ def evaluate(model: Path, base: Path | None, instance_data: Path, cfg: EvaluateC
     triples = _edit_set(instance_data, cfg)
     if triples:  # refused before any pipeline loads (the export's fidelity images come first)
         E.refuse_family(_family_of(model, base), triples)
+    held = quantized(cfg)
+    if held is not None and (problem := held.problem("cpu", key="base_model_precision", section="evaluate")):
+        raise UserError(problem)
     check_encoder(cfg.clip_model, "evaluate.clip_model", cfg.clip_revision)  # before minutes of generation
     check_encoder(cfg.dino_model, "evaluate.dino_model", cfg.dino_revision)
     peaks = PhasePeaks()
@@ -160,7 +164,7 @@ def _gate_and_report(cfg: EvaluateConfig, scores: _Scores, made: Generated, prom
     report = _report(cfg, metrics, verdict, prompts, clip_texts, made.tuned["main"][0], real_images,
                      made.shape, made.source, drift=made.jobs.drift, heldout=made.heldout,
                      with_base=bool(made.based), fidelity=fidelity, scorer_dims=scores.dims,
-                     edits=made.jobs.edits["triples"] if made.jobs.edits else None)
+                     edits=made.jobs.edits["triples"] if made.jobs.edits else None, precision=made.precision)
     report["generation"]["base_cache"] = made.base_cache
     report["seconds"] = made.seconds
     log.info("CLIP-T %.3f, CLIP-I %.3f, DINO %.3f; gate %s; protocol %s", metrics["clip_t"],
@@ -170,7 +174,7 @@ def _gate_and_report(cfg: EvaluateConfig, scores: _Scores, made: Generated, prom
         log.info("edit set: DINO %.3f, CLIP-I %.3f to the targets, CLIP-T %.3f to the instructions",
                  metrics["edit_dino"], metrics["edit_clip_i"], metrics["edit_clip_t"])
     if fidelity:
-        log.info("export fidelity (%s vs PyTorch fp32): PSNR mean %.1f dB, min %.1f dB; "
+        log.info("export fidelity (%s vs PyTorch): PSNR mean %.1f dB, min %.1f dB; "
                  "DINO %+.4f", fidelity["backend"], fidelity["psnr_mean"], fidelity["psnr_min"],
                  fidelity["delta_dino"])
     if not report["protocol"]["calibrated"]:
@@ -218,8 +222,7 @@ def _report(cfg: EvaluateConfig, metrics: dict[str, float], verdict: dict[str, A
             real_images: list[Image.Image], shape: StaticShape, source: dict[str, Any], *,
             drift: dict[str, Any] | None, heldout: Any, with_base: bool,
             fidelity: dict[str, Any] | None, scorer_dims: tuple[int, int],
-            edits: list[E.Triple] | None) -> dict[str, Any]:
-    precision = PRECISION
+            edits: list[E.Triple] | None, precision: dict[str, str]) -> dict[str, Any]:
     return {
         "metrics": {k: M._json_number(v) for k, v in metrics.items()},
         "gate": verdict,

@@ -1,8 +1,10 @@
 """Every image an evaluation scores, made one pipeline in memory at a time.
 
 The order: the export's fidelity images (its static shape sets the call shape), the fine-tune's
-(PyTorch; adapters load onto the base), then the base's, taken from the base image cache
-(base_cache.py) when an earlier evaluation of the same base made them under the same protocol.
+(PyTorch; adapters load onto the base), then the base's, both in fp32 or both on a denoiser quantized
+as it loads (`evaluate.base_model_precision`: Precision; the fine-tune's adapters then stay unfused);
+the base's taken from the base image cache (base_cache.py) when an earlier evaluation of the same
+base made them under the same protocol.
 Each pipeline is dropped and its memory given back (release_memory: diffusers pipelines are full
 of reference cycles) before the next one loads; the scoring encoders load only after the last
 (core.evaluate). Each phase's peak RSS is recorded in a PhasePeaks: `export`, `finetuned`,
@@ -12,7 +14,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -21,15 +23,47 @@ from tasks.common.finetuned import load_finetuned
 from tasks.common.genai import is_runtime_export, open_runtime_export
 from tasks.common.memory import PhasePeaks, release_memory
 from tasks.common.openvino_model import StaticShape, compiled_precisions, load_ov_pipeline, static_shape
+from tasks.common.quantize import BasePrecision
+from tasks.common.quantized_pipeline import compute_dtype, load_with_denoiser_last
 from tasks.evaluate import base_cache as C
 from tasks.evaluate import edits as E
 from tasks.evaluate import extra_metrics as X
-from tasks.evaluate.config import EvaluateConfig
+from tasks.evaluate.config import EvaluateConfig, quantized
 from tasks.evaluate.generate import generate
 
 log = logging.getLogger(__name__)
 
 PRECISION = {"all": "f32"}  # what the fine-tune and the base are generated in (the gains': like with like)
+
+
+@dataclass(frozen=True)
+class Precision:
+    """How the fine-tune and the base are both generated: fp32, or the denoiser quantized as it loads
+    (`evaluate.base_model_precision`) and the rest in `dtype` (the denoiser's stored dtype, bf16 or fp32)."""
+
+    quantize: BasePrecision | None = None
+    dtype: Any = None
+
+    @classmethod
+    def of(cls, cfg: EvaluateConfig, model: Path, base: Path | None) -> Precision:
+        held = quantized(cfg)
+        if held is None:
+            return cls()
+        stored_in = Path(model) if (Path(model) / "model_index.json").is_file() or base is None else Path(base)
+        return cls(held, compute_dtype(stored_in))
+
+    def describe(self) -> dict[str, str]:
+        """The report's and the protocol's `precision` (PRECISION in fp32, so fp32 runs keep their ids),
+        part of the base image cache's key."""
+        if self.quantize is None:
+            return dict(PRECISION)
+        return {"all": {"torch.bfloat16": "bf16"}.get(str(self.dtype), "f32"), "denoiser": self.quantize.name}
+
+    @property
+    def label(self) -> str:
+        if self.quantize is None:
+            return "PyTorch fp32"
+        return f"PyTorch {self.describe()['all']}, denoiser {self.quantize.name}"
 
 
 def default_shape(pipe: Any) -> StaticShape:
@@ -38,11 +72,13 @@ def default_shape(pipe: Any) -> StaticShape:
     return StaticShape(1, size, size, 1)
 
 
-def load_base(path: Path) -> Any:
+def load_base(path: Path, precision: Precision | None = None) -> Any:
     import torch
     from diffusers import DiffusionPipeline
 
     families.read_index(path, "run the base stage (dvc repro base)")
+    if precision is not None and precision.quantize is not None:
+        return load_with_denoiser_last(path, precision.dtype, "cpu", precision.quantize)
     return DiffusionPipeline.from_pretrained(path, dtype=torch.float32)
 
 
@@ -97,6 +133,7 @@ class Generated:
     source: dict[str, Any]  # what load_finetuned read
     seconds: dict[str, float]
     base_cache: str | None = None  # hit | miss | off; None when the base is not compared
+    precision: dict[str, str] = field(default_factory=lambda: dict(PRECISION))  # Precision.describe()
 
 
 def export_images(export: Path, prompts: list[str], cfg: EvaluateConfig) -> dict[str, Any]:
@@ -148,12 +185,14 @@ def generate_all(model: Path, base: Path | None, with_base: bool, prompts: list[
         with peaks.phase("export"):
             exported = export_images(export, prompts, cfg)
             release_memory()  # the OpenVINO pipeline, before the PyTorch one loads
+    precision = Precision.of(cfg, model, base)
     with peaks.phase("finetuned"):
-        pipe, _, source = load_finetuned(model, base)
+        pipe, _, source = load_finetuned(model, base, quantize=precision.quantize, dtype=precision.dtype)
         shape = exported["shape"] if exported else default_shape(pipe)
-        log.info("generating %d x %d images in PyTorch fp32 at %s", len(prompts), cfg.images_per_prompt, shape)
+        log.info("generating %d x %d images in %s at %s", len(prompts), cfg.images_per_prompt, precision.label,
+                 shape)
         jobs = _jobs(prompts, cfg, shape, with_base, heldout_data, triples)
-        tuned = jobs.run(pipe, "fine-tuned (PyTorch fp32)")
+        tuned = jobs.run(pipe, f"fine-tuned ({precision.label})")
         del pipe
         release_memory()
     seconds = {"generate_finetuned": round(sum(v[1] for v in tuned.values()), 3)}
@@ -161,24 +200,25 @@ def generate_all(model: Path, base: Path | None, with_base: bool, prompts: list[
     state = None
     if with_base:
         with peaks.phase("base"):
-            based, state, seconds["generate_base"] = _base_images(Path(base), jobs, cfg)
+            based, state, seconds["generate_base"] = _base_images(Path(base), jobs, cfg, precision)
     if exported:
         seconds["generate_export"] = round(exported["seconds"], 3)
-    return Generated(tuned, based, exported, jobs, heldout_data, shape, source, seconds, state)
+    return Generated(tuned, based, exported, jobs, heldout_data, shape, source, seconds, state, precision.describe())
 
 
-def _base_images(base: Path, jobs: Jobs, cfg: EvaluateConfig) -> tuple[dict[str, Any], str, float]:
+def _base_images(base: Path, jobs: Jobs, cfg: EvaluateConfig,
+                 precision: Precision) -> tuple[dict[str, Any], str, float]:
     """The base's images of every job, the cache's state (hit | miss | off) and the seconds spent:
     on a hit, reading the cache (the base pipeline is never loaded); else generating them."""
-    cache = C.BaseImageCache.open(cfg.base_cache_dir, base, jobs.settings(), PRECISION)
+    cache = C.BaseImageCache.open(cfg.base_cache_dir, base, jobs.settings(), precision.describe())
     if cache is not None:
         start = time.perf_counter()
         cached = cache.load()
         if cached is not None:
             log.info("base images from the cache %s (the base pipeline is not loaded)", cache.path)
             return cached, "hit", round(time.perf_counter() - start, 3)
-    pipe = load_base(base)
-    based = jobs.run(pipe, "base (PyTorch fp32)")
+    pipe = load_base(base, precision)
+    based = jobs.run(pipe, f"base ({precision.label})")
     del pipe
     release_memory()
     if cache is not None:
