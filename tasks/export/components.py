@@ -180,6 +180,29 @@ def _passes(entry: dict[str, Any], limit: float | None) -> bool:
     return bool(entry["finite"]) and (limit is None or entry["max_rel"] <= limit)
 
 
+def streamed_source(src: Path, base: Path | None, work: Path) -> tuple[Path, dict[str, Any]] | None:
+    """A train output holding only a LoRA (or DoRA) file, fused into `base`'s weight files one shard
+    at a time (tasks/common/stream_fuse.py), in their stored dtype; None for any other output or a
+    file that cannot stream (source.py then fuses it in a pipeline loaded whole, in fp32)."""
+    from tasks.common import stream_fuse
+    from tasks.common.finetuned import detect
+
+    kind = detect(src)
+    if kind.full_pipeline or kind.embeds is not None or kind.lora is None or not kind.lora.is_file():
+        return None
+    if base is None or not (Path(base) / "model_index.json").is_file():
+        return None  # materialize() says what to pass
+    names = [k for k, v in families.read_index(base).items() if isinstance(v, list) and v[0] is not None]
+    fuse, why = stream_fuse.plan(Path(base), kind.lora, names)
+    if fuse is None:
+        log.info("the LoRA cannot stream into the base (%s): fused in memory", why)
+        return None
+    out = work / "fused-pipeline"
+    out.mkdir()
+    layers = stream_fuse.fuse_to(Path(base), out, fuse)
+    return out, {"method": kind.method, "base": str(base), "lora": str(kind.lora), "streamed_fuse": layers}
+
+
 def convert_components(source: Path, stage: Path, cfg: ExportConfig, peaks: PhasePeaks) -> dict[str, Any]:
     """Every group of `source` converted into `stage`, one in memory at a time; stops at the first
     component that fails its parity. Returns the report's `components` section."""
@@ -212,7 +235,8 @@ def export_components(src: Path, dst: Path, cfg: ExportConfig, base: Path | None
     wanted = StaticShape(cfg.batch_size, cfg.height, cfg.width, cfg.num_images_per_prompt)
     peaks = PhasePeaks()
     with tempfile.TemporaryDirectory(prefix="export-components-") as work:
-        source, source_info = materialize(src, base, Path(work), cfg.placeholder_token)
+        streamed = streamed_source(src, base, Path(work))
+        source, source_info = streamed or materialize(src, base, Path(work), cfg.placeholder_token)
         family = check_source(source)
         stage = Path(work) / "openvino-components"
         start = time.perf_counter()

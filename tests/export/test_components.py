@@ -165,3 +165,25 @@ def test_options_the_mode_refuses_name_the_key(key, value):
 
     with pytest.raises(ValidationError, match=f"one_at_a_time does not take this export.{key}"):
         ExportConfig(**{**ONE, key: value})
+
+
+def test_a_lora_streams_into_the_base(tmp_path_factory, tmp_path):
+    """A LoRA-only train output is fused into the base's shards (no whole pipeline in memory); the
+    fused weights are what the in-memory fuse of the default path gives."""
+    import torch
+    from safetensors.torch import load_file
+
+    from tasks.common.finetuned import load_finetuned
+    from tasks.export.components import streamed_source
+    from tests.export.adapters import write_adapters
+
+    base = tiny_pipeline(tmp_path_factory, "builtin:tiny-sd")
+    lora = write_adapters(base, tmp_path / "lora", embeds=False)
+    source, info = streamed_source(lora, base, tmp_path)
+    assert info["method"] == "lora" and info["streamed_fuse"]["unet"] > 0
+    streamed = load_file(next((source / "unet").glob("*.safetensors")))
+    in_memory = load_finetuned(lora, base)[0].unet.state_dict()
+    name = next(k for k in streamed if "attn1.to_q.weight" in k)
+    assert torch.allclose(streamed[name], in_memory[name], atol=1e-6)
+    assert not torch.equal(streamed[name], load_file(next((base / "unet").glob("*.safetensors")))[name])
+    assert streamed_source(base, None, tmp_path) is None  # a full pipeline: exported as it is
