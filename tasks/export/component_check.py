@@ -8,7 +8,8 @@ weight gives a relative error of order 1. The error is taken relative to the lar
 of the PyTorch output, so one threshold fits components whose outputs differ in scale.
 
 Weight compression: NNCF's `compress_weights` on the IR just written (int8: every weight; int4:
-`group_size`, `ratio`), the files replaced before the next component loads.
+`group_size`, `ratio`, a layer that `group_size` does not divide adjusted), the files replaced
+before the next component loads.
 """
 from __future__ import annotations
 
@@ -122,8 +123,11 @@ def nncf_mode(cfg: CompressionConfig) -> dict[str, Any]:
     if cfg.mode == "int8":
         return {"mode": modes.INT8_SYM if cfg.sym else modes.INT8_ASYM}
     if cfg.mode == "int4":
+        # A layer whose input channels `group_size` does not divide gets the largest power of two
+        # that does (>= 16), or stays in the 8-bit backup: NNCF's default stops the whole export.
+        advanced = nncf.AdvancedCompressionParameters(group_size_fallback_mode=nncf.GroupSizeFallbackMode.ADJUST)
         return {"mode": modes.INT4_SYM if cfg.sym else modes.INT4_ASYM, "group_size": cfg.group_size,
-                "ratio": cfg.ratio}
+                "ratio": cfg.ratio, "advanced_parameters": advanced}
     raise ValueError(f"export.compression.mode {cfg.mode!r} is not weight-only compression")
 
 
