@@ -17,6 +17,7 @@ from tasks.common.confine import confine
 from tasks.common.errors import UserError, main_guard
 from tasks.common.outputs import atomic_dir, write_json
 from tasks.common.tracking import stage_run
+from tasks.export.components import export_components
 from tasks.export.config import ExportConfig
 from tasks.export.core import export, numeric_metrics
 from tasks.export.runtime import export_runtime
@@ -41,6 +42,8 @@ def main() -> None:
     with stage_run("export", params=cfg.model_dump()) as run, atomic_dir(args.out) as tmp:
         if cfg.adapters == "runtime":
             report = export_runtime(args.model, tmp, cfg, base=args.base)
+        elif cfg.components == "one_at_a_time":
+            report = export_components(args.model, tmp, cfg, base=args.base)
         else:
             report = export(args.model, tmp, cfg, base=args.base)
         report["output"] = str(args.out)
@@ -52,8 +55,16 @@ def main() -> None:
             {"export.family": report["family"], "export.parity_passed": parity["passed"],
              "export.source_kind": report["source_kind"]["method"],
              "export.compression": cfg.compression.mode, "export.adapters": cfg.adapters,
-             "export.inference_precision": cfg.inference_precision}
+             "export.inference_precision": cfg.inference_precision, "export.components": cfg.components}
         )
+        if parity.get("failed_components"):
+            raise UserError(
+                f"parity check failed for {', '.join(parity['failed_components'])}: the converted model's "
+                f"outputs differ from its PyTorch source's by more than export.parity.component_max_rel "
+                f"{parity['component_max_rel']} (see parity.components in {args.report}). The export is not "
+                "written. A broken conversion must not reach the registry; raise the threshold only for a "
+                "16-bit source whose error is rounding"
+            )
         if not parity["passed"]:
             raise UserError(
                 f"parity check failed: OpenVINO and PyTorch images differ (PSNR "

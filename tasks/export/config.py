@@ -19,6 +19,17 @@ class ParityConfig(StageConfig):
     min_psnr_db: float | None = Field(
         30.0, description="fail when image PSNR (OpenVINO vs PyTorch) is below; null: record only"
     )
+    component_max_rel: float | None = Field(
+        0.1, ge=0.0,
+        description="components one_at_a_time: fail when a converted component's output differs from "
+        "its PyTorch source's by more than this share of the source output's largest magnitude; null: "
+        "record only",
+    )
+    pipeline_image: bool = Field(
+        True,
+        description="components one_at_a_time: also compare a whole-pipeline image with PyTorch (fp32) "
+        "at the export's static shape; false where the fp32 pipeline does not fit in memory",
+    )
 
 
 class CompressionConfig(StageConfig):
@@ -82,6 +93,13 @@ class ExportConfig(StageConfig):
     placeholder_token: str | None = Field(
         None, description="token of an SDXL learned_embeds.safetensors (SD files carry theirs)"
     )
+    components: Literal["whole", "one_at_a_time"] = Field(
+        "whole",
+        description="whole: optimum-intel converts the whole pipeline in fp32; one_at_a_time: each "
+        "model (text encoders, denoiser, VAE) is loaded in its stored dtype, converted, checked "
+        "against PyTorch, compressed and written before the next loads (models too big for memory "
+        "in fp32)",
+    )
     adapters: Literal["fused", "runtime"] = Field(
         "fused",
         description="fused: LoRA outputs are fused into a full export of their own; runtime: the "
@@ -99,6 +117,24 @@ class ExportConfig(StageConfig):
     def _batch_not_huge(self) -> ExportConfig:
         if self.batch_size * self.num_images_per_prompt > 64:
             raise ValueError("batch_size x num_images_per_prompt must be at most 64")
+        return self
+
+    @model_validator(mode="after")
+    def _one_at_a_time(self) -> ExportConfig:
+        if self.components != "one_at_a_time":
+            return self
+        why = {
+            "compression.mode": (self.compression.mode in ("hybrid", "full_int8"), "calibrating "
+                                 "activations runs the whole pipeline: set none, int8 or int4, or "
+                                 "export.components: whole"),
+            "adapters": (self.adapters != "fused", "run-time adapters keep their own base export: set "
+                         "fused, or export.components: whole"),
+            "single_file": (self.single_file != "none", "the single file is written from the whole "
+                            "PyTorch pipeline: set none, or export.components: whole"),
+        }
+        for key, (bad, fix) in why.items():
+            if bad:
+                raise ValueError(f"export.components: one_at_a_time does not take this export.{key}: {fix}")
         return self
 
     @model_validator(mode="after")

@@ -261,7 +261,7 @@ def numeric_metrics(report: dict[str, Any]) -> dict[str, float]:
         elif isinstance(node, (int, float)) and not isinstance(node, bool):
             out[prefix[:-1]] = float(node)
 
-    for key in ("seconds", "size_mb", "parity", "latency_s", "inference_precision", "compression",
+    for key in ("seconds", "size_mb", "parity", "latency_s", "inference_precision", "compression", "memory_peak_mb",
                 "single_file"):
         walk(report.get(key, {}), f"{key}.")
     return out
