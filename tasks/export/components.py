@@ -111,7 +111,7 @@ def _convert(models: dict[str, Any], out: Path, patch_16bit: bool) -> None:
 def _write_pipeline_files(pipe: Any, out: Path) -> None:
     """What optimum-intel writes beside the models: scheduler, tokenizers, model_index.json."""
     pipe.scheduler.save_pretrained(out / "scheduler")
-    for name in ("feature_extractor", "tokenizer", "tokenizer_2", "tokenizer_3", "safety_checker"):
+    for name in ("feature_extractor", "safety_checker", *families.of_pipeline(pipe).tokenizer_names):
         part = getattr(pipe, name, None)
         if part is not None:
             part.save_pretrained(out / name)

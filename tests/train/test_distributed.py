@@ -160,28 +160,6 @@ def test_a_failing_rank_is_named(tmp_path, tiny_sd, instance_dir, class_dir, lau
     assert not (tmp_path / "out").exists() and not (tmp_path / "train.json").exists()
 
 
-def test_sigterm_reaches_every_rank_and_two_ranks_resume(tmp_path, tiny_sd, instance_dir, class_dir) -> None:
-    """SIGTERM to `python -m tasks.train` goes through mpirun to both ranks: they save one checkpoint
-    together (each its RNG file), the stage exits 143, and the next 2-rank run continues from it."""
-    section = {**ENDLESS, "checkpoints_dir": str(tmp_path / "ckpt")}
-    proc = start_until_both_ranks_train(tmp_path, section, (tiny_sd, instance_dir, class_dir))
-    try:
-        proc.send_signal(signal.SIGTERM)
-        rest = proc.communicate(timeout=240)[1]
-    finally:
-        _kill_tree(proc.pid)
-    assert proc.returncode == 128 + signal.SIGTERM, rest[-3000:]
-    assert "error: stopped by SIGTERM, passed to every rank" in rest and rest.count("interrupted by SIGTERM") == 2
-    (checkpoint,) = (tmp_path / "ckpt").glob("*/checkpoint-*")
-    assert {"random_states_0.pkl", "random_states_1.pkl"} <= {p.name for p in checkpoint.iterdir()}
-    stopped_at = int(checkpoint.name.split("-")[1])
-
-    done = run_stage(tmp_path, {**section, "max_train_steps": stopped_at + 2}, (tiny_sd, instance_dir, class_dir))
-    assert done.returncode == 0, done.stderr[-3000:]
-    report = json.loads((tmp_path / "train.json").read_text())
-    assert report["resumed_from_step"] == stopped_at and report["steps"] == stopped_at + 2
-
-
 #: a rank that answers a stop request as training does, only slower: argv[1] s to "finish its step and save"
 SLOW_SAVER = """
 import os, sys, time
@@ -258,24 +236,37 @@ def test_a_signal_seen_by_one_rank_stops_every_rank_after_the_same_step(tmp_path
     assert {"random_states_0.pkl", "random_states_1.pkl"} <= {p.name for p in checkpoint.iterdir()}
 
 
-def test_two_ranks_resume_exactly_with_buckets(tmp_path, tiny_sd, mixed_dir, class_dir) -> None:
-    """Aspect-ratio buckets on 2 ranks: 2 steps, a resume, 2 more equal 4 straight steps bit for bit
-    (a constant LR: the stop is a smaller max_train_steps, which would reshape a decaying schedule)."""
-    section = {**SETTINGS, "max_train_steps": 4, "train_batch_size": 1, "lr_scheduler": "constant",
-               "enable_bucket": True,
-               "min_bucket_reso": 16, "max_bucket_reso": 64, "bucket_reso_steps": 8,
-               "launcher": "mpirun", "launch": {"num_processes": 2, "threads_per_process": 1}}
+def test_sigterm_reaches_every_rank_and_two_ranks_resume_exactly_with_buckets(tmp_path, tiny_sd, mixed_dir,
+                                                                              class_dir) -> None:
+    """SIGTERM to `python -m tasks.train` goes through mpirun to both ranks: they save one checkpoint
+    together (each its RNG file) wherever they are in the epoch, the stage exits 143, and the next
+    2-rank run continues from it. With aspect-ratio buckets, the stopped run resumed to k + 2 steps
+    equals k + 2 straight steps bit for bit (a constant LR: the stopped run's endless
+    max_train_steps would otherwise shape a decaying schedule differently)."""
+    section = {**ENDLESS, "lr_scheduler": "constant", "enable_bucket": True, "min_bucket_reso": 16,
+               "max_bucket_reso": 64, "bucket_reso_steps": 8, "checkpoints_dir": str(tmp_path / "ckpt_b")}
     inputs = (tiny_sd, mixed_dir, class_dir)
     (tmp_path / "a").mkdir(), (tmp_path / "b").mkdir()
-    straight = run_stage(tmp_path / "a", {**section, "checkpoints_dir": str(tmp_path / "ckpt_a")}, inputs)
-    assert straight.returncode == 0, straight.stderr[-3000:]
-    resumable = {**section, "checkpoints_dir": str(tmp_path / "ckpt_b"), "resume": "latest"}
-    first = run_stage(tmp_path / "b", {**resumable, "max_train_steps": 2}, inputs)
-    assert first.returncode == 0, first.stderr[-3000:]
-    second = run_stage(tmp_path / "b", resumable, inputs)
-    assert second.returncode == 0, second.stderr[-3000:]
+    proc = start_until_both_ranks_train(tmp_path / "b", section, inputs)
+    try:
+        proc.send_signal(signal.SIGTERM)
+        rest = proc.communicate(timeout=240)[1]
+    finally:
+        _kill_tree(proc.pid)
+    assert proc.returncode == 128 + signal.SIGTERM, rest[-3000:]
+    assert "error: stopped by SIGTERM, passed to every rank" in rest and rest.count("interrupted by SIGTERM") == 2
+    (checkpoint,) = (tmp_path / "ckpt_b").glob("*/checkpoint-*")
+    assert {"random_states_0.pkl", "random_states_1.pkl"} <= {p.name for p in checkpoint.iterdir()}
+    stopped_at = int(checkpoint.name.split("-")[1])
+
+    resumed = run_stage(tmp_path / "b", {**section, "max_train_steps": stopped_at + 2}, inputs)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
     report = json.loads((tmp_path / "b" / "train.json").read_text())
-    assert report["resumed_from_step"] == 2 and report["buckets"] == {"24x40": 3, "32x32": 1, "40x24": 2}
+    assert report["resumed_from_step"] == stopped_at and report["steps"] == stopped_at + 2
+    assert report["buckets"] == {"24x40": 3, "32x32": 1, "40x24": 2}
+    straight = run_stage(tmp_path / "a", {**section, "max_train_steps": stopped_at + 2, "resume": "none",
+                                          "checkpoints_dir": str(tmp_path / "ckpt_a")}, inputs)
+    assert straight.returncode == 0, straight.stderr[-3000:]
     assert _csv_losses(tmp_path / "b" / "loss.csv") == _csv_losses(tmp_path / "a" / "loss.csv")
     a, b = load_file(tmp_path / "a" / "out" / UNET), load_file(tmp_path / "b" / "out" / UNET)
     assert all(torch.equal(a[k], b[k]) for k in a), "bit-identical weights after the 2-rank resume"
