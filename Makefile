@@ -164,7 +164,7 @@ test test-fast: export OMP_NUM_THREADS ?= 1
 
 # make test runs its files in TEST_WORKERS processes (pytest-xdist), each file whole in one of them
 # (--dist loadfile: a module's shared set-up is built once), in the order tests/conftest.py gives them
-# (SLOW_FIRST: the modules that take minutes first); --no-loadscope-reorder keeps that order, which
+# (the longest files first, by tests/durations.json); --no-loadscope-reorder keeps that order, which
 # xdist otherwise replaces by "most tests first" (it sent the one-test, five-minute modules last). Most tests wait on a subprocess, a server
 # or a single-threaded tiny model: with two workers a 2-core machine was busy 73% of the run (61 CPU
 # minutes in 42), so three share the two cores; TEST_WORKERS=0 runs serially.

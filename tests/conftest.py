@@ -88,23 +88,24 @@ def stage_runs(uri: str, experiment: str = "finetune") -> list:
     return [] if exp is None else client.search_runs([exp.experiment_id])
 
 
-#: Modules that take minutes (servers, launchers, whole pipelines, side environments), started
-#: first, the longest first: `make test` runs files in three workers (pytest-xdist, --dist loadfile
-#: --no-loadscope-reorder, so that this order is the order they are handed out), and one of these
-#: left to the end runs alone while the other workers idle. The files named are the longest in CI
-#: (its --durations, 2026-11-28: team_worker about 700 s, flow_families' set-ups 550 s, the mpirun
-#: tests 400 s, the README walkthrough 320 s, the Prefect deployment 270 s, the side environments).
-SLOW_FIRST = ("tests/infra/test_team_worker.py", "tests/e2e/test_flow_families.py", "tests/train/test_distributed.py",
-              "tests/e2e/test_readme.py", "tests/e2e/test_prefect_deployment.py", "tests/train/test_side_envs.py",
-              "tests/e2e/", "tests/infra/", "tests/test_install.py", "tests/flows/",
-              "tests/register/test_adapter_registry.py", "tests/export/test_runtime_adapters.py")
+#: Each test file's wall seconds in a whole run (tests/durations.json, written from a run's
+#: PYTEST_TIMELINE by `python -m tests.timeline FILE --write-durations tests/durations.json`).
+#: `make test` runs files in three workers (pytest-xdist, --dist loadfile --no-loadscope-reorder:
+#: files are handed out in the order below), and a long file handed out last runs alone while the
+#: other workers idle: so the longest go first (measured in CI, 2026-11-28: three files of 2.5 to 4.5
+#: minutes under tests/train/ were handed out last, alphabetically, and the run ended 200 s after
+#: the first worker idled). A file not in the table (a new one) counts as NEW_FILE_S.
+DURATIONS = Path(__file__).with_name("durations.json")
+NEW_FILE_S = 60.0
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    def rank(item: pytest.Item) -> int:
-        return next((i for i, prefix in enumerate(SLOW_FIRST) if item.nodeid.startswith(prefix)), len(SLOW_FIRST))
+    seconds = json.loads(DURATIONS.read_text()) if DURATIONS.is_file() else {}
 
-    items.sort(key=rank)  # stable: within a rank, collection order
+    def longest_first(item: pytest.Item) -> float:
+        return -seconds.get(item.nodeid.split("::")[0], NEW_FILE_S)
+
+    items.sort(key=longest_first)  # stable: a file's tests keep their order
 
 
 @pytest.hookimpl(hookwrapper=True)

@@ -1,14 +1,15 @@
 """Where a test run's time went, from the lines PYTEST_TIMELINE=<file> made tests/conftest.py write:
 per worker, its files in order with their wall seconds and its idle end; then the files that took
-longest. `python -m tests.timeline FILE`."""
+longest. `python -m tests.timeline FILE [--write-durations tests/durations.json]`: also write each
+file's seconds, the order tests/conftest.py hands files out in (longest first)."""
 from __future__ import annotations
 
+import argparse
 import json
-import sys
 from collections import defaultdict
 
 
-def main(path: str) -> None:
+def main(path: str, durations: str | None = None) -> None:
     with open(path, encoding="utf-8") as fh:
         rows = [json.loads(line) for line in fh]
     t0, t1 = min(r["start"] for r in rows), max(r["end"] for r in rows)
@@ -38,5 +39,16 @@ def main(path: str) -> None:
         print(f"  {seconds:6.0f}  {name}")
 
 
+    if durations:
+        ordered = {name: round(seconds, 1) for name, seconds in sorted(per_file.items(), key=lambda kv: -kv[1])}
+        with open(durations, "w", encoding="utf-8") as fh:
+            fh.write(json.dumps(ordered, indent=1) + "\n")
+        print(f"\nwrote {durations}: {len(ordered)} files")
+
+
 if __name__ == "__main__":
-    main(sys.argv[1])
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("timeline", help="the file PYTEST_TIMELINE named")
+    parser.add_argument("--write-durations", metavar="JSON", help="write each file's wall seconds here")
+    args = parser.parse_args()
+    main(args.timeline, args.write_durations)
