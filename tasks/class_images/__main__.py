@@ -10,12 +10,13 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from tasks.class_images.config import ClassImagesConfig, following_train
+from tasks.class_images.config import ClassImagesConfig
 from tasks.common.config import load_config, read_params
 from tasks.common.confine import confine
 from tasks.common.distributed import failures_named, join
 from tasks.common.errors import main_guard
 from tasks.common.launch import start
+from tasks.common.quantize import following_train
 
 
 @main_guard
@@ -27,7 +28,8 @@ def main() -> None:
     parser.add_argument("--report", type=Path, required=True, help="JSON counts and timing (DVC metrics)")
     parser.add_argument("--params", type=Path, default=Path("params.yaml"))
     args = parser.parse_args()
-    cfg = following_train(load_config("class_images", ClassImagesConfig, args.params), read_params(args.params))
+    cfg = following_train("class_images", load_config("class_images", ClassImagesConfig, args.params),
+                          read_params(args.params))
     start("class_images", cfg.launcher, cfg.launch)  # under mpirun/accelerate: re-executes there and exits
     from tasks.class_images.stage import generate_and_record  # torch, diffusers, MLflow: only where it runs
 

@@ -1,7 +1,7 @@
 """The `class_images` section of params.yaml."""
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Literal
 
 from pydantic import Field, model_validator
 
@@ -9,7 +9,6 @@ from tasks.common.concepts import ConceptName
 from tasks.common.config import StageConfig
 from tasks.common.launch import LAUNCHERS, LaunchConfig, launch_problem
 from tasks.common.quantize import BasePrecision
-from tasks.common.quantize import following_train as train_precision
 
 
 class ClassConcept(StageConfig):
@@ -70,9 +69,3 @@ class ClassImagesConfig(StageConfig):
             raise ValueError(f"concepts: {', '.join(map(repr, twice))} listed twice; name each concept once")
         return self
 
-
-def following_train(cfg: ClassImagesConfig, params: dict[str, Any]) -> ClassImagesConfig:
-    """`cfg` with base_model_precision null replaced by params.yaml's train.base_model_precision
-    (its default, none, where the train section leaves it out)."""
-    value = train_precision("class_images", cfg.base_model_precision, params)
-    return cfg if value == cfg.base_model_precision else cfg.model_copy(update={"base_model_precision": value})

@@ -97,19 +97,20 @@ class BasePrecision:
         return len(linears)
 
 
-def following_train(section: str, value: str | None, params: dict[str, Any]) -> str:
-    """`section`.base_model_precision's value, where null follows params.yaml's train.base_model_precision
-    (its default, none, where the train section leaves it out); a UserError names both keys for a bad one."""
+def following_train(section: str, cfg: Any, params: dict[str, Any]) -> Any:
+    """`cfg` (class_images' or evaluate's config) with base_model_precision null replaced by params.yaml's
+    train.base_model_precision (its default, none, where the train section leaves it out); a UserError
+    names both keys for a bad one."""
     from tasks.common.errors import UserError
 
-    if value is not None:
-        return value
+    if cfg.base_model_precision is not None:
+        return cfg
     value = (params.get("train") or {}).get("base_model_precision", "none")
     try:
         BasePrecision.parse(value, key="train.base_model_precision")
     except ValueError as err:
         raise UserError(f"{section}.base_model_precision is null, so it follows {err}") from None
-    return value
+    return cfg.model_copy(update={"base_model_precision": value})
 
 
 def _autocast_input(module: torch.nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...] | None:

@@ -30,8 +30,9 @@ from tasks.common.confine import confine
 from tasks.common.errors import main_guard
 from tasks.common.images import make_grid
 from tasks.common.outputs import atomic_dir, check_replaceable, write_json
+from tasks.common.quantize import following_train
 from tasks.common.tracking import stage_run
-from tasks.evaluate.config import EvaluateConfig, following_train
+from tasks.evaluate.config import EvaluateConfig
 from tasks.evaluate.core import Result, evaluate
 
 log = logging.getLogger("tasks.evaluate")
@@ -123,7 +124,8 @@ def main() -> None:
     )
     parser.add_argument("--params", type=Path, default=Path("params.yaml"))
     args = parser.parse_args()
-    cfg = following_train(load_config("evaluate", EvaluateConfig, args.params), read_params(args.params))
+    cfg = following_train("evaluate", load_config("evaluate", EvaluateConfig, args.params),
+                          read_params(args.params))
     check_replaceable(args.out)  # before minutes of generation, not after
     with stage_run("evaluate", params=cfg.model_dump()) as run:
         result = evaluate(args.model, args.base, args.instance_data, cfg,

@@ -8,7 +8,6 @@ from pydantic import Field, field_validator, model_validator
 
 from tasks.common.config import StageConfig
 from tasks.common.quantize import BasePrecision
-from tasks.common.quantize import following_train as train_precision
 
 _FIELDS = {"identifier", "class_name"}
 
@@ -224,13 +223,6 @@ def check_templates(prompts: list[str]) -> list[str]:
                 "are filled in"
             )
     return prompts
-
-
-def following_train(cfg: EvaluateConfig, params: dict[str, Any]) -> EvaluateConfig:
-    """`cfg` with base_model_precision null replaced by params.yaml's train.base_model_precision
-    (its default, none, where the train section leaves it out)."""
-    value = train_precision("evaluate", cfg.base_model_precision, params)
-    return cfg if value == cfg.base_model_precision else cfg.model_copy(update={"base_model_precision": value})
 
 
 def quantized(cfg: EvaluateConfig) -> BasePrecision | None:

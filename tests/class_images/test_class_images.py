@@ -221,14 +221,14 @@ def test_a_quantized_denoiser_makes_the_class_images_under_its_own_key(tmp_path:
 
 
 def test_the_precision_follows_the_train_stage_unless_set() -> None:
-    from tasks.class_images.config import following_train
+    from tasks.common.quantize import following_train
 
     params = {"train": {"base_model_precision": "nf4"}}
-    assert following_train(cfg(), params).base_model_precision == "nf4"
-    assert following_train(cfg(base_model_precision="none"), params).base_model_precision == "none"
-    assert following_train(cfg(), {}).base_model_precision == "none"
+    assert following_train("class_images", cfg(), params).base_model_precision == "nf4"
+    assert following_train("class_images", cfg(base_model_precision="none"), params).base_model_precision == "none"
+    assert following_train("class_images", cfg(), {}).base_model_precision == "none"
     with pytest.raises(UserError, match=r"class_images.base_model_precision is null, so it follows "
                                         r"train.base_model_precision: 'int4' is not one of"):
-        following_train(cfg(), {"train": {"base_model_precision": "int4"}})
+        following_train("class_images", cfg(), {"train": {"base_model_precision": "int4"}})
     with pytest.raises(UserError, match=r"class_images: Value error, base_model_precision: 'int4' is not one of"):
         parse_section("class_images", {"base_model_precision": "int4"}, ClassImagesConfig)

@@ -8,7 +8,8 @@ import pytest
 from tasks.common.config import parse_section
 from tasks.common.errors import UserError
 from tasks.common.psnr import psnr_db
-from tasks.evaluate.config import EvaluateConfig, following_train
+from tasks.common.quantize import following_train
+from tasks.evaluate.config import EvaluateConfig
 from tests.export.adapters import write_adapters
 from tests.export.tiny_ov import tiny_pipeline, write_subject_images
 
@@ -99,12 +100,13 @@ def test_the_protocol_id_follows_the_precision_and_nothing_else(runs):
 
 def test_null_follows_the_train_stage_and_a_bad_value_names_the_key():
     params = {"train": {"base_model_precision": "nf4"}}
-    assert following_train(_config(), params).base_model_precision == "nf4"
-    assert following_train(_config(base_model_precision="none"), params).base_model_precision == "none"
-    assert following_train(_config(), {}).base_model_precision == "none"
+    assert following_train("evaluate", _config(), params).base_model_precision == "nf4"
+    assert following_train("evaluate", _config(base_model_precision="none"),
+                           params).base_model_precision == "none"
+    assert following_train("evaluate", _config(), {}).base_model_precision == "none"
     with pytest.raises(UserError, match=r"evaluate.base_model_precision is null, so it follows "
                                         r"train.base_model_precision: 'int4' is not one of"):
-        following_train(_config(), {"train": {"base_model_precision": "int4"}})
+        following_train("evaluate", _config(), {"train": {"base_model_precision": "int4"}})
     with pytest.raises(UserError, match=r"evaluate: Value error, base_model_precision: 'int4' is not one of"):
         parse_section("evaluate", {"prompts": ["a {class_name}"], "base_model_precision": "int4"}, EvaluateConfig)
 
