@@ -118,13 +118,13 @@ def load_finetuned(src: Path, base: Path | None, token: str | None = None, quant
     kind = detect(src)
     info: dict[str, Any] = {"method": kind.method}
     if kind.full_pipeline:
-        return _load(src, quantize, dtype), kind, info
+        return load_pipeline(src, quantize, dtype), kind, info
     adapters_only = (f"{src} holds adapters only ({kind.method}); they are applied to the base pipeline: "
                      "pass --base models/base (run dvc repro base first)")
     if base is None:
         raise UserError(adapters_only)
     families.read_index(base, adapters_only)
-    pipe = _load(base, quantize, dtype)
+    pipe = load_pipeline(base, quantize, dtype)
     info["base"] = str(base)
     if kind.lora is not None:
         _apply_lora(pipe, kind.lora, fuse=quantize is None)
@@ -136,7 +136,7 @@ def load_finetuned(src: Path, base: Path | None, token: str | None = None, quant
     return pipe, kind, info
 
 
-def _load(folder: Path, quantize: Any, dtype: Any) -> Any:
+def load_pipeline(folder: Path, quantize: Any = None, dtype: Any = None) -> Any:
     """The pipeline of `folder` in fp32, or with its denoiser quantized as it loads (the rest in `dtype`)."""
     import torch
     from diffusers import DiffusionPipeline

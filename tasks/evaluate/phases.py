@@ -19,12 +19,12 @@ from pathlib import Path
 from typing import Any
 
 from tasks.common import families
-from tasks.common.finetuned import load_finetuned
+from tasks.common.finetuned import load_finetuned, load_pipeline
 from tasks.common.genai import is_runtime_export, open_runtime_export
 from tasks.common.memory import PhasePeaks, release_memory
 from tasks.common.openvino_model import StaticShape, compiled_precisions, load_ov_pipeline, static_shape
 from tasks.common.quantize import BasePrecision
-from tasks.common.quantized_pipeline import compute_dtype, load_with_denoiser_last
+from tasks.common.quantized_pipeline import compute_dtype
 from tasks.evaluate import base_cache as C
 from tasks.evaluate import edits as E
 from tasks.evaluate import extra_metrics as X
@@ -73,13 +73,9 @@ def default_shape(pipe: Any) -> StaticShape:
 
 
 def load_base(path: Path, precision: Precision | None = None) -> Any:
-    import torch
-    from diffusers import DiffusionPipeline
-
+    """The base pipeline as the fine-tune is loaded: fp32, or its denoiser quantized (`precision`)."""
     families.read_index(path, "run the base stage (dvc repro base)")
-    if precision is not None and precision.quantize is not None:
-        return load_with_denoiser_last(path, precision.dtype, "cpu", precision.quantize)
-    return DiffusionPipeline.from_pretrained(path, dtype=torch.float32)
+    return load_pipeline(path, precision.quantize, precision.dtype) if precision else load_pipeline(path)
 
 
 @dataclass
