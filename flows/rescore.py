@@ -31,6 +31,7 @@ from typing import Any
 import yaml
 
 from tasks.common.errors import UserError
+from tasks.register import base_reference
 from tasks.register.base_export import runtime_export_of
 from tasks.register.genai_serving import ADAPTER_ARTIFACT
 from tasks.register.promotion import Champion
@@ -83,6 +84,9 @@ def rescore(workdir: Path, model_uri: str, env: Mapping[str, str]) -> dict[str, 
                      if (local / "artifacts" / name).is_dir()}
         if "finetuned" not in artifacts:
             raise UserError(f"{model_uri} has no fine-tuned model to re-score (artifacts/finetuned)")
+        reference = local / "artifacts" / base_reference.ARTIFACT
+        if reference.is_dir() and (found := base_reference.local_folder(reference)):  # a big base, not copied
+            artifacts["base"] = Path(found)
         adapter = local / "artifacts" / ADAPTER_ARTIFACT
         if adapter.is_dir() and "openvino" not in artifacts:  # run-time adapters: the export is rebuilt
             artifacts["openvino"], artifacts["base"] = runtime_export_of(adapter, Path(tmp) / "export")

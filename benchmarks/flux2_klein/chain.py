@@ -9,7 +9,12 @@ A clone of this repository's HEAD in `--work` gets the demo subject (data/demo/g
 params.yaml set for the real model at a small size: `base.model` the built folder; 2 class images
 at 256 px, 4 steps; LoRA rank 16 with prior preservation on an `int8` base with `int8` Qwen3,
 gradient checkpointing, bf16, 128 Qwen3 tokens, 256 px, 3 steps, `fuse_lora: false`; the export at
-256 px with 8-bit weight compression; evaluate on one prompt, one image, 4 steps. DVC's cache links
+256 px one model at a time (`export.components: one_at_a_time`) with 8-bit weight compression and the
+per-model parity gate (the whole-pipeline image check, which runs PyTorch in fp32, off); evaluate on
+one prompt, one image, 4 steps, on the int8 base train used. Then the registration (the 15 GB base by
+reference: register.base_copy_max_gb), the registered version's pyfunc loaded through its models:/
+URI predicting one image (`predict`), and `mlflow models serve` answering one request (`serve`, as
+`make serve-model` starts it; serve_once.py). DVC's cache links
 its files (`cache.type: hardlink`), as a team with 16 GB models sets it. Each stage runs as
 `dvc repro -s <stage>` in a process of its own, so its peak RSS is its own (the largest process of
 the stage, DVC's hashing included in the wall time). The chain stops at the first stage that fails,
@@ -37,6 +42,22 @@ import yaml
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 STAGES = ["base", "ingest", "class_images", "train", "export", "evaluate"]
+#: after the DVC stages: the registration, the registered version's pyfunc predicting in this process,
+#: and `mlflow models serve` answering one request
+AFTER = ["register", "predict", "serve"]
+MODEL_URI = "models:/sd-finetuned/1"
+#: one image from the registered version's pyfunc, loaded through its models:/ URI (manifest-checked)
+_PREDICT = f"""import base64, io, json, time, mlflow
+from PIL import Image
+start = time.monotonic()
+model = mlflow.pyfunc.load_model("{MODEL_URI}")
+loaded = time.monotonic() - start
+out = model.predict(["a photo of sks dog"], params={{"num_inference_steps": 4, "seed": 0}})
+image = Image.open(io.BytesIO(base64.b64decode(out["image"][0])))
+image.save("predicted.png")
+print(json.dumps({{"load_s": round(loaded, 1), "predict_s": round(time.monotonic() - start - loaded, 1),
+                  "image": list(image.size)}}))
+"""
 
 #: params.yaml keys set in the clone, per section (nested dicts update the section's dicts)
 PARAMS = {
@@ -46,8 +67,8 @@ PARAMS = {
               "max_train_steps": 3, "rank": 16, "base_model_precision": "int8", "text_encoder_precision": "int8",
               "gradient_checkpointing": True, "mixed_precision": "bf16", "max_sequence_length": 128,
               "fuse_lora": False, "num_validation_images": 0, "validation_steps": 0, "checkpointing_steps": 1000},
-    "export": {"height": 256, "width": 256, "compression": {"mode": "int8"}, "parity": {"num_inference_steps": 2},
-               "latency_dynamic": False},
+    "export": {"components": "one_at_a_time", "height": 256, "width": 256, "compression": {"mode": "int8"},
+               "parity": {"num_inference_steps": 2, "pipeline_image": False}, "latency_dynamic": False},
     "evaluate": {"max_prompts": 1, "images_per_prompt": 1, "num_inference_steps": 4,
                  "drift": {"enabled": False}},
 }
@@ -114,7 +135,9 @@ def measured(argv: list[str], work: Path, log: Path, floor_gb: float) -> dict:
     stage does not fail, it pages its weights in and out for as long as it runs."""
     import psutil
 
-    env = {**os.environ, "MLFLOW_TRACKING_URI": f"sqlite:///{work / 'mlflow.db'}"}
+    tmp = work / f"tmp-{log.stem}"  # the step's temporary files (MLflow's downloads of the model), removed after it
+    tmp.mkdir(exist_ok=True)
+    env = {**os.environ, "MLFLOW_TRACKING_URI": f"sqlite:///{work / 'mlflow.db'}", "TMPDIR": str(tmp)}
     start, tree_peak, stopped = time.monotonic(), 0, None
     with open(log, "w") as sink:
         proc = subprocess.Popen([sys.executable, "-c", _MEASURED, *argv], cwd=work, env=env, stdout=subprocess.PIPE,
@@ -127,6 +150,7 @@ def measured(argv: list[str], work: Path, log: Path, floor_gb: float) -> dict:
                 break
             time.sleep(0.5)
         out = proc.communicate()[0]
+    shutil.rmtree(tmp, ignore_errors=True)
     sampled = {"tree_rss_peak_gb_sampled": round(tree_peak / 2 ** 30, 2)}
     if stopped is not None:
         return {"rc": -9, "seconds": round(time.monotonic() - start, 1), "stopped_at_available_gb": stopped,
@@ -136,14 +160,43 @@ def measured(argv: list[str], work: Path, log: Path, floor_gb: float) -> dict:
     return {**json.loads(lines[-1]), **sampled}
 
 
+def _stage_figures(stage: str, work: Path) -> dict:
+    """What a stage's report (or output) says of its phases: peak RSS by phase, seconds."""
+    report = work / "reports" / f"{stage}.json"
+    data = json.loads(report.read_text()) if report.is_file() else {}
+    if stage == "train":
+        return {"peak_rss_mb_by_phase": data.get("peak_rss_mb_by_phase")}
+    if stage == "export":
+        return {k: data[k] for k in ("memory_peak_mb", "seconds", "size_mb", "parity") if k in data}
+    if stage == "evaluate":
+        return {"memory": data.get("memory"), "metrics": data.get("metrics"),
+                "base_cache": (data.get("generation") or {}).get("base_cache")}
+    out = work / f"{stage}.log.out"
+    lines = out.read_text().strip().splitlines() if out.is_file() else []
+    try:
+        return json.loads(lines[-1]) if stage in ("predict", "serve") and lines else {}
+    except json.JSONDecodeError:
+        return {}
+
+
+def command(stage: str) -> list[str]:
+    """The command that runs `stage` in the work clone."""
+    if stage in STAGES:
+        return ["dvc", "repro", "-s", stage]
+    return {"register": [sys.executable, "-m", "tasks.register", "--finetuned", "models/finetuned", "--openvino",
+                         "models/openvino", "--evaluation", "reports/evaluate.json", "--base", "models/base"],
+            "predict": [sys.executable, "-c", _PREDICT],
+            "serve": [sys.executable, "-m", "benchmarks.flux2_klein.serve_once", MODEL_URI]}[stage]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--base", type=Path, default=ROOT / ".cache/bench/flux2-klein-4b")
     parser.add_argument("--work", type=Path, default=ROOT / ".cache/bench/flux2-klein-chain")
     parser.add_argument("--results", type=Path, default=HERE / "results_chain.json")
     parser.add_argument("--floor-gb", type=float, default=0.8, help="stop a stage when less memory is available")
-    parser.add_argument("--stages", nargs="+", choices=[*STAGES, "register"], default=[*STAGES, "register"],
-                        help="the stages to run, in the chain's order (default: all, then register)")
+    parser.add_argument("--stages", nargs="+", choices=[*STAGES, *AFTER], default=[*STAGES, *AFTER],
+                        help="the stages to run, in the chain's order (default: all, then register, predict, serve)")
     parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", dest="sets",
                         help="a params.yaml key set after the chain's own (value read as YAML); repeatable")
     args = parser.parse_args()
@@ -153,14 +206,9 @@ def main() -> None:
         raise SystemExit(f"{args.base} is missing: run `.venv/bin/python -m benchmarks.flux2_klein.build`")
     prepare(args.base.resolve(), args.work, overrides)
     rows = []
-    for stage in [s for s in [*STAGES, "register"] if s in args.stages]:
-        argv = ["dvc", "repro", "-s", stage] if stage != "register" else [
-            sys.executable, "-m", "tasks.register", "--finetuned", "models/finetuned", "--openvino", "models/openvino",
-            "--evaluation", "reports/evaluate.json", "--base", "models/base"]
-        row = {"stage": stage, **measured(argv, args.work, args.work / f"{stage}.log", args.floor_gb)}
-        report = args.work / "reports" / f"{stage}.json"
-        if stage == "train" and report.is_file():
-            row["peak_rss_mb_by_phase"] = json.loads(report.read_text()).get("peak_rss_mb_by_phase")
+    for stage in [s for s in [*STAGES, *AFTER] if s in args.stages]:
+        row = {"stage": stage, **measured(command(stage), args.work, args.work / f"{stage}.log", args.floor_gb)}
+        row.update(_stage_figures(stage, args.work))
         if row["rc"] != 0:
             row["error"] = (args.work / f"{stage}.log").read_text()[-2000:]
         print(json.dumps(row), flush=True)
@@ -169,7 +217,7 @@ def main() -> None:
             break
     result = {"date": time.strftime("%Y-%m-%d"), "commit": subprocess.run(
         ["git", "rev-parse", "HEAD"], cwd=args.work, capture_output=True, text=True).stdout.strip(),
-              "params": PARAMS, "stages_asked": [s for s in [*STAGES, "register"] if s in args.stages],
+              "params": PARAMS, "stages_asked": [s for s in [*STAGES, *AFTER] if s in args.stages],
               **({"overrides": overrides} if overrides else {}), "stages": rows}
     args.results.write_text(json.dumps(result, indent=1) + "\n")
 

@@ -24,7 +24,8 @@ log = logging.getLogger(__name__)
 BASE_SUFFIX = "-base"
 #: The model code logged beside pyfunc_model.py (MLflow `code_paths`): it imports them by name.
 MODEL_CODE_PATHS = [*(Path(__file__).with_name(n) for n in ("serving_limits.py", "serving_images.py",
-                                                            "genai_serving.py", "adapter_cache.py")),
+                                                            "genai_serving.py", "adapter_cache.py",
+                                                            "base_reference.py")),
                     Path(__file__).parents[1] / "common" / "pipeline_call.py"]
 
 

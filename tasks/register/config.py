@@ -54,6 +54,15 @@ class RegisterConfig(StageConfig):
                     "downloaded adapters take (one cache folder per worker; the least recently used "
                     "version is deleted to make room, at most 8 versions are kept)",
     )
+    base_copy_max_gb: float | None = Field(
+        4.0,
+        ge=0,
+        allow_inf_nan=False,
+        description="adapters registered unfused (train.fuse_lora: false) are registered with their base: "
+                    "a base folder of at most this many GB is copied into the version; a larger one is "
+                    "registered by reference (its name, revision, DVC hash, path and file sizes; "
+                    "tasks/register/base_reference.py); null: always copied",
+    )
     promote_uncalibrated: bool = Field(
         False,
         description="let `champion` move on uncalibrated scores (random-weight built-in "

@@ -16,7 +16,7 @@ from tasks.common.config import load_config, read_params
 from tasks.common.errors import UserError
 from tasks.common.genai import is_runtime_export
 from tasks.common.tracking import git_commit, stage_run
-from tasks.register import manifest, resume
+from tasks.register import base_reference, manifest, resume
 from tasks.register.base_export import BASE_SUFFIX, MODEL_CODE_PATHS, find_base_version, stage_adapter, stage_base
 from tasks.register.config import RegisterConfig
 from tasks.register.diffusers_flavor import HubBase, PyfuncWithDiffusersFlavor, fits, hub_reference
@@ -117,9 +117,11 @@ def register_model(
     serving: dict[str, Any] | None = None,
     hub_base: HubBase | None = None,
     trained: dict[str, Any] | None = None,
+    base_copy_max_gb: float | None = None,
 ) -> Registered:
     """Log the pyfunc in run `run_id`, register a version of `model_name`, tag it, set aliases.
-    `trained`: the train stage's report, which the tags `train.<key>` and the description read."""
+    `trained`: the train stage's report, which the tags `train.<key>` and the description read;
+    a base over `base_copy_max_gb` is registered by reference (base_reference.py)."""
     import mlflow
 
     artifacts = model_artifacts(finetuned, openvino, base)
@@ -142,7 +144,8 @@ def register_model(
         source = unfinished.source
     else:
         source, model_id = _log(client, model_name, artifacts, openvino, base, run_id, serving, convention, tags,
-                                record, hub=hub_base if fits(finetuned, hub_base) else None)
+                                record, hub=hub_base if fits(finetuned, hub_base) else None,
+                                base_copy_max_gb=base_copy_max_gb)
     champion = resume.champion_to_beat(client, model_name, current_champion(client, model_name, primary_metric),
                                        unfinished, primary_metric)
     champion, rescore_tags = rescored(client, model_name, champion, champion_rescore, primary_metric)
@@ -186,9 +189,9 @@ def _after_the_commit(client: Any, model_name: str, version: str, run_id: str, s
 
 def _log(client: Any, model_name: str, artifacts: dict[str, str], openvino: Path, base: Path | None, run_id: str,
          serving: dict[str, Any] | None, convention: dict[str, Any], tags: dict[str, str],
-         record: dict[str, Any], hub: HubBase | None) -> tuple[str, str]:
-    """Log the model into `run_id` (a runtime export: its base's version first); its source URI and id.
-    `tags` and `record` gain what the logged model is."""
+         record: dict[str, Any], hub: HubBase | None, base_copy_max_gb: float | None) -> tuple[str, str]:
+    """Log the model into `run_id` (a runtime export: its base's version first; a base over
+    `base_copy_max_gb`: its reference); its source URI and id. `tags` and `record` gain what the logged model is."""
     with tempfile.TemporaryDirectory(prefix="register-") as work:
         if is_runtime_export(openvino):
             tags.update(_base_export_version(client, model_name, openvino, Path(work), base, run_id, serving,
@@ -197,9 +200,30 @@ def _log(client: Any, model_name: str, artifacts: dict[str, str], openvino: Path
             record["base_export"] = {k: tags[f"base_export.{k}"] for k in ("key", "model", "version")}
             artifacts["adapter"] = str(stage_adapter(openvino, Path(work), tags))
             tags["model.artifacts"] = "runtime_adapter"
+        if "base" in artifacts and base_copy_max_gb is not None:
+            _base_by_reference(artifacts, Path(work), base_copy_max_gb, record, tags)
         tags["model.flavors"] = "python_function,diffusers" if hub else "python_function"
         info = log_model(run_id, artifacts, serving, tags, convention, hub=hub)
     return info.model_uri, info.model_id
+
+
+def _base_by_reference(artifacts: dict[str, str], work: Path, limit: float, record: dict[str, Any],
+                       tags: dict[str, str]) -> None:
+    """The base artifact replaced by its reference (written under `work`) when the folder is over
+    `limit` GB; the lineage record gets the reference (file sizes left out), the tags say so."""
+    base = Path(artifacts["base"])
+    size = sum(base_reference.file_sizes(base).values())
+    if size <= limit * 2 ** 30:
+        return
+    lock_base = (record.get("params") or {}).get("base") or {}
+    reference = base_reference.write(base, work / base_reference.ARTIFACT, lock_base.get("model"),
+                                     lock_base.get("revision"), (record.get("outputs") or {}).get("models/base"))
+    log.info("the base %s (%.1f GB, over register.base_copy_max_gb %g) is registered by reference", base,
+             size / 2 ** 30, limit)
+    del artifacts["base"]
+    artifacts[base_reference.ARTIFACT] = str(work / base_reference.ARTIFACT)
+    record["base_reference"] = {k: v for k, v in reference.items() if k != "files"}
+    tags["model.artifacts"] = "lora_adapters+base_reference"
 
 
 def _only_the_tag_left(client: Any, model_name: str, unfinished: resume.Unfinished) -> Registered:
@@ -324,6 +348,7 @@ def register(
         serving={"budget_images": cfg.serve_budget_images, "max_waiting": cfg.serve_max_waiting,
                  "adapter_cache_mb": cfg.serve_adapter_cache_mb},
         hub_base=hub_reference(read_params(params).get("base") or {}),
+        base_copy_max_gb=cfg.base_copy_max_gb,
         trained=read_train_report(train_report) if train_report is not None else None,
     )
     if run_id:

@@ -32,10 +32,12 @@ import mlflow
 import pandas as pd
 
 try:  # logged beside this file as the model's code (MLflow `code_paths`)
+    import base_reference
     import pipeline_call
     import serving_limits as limits
 except ImportError:  # this file imported from the repository (tests, the register stage)
     from tasks.common import pipeline_call
+    from tasks.register import base_reference
     from tasks.register import serving_limits as limits
 
 log = logging.getLogger("sd_pyfunc")
@@ -113,15 +115,20 @@ def _genai_serving() -> Any:
 
 def _diffusers_pipeline(artifacts: dict[str, str]) -> Any:
     """The fine-tuned pipeline; adapters registered unfused are loaded onto their base (LoRA and
-    DoRA with diffusers' loader, LoKr and LoHa fused through peft's)."""
+    DoRA with diffusers' loader, LoKr and LoHa fused through peft's), a copy in the version or the
+    one its reference names (base_reference.py)."""
     from diffusers import DiffusionPipeline
 
     path = artifacts["finetuned"]
     if os.path.isfile(os.path.join(path, "model_index.json")):
         return DiffusionPipeline.from_pretrained(path)
-    if "base" not in artifacts:
+    if "base" in artifacts:
+        base, kwargs = artifacts["base"], {}
+    elif base_reference.ARTIFACT in artifacts:  # a big base, registered by reference
+        base, kwargs = base_reference.resolve(artifacts[base_reference.ARTIFACT])
+    else:
         raise ValueError(f"{path} holds no pipeline (model_index.json) and the model has no base")
-    pipe = DiffusionPipeline.from_pretrained(artifacts["base"])
+    pipe = DiffusionPipeline.from_pretrained(base, **kwargs)
     peft_dir = os.path.join(path, "peft_adapters")
     if not os.path.isdir(peft_dir):
         pipe.load_lora_weights(path, weight_name="pytorch_lora_weights.safetensors")

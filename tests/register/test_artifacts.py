@@ -156,3 +156,53 @@ def test_unfused_lokr_registers_and_predicts_through_peft(project: Path, monkeyp
     apply_peft_adapters(expected, root / "models/finetuned/peft_adapters")
     assert np.array_equal(got, _image(expected))
     assert not np.array_equal(got, plain)
+
+
+def test_a_base_over_base_copy_max_gb_is_registered_by_reference_and_found_again(
+        adapters_project: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """register.base_copy_max_gb: a base over it is not copied into the version: the version names it
+    (path, DVC hash, file sizes), the pyfunc loads it from there or from FINETUNE_BASE_DIR, and a
+    folder that is not the registered base, or no base at all, is refused naming the fix."""
+    from tasks.register import base_reference
+
+    root = adapters_project
+    params = root / "params.yaml"
+    params.write_text(params.read_text() + "  base_copy_max_gb: 0\n")
+    lock = root / "dvc.lock"
+    lock.write_text(lock.read_text() + "  base:\n    cmd: python -m tasks.base\n    params:\n      params.yaml:\n"
+                    "        base:\n          model: builtin:tiny-sd\n    outs:\n    - path: models/base\n"
+                    "      hash: md5\n      md5: 44444444444444444444444444444444.dir\n")
+    result = register(root / "models/finetuned", root / "models/openvino", root / "reports/evaluate.json",
+                      lock, params, base=root / "models/base")
+    client = mlflow.MlflowClient()
+    version = client.get_model_version(result.name, result.version)
+    assert version.tags["model.artifacts"] == "lora_adapters+base_reference"
+    local = Path(mlflow.artifacts.download_artifacts(result.model_uri))
+    assert sorted(p.name for p in (local / "artifacts").iterdir()) == ["base_reference", "finetuned", "openvino"]
+    lineage = mlflow.artifacts.load_dict(f"runs:/{version.run_id}/lineage.json")["base_reference"]
+    assert lineage["path"] == str((root / "models/base").resolve())
+    assert lineage["dvc_md5"] == "44444444444444444444444444444444.dir"
+    assert lineage["model"] == "builtin:tiny-sd" and lineage["size_bytes"] > 0
+
+    monkeypatch.setenv("FINETUNE_PYFUNC_BACKEND", "diffusers")
+
+    def predicted() -> np.ndarray:
+        out = mlflow.pyfunc.load_model(result.model_uri).predict([PROMPT], params={"num_inference_steps": 2,
+                                                                                  "seed": 7})
+        return np.asarray(Image.open(io.BytesIO(base64.b64decode(out["image"][0]))).convert("RGB"))
+
+    from diffusers import DiffusionPipeline
+
+    expected = DiffusionPipeline.from_pretrained(root / "models/base")
+    expected.load_lora_weights(root / "models/finetuned", weight_name=LORA_WEIGHTS)
+    assert np.array_equal(predicted(), _image(expected))  # found where it was registered from
+
+    moved = root.parent / "elsewhere"
+    shutil.move(root / "models/base", moved)
+    with pytest.raises(ValueError, match=r"registered by reference .* set FINETUNE_BASE_DIR"):
+        predicted()
+    monkeypatch.setenv(base_reference.BASE_DIR_ENV, str(moved))
+    assert np.array_equal(predicted(), _image(expected))  # found where the variable says
+    (moved / "model_index.json").write_text((moved / "model_index.json").read_text() + " ")
+    with pytest.raises(ValueError, match=r"FINETUNE_BASE_DIR=.* is not this version's base: .*model_index.json has"):
+        predicted()
