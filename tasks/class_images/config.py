@@ -39,6 +39,11 @@ class ClassImagesConfig(StageConfig):
                             "(bf16 releases such as FLUX and SD3.5 then take half the memory of fp32; SD 1.x and "
                             "the built-in models stay fp32)",
     )
+    vae_decode: Literal["auto", "full", "sliced", "tiled"] = Field(
+        "auto", description="how the VAE decodes: full | sliced (one image of a batch at a time: the same images) | "
+                            "tiled (in overlapping tiles: a few GB less at large sizes, slightly different pixels, "
+                            "so part of the images' key); auto: sliced, tiled above 1024 px",
+    )
     base_model_precision: str | None = Field(
         None, description="the denoiser's Linear layers quantized as they load, as the train stage holds it: none | "
                           "int8 | fp8 | nf4, or with a library (int8-quanto, int8-bnb, fp8-quanto); null: "

@@ -44,8 +44,8 @@ def image_name(index: int) -> str:
 
 def generation_key(cfg: ClassImagesConfig, base_fingerprint: str) -> dict[str, Any]:
     """Everything that changes the pixels of image i (not num_images, not batch_size). An explicit
-    precision other than fp32 is part of it (fp32 and auto keep the keys folders already hold), and
-    a quantized denoiser's precision and library (none keeps them too)."""
+    precision other than fp32 is part of it (fp32 and auto keep the keys folders already hold),
+    a quantized denoiser's precision and library (none keeps them too), and tiled VAE decoding."""
     key = {
         "prompt": cfg.prompt,
         "negative_prompt": cfg.negative_prompt,
@@ -57,7 +57,36 @@ def generation_key(cfg: ClassImagesConfig, base_fingerprint: str) -> dict[str, A
     }
     if held := quantized(cfg):
         key["base_model_precision"] = held.name
+    if vae_decode(cfg) == "tiled":  # tiles change pixels; sliced decoding does not
+        key["vae_decode"] = "tiled"
     return key if cfg.precision in ("auto", "fp32") else {**key, "precision": cfg.precision}
+
+
+#: class_images.vae_decode auto decodes in tiles above this side (px): a 2048 px FLUX VAE decode
+#: holds a 128-channel activation of the whole image (2 GiB in fp32) at each of its last blocks
+TILE_ABOVE = 1024
+
+
+def vae_decode(cfg: ClassImagesConfig) -> str:
+    """full | sliced | tiled: class_images.vae_decode, auto resolved by the resolution."""
+    if cfg.vae_decode != "auto":
+        return cfg.vae_decode
+    return "tiled" if cfg.resolution > TILE_ABOVE else "sliced"
+
+
+def set_vae_decode(pipe: Any, cfg: ClassImagesConfig) -> None:
+    """Turn the pipeline's VAE to sliced or tiled decoding (diffusers' AutoencoderMixin); a VAE without
+    it decodes whole under auto, and is refused when the mode was asked for by name."""
+    mode, vae = vae_decode(cfg), getattr(pipe, "vae", None)
+    if mode == "full" or vae is None:
+        return
+    try:
+        getattr(vae, "enable_tiling" if mode == "tiled" else "enable_slicing")()
+    except (AttributeError, NotImplementedError):
+        if cfg.vae_decode != "auto":
+            raise UserError(f"class_images.vae_decode: {mode}: this base's VAE ({type(vae).__name__}) has no {mode} "
+                            "decoding; set vae_decode: full or auto") from None
+        log.info("class images: %s has no %s decoding; it decodes whole", type(vae).__name__, mode)
 
 
 def quantized(cfg: ClassImagesConfig) -> BasePrecision | None:
@@ -310,6 +339,7 @@ def run(cfg: ClassImagesConfig, base: Path, out_dir: Path, pipe: Any = None, ran
     if mine:
         if pipe is None:  # the text encoded and its encoders released before the denoiser loads
             pipe = load_pipeline(base, device, cfg.precision, quantized(cfg), encode=text_calls(cfg, mine))
+        set_vae_decode(pipe, cfg)  # also on a pipeline passed in
         generate(pipe, cfg, mine, out_dir)
     barrier()
     if rank == 0:

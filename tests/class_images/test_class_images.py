@@ -232,3 +232,32 @@ def test_the_precision_follows_the_train_stage_unless_set() -> None:
         following_train("class_images", cfg(), {"train": {"base_model_precision": "int4"}})
     with pytest.raises(UserError, match=r"class_images: Value error, base_model_precision: 'int4' is not one of"):
         parse_section("class_images", {"base_model_precision": "int4"}, ClassImagesConfig)
+
+
+def test_vae_decode_sliced_keeps_the_images_tiled_makes_its_own(tmp_path: Path, tiny_sd: Path) -> None:
+    """class_images.vae_decode: sliced decoding (auto's at this size) keeps the key and the images;
+    tiled is part of the key; a VAE without the asked mode is refused by name, decoded whole under auto."""
+    from types import SimpleNamespace
+
+    from tasks.class_images.core import load_pipeline, set_vae_decode, vae_decode
+
+    pipe, out = load_pipeline(tiny_sd), tmp_path / "cls"
+    assert run(cfg(vae_decode="full"), tiny_sd, out, pipe=pipe).generated == 3
+    whole = pixels(out / "00001.png")
+    sliced = tmp_path / "sliced"
+    run(cfg(), tiny_sd, sliced, pipe=pipe)  # auto: sliced at 64 px
+    assert pipe.vae.use_slicing and not pipe.vae.use_tiling
+    assert run(cfg(), tiny_sd, out, pipe=pipe).generated == 0  # the key is full's
+    assert "vae_decode" not in json.loads((out / STATE).read_text())
+    diff = np.abs(pixels(sliced / "00001.png") - whole)  # image 1 of a batch of 2, decoded alone
+    assert diff.max() <= 1 and (diff > 0).mean() < 0.01
+
+    tiled = run(cfg(vae_decode="tiled"), tiny_sd, out, pipe=pipe)
+    assert tiled.generated == 3 and pipe.vae.use_tiling
+    assert json.loads((out / STATE).read_text())["vae_decode"] == "tiled"
+
+    assert vae_decode(cfg(resolution=2048)) == "tiled" and vae_decode(cfg(resolution=1024)) == "sliced"
+    no_tiles = SimpleNamespace(vae=object())
+    with pytest.raises(UserError, match=r"vae_decode: tiled: this base's VAE \(object\) has no tiled decoding"):
+        set_vae_decode(no_tiles, cfg(vae_decode="tiled"))
+    set_vae_decode(no_tiles, cfg(resolution=2048))  # auto: decodes whole
