@@ -26,7 +26,8 @@ from pathlib import Path
 from typing import Any
 
 from tasks.common import families
-from tasks.common.memory import PhasePeaks, release_memory
+from tasks.common.errors import UserError
+from tasks.common.memory import PhasePeaks, available_bytes, release_memory
 from tasks.common.openvino_model import StaticShape, folder_size_mb, load_ov_pipeline, write_runtime_config
 from tasks.export import component_check as check
 from tasks.export.config import ExportConfig
@@ -37,6 +38,10 @@ from tasks.export.source import materialize
 log = logging.getLogger(__name__)
 
 VAE_PARTS = ("vae_encoder", "vae_decoder")
+#: One model's phase peaked at about this many times its stored weights (FLUX.2 [klein] 4B,
+#: benchmarks/flux2_klein: Qwen3-4B 7.7 GB -> 21.4 GB, the transformer 7.4 GB -> 21.2 GB)
+PHASE_PER_WEIGHT = 2.9
+_GB = 2 ** 30
 
 
 def groups(index: dict[str, Any], family: type[families.ModelFamily]) -> list[tuple[str, tuple[str, ...]]]:
@@ -47,6 +52,27 @@ def groups(index: dict[str, Any], family: type[families.ModelFamily]) -> list[tu
     out.append((family.denoiser_name, (family.denoiser_name,)))
     out.append(("vae", VAE_PARTS))
     return out
+
+
+def preflight(folder: Path) -> dict[str, float]:
+    """Before anything loads: {group: GB of stored weights}. A group whose weights alone exceed the
+    memory available now is refused (it would page, not fail); one whose measured phase
+    (PHASE_PER_WEIGHT times its weights) exceeds it is warned about."""
+    index = families.read_index(folder)
+    weights = {real: sum(p.stat().st_size for p in (folder / real).rglob("*") if p.suffix in (".safetensors", ".bin"))
+               for real, _ in groups(index, families.from_index(index))}
+    largest = max(weights, key=weights.get)
+    need, available = weights[largest], available_bytes()
+    if available is not None and need > available:
+        raise UserError(
+            f"export.components: one_at_a_time: {largest} holds {need / _GB:.1f} GB of weights in its stored dtype, "
+            f"more than the {available / _GB:.1f} GB of memory available; converting it takes about "
+            f"{PHASE_PER_WEIGHT * need / _GB:.0f} GB (its weights, the traced model and the checked copy): export "
+            "on a machine with that much memory (nothing was loaded or written)")
+    if available is not None and PHASE_PER_WEIGHT * need > available:
+        log.warning("export: %s (%.1f GB of weights) may take about %.0f GB to convert; %.1f GB is available",
+                    largest, need / _GB, PHASE_PER_WEIGHT * need / _GB, available / _GB)
+    return {real: round(size / _GB, 2) for real, size in weights.items()}
 
 
 def _model_class(spec: list[str]) -> type | None:
@@ -234,6 +260,8 @@ def export_components(src: Path, dst: Path, cfg: ExportConfig, base: Path | None
     src, dst = Path(src), Path(dst)
     wanted = StaticShape(cfg.batch_size, cfg.height, cfg.width, cfg.num_images_per_prompt)
     peaks = PhasePeaks()
+    pipeline = next((f for f in (src, base) if f is not None and (Path(f) / "model_index.json").is_file()), None)
+    weights_gb = preflight(Path(pipeline)) if pipeline is not None else {}  # none: materialize() says what to pass
     with tempfile.TemporaryDirectory(prefix="export-components-") as work:
         streamed = streamed_source(src, base, Path(work))
         source, source_info = streamed or materialize(src, base, Path(work), cfg.placeholder_token)
@@ -249,7 +277,7 @@ def export_components(src: Path, dst: Path, cfg: ExportConfig, base: Path | None
             "size_mb": {"source": folder_size_mb(source)},
             "parity": {"enabled": cfg.parity.enabled, "passed": not failed, "failed_components": failed,
                        "component_max_rel": cfg.parity.component_max_rel, "components": parts},
-            "memory_peak_mb": dict(peaks.peaks),
+            "memory_peak_mb": dict(peaks.peaks), "weights_gb": weights_gb,
         }
         if cfg.compression.mode != "none":
             report["compression"] = {"mode": cfg.compression.mode, "per_component": True}

@@ -208,3 +208,24 @@ def test_int4_compresses_an_ir_in_place(sd_components, tmp_path):
     kinds = {op.get_output_element_type(0).get_type_name() for op in model.get_ops()
              if op.get_type_name() == "Constant"}
     assert {"u4", "u8"} <= kinds or {"i4", "i8"} <= kinds  # 4-bit groups and the 8-bit backup
+
+
+def test_a_model_over_the_available_memory_is_refused_before_anything_loads(tmp_path_factory, tmp_path, monkeypatch):
+    """Its stored weights alone exceed the memory available: refused naming the model, its size and
+    what converting it takes, before any model loads; the report of an export that fits has each
+    group's weights."""
+    from tasks.common.errors import UserError
+    from tasks.export import components
+    from tasks.export.config import ExportConfig
+
+    src = tiny_pipeline(tmp_path_factory, "builtin:tiny-sd")
+    weights = components.preflight(src)
+    assert set(weights) == {"text_encoder", "unet", "vae"} and all(v >= 0 for v in weights.values())
+    unet = sum(p.stat().st_size for p in (src / "unet").rglob("*.safetensors"))
+    monkeypatch.setattr(components, "available_bytes", lambda: unet - 1)
+    monkeypatch.setattr(components, "load_for", lambda *a: pytest.fail("a model was loaded"))
+    out = tmp_path / "openvino"
+    with pytest.raises(UserError, match=r"one_at_a_time: unet holds 0\.0 GB of weights .* more than the 0\.0 GB "
+                                        r"of memory available; converting it takes about"):
+        components.export_components(src, out, ExportConfig(**ONE))
+    assert not out.exists()
