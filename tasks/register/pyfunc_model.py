@@ -156,7 +156,10 @@ class DiffusionImageModel(mlflow.pyfunc.PythonModel):
         elif path and _want_openvino():
             from optimum.intel import OVDiffusionPipeline
 
-            pipe, backend = OVDiffusionPipeline.from_pretrained(path, ov_config=_runtime_config(path)), "openvino"
+            # the shapes it was saved with: optimum-intel's default (dynamic) would undo a static export's
+            # shape and serve the denoiser's default size (1024 px for FLUX.2 [klein], not the 256 exported)
+            pipe = OVDiffusionPipeline.from_pretrained(path, ov_config=_runtime_config(path), dynamic_shapes=False)
+            backend = "openvino"
         else:
             path = artifacts["finetuned"]
             pipe, backend = _diffusers_pipeline(artifacts), "diffusers"

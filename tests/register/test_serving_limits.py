@@ -176,3 +176,13 @@ def test_the_register_params_defaults_are_the_models() -> None:
     cfg = RegisterConfig(model_name="m")
     assert {"budget_images": cfg.serve_budget_images, "max_waiting": cfg.serve_max_waiting,
             "adapter_cache_mb": cfg.serve_adapter_cache_mb} == SERVING_DEFAULTS
+
+
+def test_a_static_export_is_served_at_its_shape(tiny_models) -> None:
+    """The pyfunc keeps the export's static shape (optimum-intel's default load would make it dynamic
+    and serve the denoiser's default size instead)."""
+    model = DiffusionImageModel()
+    model.load_context(SimpleNamespace(artifacts={"openvino": str(tiny_models / "openvino"),
+                                                  "finetuned": str(tiny_models / "finetuned")}, model_config=None))
+    assert model.backend == "openvino"
+    assert model.size == model_size(model.pipe)[0] and model_size(model.pipe)[1], "static"
