@@ -85,7 +85,14 @@ def rescore(workdir: Path, model_uri: str, env: Mapping[str, str]) -> dict[str, 
         if "finetuned" not in artifacts:
             raise UserError(f"{model_uri} has no fine-tuned model to re-score (artifacts/finetuned)")
         reference = local / "artifacts" / base_reference.ARTIFACT
-        if reference.is_dir() and (found := base_reference.local_folder(reference)):  # a big base, not copied
+        if reference.is_dir():  # a big base, registered by reference: its own folder, never the workspace's
+            try:
+                found = base_reference.local_folder(reference)
+            except ValueError as err:
+                raise UserError(f"re-scoring {model_uri}: {err}") from None
+            if found is None:
+                raise UserError(f"re-scoring {model_uri}: its base is registered by reference and not on this "
+                                f"machine: set {base_reference.BASE_DIR_ENV} to a copy of it")
             artifacts["base"] = Path(found)
         adapter = local / "artifacts" / ADAPTER_ARTIFACT
         if adapter.is_dir() and "openvino" not in artifacts:  # run-time adapters: the export is rebuilt

@@ -171,7 +171,7 @@ def _stage_figures(stage: str, work: Path) -> dict:
     if stage == "evaluate":
         return {"memory": data.get("memory"), "metrics": data.get("metrics"),
                 "base_cache": (data.get("generation") or {}).get("base_cache")}
-    out = work / f"{stage}.log.out"
+    out = work / f"{stage}.out"  # measured() writes the stage's stdout there
     lines = out.read_text().strip().splitlines() if out.is_file() else []
     try:
         return json.loads(lines[-1]) if stage in ("predict", "serve") and lines else {}

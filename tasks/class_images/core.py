@@ -78,11 +78,14 @@ def set_vae_decode(pipe: Any, cfg: ClassImagesConfig) -> None:
     """Turn the pipeline's VAE to sliced or tiled decoding (diffusers' AutoencoderMixin); a VAE without
     it decodes whole under auto, and is refused when the mode was asked for by name."""
     mode, vae = vae_decode(cfg), getattr(pipe, "vae", None)
-    if mode == "full" or vae is None:
+    if vae is None:
         return
-    try:
-        getattr(vae, "enable_tiling" if mode == "tiled" else "enable_slicing")()
+    try:  # every flag set, so a pipeline passed in again decodes as this run asks
+        (vae.enable_slicing if mode != "full" else vae.disable_slicing)()
+        (vae.enable_tiling if mode == "tiled" else vae.disable_tiling)()
     except (AttributeError, NotImplementedError):
+        if mode == "full":
+            return
         if cfg.vae_decode != "auto":
             raise UserError(f"class_images.vae_decode: {mode}: this base's VAE ({type(vae).__name__}) has no {mode} "
                             "decoding; set vae_decode: full or auto") from None

@@ -104,18 +104,6 @@ def _status_mb(field: str) -> float | None:
     return None
 
 
-def available_bytes() -> int | None:
-    """The memory the system can give without swapping (MemAvailable), or None where there is no /proc."""
-    try:
-        with open("/proc/meminfo", encoding="ascii") as fh:
-            for line in fh:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
-
-
 def _statm_rss_mb() -> float:
     with open("/proc/self/statm", encoding="ascii") as fh:
         return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 1024 ** 2

@@ -27,7 +27,7 @@ from typing import Any
 
 from tasks.common import families
 from tasks.common.errors import UserError
-from tasks.common.memory import PhasePeaks, available_bytes, release_memory
+from tasks.common.memory import PhasePeaks, release_memory
 from tasks.common.openvino_model import StaticShape, folder_size_mb, load_ov_pipeline, write_runtime_config
 from tasks.export import component_check as check
 from tasks.export.config import ExportConfig
@@ -52,6 +52,18 @@ def groups(index: dict[str, Any], family: type[families.ModelFamily]) -> list[tu
     out.append((family.denoiser_name, (family.denoiser_name,)))
     out.append(("vae", VAE_PARTS))
     return out
+
+
+def available_bytes() -> int | None:
+    """The memory the system can give without swapping (MemAvailable), or None where there is no /proc."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
 
 
 def preflight(folder: Path) -> dict[str, float]:

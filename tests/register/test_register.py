@@ -78,7 +78,7 @@ def test_cli_registers_version_with_lineage_and_both_aliases(registered: Path) -
     location = mlflow.get_logged_model(output.model_id).artifact_location
     code = {Path(f.path).name for f in mlflow.artifacts.list_artifacts(artifact_uri=f"{location}/code")}
     assert code == {"serving_limits.py", "serving_images.py", "genai_serving.py", "adapter_cache.py",
-                    "pipeline_call.py"}  # its imports
+                    "pipeline_call.py", "base_reference.py"}  # its imports
     # What was registered is what loads (tasks/register/manifest.py): every stored file's SHA-256, in
     # the run, its digest a param; lineage.json's digest a param after its last write.
     registered = manifest.expected(client, mv.run_id, mv.source, "sd-test v1")

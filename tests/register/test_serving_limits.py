@@ -3,6 +3,8 @@ deadline that stops a generation, on a stand-in pipeline (no model, seconds in a
 limits against the real `mlflow models serve`: test_model_serving.py."""
 from __future__ import annotations
 
+import base64
+import io
 import threading
 import time
 from types import SimpleNamespace
@@ -185,4 +187,7 @@ def test_a_static_export_is_served_at_its_shape(tiny_models) -> None:
     model.load_context(SimpleNamespace(artifacts={"openvino": str(tiny_models / "openvino"),
                                                   "finetuned": str(tiny_models / "finetuned")}, model_config=None))
     assert model.backend == "openvino"
-    assert model.size == model_size(model.pipe)[0] and model_size(model.pipe)[1], "static"
+    assert model.size == (64, 64) == model_size(model.pipe)[0] and model_size(model.pipe)[1]  # the export's
+    for guidance in (7.5, 1.0):  # with and without the guidance branch in the denoiser's batch
+        out = model.predict(None, ["a"], params={"num_inference_steps": 2, "guidance_scale": guidance})
+        assert Image.open(io.BytesIO(base64.b64decode(out["image"][0]))).size == (64, 64)
