@@ -156,15 +156,7 @@ class DiffusionImageModel(mlflow.pyfunc.PythonModel):
         elif path and _want_openvino():
             from optimum.intel import OVDiffusionPipeline
 
-            # the size it was saved with: optimum-intel's default (dynamic) would undo a static export's
-            # shape and serve the denoiser's default size (1024 px for FLUX.2 [klein], not the 256 exported);
-            # the batch left free, which a request without guidance (half the denoiser's batch) needs
-            pipe = OVDiffusionPipeline.from_pretrained(path, ov_config=_runtime_config(path), dynamic_shapes=False,
-                                                       compile=False)
-            if pipe.height > 0 and pipe.width > 0:
-                pipe.reshape(batch_size=-1, height=pipe.height, width=pipe.width, num_images_per_prompt=-1)
-            pipe.compile()
-            backend = "openvino"
+            pipe, backend = OVDiffusionPipeline.from_pretrained(path, ov_config=_runtime_config(path)), "openvino"
         else:
             path = artifacts["finetuned"]
             pipe, backend = _diffusers_pipeline(artifacts), "diffusers"

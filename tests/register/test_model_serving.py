@@ -32,8 +32,11 @@ BAD_REQUESTS = [
     ({"inputs": [""]}, "inputs[0]: '' is not a prompt; allowed: a non-empty string"),
     ({"inputs": []}, "missing inputs"),  # MLflow's schema check
     ({"prompts": ["a"]}, "inputs"),  # no inputs key at all
-    # No request is over the budget here: the static 64 px export makes 64 px whatever is asked, and 16 images x
-    # 100 steps is its 80-image budget; the budget's refusal: test_serving_limits.py.
+    ({"inputs": ["a"] * 4, "params": {"num_images_per_prompt": 4, "num_inference_steps": 100, "height": 1024,
+                                      "width": 1024}},  # within every field's range, far over the budget
+     "request cost 4 prompts x num_images_per_prompt 4 x num_inference_steps 100 x height 1024 x width 1024 = "
+     "1677721600 pixel-steps (2.05e+04 default images) is over this model's budget of 6553600 (80 images of "
+     "64x64 px at 20 steps"),
     ({"inputs": ["x" * 2**20]}, "inputs[0]: 1048576 characters; allowed: at most 1000"),  # read whole, then refused
 ]
 #: The served process's limits (MLflow's override of a logged model_config key, in the environment).

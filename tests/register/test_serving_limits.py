@@ -3,8 +3,6 @@ deadline that stops a generation, on a stand-in pipeline (no model, seconds in a
 limits against the real `mlflow models serve`: test_model_serving.py."""
 from __future__ import annotations
 
-import base64
-import io
 import threading
 import time
 from types import SimpleNamespace
@@ -178,16 +176,3 @@ def test_the_register_params_defaults_are_the_models() -> None:
     cfg = RegisterConfig(model_name="m")
     assert {"budget_images": cfg.serve_budget_images, "max_waiting": cfg.serve_max_waiting,
             "adapter_cache_mb": cfg.serve_adapter_cache_mb} == SERVING_DEFAULTS
-
-
-def test_a_static_export_is_served_at_its_shape(tiny_models) -> None:
-    """The pyfunc keeps the export's static shape (optimum-intel's default load would make it dynamic
-    and serve the denoiser's default size instead)."""
-    model = DiffusionImageModel()
-    model.load_context(SimpleNamespace(artifacts={"openvino": str(tiny_models / "openvino"),
-                                                  "finetuned": str(tiny_models / "finetuned")}, model_config=None))
-    assert model.backend == "openvino"
-    assert model.size == (64, 64) == model_size(model.pipe)[0] and model_size(model.pipe)[1]  # the export's
-    for guidance in (7.5, 1.0):  # with and without the guidance branch in the denoiser's batch
-        out = model.predict(None, ["a"], params={"num_inference_steps": 2, "guidance_scale": guidance})
-        assert Image.open(io.BytesIO(base64.b64decode(out["image"][0]))).size == (64, 64)
