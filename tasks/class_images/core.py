@@ -81,10 +81,10 @@ def set_vae_decode(pipe: Any, cfg: ClassImagesConfig) -> None:
     if vae is None:
         return
     try:  # every flag set, so a pipeline passed in again decodes as this run asks
-        (vae.enable_slicing if mode != "full" else vae.disable_slicing)()
+        (vae.enable_slicing if mode in ("sliced", "tiled") else vae.disable_slicing)()
         (vae.enable_tiling if mode == "tiled" else vae.disable_tiling)()
     except (AttributeError, NotImplementedError):
-        if mode == "full":
+        if mode not in ("sliced", "tiled"):
             return
         if cfg.vae_decode != "auto":
             raise UserError(f"class_images.vae_decode: {mode}: this base's VAE ({type(vae).__name__}) has no {mode} "
