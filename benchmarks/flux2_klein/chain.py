@@ -13,8 +13,8 @@ gradient checkpointing, bf16, 128 Qwen3 tokens, 256 px, 3 steps, `fuse_lora: fal
 per-model parity gate (the whole-pipeline image check, which runs PyTorch in fp32, off); evaluate on
 one prompt, one image, 4 steps, on the int8 base train used. Then the registration (the 15 GB base by
 reference: register.base_copy_max_gb), the registered version's pyfunc loaded through its models:/
-URI predicting one image (`predict`), and `mlflow models serve` answering one request (`serve`, as
-`make serve-model` starts it; serve_once.py). DVC's cache links
+URI predicting one image (`predict`), and `mlflow models serve` answering one request (`serve`,
+serve_once.py, one worker). DVC's cache links
 its files (`cache.type: hardlink`), as a team with 16 GB models sets it. Each stage runs as
 `dvc repro -s <stage>` in a process of its own, so its peak RSS is its own (the largest process of
 the stage, DVC's hashing included in the wall time). The chain stops at the first stage that fails,
