@@ -4,7 +4,8 @@ Logged as "models from code" (MLflow copies this file into the model), so it mus
 it imports nothing from this repository. Its two artifacts are the fine-tuned diffusers pipeline
 (`finetuned`) and its OpenVINO export (`openvino`). It runs the OpenVINO export when optimum-intel
 imports (fast on CPU), compiled at the precision the export stage validated it at (its
-`openvino_runtime.json`), and the diffusers pipeline otherwise; `FINETUNE_PYFUNC_BACKEND=openvino|
+`openvino_runtime.json`) with dynamic shapes and the size it was exported at as the default
+height and width, and the diffusers pipeline otherwise; `FINETUNE_PYFUNC_BACKEND=openvino|
 diffusers` forces one.
 
 Input: a list of prompts, or a DataFrame with a `prompt` column. Params (all optional): `seed`,
@@ -104,6 +105,22 @@ def _runtime_config(path: str) -> dict[str, str]:
         return dict(json.load(fh)["ov_config"])
 
 
+def _openvino_pipeline(path: str) -> tuple[Any, tuple[int, int] | None]:
+    """(the export with dynamic shapes, the (height, width) it was exported at; None if dynamic).
+
+    Served dynamic, so an edit is made at its input image's size; the exported size is the default,
+    which optimum-intel's dynamic load forgets (a 256 px FLUX.2 export would make 1024 px images,
+    the denoiser's sample size, at 16x the cost). Read from the saved shapes, then made dynamic."""
+    from optimum.intel import OVDiffusionPipeline
+
+    pipe = OVDiffusionPipeline.from_pretrained(path, ov_config=_runtime_config(path), dynamic_shapes=False,
+                                               compile=False)
+    height, width = pipe.height, pipe.width
+    pipe.reshape(batch_size=-1, height=-1, width=-1, num_images_per_prompt=-1)
+    pipe.compile()
+    return pipe, ((height, width) if height > 0 and width > 0 else None)
+
+
 def _genai_serving() -> Any:
     """genai_serving.py: logged beside this file as the model's code, or the repository's."""
     try:
@@ -154,20 +171,20 @@ class DiffusionImageModel(mlflow.pyfunc.PythonModel):
             cache_mb = limits.serving_config(model_config)["adapter_cache_mb"]
             pipe, backend = _genai_serving().AdapterServer(path, _runtime_config(path), cache_mb, own=own), "genai"
         elif path and _want_openvino():
-            from optimum.intel import OVDiffusionPipeline
-
-            pipe, backend = OVDiffusionPipeline.from_pretrained(path, ov_config=_runtime_config(path)), "openvino"
+            (pipe, exported), backend = _openvino_pipeline(path), "openvino"
         else:
             path = artifacts["finetuned"]
             pipe, backend = _diffusers_pipeline(artifacts), "diffusers"
-        self.serve(pipe, backend, model_config)
+        self.serve(pipe, backend, model_config, exported if backend == "openvino" else None)
         log.info("loaded the %s pipeline from %s; a request may cost %s pixel-steps (%g images of %dx%d px "
                  "at %d steps), %d may wait, timeout %s s", backend, path, self.budget.pixel_steps,
                  self.budget.images, self.budget.height, self.budget.width, self.budget.steps,
                  self.turns.max_waiting, self.timeout_s)
 
-    def serve(self, pipe: Any, backend: str, model_config: dict[str, Any] | None) -> None:
-        """Serve `pipe` with the limits of `model_config` (SERVING_DEFAULTS where it says nothing)."""
+    def serve(self, pipe: Any, backend: str, model_config: dict[str, Any] | None,
+              default_size: tuple[int, int] | None = None) -> None:
+        """Serve `pipe` with the limits of `model_config` (SERVING_DEFAULTS where it says nothing);
+        `default_size`: the (height, width) a request that asks for none gets (an export's own size)."""
         config = limits.serving_config(model_config)
         # the family's call convention (ModelFamily.call_convention), recorded at registration
         self.convention = dict((model_config or {}).get("pipeline_call") or {})
@@ -175,6 +192,8 @@ class DiffusionImageModel(mlflow.pyfunc.PythonModel):
         self.pipe, self.backend = pipe, backend
         self.pipe.set_progress_bar_config(disable=True)
         (height, width), static = model_size(pipe, self.convention)
+        self.default_size = default_size if default_size and not static else None
+        height, width = self.default_size or (height, width)
         self.budget = limits.Budget(config["budget_images"], height, width)
         self.size = (height, width) if static else None  # a static export makes this size only
         # `mlflow models serve` runs each request in a thread of its worker: a pipeline (its
@@ -191,6 +210,9 @@ class DiffusionImageModel(mlflow.pyfunc.PythonModel):
         multiple = int(getattr(self.pipe, "vae_scale_factor", 8))
         prompts, settings = limits.check_request(model_input, params, multiple, self.budget, self.size,
                                                  self.input_images)
+        if self.default_size and not settings["image"]:  # an edit without a size: its input image's
+            settings["height"] = settings["height"] or self.default_size[0]
+            settings["width"] = settings["width"] or self.default_size[1]
         spec = self._adapter_spec(settings.pop(limits.ADAPTER_PARAM), settings)
         seed, per_prompt = settings["seed"], settings["num_images_per_prompt"]
         rows: list[dict[str, Any]] = []

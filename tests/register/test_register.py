@@ -192,6 +192,28 @@ def test_diffusers_fallback_takes_a_dataframe(registered: Path, monkeypatch: pyt
     assert Image.open(io.BytesIO(base64.b64decode(out["image"][0]))).size == (64, 64)
 
 
+def test_an_export_serves_dynamic_at_its_exported_size_by_default(tiny_models: Path, tmp_path: Path) -> None:
+    """The pyfunc makes a request with no size at the size the export was fixed to (not the
+    denoiser's sample size, which optimum-intel's dynamic load would use: 1024 px for a FLUX.2 export
+    made at 256), and still makes any size asked for (an edit at its input image's size)."""
+    from optimum.intel import OVStableDiffusionPipeline
+
+    from tasks.register.pyfunc_model import DiffusionImageModel, _openvino_pipeline, model_size
+
+    ov = OVStableDiffusionPipeline.from_pretrained(tiny_models / "openvino", compile=False, dynamic_shapes=False)
+    ov.reshape(batch_size=1, height=32, width=48, num_images_per_prompt=1)
+    ov.save_pretrained(tmp_path / "openvino")
+    pipe, exported = _openvino_pipeline(str(tmp_path / "openvino"))
+    assert exported == (32, 48) and pipe.height == -1  # dynamic, the saved size remembered
+    assert model_size(pipe) == ((64, 64), False)  # what the pipeline alone would make
+    model = DiffusionImageModel()
+    model.serve(pipe, "openvino", None, exported)
+    assert (model.budget.height, model.budget.width, model.size) == (32, 48, None)
+    sizes = [Image.open(io.BytesIO(base64.b64decode(model.predict(None, ["a photo of sks toy"], params)["image"][0])))
+             .size for params in ({"num_inference_steps": 1}, {"num_inference_steps": 1, "height": 64, "width": 64})]
+    assert sizes == [(48, 32), (64, 64)]
+
+
 def test_missing_inputs_fail_before_mlflow(project: Path) -> None:
     (project / "dvc.lock").unlink()
     proc = _cli(project)
