@@ -63,6 +63,8 @@ def evaluate_command(workdir: Path, artifacts: Mapping[str, Path], out: Path) ->
     argv = shlex.split(str(stages["evaluate"]["cmd"]))
     if argv[:1] == ["python"]:
         argv[0] = sys.executable
+    if "openvino" not in artifacts and "--export" in argv:  # registered without an export (export.enabled)
+        del argv[argv.index("--export"):argv.index("--export") + 2]
     for i, arg in enumerate(argv[:-1]):
         if _INPUT_ARGS.get(arg) in artifacts:
             argv[i + 1] = str(artifacts[_INPUT_ARGS[arg]])

@@ -33,6 +33,24 @@ RUNTIME_FILE = "openvino_runtime.json"
 
 PRECISIONS = ("f32", "bf16", "f16", "auto")
 
+#: What the export stage writes in place of an export when `export.enabled` is false (a model too big
+#: to convert on the machine): evaluate then scores the PyTorch fine-tune alone, and the registered
+#: version serves it with diffusers.
+SKIPPED_FILE = "export_skipped.json"
+
+
+def write_skipped(path: Path, reason: str) -> None:
+    """Record in the export folder that no export was made, and why."""
+    (Path(path) / SKIPPED_FILE).write_text(json.dumps({"skipped": True, "reason": reason}, indent=2) + "\n")
+
+
+def export_or_none(path: Path | None) -> Path | None:
+    """`path`, or None where the export stage skipped the export (its SKIPPED_FILE, no model)."""
+    if path is not None and (Path(path) / SKIPPED_FILE).is_file() and not is_openvino_folder(path):
+        log.info("%s holds no export (export.enabled: false): the PyTorch fine-tune alone is used", path)
+        return None
+    return path
+
 
 def precision_config(precision: str) -> dict[str, str]:
     """ov_config for an `export.inference_precision` value ('auto': OpenVINO's own choice)."""

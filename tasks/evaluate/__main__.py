@@ -29,6 +29,7 @@ from tasks.common.config import load_config, read_params
 from tasks.common.confine import confine
 from tasks.common.errors import main_guard
 from tasks.common.images import make_grid
+from tasks.common.openvino_model import export_or_none
 from tasks.common.outputs import atomic_dir, check_replaceable, write_json
 from tasks.common.quantize import following_train
 from tasks.common.tracking import stage_run
@@ -129,7 +130,7 @@ def main() -> None:
     check_replaceable(args.out)  # before minutes of generation, not after
     with stage_run("evaluate", params=cfg.model_dump()) as run:
         result = evaluate(args.model, args.base, args.instance_data, cfg,
-                          heldout=args.heldout_data, export=args.export)
+                          heldout=args.heldout_data, export=export_or_none(args.export))
         with atomic_dir(args.out) as tmp:
             written = write_plots(result, tmp, cfg.images_per_prompt)
             run.log_artifact(tmp, "evaluate")

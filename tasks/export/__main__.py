@@ -15,6 +15,7 @@ from pathlib import Path
 from tasks.common.config import load_config
 from tasks.common.confine import confine
 from tasks.common.errors import UserError, main_guard
+from tasks.common.openvino_model import SKIPPED_FILE, write_skipped
 from tasks.common.outputs import atomic_dir, write_json
 from tasks.common.tracking import stage_run
 from tasks.export.components import export_components
@@ -23,6 +24,19 @@ from tasks.export.core import export, numeric_metrics
 from tasks.export.runtime import export_runtime
 
 log = logging.getLogger("tasks.export")
+
+
+def skip(out: Path, report_path: Path, cfg: ExportConfig) -> None:
+    """export.enabled: false: the folder holds only the note, the report says why; nothing loads."""
+    reason = "export.enabled: false"
+    with stage_run("export", params=cfg.model_dump()) as run, atomic_dir(out) as tmp:
+        write_skipped(tmp, reason)
+        report = {"skipped": True, "reason": reason, "output": str(out)}
+        write_json(report_path, report)
+        run.log_dict(report, "export.json")
+        run.set_tags({"export.skipped": "true"})
+    log.warning("no OpenVINO export (%s): %s holds only %s; evaluate scores the PyTorch fine-tune alone",
+                reason, out, SKIPPED_FILE)
 
 
 @main_guard
@@ -39,6 +53,9 @@ def main() -> None:
     parser.add_argument("--params", type=Path, default=Path("params.yaml"))
     args = parser.parse_args()
     cfg = load_config("export", ExportConfig, args.params)
+    if not cfg.enabled:
+        skip(args.out, args.report, cfg)
+        return
     with stage_run("export", params=cfg.model_dump()) as run, atomic_dir(args.out) as tmp:
         if cfg.adapters == "runtime":
             report = export_runtime(args.model, tmp, cfg, base=args.base)

@@ -80,7 +80,8 @@ def preflight(folder: Path) -> dict[str, float]:
             f"export.components: one_at_a_time: {largest} holds {need / _GB:.1f} GB of weights in its stored dtype, "
             f"more than the {available / _GB:.1f} GB of memory available; converting it takes about "
             f"{PHASE_PER_WEIGHT * need / _GB:.0f} GB (its weights, the traced model and the checked copy): export "
-            "on a machine with that much memory (nothing was loaded or written)")
+            "on a machine with that much memory, or set export.enabled: false to evaluate and register the "
+            "PyTorch fine-tune without an export (nothing was loaded or written)")
     if available is not None and PHASE_PER_WEIGHT * need > available:
         log.warning("export: %s (%.1f GB of weights) may take about %.0f GB to convert; %.1f GB is available",
                     largest, need / _GB, PHASE_PER_WEIGHT * need / _GB, available / _GB)

@@ -64,6 +64,12 @@ class CompressionConfig(StageConfig):
 class ExportConfig(StageConfig):
     """`export` section: the static shape of the OpenVINO pipeline, and the parity check."""
 
+    enabled: bool = Field(
+        True,
+        description="false: no OpenVINO export, only a note in its folder (export_skipped.json), for a model "
+        "too big to convert on this machine; evaluate then scores the PyTorch fine-tune alone and the "
+        "registered version serves it with diffusers",
+    )
     batch_size: int = Field(1, ge=1, le=64, description="prompts per pipeline call")
     height: int = Field(
         64, ge=8, le=4096, multiple_of=8, description="image height in pixels, fixed in the export"

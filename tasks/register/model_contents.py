@@ -14,6 +14,7 @@ from tasks.common import families
 from tasks.common.adapters import PEFT_DIR
 from tasks.common.errors import UserError
 from tasks.common.genai import BASE_DIR, is_runtime_export
+from tasks.common.openvino_model import export_or_none
 
 #: What the train stage writes for `train.method: lora` (tasks/train/methods/lora.py); without
 #: `fuse_lora` the folder holds only this file (LoKr and LoHa: peft's folders under PEFT_DIR),
@@ -53,8 +54,10 @@ def model_artifacts(finetuned: Path, openvino: Path, base: Path | None) -> dict[
                             f"made from (--finetuned holding {LORA_WEIGHTS}) and --base models/base")
         families.read_index(base, "run `dvc repro base` first")
         return {"finetuned": str(finetuned)}  # the base pipeline is the base export version's
-    families.read_index(openvino, "run the pipeline first (`dvc repro`)")
-    artifacts = {"finetuned": str(finetuned), "openvino": str(openvino)}
+    exported = export_or_none(openvino)  # None: export.enabled false, served by diffusers
+    if exported is not None:
+        families.read_index(exported, "run the pipeline first (`dvc repro`)")
+    artifacts = {"finetuned": str(finetuned), **({"openvino": str(exported)} if exported else {})}
     if (Path(finetuned) / "model_index.json").is_file():  # a full pipeline (LoRA weights beside it: fused)
         return artifacts
     if not ((Path(finetuned) / LORA_WEIGHTS).is_file() or (Path(finetuned) / PEFT_DIR).is_dir()):

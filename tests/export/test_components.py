@@ -227,6 +227,30 @@ def test_a_model_over_the_available_memory_is_refused_before_anything_loads(tmp_
     monkeypatch.setattr(components, "load_for", lambda *a: pytest.fail("a model was loaded"))
     out = tmp_path / "openvino"
     with pytest.raises(UserError, match=rf"one_at_a_time: {largest} holds 0\.0 GB of weights .* more than the 0\.0 GB "
-                                        r"of memory available; converting it takes about"):
+                                        r"of memory available; converting it takes about") as info:
         components.export_components(src, out, ExportConfig(**ONE))
+    assert "or set export.enabled: false to evaluate and register the PyTorch fine-tune" in str(info.value)
     assert not out.exists()
+
+
+def test_a_skipped_export_writes_only_its_note_and_nothing_downstream_reads_it_as_an_export(tmp_path, monkeypatch):
+    """export.enabled: false: the folder holds the note, the report says why, no model loads; evaluate
+    and registration then see no export (export_or_none), and the preflight's refusal names the setting."""
+    import json
+
+    from tasks.common.openvino_model import SKIPPED_FILE, export_or_none
+    from tasks.common.outputs import OUTPUT_MARKER
+    from tasks.export.__main__ import skip
+    from tasks.export.config import ExportConfig
+    from tasks.register.model_contents import model_artifacts
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
+    out, report = tmp_path / "models/openvino", tmp_path / "reports/export.json"
+    skip(out, report, ExportConfig(enabled=False))
+    assert sorted(p.name for p in out.iterdir()) == [OUTPUT_MARKER, SKIPPED_FILE]  # the stage's own folder
+    assert json.loads(report.read_text()) == {"skipped": True, "reason": "export.enabled: false", "output": str(out)}
+    assert export_or_none(out) is None and export_or_none(tmp_path) == tmp_path and export_or_none(None) is None
+    finetuned = tmp_path / "finetuned"
+    finetuned.mkdir()
+    (finetuned / "model_index.json").write_text("{}")
+    assert model_artifacts(finetuned, out, None) == {"finetuned": str(finetuned)}

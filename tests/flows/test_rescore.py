@@ -40,3 +40,5 @@ def test_the_rescore_runs_dvc_yamls_evaluate_command_on_the_champion(tmp_path: P
     argv = evaluate_command(REPO, {"finetuned": Path("/m/finetuned"), "base": Path("/m/base")},
                             tmp_path)
     assert dict(zip(argv[3::2], argv[4::2]))["--base"] == "/m/base"
+    # registered without an export (export.enabled: false): scored without one, never the workspace's
+    assert "--export" not in argv and "models/openvino" not in argv

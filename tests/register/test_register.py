@@ -214,6 +214,26 @@ def test_an_export_serves_dynamic_at_its_exported_size_by_default(tiny_models: P
     assert sizes == [(48, 32), (64, 64)]
 
 
+def test_a_version_without_an_export_serves_the_pytorch_fine_tune(project: Path) -> None:
+    """export.enabled: false (a model too big to convert on the machine): the stage's folder holds only
+    its note; the version is registered without an openvino artifact and served by diffusers."""
+    import shutil
+
+    from tasks.common.openvino_model import write_skipped
+
+    shutil.rmtree(project / "models/openvino")
+    (project / "models/openvino").mkdir()
+    write_skipped(project / "models/openvino", "export.enabled: false")
+    proc = _cli(project)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    version = mlflow.MlflowClient().get_model_version_by_alias("sd-test", "candidate")
+    assert mlflow.artifacts.load_dict(version.tags["lineage"])["model"]["artifacts"] == ["finetuned"]
+    model = mlflow.pyfunc.load_model("models:/sd-test@candidate")
+    assert model.unwrap_python_model().backend == "diffusers"
+    out = model.predict(["a photo of sks toy"], params={"num_inference_steps": 1})
+    assert Image.open(io.BytesIO(base64.b64decode(out["image"][0]))).size == (64, 64)
+
+
 def test_missing_inputs_fail_before_mlflow(project: Path) -> None:
     (project / "dvc.lock").unlink()
     proc = _cli(project)
