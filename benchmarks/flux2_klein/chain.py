@@ -23,7 +23,9 @@ and records how. A stage that needs more memory than the machine has is stopped 
 the machine with it): return code -9, with its process tree's resident size sampled until then.
 `--stages` runs only the stages named (in the chain's order; a stage needs the ones before it), and
 `--set section.key=value` (value read as YAML) changes a params.yaml key after the chain's own; both
-are recorded in the results.
+are recorded in the results. `--resume` goes on in an earlier run's clone: HEAD's code is pulled into it,
+its outputs stay, and the new rows join the earlier ones of `--results` (each row names its commit).
+FLUX.1-dev runs the same chain with `--base .cache/bench/flux1-dev` (benchmarks/flux_dev/README.md).
 """
 from __future__ import annotations
 
@@ -88,6 +90,18 @@ def prepare(base: Path, work: Path, overrides: dict[str, dict[str, object]] | No
     subprocess.run(["git", "clone", "--quiet", str(ROOT), str(work)], check=True)
     subprocess.run([sys.executable, "data/demo/generate.py", "--out", "data/demo/subject"], cwd=work, check=True)
     subprocess.run(["dvc", "config", "cache.type", "hardlink"], cwd=work, check=True)
+    write_params(base, work, overrides)
+
+
+def resume(base: Path, work: Path, overrides: dict[str, dict[str, object]] | None = None) -> None:
+    """`work`'s clone brought to HEAD's code (its outputs and dvc.lock kept), the params written again."""
+    subprocess.run(["git", "checkout", "--quiet", "--", "params.yaml"], cwd=work, check=True)
+    subprocess.run(["git", "pull", "--quiet", "--ff-only"], cwd=work, check=True)
+    write_params(base, work, overrides)
+
+
+def write_params(base: Path, work: Path, overrides: dict[str, dict[str, object]] | None) -> None:
+    """params.yaml of `work`: the chain's PARAMS, then `overrides`."""
     params = yaml.safe_load((work / "params.yaml").read_text())
     params["base"]["model"] = str(base)
     for section, keys in [*PARAMS.items(), *(overrides or {}).items()]:
@@ -197,6 +211,9 @@ def main() -> None:
     parser.add_argument("--floor-gb", type=float, default=0.8, help="stop a stage when less memory is available")
     parser.add_argument("--stages", nargs="+", choices=[*STAGES, *AFTER], default=[*STAGES, *AFTER],
                         help="the stages to run, in the chain's order (default: all, then register, predict, serve)")
+    parser.add_argument("--resume", action="store_true",
+                        help="go on in --work's clone (HEAD's code pulled into it, its outputs kept); the rows of "
+                             "--results for stages not run again are kept")
     parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", dest="sets",
                         help="a params.yaml key set after the chain's own (value read as YAML); repeatable")
     args = parser.parse_args()
@@ -204,7 +221,7 @@ def main() -> None:
     os.environ["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"  # this venv's dvc
     if not (args.base / "model_index.json").is_file():
         raise SystemExit(f"{args.base} is missing: run `.venv/bin/python -m benchmarks.flux2_klein.build`")
-    prepare(args.base.resolve(), args.work, overrides)
+    (resume if args.resume else prepare)(args.base.resolve(), args.work, overrides)
     rows = []
     for stage in [s for s in [*STAGES, *AFTER] if s in args.stages]:
         row = {"stage": stage, **measured(command(stage), args.work, args.work / f"{stage}.log", args.floor_gb)}
@@ -215,10 +232,17 @@ def main() -> None:
         rows.append(row)
         if row["rc"] != 0:
             break
-    result = {"date": time.strftime("%Y-%m-%d"), "commit": subprocess.run(
-        ["git", "rev-parse", "HEAD"], cwd=args.work, capture_output=True, text=True).stdout.strip(),
-              "params": PARAMS, "stages_asked": [s for s in [*STAGES, *AFTER] if s in args.stages],
-              **({"overrides": overrides} if overrides else {}), "stages": rows}
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=args.work, capture_output=True, text=True).stdout.strip()
+    result = {"date": time.strftime("%Y-%m-%d"), "commit": commit, "params": PARAMS,
+              "stages_asked": [s for s in [*STAGES, *AFTER] if s in args.stages],
+              **({"overrides": overrides} if overrides else {})}
+    if args.resume and args.results.is_file():  # the earlier rows first, each with the commit it ran at
+        earlier = json.loads(args.results.read_text())
+        ran = {row["stage"] for row in rows}
+        rows = [{"commit": earlier["commit"], **row} for row in earlier["stages"] if row["stage"] not in ran] + [
+            {"commit": commit, **row} for row in rows]
+        result["resumed_from"] = {k: earlier.get(k) for k in ("date", "commit", "stages_asked", "overrides")}
+    result["stages"] = rows
     args.results.write_text(json.dumps(result, indent=1) + "\n")
 
 

@@ -126,6 +126,10 @@ def register_model(
 
     artifacts = model_artifacts(finetuned, openvino, base)
     convention = call_convention(finetuned, base, openvino)
+    if trained and {trained.get("base_model_precision"), trained.get("text_encoder_precision")} - {None, "none"}:
+        # what a base registered by reference is loaded in by the diffusers backend (base_reference.py)
+        convention["base_precision"] = {"denoiser": trained.get("base_model_precision", "none"),
+                                        "text_encoders": trained.get("text_encoder_precision", "none")}
     candidate_score(evaluation, primary_metric)  # a misnamed metric fails before anything is logged
     client = mlflow.MlflowClient()
     ensure_registered_model(client, model_name)  # before any upload

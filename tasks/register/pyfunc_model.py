@@ -130,7 +130,7 @@ def _genai_serving() -> Any:
     return genai_serving
 
 
-def _diffusers_pipeline(artifacts: dict[str, str]) -> Any:
+def _diffusers_pipeline(artifacts: dict[str, str], precision: dict[str, str] | None = None) -> Any:
     """The fine-tuned pipeline; adapters registered unfused are loaded onto their base (LoRA and
     DoRA with diffusers' loader, LoKr and LoHa fused through peft's), a copy in the version or the
     one its reference names (base_reference.py)."""
@@ -143,6 +143,7 @@ def _diffusers_pipeline(artifacts: dict[str, str]) -> Any:
         base, kwargs = artifacts["base"], {}
     elif base_reference.ARTIFACT in artifacts:  # a big base, registered by reference
         base, kwargs = base_reference.resolve(artifacts[base_reference.ARTIFACT])
+        kwargs.update(base_reference.quantization(base, kwargs, precision))  # as it trained: a big base fits
     else:
         raise ValueError(f"{path} holds no pipeline (model_index.json) and the model has no base")
     pipe = DiffusionPipeline.from_pretrained(base, **kwargs)
@@ -174,7 +175,7 @@ class DiffusionImageModel(mlflow.pyfunc.PythonModel):
             (pipe, exported), backend = _openvino_pipeline(path), "openvino"
         else:
             path = artifacts["finetuned"]
-            pipe, backend = _diffusers_pipeline(artifacts), "diffusers"
+            pipe, backend = _diffusers_pipeline(artifacts, (model_config or {}).get("base_precision")), "diffusers"
         self.serve(pipe, backend, model_config, exported if backend == "openvino" else None)
         log.info("loaded the %s pipeline from %s; a request may cost %s pixel-steps (%g images of %dx%d px "
                  "at %d steps), %d may wait, timeout %s s", backend, path, self.budget.pixel_steps,

@@ -206,3 +206,38 @@ def test_a_base_over_base_copy_max_gb_is_registered_by_reference_and_found_again
     (moved / "model_index.json").write_text((moved / "model_index.json").read_text() + " ")
     with pytest.raises(ValueError, match=r"FINETUNE_BASE_DIR=.* is not this version's base: .*model_index.json has"):
         predicted()
+
+
+def test_a_referenced_base_serves_in_the_precision_the_fine_tune_trained_on(
+        adapters_project: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Adapters trained on an int8 base, registered with the base by reference (a 12B base would not fit
+    in bf16 beside its text encoders): the version's model_config says so, and its diffusers backend
+    loads the denoiser quantized as it loads (diffusers' torchao config), as evaluate scored it."""
+    import json
+
+    import torch
+    from diffusers import DiffusionPipeline
+
+    from tasks.register import base_reference
+    from tests.register.conftest import TRAIN_REPORT
+
+    root = adapters_project
+    params = root / "params.yaml"
+    params.write_text(params.read_text() + "  base_copy_max_gb: 0\n")
+    report = root / "reports/train.json"
+    report.write_text(json.dumps({**TRAIN_REPORT, "method": "lora", "base_model_precision": "int8"}))
+    result = register(root / "models/finetuned", root / "models/openvino", root / "reports/evaluate.json",
+                      root / "dvc.lock", params, base=root / "models/base", train_report=report)
+    monkeypatch.setenv("FINETUNE_PYFUNC_BACKEND", "diffusers")
+    model = mlflow.pyfunc.load_model(result.model_uri)
+    assert model.model_config["base_precision"] == {"denoiser": "int8", "text_encoders": "none"}
+    kinds = {type(m.weight).__name__ for n, m in model.unwrap_python_model().pipe.unet.named_modules()
+             if isinstance(m, torch.nn.Linear) and "lora_" not in n}
+    assert kinds == {"Int8Tensor"}, kinds  # every base Linear quantized, not the stored fp32 (the LoRA's are not)
+    out = model.predict([PROMPT], params={"num_inference_steps": 2, "seed": 7})
+    got = np.asarray(Image.open(io.BytesIO(base64.b64decode(out["image"][0]))).convert("RGB"))
+    base = str(root / "models/base")
+    expected = DiffusionPipeline.from_pretrained(base, **base_reference.quantization(
+        base, {}, {"denoiser": "int8", "text_encoders": "none"}))
+    expected.load_lora_weights(root / "models/finetuned", weight_name=LORA_WEIGHTS)
+    assert np.array_equal(got, _image(expected))
