@@ -27,6 +27,7 @@ from typing import Any
 
 from tasks.common import families
 from tasks.common.errors import UserError
+from tasks.common.genai import export_tokenizers
 from tasks.common.memory import PhasePeaks, release_memory
 from tasks.common.openvino_model import StaticShape, folder_size_mb, load_ov_pipeline, write_runtime_config
 from tasks.export import component_check as check
@@ -316,6 +317,7 @@ def _reshape_save(stage: Path, dst: Path, wanted: StaticShape, report: dict[str,
     pipe = cls.from_pretrained(stage, compile=False)
     fix_static_shape(pipe, wanted)
     pipe.save_pretrained(dst)
+    export_tokenizers(pipe, dst)  # OpenVINO GenAI tokenizes in OpenVINO: <tokenizer>/openvino_tokenizer.xml
     del pipe
     release_memory()
     shutil.rmtree(stage, ignore_errors=True)  # the IRs now live in dst

@@ -80,6 +80,26 @@ def test_sd_one_at_a_time_matches_the_whole_export(sd_components, tmp_path_facto
     assert psnr_db(theirs, ours) > 60.0  # the same IR up to node names
 
 
+def test_openvino_genai_loads_a_one_at_a_time_export_and_makes_its_images(sd_components):
+    """OpenVINO GenAI's Text2ImagePipeline (SD 1.x/2.x, SDXL, SD3, FLUX.1) reads the folder as written,
+    tokenizers included, and starts from the latents diffusers draws for the same seed: same image as
+    optimum-intel's pipeline (f32, 64 px, 2 steps)."""
+    import openvino_genai as genai
+
+    from tasks.common.openvino_model import StaticShape
+
+    _, out, _ = sd_components
+    pipe = genai.Text2ImagePipeline(str(out))
+    pipe.reshape(1, 64, 64, 7.5)
+    pipe.compile("CPU", INFERENCE_PRECISION_HINT="f32")
+    from tasks.common.genai import genai_call
+
+    theirs = genai_call(pipe, "a photo of sks toy", StaticShape(1, 64, 64, 1), 2, 7.5, genai.TorchGenerator(3), [])
+    ours = (_images(out) * 255).round()
+    assert theirs.shape == (1, 64, 64, 3)
+    assert psnr_db(theirs.astype(np.float32) / 255, ours / 255) > 30
+
+
 def test_flux2_int8_per_component(flux2_int8):
     """A transformer family: loads in OVFlux2KleinPipeline, each model's weights compressed as it
     was written (smaller files), the compressed error recorded beside the conversion's."""
