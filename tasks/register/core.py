@@ -161,8 +161,11 @@ def register_model(
     reason = decision.reason
     line = trained_line(trained) if trained else ""
     description = f"{describe(lock, evaluation, git_commit, primary_metric, line)} Champion: {reason}."
+    # a resumed registration's logged model is the cut-off run's (its artifacts, a base by reference included)
+    logged = sorted(artifacts) if unfinished is None else (record.get("model") or {}).get("artifacts",
+                                                                                      sorted(artifacts))
     record.update(champion=decision.tags(), model={"name": model_name, "source": source,
-                                                   "run_id": run_id, "artifacts": sorted(artifacts)})
+                                                   "run_id": run_id, "artifacts": logged})
     client.log_dict(run_id, record, LINEAGE_ARTIFACT)
     tags.update({"lineage": f"runs:/{run_id}/{LINEAGE_ARTIFACT}", "champion.decision": reason, **rescore_tags})
     if unfinished is None:
