@@ -54,7 +54,7 @@ from PIL import Image
 start = time.monotonic()
 model = mlflow.pyfunc.load_model("{MODEL_URI}")
 loaded = time.monotonic() - start
-out = model.predict(["a photo of sks dog"], params={{"num_inference_steps": 4, "seed": 0}})
+out = model.predict(["a photo of sks dog"], params={{"num_inference_steps": 4, "seed": 0, **__SIZE__}})
 image = Image.open(io.BytesIO(base64.b64decode(out["image"][0])))
 image.save("predicted.png")
 print(json.dumps({{"load_s": round(loaded, 1), "predict_s": round(time.monotonic() - start - loaded, 1),
@@ -193,14 +193,17 @@ def _stage_figures(stage: str, work: Path) -> dict:
         return {}
 
 
-def command(stage: str) -> list[str]:
-    """The command that runs `stage` in the work clone."""
+def command(stage: str, serve_size: int | None = None) -> list[str]:
+    """The command that runs `stage` in the work clone; `serve_size`: the px predict and serve ask for
+    (None: the registered model's default size)."""
     if stage in STAGES:
         return ["dvc", "repro", "-s", stage]
+    size = {"height": serve_size, "width": serve_size} if serve_size else {}
     return {"register": [sys.executable, "-m", "tasks.register", "--finetuned", "models/finetuned", "--openvino",
                          "models/openvino", "--evaluation", "reports/evaluate.json", "--base", "models/base"],
-            "predict": [sys.executable, "-c", _PREDICT],
-            "serve": [sys.executable, "-m", "benchmarks.flux2_klein.serve_once", MODEL_URI]}[stage]
+            "predict": [sys.executable, "-c", _PREDICT.replace("__SIZE__", repr(size))],
+            "serve": [sys.executable, "-m", "benchmarks.flux2_klein.serve_once", MODEL_URI,
+                      *(["--size", str(serve_size)] if serve_size else [])]}[stage]
 
 
 def main() -> None:
@@ -211,6 +214,8 @@ def main() -> None:
     parser.add_argument("--floor-gb", type=float, default=0.8, help="stop a stage when less memory is available")
     parser.add_argument("--stages", nargs="+", choices=[*STAGES, *AFTER], default=[*STAGES, *AFTER],
                         help="the stages to run, in the chain's order (default: all, then register, predict, serve)")
+    parser.add_argument("--serve-size", type=int, default=None,
+                        help="px that predict and serve ask for (default: the registered model's own size)")
     parser.add_argument("--resume", action="store_true",
                         help="go on in --work's clone (HEAD's code pulled into it, its outputs kept); the rows of "
                              "--results for stages not run again are kept")
@@ -224,7 +229,8 @@ def main() -> None:
     (resume if args.resume else prepare)(args.base.resolve(), args.work, overrides)
     rows = []
     for stage in [s for s in [*STAGES, *AFTER] if s in args.stages]:
-        row = {"stage": stage, **measured(command(stage), args.work, args.work / f"{stage}.log", args.floor_gb)}
+        row = {"stage": stage, **measured(command(stage, args.serve_size), args.work, args.work / f"{stage}.log",
+                                          args.floor_gb)}
         row.update(_stage_figures(stage, args.work))
         if row["rc"] != 0:
             row["error"] = (args.work / f"{stage}.log").read_text()[-2000:]

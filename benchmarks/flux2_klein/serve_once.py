@@ -1,6 +1,6 @@
 """A registered version behind `mlflow models serve` answers one request: the chain's last step.
 
-    python -m benchmarks.flux2_klein.serve_once models:/sd-finetuned/1 [--steps 4] [--out image.png]
+    python -m benchmarks.flux2_klein.serve_once models:/sd-finetuned/1 [--steps 4] [--size 256] [--out image.png]
 
 Starts `mlflow models serve` (one worker, this environment's programs on PATH: benchmarks/serve's
 Server; the project installed, its models:/ loads are manifest-checked), waits for /ping, sends one
@@ -28,13 +28,15 @@ def main() -> None:
     parser.add_argument("model_uri")
     parser.add_argument("--prompt", default="a photo of sks dog")
     parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--size", type=int, default=None, help="height and width asked (default: the model's)")
     parser.add_argument("--out", type=Path, default=Path("served.png"))
     parser.add_argument("--ready-timeout", type=float, default=1800)
     args = parser.parse_args()
     server = Server(args.model_uri, workers=1, log=args.out.with_suffix(".log"), timeout=3600)
     try:
         ready_s = server.wait_ready(args.ready_timeout)
-        body = {"inputs": [args.prompt], "params": {"num_inference_steps": args.steps, "seed": 0}}
+        size = {"height": args.size, "width": args.size} if args.size else {}
+        body = {"inputs": [args.prompt], "params": {"num_inference_steps": args.steps, "seed": 0, **size}}
         request = urllib.request.Request(f"{server.url}/invocations", data=json.dumps(body).encode(),
                                          headers={"Content-Type": "application/json"})
         start = time.monotonic()
