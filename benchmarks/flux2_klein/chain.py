@@ -248,6 +248,7 @@ def main() -> None:
         rows = [{"commit": earlier["commit"], **row} for row in earlier["stages"] if row["stage"] not in ran] + [
             {"commit": commit, **row} for row in rows]
         result["resumed_from"] = {k: earlier.get(k) for k in ("date", "commit", "stages_asked", "overrides")}
+        result["replaced"] = [row for row in earlier["stages"] if row["stage"] in ran]  # what they were before
     result["stages"] = rows
     args.results.write_text(json.dumps(result, indent=1) + "\n")
 
