@@ -209,6 +209,27 @@ def test_a_lora_streams_into_the_base(tmp_path_factory, tmp_path):
     assert streamed_source(base, None, tmp_path) is None  # a full pipeline: exported as it is
 
 
+def test_a_streamed_fuse_without_the_disk_for_it_is_refused_before_writing(tmp_path_factory, tmp_path, monkeypatch):
+    """The fused copy of the LoRA's components (FLUX.1-dev: the 22 GB transformer) goes to TMPDIR: with
+    less free disk there, refused naming the size, the folder and TMPDIR, before any file is written."""
+    from collections import namedtuple
+
+    from tasks.common.errors import UserError
+    from tasks.export import components
+    from tests.export.adapters import write_adapters
+
+    base = tiny_pipeline(tmp_path_factory, "builtin:tiny-sd")
+    lora = write_adapters(base, tmp_path / "lora", embeds=False)
+    work = tmp_path / "work"
+    work.mkdir()
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(components.shutil, "disk_usage", lambda path: usage(1, 1, 1000))
+    with pytest.raises(UserError, match=r"fusing the LoRA into unet writes 0\.0 GB into the temporary folder .* where "
+                                        r"0\.0 GB is free: free disk there or point TMPDIR at"):
+        components.streamed_source(lora, base, work)
+    assert list(work.iterdir()) == []
+
+
 def test_int4_compresses_an_ir_in_place(sd_components, tmp_path):
     """int4 on a written IR: 4-bit groups where `group_size` divides a layer, adjusted where not
     (tiny-sd's widths would stop NNCF's default), the files ~4x smaller, the IR still runs."""
@@ -246,10 +267,13 @@ def test_a_model_over_the_available_memory_is_refused_before_anything_loads(tmp_
     monkeypatch.setattr(components, "available_bytes", lambda: need - 1)
     monkeypatch.setattr(components, "load_for", lambda *a: pytest.fail("a model was loaded"))
     out = tmp_path / "openvino"
-    with pytest.raises(UserError, match=rf"one_at_a_time: {largest} holds 0\.0 GB of weights .* more than the 0\.0 GB "
-                                        r"of memory available; converting it takes about") as info:
+    with pytest.raises(UserError, match=rf"one_at_a_time: {largest} holds 0\.0 GB of weights in its stored dtype; "
+                                        r"0\.0 GB of memory is available and converting it takes about") as info:
         components.export_components(src, out, ExportConfig(**ONE))
     assert "or set export.enabled: false to evaluate and register the PyTorch fine-tune" in str(info.value)
+    # weights that fit beside the least measured conversion ratio are not refused, only warned about
+    monkeypatch.setattr(components, "available_bytes", lambda: int(components.PHASE_PER_WEIGHT_MIN * need) + 1)
+    assert components.preflight(src) == weights
     assert not out.exists()
 
 
