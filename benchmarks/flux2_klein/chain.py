@@ -71,7 +71,7 @@ PARAMS = {
               "fuse_lora": False, "num_validation_images": 0, "validation_steps": 0, "checkpointing_steps": 1000},
     "export": {"components": "one_at_a_time", "height": 256, "width": 256, "compression": {"mode": "int8"},
                "parity": {"num_inference_steps": 2, "pipeline_image": False}, "latency_dynamic": False},
-    "evaluate": {"max_prompts": 1, "images_per_prompt": 1, "num_inference_steps": 4,
+    "evaluate": {"max_prompts": 1, "images_per_prompt": 1, "num_inference_steps": 4, "resolution": 256,
                  "drift": {"enabled": False}},
 }
 

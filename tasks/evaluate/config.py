@@ -120,6 +120,10 @@ class EvaluateConfig(StageConfig):
     max_prompts: int | None = Field(None, ge=1, description="first N of the set (demo: short)")
     images_per_prompt: int = Field(2, ge=1, le=64, description="images per prompt and model")
     num_inference_steps: int = Field(10, ge=1, le=500, description="denoising steps per image")
+    resolution: int | None = Field(
+        None, ge=16, le=4096, multiple_of=16,
+        description="px (square) of every image when no export fixes the size (export.enabled false, or "
+        "export_fidelity off); null: the denoiser's native size (1024 for FLUX.1-dev)")
     guidance_scale: float = Field(
         7.5, gt=1.0, description="> 1: a static OpenVINO export's UNet batch has the CFG branch"
     )

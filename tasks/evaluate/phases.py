@@ -72,6 +72,11 @@ def default_shape(pipe: Any) -> StaticShape:
     return StaticShape(1, size, size, 1)
 
 
+def call_shape(pipe: Any, resolution: int | None) -> StaticShape:
+    """The PyTorch call shape when no export sets it: `evaluate.resolution` px, else the native size."""
+    return StaticShape(1, resolution, resolution, 1) if resolution else default_shape(pipe)
+
+
 def load_base(path: Path, precision: Precision | None = None) -> Any:
     """The base pipeline as the fine-tune is loaded: fp32, or its denoiser quantized (`precision`)."""
     families.read_index(path, "run the base stage (dvc repro base)")
@@ -184,7 +189,7 @@ def generate_all(model: Path, base: Path | None, with_base: bool, prompts: list[
     precision = Precision.of(cfg, model, base)
     with peaks.phase("finetuned"):
         pipe, _, source = load_finetuned(model, base, quantize=precision.quantize, dtype=precision.dtype)
-        shape = exported["shape"] if exported else default_shape(pipe)
+        shape = exported["shape"] if exported else call_shape(pipe, cfg.resolution)
         log.info("generating %d x %d images in %s at %s", len(prompts), cfg.images_per_prompt, precision.label,
                  shape)
         jobs = _jobs(prompts, cfg, shape, with_base, heldout_data, triples)

@@ -241,9 +241,11 @@ def test_without_base_there_are_no_base_scores(run, tmp_path):
     from tasks.evaluate.core import evaluate
 
     cfg = EvaluateConfig(prompts=["a {identifier} {class_name}"], images_per_prompt=2,
-                         num_inference_steps=1, compare_base=False, gate={"min_clip_i": 0.0})
+                         num_inference_steps=1, compare_base=False, gate={"min_clip_i": 0.0}, resolution=32)
     result = evaluate(run["base"], None, run["data"], cfg)
     assert result.base_images is None and len(result.images[0]) == 2
+    # no export to fix the size: evaluate.resolution's, in the protocol (the native size would be 64 px)
+    assert result.images[0][0].size == (32, 32) and result.report["protocol"]["settings"]["shape"]["height"] == 32
     assert result.report["export_fidelity"] is None  # no --export given
     assert not any(k.startswith(("base_", "gain_")) for k in result.report["metrics"])
     assert list(result.rows[0]) == ["prompt", "clip_t_text", "clip_t", "clip_i", "dino"]
