@@ -42,11 +42,13 @@ def _pipeline(mode: str, work: Path):
     from diffusers import DiffusionPipeline
 
     from tasks.register.base_reference import quantization
+    from tasks.register.core import base_precision
 
     base = str(work / "models/base")
     kwargs = {"torch_dtype": torch.bfloat16}
-    if mode == "pytorch_int8":
-        kwargs.update(quantization(base, {}, {"denoiser": "int8", "text_encoders": "int8"}))
+    if mode == "pytorch_int8":  # what the registered version's diffusers backend loads
+        kwargs.update(quantization(base_precision(Path(base), {"base_model_precision": "int8",
+                                                               "text_encoder_precision": "int8"})))
     pipe = DiffusionPipeline.from_pretrained(base, **kwargs)
     pipe.load_lora_weights(work / "models/finetuned", weight_name="pytorch_lora_weights.safetensors")
     return pipe, families.of_pipeline(pipe)

@@ -95,34 +95,25 @@ def resolve(folder: str | Path) -> tuple[str, dict[str, Any]]:
 TORCHAO_CONFIGS = {"int8": "Int8WeightOnlyConfig", "fp8": "Float8WeightOnlyConfig"}
 
 
-def quantization(base: str, kwargs: dict[str, Any], precision: dict[str, str] | None) -> dict[str, Any]:
-    """from_pretrained's `quantization_config` for the base at `base` (a folder, or a hub id with
-    `kwargs`): its denoiser and text encoders in the precision the fine-tune trained on (model_config
-    `base_precision`: {"denoiser": ..., "text_encoders": ...}, the train report's), quantized as they
-    load, so the base of a 12B FLUX.1-dev serves in the memory it trained in, as evaluate scored it."""
-    def config(name: str | None, library: Any) -> Any:
-        key = (name or "none").split("-")[0]
-        if key not in TORCHAO_CONFIGS:
-            return None
-        import torchao.quantization
-
-        return library.TorchAoConfig(getattr(torchao.quantization, TORCHAO_CONFIGS[key])())
+def quantization(precision: dict[str, str] | None) -> dict[str, Any]:
+    """from_pretrained's `quantization_config` for a referenced base: each named model in the precision
+    the fine-tune trained on (model_config `base_precision`, {component: precision}, written at
+    registration from the train report), quantized as it loads by diffusers' or transformers'
+    torchao config, in bf16; so the base of a 12B FLUX.1-dev serves in the memory it trained in, as
+    evaluate scored it. Precisions other than TORCHAO_CONFIGS' load in the stored dtype."""
     import diffusers
+    import torch
+    import torchao.quantization
     import transformers
 
-    precision = precision or {}
-    index = diffusers.DiffusionPipeline.load_config(base, **kwargs)
     mapping = {}
-    for name in index:
-        if name in ("transformer", "unet"):
-            mapping[name] = config(precision.get("denoiser"), diffusers)
-        elif name.startswith("text_encoder"):
-            mapping[name] = config(precision.get("text_encoders"), transformers)
-    mapping = {name: value for name, value in mapping.items() if value is not None}
+    for name, value in (precision or {}).items():
+        key = value.split("-")[0]
+        if key in TORCHAO_CONFIGS:
+            library = transformers if name.startswith("text_encoder") else diffusers
+            mapping[name] = library.TorchAoConfig(getattr(torchao.quantization, TORCHAO_CONFIGS[key])())
     if not mapping:
         return {}
-    import torch
-
     # in bf16, what torchao's weight-only layers compute in and big bases are released in (an fp32
     # base's other parts would not take the denoiser's bf16 activations)
     return {"quantization_config": diffusers.PipelineQuantizationConfig(quant_mapping=mapping),

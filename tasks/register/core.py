@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from tasks.common import families
 from tasks.common.config import load_config, read_params
 from tasks.common.errors import UserError
 from tasks.common.genai import is_runtime_export
@@ -98,6 +99,18 @@ def create_version(client: Any, model_name: str, source: str, model_id: str | No
     return str(mv.version)
 
 
+def base_precision(base: Path | None, trained: dict[str, Any] | None) -> dict[str, str]:
+    """{component: precision} the train report says the base's denoiser and text encoders trained in
+    (none left out); {} without a base or a quantized one."""
+    if base is None or not trained:
+        return {}
+    family = families.detect(base)
+    wanted = {family.denoiser_name: trained.get("base_model_precision", "none"),
+              **{name: trained.get("text_encoder_precision", "none") for name in family.text_encoder_names}}
+    present = families.read_index(base)
+    return {name: value for name, value in wanted.items() if value not in (None, "none") and name in present}
+
+
 def register_model(
     *,
     model_name: str,
@@ -126,10 +139,8 @@ def register_model(
 
     artifacts = model_artifacts(finetuned, openvino, base)
     convention = call_convention(finetuned, base, openvino)
-    if trained and {trained.get("base_model_precision"), trained.get("text_encoder_precision")} - {None, "none"}:
-        # what a base registered by reference is loaded in by the diffusers backend (base_reference.py)
-        convention["base_precision"] = {"denoiser": trained.get("base_model_precision", "none"),
-                                        "text_encoders": trained.get("text_encoder_precision", "none")}
+    if precision := base_precision(base, trained):  # what a base by reference is served in (base_reference.py)
+        convention["base_precision"] = precision
     candidate_score(evaluation, primary_metric)  # a misnamed metric fails before anything is logged
     client = mlflow.MlflowClient()
     ensure_registered_model(client, model_name)  # before any upload

@@ -143,7 +143,7 @@ def _diffusers_pipeline(artifacts: dict[str, str], precision: dict[str, str] | N
         base, kwargs = artifacts["base"], {}
     elif base_reference.ARTIFACT in artifacts:  # a big base, registered by reference
         base, kwargs = base_reference.resolve(artifacts[base_reference.ARTIFACT])
-        kwargs.update(base_reference.quantization(base, kwargs, precision))  # as it trained: a big base fits
+        kwargs.update(base_reference.quantization(precision))  # as it trained: a big base fits
     else:
         raise ValueError(f"{path} holds no pipeline (model_index.json) and the model has no base")
     pipe = DiffusionPipeline.from_pretrained(base, **kwargs)

@@ -230,14 +230,13 @@ def test_a_referenced_base_serves_in_the_precision_the_fine_tune_trained_on(
                       root / "dvc.lock", params, base=root / "models/base", train_report=report)
     monkeypatch.setenv("FINETUNE_PYFUNC_BACKEND", "diffusers")
     model = mlflow.pyfunc.load_model(result.model_uri)
-    assert model.model_config["base_precision"] == {"denoiser": "int8", "text_encoders": "none"}
+    assert model.model_config["base_precision"] == {"unet": "int8"}  # the text encoder trained in fp32
     kinds = {type(m.weight).__name__ for n, m in model.unwrap_python_model().pipe.unet.named_modules()
              if isinstance(m, torch.nn.Linear) and "lora_" not in n}
     assert kinds == {"Int8Tensor"}, kinds  # every base Linear quantized, not the stored fp32 (the LoRA's are not)
     out = model.predict([PROMPT], params={"num_inference_steps": 2, "seed": 7})
     got = np.asarray(Image.open(io.BytesIO(base64.b64decode(out["image"][0]))).convert("RGB"))
     base = str(root / "models/base")
-    expected = DiffusionPipeline.from_pretrained(base, **base_reference.quantization(
-        base, {}, {"denoiser": "int8", "text_encoders": "none"}))
+    expected = DiffusionPipeline.from_pretrained(base, **base_reference.quantization({"unet": "int8"}))
     expected.load_lora_weights(root / "models/finetuned", weight_name=LORA_WEIGHTS)
     assert np.array_equal(got, _image(expected))
