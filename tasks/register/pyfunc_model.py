@@ -168,6 +168,7 @@ class DiffusionImageModel(mlflow.pyfunc.PythonModel):
             export, pipeline, own = _genai_serving().base_export_of(artifacts["adapter"])  # its base's
             artifacts.update(openvino=export, base=pipeline)
         path, model_config = artifacts.get("openvino"), getattr(context, "model_config", None)
+        exported = None  # the size an OpenVINO export was made at, its default
         if path and _want_openvino() and os.path.isfile(os.path.join(path, "genai_base.json")):
             cache_mb = limits.serving_config(model_config)["adapter_cache_mb"]
             pipe, backend = _genai_serving().AdapterServer(path, _runtime_config(path), cache_mb, own=own), "genai"
@@ -176,7 +177,7 @@ class DiffusionImageModel(mlflow.pyfunc.PythonModel):
         else:
             path = artifacts["finetuned"]
             pipe, backend = _diffusers_pipeline(artifacts, (model_config or {}).get("base_precision")), "diffusers"
-        self.serve(pipe, backend, model_config, exported if backend == "openvino" else None)
+        self.serve(pipe, backend, model_config, exported)
         log.info("loaded the %s pipeline from %s; a request may cost %s pixel-steps (%g images of %dx%d px "
                  "at %d steps), %d may wait, timeout %s s", backend, path, self.budget.pixel_steps,
                  self.budget.images, self.budget.height, self.budget.width, self.budget.steps,
