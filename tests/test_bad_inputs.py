@@ -41,7 +41,8 @@ PARAMS = [
     # (stage, dotted key, bad value, the error)
     ("base", "base.model", " ", r"base.model: Value error, must name a model"),
     ("base", "base.seed", -1, r"base.seed: Input should be greater than or equal to 0 \(got -1\)"),
-    ("base", "base.modle", "x", r"base.modle: unknown key \(misspelt\?\). Known keys of 'base': model, revision"),
+    ("base", "base.modle", "x", r"base.modle: unknown key \(misspelt\?\). Did you mean 'base.model'\? Every key of "
+                                r"'base': docs/parameters.md\n"),
     ("ingest", "ingest.resolution", 0, r"ingest.resolution: Input should be greater than"),
     ("ingest", "ingest.output_format", "gif", r"ingest.output_format: Input should be 'png' or 'jpeg'"),
     ("class_images", "class_images.num_images", -1, r"class_images.num_images: Input should be greater"),

@@ -178,7 +178,8 @@ def test_config_checks_name_the_key(tmp_path) -> None:
         load(launcher="accelerate", launch={"num_processes": 4, "num_machines": 2})
     with pytest.raises(UserError, match="multiple of launch.num_machines"):
         load(launcher="mpirun", launch={"num_processes": 3, "num_machines": 2, "hostfile": None})
-    with pytest.raises(UserError, match=r"train\.launch\.num_procs: unknown key .* num_processes"):
+    with pytest.raises(UserError,
+                       match=r"train\.launch\.num_procs: unknown key .* Did you mean 'train\.launch\.num_processes'"):
         load(launch={"num_procs": 2})
     with pytest.raises(UserError, match=r"train\.launcher"):
         load(launcher="slurm")
