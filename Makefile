@@ -12,7 +12,14 @@ TORCH_CUDA_PACKAGES := nvidia-|cuda-|triton==
 TORCH_PIP = PIP_CONSTRAINT=/dev/null $(BIN)/pip install --quiet --no-cache-dir
 VENV := .venv
 BIN := $(VENV)/bin
+# .venv/.installed holds the hash of what the environment was installed from (INSTALL_INPUTS'
+# contents): make installs again only when that hash changes, never because a file is newer (a
+# fresh clone's files all are). An environment whose stamp holds another hash depends on FORCE.
 STAMP := $(VENV)/.installed
+INSTALL_INPUTS := requirements.lock requirements-torch.lock pyproject.toml
+INSTALL_HASH := $(firstword $(shell { sha256sum $(INSTALL_INPUTS) 2>/dev/null || shasum -a 256 $(INSTALL_INPUTS); } | { sha256sum 2>/dev/null || shasum -a 256; }))
+INSTALLED_HASH := $(firstword $(shell cat $(STAMP) 2>/dev/null))
+PROJECT := $(shell sed -n 's/^name = "\(.*\)"$$/\1/p' pyproject.toml | head -n 1)
 # make install puts uv (pinned in requirements.lock) into .venv with pip, then installs the locks with
 # it: parallel downloads and unpacking, bytecode compiled on both cores (measured: benchmarks/README.md,
 # "Install"). Its cache is the project's .cache/uv (below), hardlinked into the environments.
@@ -26,7 +33,7 @@ export DO_NOT_TRACK ?= 1
 # A local flow run starts a temporary Prefect server; on a busy 2-core machine it needs more than 20 s.
 export PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS ?= 120
 
-.PHONY: help install data demo test test-fast lint figures serve serve-model lock params-doc side-envs bench-env lock-side-envs mlflow-ui clean clean-all
+.PHONY: FORCE help install data demo test test-fast lint figures serve serve-model lock params-doc side-envs bench-env lock-side-envs mlflow-ui clean clean-all
 
 help:
 	@echo "make install    create .venv and install the pinned dependencies (make demo and make test do it first)"
@@ -58,6 +65,21 @@ if [ "$$v" != "$(PYTHON_NEEDED)" ]; then \
   exit 1; fi
 endef
 
+# Stops (in a recipe's shell) when $(VENV)'s editable install of this project points at another
+# checkout that still exists: installing would re-point it here, and that checkout would then run
+# this one's code. Two checkouts, two environments.
+define check_venv_owner
+owner=$$($(BIN)/python -c 'import importlib.metadata as m, json, os, urllib.parse as u; \
+  ds = [d for d in m.distributions() if (d.metadata["Name"] or "").lower().replace("_", "-") == "$(PROJECT)"]; \
+  t = ds[0].read_text("direct_url.json") if ds else None; j = json.loads(t) if t else {}; \
+  print(os.path.realpath(u.unquote(u.urlparse(j["url"]).path)) if j.get("dir_info", {}).get("editable") else "")'); \
+if [ -n "$$owner" ] && [ "$$owner" != "$$(pwd -P)" ] && [ -d "$$owner" ]; then \
+  echo "error: $(VENV) is the environment of another checkout: its editable install of $(PROJECT) points at $$owner;"; \
+  echo "  installing here would re-point it at $$(pwd -P), and $$owner would then run this checkout's code."; \
+  echo "  Give this checkout its own: unlink $(VENV) if it is a link to that one (rm -rf $(VENV) if it is a copy), then make $(or $(MAKECMDGOALS),install)."; \
+  exit 1; fi
+endef
+
 $(BIN)/python:
 	$(call check_python,$(PYTHON),)
 	$(PYTHON) -m venv $(VENV)
@@ -66,10 +88,14 @@ $(BIN)/python:
 # configuration already provides (find-links: a wheelhouse, an offline mirror) is taken without
 # asking any index (--no-index); otherwise pip downloads it from that index, and where that index
 # cannot be reached, PyPI's build of the same version.
-$(STAMP): $(BIN)/python requirements.lock requirements-torch.lock pyproject.toml
+$(STAMP): $(BIN)/python $(if $(filter $(INSTALL_HASH),$(INSTALLED_HASH)),,FORCE)
 	$(call check_python,$(BIN)/python,rm -rf $(VENV) && )
-	@echo "installing pinned dependencies into $(VENV) (about 2.4 GB, and CUDA libraries where PyPI's torch is the one reachable)"
-	@start=$$(date +%s); \
+	@if [ -f $@ ] && [ ! -s $@ ] && [ -z "$$(find $(INSTALL_INPUTS) -newer $@ 2>/dev/null)" ]; then \
+	  echo $(INSTALL_HASH) > $@.tmp && touch -r $@ $@.tmp && mv $@.tmp $@; \
+	  echo "$(VENV) is up to date with $(INSTALL_INPUTS); its stamp now holds their hash"; exit 0; fi; \
+	$(call check_venv_owner); \
+	echo "installing pinned dependencies into $(VENV) (about 2.4 GB, and CUDA libraries where PyPI's torch is the one reachable)"; \
+	start=$$(date +%s); \
 	$(BIN)/pip install --quiet --no-cache-dir --no-deps $(UV_PIN) && \
 	$(UV_PIP) --compile-bytecode --no-deps -r requirements.lock && \
 	{ $(TORCH_PIP) --no-deps --no-index -r requirements-torch.lock 2>/dev/null || \
@@ -79,10 +105,12 @@ $(STAMP): $(BIN)/python requirements.lock requirements-torch.lock pyproject.toml
 	$(UV_PIP) --no-deps -e . && \
 	if $(BIN)/python -c "import torchvision" 2>/dev/null; then \
 	  echo "error: torchvision is installed in $(VENV); it breaks transformers' imports with torch's CPU build (pip uninstall torchvision)"; exit 1; fi && \
-	echo "install took $$(( $$(date +%s) - start )) s"
-	@touch $@
+	echo "install took $$(( $$(date +%s) - start )) s" && \
+	echo $(INSTALL_HASH) > $@
 
 install: $(STAMP)
+
+FORCE:
 
 # Side environments for the back ends that need another torch than the project's: torch_xla
 # 2.9 runs only with torch 2.9, intel_extension_for_pytorch 2.8 only with torch 2.8. Each gets

@@ -93,6 +93,73 @@ def test_an_environment_made_with_another_python_is_named_with_the_fix(project_c
     assert not (project_copy / ".venv" / ".installed").exists()
 
 
+# --- reinstalling only what changed, never another checkout's environment -----------------
+
+
+def venv_of(project: Path, editable: Path | None = None) -> Path:
+    """A real, empty .venv (no pip: an install it tried would fail at once) in `project`; with
+    `editable`, the project's dist-info in it as uv writes it for `pip install -e <editable>`."""
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(project / ".venv")], check=True)
+    if editable is not None:
+        python = project / ".venv" / "bin" / "python"
+        purelib = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                                 capture_output=True, text=True, check=True).stdout.strip()
+        info = Path(purelib) / "sd_finetune_pipeline-0.1.0.dist-info"
+        info.mkdir(parents=True)
+        (info / "METADATA").write_text("Metadata-Version: 2.1\nName: sd-finetune-pipeline\nVersion: 0.1.0\n")
+        (info / "direct_url.json").write_text(json.dumps({"url": editable.as_uri(), "dir_info": {"editable": True}}))
+    return project / ".venv"
+
+
+def test_make_install_reinstalls_when_a_lock_s_content_changes_not_its_timestamp(project_copy: Path) -> None:
+    venv = venv_of(project_copy)
+    stamp = venv / ".installed"
+    stamp.touch()  # an environment installed under the old rule (an empty stamp, newer than the locks)
+    mtime = stamp.stat().st_mtime_ns
+    adopted = make(project_copy, "install")
+    assert adopted.returncode == 0, adopted.stdout + adopted.stderr
+    assert "its stamp now holds their hash" in adopted.stdout and "installing" not in adopted.stdout
+    assert re.fullmatch(r"[0-9a-f]{64}\n", stamp.read_text()) and stamp.stat().st_mtime_ns == mtime
+    later = stamp.stat().st_mtime + 3600  # a fresh clone's files: all newer than the stamp
+    for name in ("Makefile", "pyproject.toml", "requirements.lock", TORCH_LOCK):
+        os.utime(project_copy / name, (later, later))
+    assert make(project_copy, "-q", "install").returncode == 0, "new timestamps, same contents: up to date"
+    assert "pip install" not in make(project_copy, "-n", "install").stdout
+    lock = project_copy / "requirements.lock"
+    text = lock.read_text()
+    lock.write_text(text + "# a changed line\n")
+    assert make(project_copy, "-q", "install").returncode == 1, "a lock's content changed: install again"
+    assert "$(BIN)/pip install" in make(project_copy, "-n", "install").stdout.replace(".venv/bin", "$(BIN)")
+    lock.write_text(text)
+    assert make(project_copy, "-q", "install").returncode == 0
+
+
+@pytest.mark.parametrize("owner", ["another checkout", "a removed checkout", "this checkout"])
+def test_a_venv_another_checkout_installed_is_never_re_pointed(tmp_path: Path, owner: str) -> None:
+    project = tmp_path / "clone"
+    project.mkdir()
+    for name in ("Makefile", "pyproject.toml", "requirements.lock", TORCH_LOCK):
+        shutil.copy(REPO / name, project / name)
+    other = {"another checkout": tmp_path / "first", "a removed checkout": tmp_path / "gone",
+             "this checkout": project}[owner]
+    if owner == "another checkout":
+        other.mkdir()
+    venv = venv_of(project, editable=other)
+    (venv / ".installed").write_text("0" * 64 + "\n")  # installed from other locks: an install is due
+    done = make(project, "install")
+    assert done.returncode != 0  # this environment has no pip: any install attempt fails
+    if owner == "another checkout":
+        assert f"error: .venv is the environment of another checkout: its editable install of " \
+               f"sd-finetune-pipeline points at {other};" in done.stdout, done.stdout
+        assert "unlink .venv if it is a link to that one (rm -rf .venv if it is a copy), then make install" \
+            in done.stdout
+        assert "installing pinned dependencies" not in done.stdout, "nothing was installed"
+    else:  # nobody else uses it (gone), or it is this checkout's own: install as usual
+        assert "installing pinned dependencies into .venv" in done.stdout, done.stdout + done.stderr
+        assert "another checkout" not in done.stdout
+    assert (venv / ".installed").read_text() == "0" * 64 + "\n", "the stamp changes only after an install"
+
+
 # --- what a stock pip resolves --------------------------------------------------------------
 
 
