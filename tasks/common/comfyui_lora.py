@@ -14,9 +14,11 @@ reads the adapter type from the suffixes under that stem:
 The stem is the family's prefix (ModelFamily.comfyui_lora_prefixes, comfyui_lycoris_prefixes) and
 the module path: kohya's `lora_unet_<path with _>` for SD/SDXL's UNet, `lora_te_`/`lora_te1_`/
 `lora_te2_` for the CLIP encoders, OneTrainer's `lora_transformer_` (SD3, FLUX.1), `diffusion_model.`
-with the dotted path (Z-Image, Qwen-Image, Sana), kohya's `lora_unet_` with BFL's module names for
+with the dotted path (Z-Image, Qwen-Image), kohya's `lora_unet_` with BFL's module names for
 FLUX.2 (its q, k and v fused, ModelFamily.comfyui_layers) and LyCORIS' `lycoris_` for LoKr and LoHa
-on the DiT families. tasks/train/README.md ("ComfyUI adapter file") says what loads where.
+on the DiT families. A family whose prefixes are None (Sana: ComfyUI has no such model) has no
+ComfyUI file; the format's spec (tasks/common/adapter_formats.py) refuses it before training.
+tasks/train/README.md ("ComfyUI adapter file") says what loads where, and from which ComfyUI build.
 """
 from __future__ import annotations
 
@@ -24,8 +26,6 @@ import json
 from pathlib import Path
 from typing import Any
 
-#: `train.lora_format` values
-LORA_FORMATS = ("diffusers", "comfyui")
 #: the file the train stage writes beside its other outputs with `lora_format: comfyui`
 COMFYUI_LORA_NAME = "comfyui_lora.safetensors"
 
@@ -49,6 +49,9 @@ def stem(prefix: str, path: str) -> str:
 
 def prefixes(family: Any, lora_type: str) -> dict[str, str]:
     """Each component's key prefix for `lora_type` in `family`'s ComfyUI file."""
+    if family.comfyui_lora_prefixes is None:
+        raise ValueError(f"{family.title}: no ComfyUI key prefixes (ComfyUI has no {family.title} model); "
+                         "set train.lora_format: diffusers")
     lycoris = lora_type in ("lokr", "loha") and family.comfyui_lycoris_prefixes is not None
     return family.comfyui_lycoris_prefixes if lycoris else family.comfyui_lora_prefixes
 

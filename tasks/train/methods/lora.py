@@ -6,8 +6,9 @@ base (`base_model_precision`, tasks/common/quantize.py) the adapters train over 
 The base weights stay frozen in the training precision; only the adapters train, in float32.
 Saves `pytorch_lora_weights.safetensors` (diffusers' format: `pipe.load_lora_weights(folder)`
 loads it) and, with `fuse_lora`, the base pipeline with the adapters fused in next to it, so the
-`export` stage gets the full pipeline it needs. With `lora_format: comfyui`, also every adapter type
-as one file under ComfyUI's keys (`comfyui_lora.safetensors`, tasks/common/comfyui_lora.py).
+`export` stage gets the full pipeline it needs. With a `lora_format` that writes a file of its own
+(tasks/common/adapter_formats.py; `comfyui`: every adapter type as one file under ComfyUI's keys,
+`comfyui_lora.safetensors`, tasks/common/comfyui_lora.py), that file too.
 """
 from __future__ import annotations
 
@@ -18,8 +19,8 @@ from typing import Any
 import torch
 
 from tasks.common import families, stream_fuse
+from tasks.common.adapter_formats import adapter_format
 from tasks.common.adapters import DIFFUSERS_FORMAT, PEFT_DIR, apply_peft_adapters, peft_config, save_peft_adapters
-from tasks.common.comfyui_lora import COMFYUI_LORA_NAME, write_comfyui_lora
 from tasks.common.lora import fuse_lora_file
 from tasks.common.quantize import is_quantized
 from tasks.train.config import TrainConfig
@@ -81,8 +82,7 @@ class LoRA(TrainingMethod):
         from peft.utils import get_peft_model_state_dict
 
         self.fused_components = self.components.family.lora_components(list(trained))
-        if self.cfg.lora_format == "comfyui":
-            self.save_comfyui(out_dir, trained)
+        self.save_format_file(out_dir, trained)
         if not self.diffusers_format:
             save_peft_adapters(out_dir / PEFT_DIR, trained)
             log.info("saved %s adapters (%s, rank %d) to %s", self.cfg.lora_type, ", ".join(sorted(trained)),
@@ -100,12 +100,16 @@ class LoRA(TrainingMethod):
         log.info("saved %s weights (%s, rank %d) to %s", self.cfg.lora_type, ", ".join(sorted(trained)),
                  self.cfg.rank, out_dir / WEIGHT_NAME)
 
-    def save_comfyui(self, out_dir: Path, trained: dict[str, torch.nn.Module]) -> None:
-        """`lora_format: comfyui`: the adapters also as one file under ComfyUI's keys (tasks/common/comfyui_lora.py)."""
+    def save_format_file(self, out_dir: Path, trained: dict[str, torch.nn.Module]) -> None:
+        """The file `lora_format` adds beside the adapter files, if any (`comfyui`: the adapters
+        also as one file under ComfyUI's keys, tasks/common/comfyui_lora.py)."""
         c = self.cfg
-        path = out_dir / COMFYUI_LORA_NAME
-        layers = write_comfyui_lora(path, self.components.family, trained, c.lora_type, c.rank, c.lora_alpha)
-        log.info("saved %s (%d layers) in ComfyUI's layout to %s", c.lora_type, layers, path)
+        fmt = adapter_format(c.lora_format)
+        if fmt.file is None or fmt.writer is None:
+            return
+        path = out_dir / fmt.file
+        layers = fmt.writer(path, self.components.family, trained, c.lora_type, c.rank, c.lora_alpha)
+        log.info("saved %s (%d layers) as lora_format %s to %s", c.lora_type, layers, fmt.name, path)
 
     def complete_output(self, base: Path, out_dir: Path) -> None:
         """With `fuse_lora`: the base with the LoRA file fused in, once the trained model is gone. A

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
+from tasks.common import adapter_formats
 from tasks.common.adapters import ADAPTER_TYPES
-from tasks.common.comfyui_lora import LORA_FORMATS
 from tasks.common.config import StageConfig
 
 
@@ -27,6 +27,10 @@ class AdaptersSection(StageConfig):
     lora_type: Literal[ADAPTER_TYPES] = Field(  # type: ignore[valid-type]
         "lora", description="lora | dora (weight-decomposed) | lokr (Kronecker) | loha (Hadamard), peft's layers")
     decompose_factor: int = Field(-1, ge=-1, description="LoKr: the Kronecker factor (peft's name); -1: automatic")
-    lora_format: Literal[LORA_FORMATS] = Field(  # type: ignore[valid-type]
-        "diffusers", description="diffusers: the adapter files above only | comfyui: also one file with ComfyUI's "
-                                 "keys, comfyui_lora.safetensors (SimpleTuner's name; tasks/train/README.md)")
+    lora_format: str = Field("diffusers", description=adapter_formats.describe())
+
+    @field_validator("lora_format")
+    @classmethod
+    def _known_format(cls, v: str) -> str:
+        adapter_formats.adapter_format(v)  # a ValueError naming the registered formats
+        return v
