@@ -30,10 +30,10 @@ from typing import Any
 
 import yaml
 
+from finetune_runtime import base_reference
+from finetune_runtime.genai_serving import ADAPTER_ARTIFACT
 from tasks.common.errors import UserError
-from tasks.register import base_reference
 from tasks.register.base_export import runtime_export_of
-from tasks.register.genai_serving import ADAPTER_ARTIFACT
 from tasks.register.promotion import Champion
 
 #: Arguments of the evaluate command that name where it writes (replaced by a temporary folder).

@@ -152,7 +152,8 @@ def pytorch_reference(pytorch: Path, work: Path, size: int, steps: int) -> dict[
     import torch
     from diffusers import StableDiffusionPipeline
 
-    from tasks.common import pipeline_call
+    from finetune_runtime import pipeline_call
+    from tasks.common import families
     from tasks.common.openvino_model import StaticShape
     from tasks.export.config import ParityConfig
     from tasks.export.parity import pytorch_call
@@ -163,7 +164,9 @@ def pytorch_reference(pytorch: Path, work: Path, size: int, steps: int) -> dict[
     pipe.unet.register_forward_hook(lambda *a: times.append(times.pop() + time.perf_counter()))
     cfg = ParityConfig(prompt=IMAGE_PROMPT, num_inference_steps=steps, min_psnr_db=None)
     run = pytorch_call(pipe, StaticShape(1, size, size, 1), cfg)
-    ref = {"latents": run.latents, "kwargs": pipeline_call.call_arguments(**run.call), "images": run.images,
+    convention = families.of_pipeline(pipe).call_convention()
+    ref = {"latents": run.latents, "kwargs": pipeline_call.call_arguments(convention=convention, **run.call),
+           "images": run.images,
            "eager_unet_s": sorted(times)[len(times) // 2], "eager_pipeline_s": run.seconds}
     cache.write_bytes(pickle.dumps(ref))
     return ref

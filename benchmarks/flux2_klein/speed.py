@@ -41,7 +41,7 @@ def _pipeline(mode: str, work: Path):
         return pipe, families.of_pipeline(pipe)
     from diffusers import DiffusionPipeline
 
-    from tasks.register.base_reference import quantization
+    from finetune_runtime.base_reference import quantization
     from tasks.register.core import base_precision
 
     base = str(work / "models/base")

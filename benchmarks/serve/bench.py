@@ -6,7 +6,7 @@
 
 Without --model-uri it builds the built-in tiny SD (64 px) and its OpenVINO export once into
 .cache/bench/serve/ and saves them as a pyfunc with the registered model's own code and signature
-(tasks/register/pyfunc_model.py), so the server runs exactly what a registered version runs.
+(finetune_runtime/, logged whole), so the server runs exactly what a registered version runs.
 Every request is one prompt, one image, `--steps` steps, seed = request number % 8; each answer's
 image is compared with the single-client answer for that seed, so a wrong image counts as an
 error like a non-200 answer. The server's RSS (all its processes) is sampled every 0.25 s.
@@ -52,8 +52,8 @@ def build_tiny(dst: Path, model_config: dict | None = None) -> Path:
     saved afresh each time (the model's code and its serving limits may have changed)."""
     import mlflow
 
-    from tasks.register.core import MODEL_CODE, pip_requirements
-    from tasks.register.serving_limits import serving_config, signature
+    from finetune_runtime.limits import serving_config, signature
+    from tasks.register.core import MODEL_CODE, RUNTIME, pip_requirements
 
     finetuned, openvino, model = dst / "finetuned", dst / "openvino", dst / "pyfunc"
     if not (openvino / "model_index.json").is_file():
@@ -67,7 +67,7 @@ def build_tiny(dst: Path, model_config: dict | None = None) -> Path:
         ov.reshape(batch_size=1, height=64, width=64, num_images_per_prompt=1)
         ov.save_pretrained(openvino)
     shutil.rmtree(model, ignore_errors=True)
-    mlflow.pyfunc.save_model(model, python_model=str(MODEL_CODE), signature=signature(),
+    mlflow.pyfunc.save_model(model, python_model=str(MODEL_CODE), code_paths=[str(RUNTIME)], signature=signature(),
                              artifacts={"finetuned": str(finetuned), "openvino": str(openvino)},
                              pip_requirements=pip_requirements(), model_config=serving_config(model_config))
     return model

@@ -5,19 +5,21 @@
 - `lokr` (Kronecker product), `loha` (Hadamard product): diffusers has no loader for them, so they
   are saved in peft's own layout, one folder per adapted component under `peft_adapters/`
   (`adapter_config.json` + `adapter_model.safetensors`, what `PeftModel.save_pretrained` writes):
-  `PeftModel.from_pretrained(pipe.unet, "peft_adapters/unet")` loads one (`apply_peft_adapters`).
+  `PeftModel.from_pretrained(pipe.unet, "peft_adapters/unet")` loads one
+  (finetune_runtime/adapters.py `apply_peft`, for the stages and the served model alike).
 
-The train stage builds the configs; the export and evaluate stages (tasks/common/finetuned.py)
-and the LoRA method's fused output apply and fuse the peft folders. With `train.lora_format:
+The train stage builds the configs and saves the folders here. With `train.lora_format:
 comfyui` any of the four is also written as one file under ComfyUI's keys (tasks/common/comfyui_lora.py).
 """
 from __future__ import annotations
 
 import json
 import logging
-import warnings
 from pathlib import Path
 from typing import Any
+
+from finetune_runtime.layout import PEFT_CONFIG as CONFIG_NAME
+from finetune_runtime.layout import PEFT_WEIGHTS as WEIGHTS_NAME
 
 log = logging.getLogger(__name__)
 
@@ -26,9 +28,6 @@ ADAPTER_TYPES = ("lora", "dora", "lokr", "loha")
 DIFFUSERS_FORMAT = ("lora", "dora")
 #: the types OpenVINO GenAI applies at run time (`export.adapters: runtime`): plain LoRA only
 RUNTIME_TYPES = ("lora",)
-PEFT_DIR = "peft_adapters"
-CONFIG_NAME = "adapter_config.json"
-WEIGHTS_NAME = "adapter_model.safetensors"
 PREFIX = "base_model.model."
 
 
@@ -63,33 +62,3 @@ def save_peft_adapters(folder: Path, modules: dict[str, Any]) -> None:
         # PeftModel's key prefix: what `PeftModel.from_pretrained(component, folder)` loads.
         state = {f"{PREFIX}{k}": v.detach().contiguous() for k, v in get_peft_model_state_dict(module).items()}
         save_file(state, str(out / WEIGHTS_NAME), metadata={"format": "pt"})
-
-
-def peft_components(folder: Path) -> list[str]:
-    """The components a peft adapters folder has adapters for."""
-    if not Path(folder).is_dir():
-        return []
-    return sorted(p.name for p in Path(folder).iterdir() if (p / CONFIG_NAME).is_file())
-
-
-def apply_peft_adapters(pipe: Any, folder: Path, merge: bool = True) -> list[str]:
-    """Fuse the adapters of `folder` (save_peft_adapters' layout) into the pipeline's components
-    through peft's own loader (`PeftModel.from_pretrained(...).merge_and_unload()`); returns the
-    components. `merge` false: peft's adapter layers stay in the components, unfused (over a quantized
-    base). An adapter file whose tensors do not all load is refused, not half-applied."""
-    from peft import PeftModel
-
-    names = peft_components(folder)
-    for name in names:
-        module = getattr(pipe, name, None)
-        if module is None:
-            raise ValueError(f"{folder / name} holds adapters for {name!r}, which the pipeline does not have")
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            model = PeftModel.from_pretrained(module, str(Path(folder) / name))
-        if missing := [w for w in caught if "missing adapter keys" in str(w.message)]:
-            raise ValueError(f"{folder / name}: its adapter tensors do not match the {name} layers "
-                             f"({str(missing[0].message)[:200]})")
-        setattr(pipe, name, model.merge_and_unload() if merge else model.get_base_model())
-    log.info("%s peft adapters (%s) from %s", "fused" if merge else "applied", ", ".join(names), folder)
-    return names

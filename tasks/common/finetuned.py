@@ -15,51 +15,32 @@ beside the base, for like-with-like gains).
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from finetune_runtime import adapters, layout
+from finetune_runtime.layout import EMBEDS as EMBEDS_NAME
+from finetune_runtime.layout import LORA_WEIGHTS as LORA_NAME
+from finetune_runtime.layout import PEFT_DIR, Contents
 from tasks.common import families
-from tasks.common.adapters import PEFT_DIR, apply_peft_adapters, peft_components
 from tasks.common.errors import UserError
 from tasks.common.lora import fuse_lora_file
 from tasks.common.quantized_pipeline import load_with_denoiser_last
 
 log = logging.getLogger(__name__)
 
-LORA_NAME = "pytorch_lora_weights.safetensors"
-EMBEDS_NAME = "learned_embeds.safetensors"
 
-
-@dataclass(frozen=True)
-class SourceKind:
-    """What a train output folder holds."""
-
-    full_pipeline: bool
-    lora: Path | None  # diffusers' LoRA file (LoRA, DoRA), or peft's adapters folder (LoKr, LoHa)
-    embeds: Path | None
-
-    @property
-    def method(self) -> str:
-        """'full_pipeline', 'lora', 'textual_inversion' or 'lora+textual_inversion'."""
-        if self.full_pipeline:
-            return "full_pipeline"
-        parts = [name for name, f in (("lora", self.lora), ("textual_inversion", self.embeds)) if f]
-        return "+".join(parts)
-
-
-def detect(src: Path) -> SourceKind:
-    """Classify `src`; a UserError names what was expected when it holds nothing loadable."""
+def detect(src: Path) -> Contents:
+    """What `src` holds (finetune_runtime/layout.py); a UserError names what was expected when it
+    holds nothing loadable."""
     src = Path(src)
     if not src.is_dir():
         raise UserError(
             f"{src} does not exist: run the train stage first (dvc repro train) or pass a "
             "diffusers pipeline folder"
         )
-    lora = next((p for p in (src / LORA_NAME, src / PEFT_DIR) if p.is_file() or peft_components(p)), None)
-    embeds = src / EMBEDS_NAME if (src / EMBEDS_NAME).is_file() else None
-    kind = SourceKind((src / "model_index.json").is_file(), lora, embeds)
-    if not (kind.full_pipeline or lora or embeds):
+    kind = layout.contents(src)
+    if kind.empty:
         raise UserError(
             f"{src} holds neither a pipeline (model_index.json) nor adapters ({LORA_NAME}, {PEFT_DIR}/, "
             f"{EMBEDS_NAME}): pass the train stage's output folder"
@@ -106,7 +87,7 @@ def load_embeds(pipe: Any, path: Path, token: str | None) -> list[str]:
 
 
 def load_finetuned(src: Path, base: Path | None, token: str | None = None, quantize: Any = None,
-                   dtype: Any = None) -> tuple[Any, SourceKind, dict[str, Any]]:
+                   dtype: Any = None) -> tuple[Any, Contents, dict[str, Any]]:
     """The fine-tuned pipeline: `src` itself, or the base with `src`'s adapters applied.
 
     In fp32 with the adapters fused, by default. With `quantize` (a BasePrecision): the denoiser's
@@ -127,7 +108,7 @@ def load_finetuned(src: Path, base: Path | None, token: str | None = None, quant
     pipe = load_pipeline(base, quantize, dtype)
     info["base"] = str(base)
     if kind.lora is not None:
-        _apply_lora(pipe, kind.lora, fuse=quantize is None)
+        _apply_lora(pipe, kind, fuse=quantize is None)
         info["lora"] = str(kind.lora)
     if kind.embeds is not None:
         info["tokens"] = load_embeds(pipe, kind.embeds, token)
@@ -146,12 +127,11 @@ def load_pipeline(folder: Path, quantize: Any = None, dtype: Any = None) -> Any:
     return load_with_denoiser_last(folder, dtype or torch.float32, "cpu", quantize)
 
 
-def _apply_lora(pipe: Any, lora: Path, fuse: bool) -> None:
-    """`lora` (diffusers' file, or peft's folders) into every component it has layers for: fused, the
-    adapter modules dropped (plain tensors with the LoRA inside), or as peft's layers (unfused)."""
-    if lora.is_dir():
-        apply_peft_adapters(pipe, lora, merge=fuse)
-    elif fuse:
-        fuse_lora_file(pipe, lora)
+def _apply_lora(pipe: Any, kind: Contents, fuse: bool) -> None:
+    """The adapters of `kind` (diffusers' file, or peft's folders) into every component they have layers
+    for: fused, the adapter modules dropped (plain tensors with the LoRA inside), or as peft's or
+    diffusers' layers (unfused), as the served model applies them (finetune_runtime/adapters.py)."""
+    if fuse and kind.lora is not None and kind.lora.is_file():
+        fuse_lora_file(pipe, kind.lora)
     else:
-        pipe.load_lora_weights(lora.parent, weight_name=lora.name)
+        adapters.apply(pipe, kind, merge_peft=fuse)

@@ -17,19 +17,17 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from finetune_runtime.layout import OV_RUNTIME
+from finetune_runtime.load import runtime_config
 from tasks.common import families
 from tasks.common.errors import UserError
 
 log = logging.getLogger(__name__)
 
-#: How an export without a runtime file is compiled: fp32. Left to itself, OpenVINO picks a lower
-#: precision on CPUs with bf16 (measured here: 51 dB PSNR against PyTorch by default, ~100 dB with
-#: f32), so results would differ between machines unless the precision is stated.
-DEFAULT_OV_CONFIG = {"INFERENCE_PRECISION_HINT": "f32"}
-
 #: The runtime settings the export stage validated and timed the model with (`export.
-#: inference_precision`), written beside model_index.json so every loader compiles it alike.
-RUNTIME_FILE = "openvino_runtime.json"
+#: inference_precision`), written beside model_index.json so every loader (the served model's
+#: included: finetune_runtime/load.py `runtime_config`) compiles it alike.
+RUNTIME_FILE = OV_RUNTIME
 
 PRECISIONS = ("f32", "bf16", "f16", "auto")
 
@@ -63,14 +61,6 @@ def write_runtime_config(path: Path, precision: str) -> None:
     """Record in the export folder the precision it is meant to run at."""
     config = {"inference_precision": precision, "ov_config": precision_config(precision)}
     (Path(path) / RUNTIME_FILE).write_text(json.dumps(config, indent=2) + "\n")
-
-
-def runtime_config(path: Path) -> dict[str, str]:
-    """The ov_config an export folder asks for (its RUNTIME_FILE; fp32 when it has none)."""
-    file = Path(path) / RUNTIME_FILE
-    if not file.is_file():
-        return dict(DEFAULT_OV_CONFIG)
-    return dict(json.loads(file.read_text())["ov_config"])
 
 
 def compiled_precisions(pipe: Any) -> dict[str, str]:

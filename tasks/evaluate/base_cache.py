@@ -11,7 +11,7 @@ everything the base's images depend on:
 - the precision the base is generated in (on a quantized denoiser, also the code that loads it:
   QUANTIZED_CODE);
 - the versions of torch, diffusers and transformers, and the source of the project's generation
-  code (tasks/evaluate/generate.py and edits.py, tasks/common/families/, pipeline_call.py): a
+  code (tasks/evaluate/generate.py and edits.py, tasks/common/families/, finetune_runtime's call and size): a
   change to any of them changes the images, so it is a miss.
 
 An entry is written in a temporary folder beside it and renamed into place in one step: an
@@ -40,7 +40,7 @@ FORMAT = 1
 MANIFEST = "manifest.json"
 _ROOT = Path(__file__).resolve().parents[2]
 GENERATION_CODE = ("tasks/evaluate/generate.py", "tasks/evaluate/edits.py", "tasks/common/families",
-                   "tasks/common/pipeline_call.py")
+                   "finetune_runtime/pipeline_call.py", "finetune_runtime/convention.py", "finetune_runtime/size.py")
 #: also hashed when the base is generated on a quantized denoiser (its precision names a `denoiser`)
 QUANTIZED_CODE = ("tasks/common/quantize.py", "tasks/common/quantized_pipeline.py")
 LIBRARIES = ("torch", "diffusers", "transformers")

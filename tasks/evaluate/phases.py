@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from finetune_runtime.size import shape_of
 from tasks.common import families
 from tasks.common.finetuned import load_finetuned, load_pipeline
 from tasks.common.genai import is_runtime_export, open_runtime_export
@@ -68,8 +69,8 @@ class Precision:
 
 def default_shape(pipe: Any) -> StaticShape:
     """For a dynamic pipeline: one prompt, one image per call, at the denoiser's native size."""
-    size = families.of_pipeline(pipe).native_size(pipe)
-    return StaticShape(1, size, size, 1)
+    height, width = shape_of(pipe, families.of_pipeline(pipe).call_convention()).default
+    return StaticShape(1, height, width, 1)
 
 
 def call_shape(pipe: Any, resolution: int | None) -> StaticShape:

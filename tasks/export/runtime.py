@@ -28,9 +28,10 @@ from typing import Any
 
 import numpy as np
 
+from finetune_runtime.layout import LORA_WEIGHTS as LORA_NAME
 from tasks.common import families
 from tasks.common.errors import UserError
-from tasks.common.finetuned import LORA_NAME, detect
+from tasks.common.finetuned import detect
 from tasks.common.fingerprint import folder_fingerprint, sha256_file
 from tasks.common.genai import (
     ADAPTER_FILE,

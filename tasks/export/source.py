@@ -17,13 +17,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from tasks.common.finetuned import (  # noqa: F401  (re-exported: the export's names)
-    EMBEDS_NAME,
-    LORA_NAME,
-    SourceKind,
-    detect,
-    load_finetuned,
-)
+from tasks.common.finetuned import detect, load_finetuned
 
 log = logging.getLogger(__name__)
 

@@ -5,7 +5,7 @@ base and no OpenVINO model of its own; its tags (and `adapter/base_export.json`)
 export's version, which holds both: a version of `<model>-base`, registered by the first fine-tune of that base (same
 `base_export.key`: the base's fingerprint and the converting libraries) and reused by every later
 one. That version's pyfunc serves the base with any registered adapter of it, named per request
-(`adapter` param; tasks/register/genai_serving.py).
+(`adapter` param; finetune_runtime/genai_serving.py).
 """
 from __future__ import annotations
 
@@ -15,18 +15,13 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from finetune_runtime.genai_serving import ADAPTER_ARTIFACT, BASE_INFO, BASE_REF
 from tasks.common.genai import ADAPTER_FILE, BASE_DIR
 from tasks.common.outputs import link_tree
-from tasks.register.genai_serving import ADAPTER_ARTIFACT, BASE_INFO, BASE_REF
 
 log = logging.getLogger(__name__)
 
 BASE_SUFFIX = "-base"
-#: The model code logged beside pyfunc_model.py (MLflow `code_paths`): it imports them by name.
-MODEL_CODE_PATHS = [*(Path(__file__).with_name(n) for n in ("serving_limits.py", "serving_images.py",
-                                                            "genai_serving.py", "adapter_cache.py",
-                                                            "base_reference.py")),
-                    Path(__file__).parents[1] / "common" / "pipeline_call.py"]
 
 
 def stage_adapter(openvino: Path, work: Path, tags: dict[str, str]) -> Path:
@@ -58,7 +53,7 @@ def runtime_export_of(adapter_dir: Path, dst: Path) -> tuple[Path, Path]:
     """(runtime export folder, base pipeline folder) of a registered run-time adapter version, from
     its `adapter/` artifact and its base export's registered version (downloaded): the export stage's
     layout (base/ + the adapter files), built at `dst` by hard links, what the evaluate stage reads."""
-    from tasks.register.genai_serving import base_export_of
+    from finetune_runtime.genai_serving import base_export_of
 
     export, pipeline, _ = base_export_of(str(adapter_dir))
     dst = Path(dst)

@@ -61,7 +61,7 @@ class RegisterConfig(StageConfig):
         description="adapters registered unfused (train.fuse_lora: false) are registered with their base: "
                     "a base folder of at most this many GB is copied into the version; a larger one is "
                     "registered by reference (its name, revision, DVC hash, path and file sizes; "
-                    "tasks/register/base_reference.py); null: always copied",
+                    "finetune_runtime/base_reference.py); null: always copied",
     )
     promote_uncalibrated: bool = Field(
         False,

@@ -12,13 +12,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import finetune_runtime
+from finetune_runtime import base_reference
+from finetune_runtime.limits import SETTINGS, serving_config, signature
 from tasks.common import families
 from tasks.common.config import load_config, read_params
 from tasks.common.errors import UserError
 from tasks.common.genai import is_runtime_export
 from tasks.common.tracking import git_commit, stage_run
-from tasks.register import base_reference, manifest, resume
-from tasks.register.base_export import BASE_SUFFIX, MODEL_CODE_PATHS, find_base_version, stage_adapter, stage_base
+from tasks.register import manifest, resume
+from tasks.register.base_export import BASE_SUFFIX, find_base_version, stage_adapter, stage_base
 from tasks.register.config import RegisterConfig
 from tasks.register.diffusers_flavor import HubBase, PyfuncWithDiffusersFlavor, fits, hub_reference
 from tasks.register.lineage import (
@@ -41,13 +44,14 @@ from tasks.register.registry import (
     move_champion,
     rescored,
 )
-from tasks.register.serving_limits import SETTINGS, serving_config, signature
 from tasks.register.training import read_train_report, train_tags, trained_line, trained_summary
 
 log = logging.getLogger(__name__)
 
 CANDIDATE = "candidate"
-MODEL_CODE = Path(__file__).with_name("pyfunc_model.py")
+#: The served model's code: the runtime package, logged whole (`code_paths`), and the file MLflow loads it from.
+RUNTIME = Path(finetune_runtime.__file__).parent
+MODEL_CODE = RUNTIME / "mlflow_model.py"
 @dataclass(frozen=True)
 class Registered:
     name: str
@@ -62,7 +66,7 @@ class Registered:
 def log_model(run_id: str, artifacts: dict[str, str], serving: dict[str, Any] | None,
               tags: dict[str, str], convention: dict[str, Any], name: str = "model", hub: HubBase | None = None
               ) -> Any:
-    """Log the pyfunc (pyfunc_model.py with `artifacts`, serving_limits.py and genai_serving.py beside it) into run
+    """Log the pyfunc (finetune_runtime's model with `artifacts`, the package as its code) into run
     `run_id` as `name`; with `hub`, MLflow's diffusers flavor too (diffusers_flavor.py). ModelInfo."""
     import mlflow
     from mlflow.models import Model
@@ -71,7 +75,7 @@ def log_model(run_id: str, artifacts: dict[str, str], serving: dict[str, Any] | 
     info = Model.log(
         artifact_path=None,
         name=name,
-        code_paths=[str(p) for p in MODEL_CODE_PATHS],
+        code_paths=[str(RUNTIME)],
         flavor=PyfuncWithDiffusersFlavor(hub) if hub else mlflow.pyfunc,
         run_id=run_id,
         python_model=str(MODEL_CODE),

@@ -15,7 +15,7 @@ from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 
-LORA_WEIGHTS = "pytorch_lora_weights.safetensors"
+from finetune_runtime.layout import LORA_WEIGHTS
 
 
 @dataclass(frozen=True)

@@ -10,16 +10,13 @@ import importlib.metadata
 from pathlib import Path
 from typing import Any
 
+from finetune_runtime import layout
+from finetune_runtime.convention import CONFIG_KEY
+from finetune_runtime.layout import LORA_WEIGHTS, PEFT_DIR
 from tasks.common import families
-from tasks.common.adapters import PEFT_DIR
 from tasks.common.errors import UserError
 from tasks.common.genai import BASE_DIR, is_runtime_export
 from tasks.common.openvino_model import export_or_none
-
-#: What the train stage writes for `train.method: lora` (tasks/train/methods/lora.py); without
-#: `fuse_lora` the folder holds only this file (LoKr and LoHa: peft's folders under PEFT_DIR),
-#: and the model is registered with its base.
-from tasks.register.diffusers_flavor import LORA_WEIGHTS
 
 #: What the model needs to load and predict, pinned to the versions that logged it (MLflow's
 #: own inference would load the model in a subprocess just to guess this list).
@@ -53,12 +50,12 @@ def model_artifacts(finetuned: Path, openvino: Path, base: Path | None) -> dict[
             raise UserError(f"{openvino} is a run-time adapter export: register it with the LoRA it was "
                             f"made from (--finetuned holding {LORA_WEIGHTS}) and --base models/base")
         families.read_index(base, "run `dvc repro base` first")
-        return {"finetuned": str(finetuned)}  # the base pipeline is the base export version's
+        return {layout.FINETUNED: str(finetuned)}  # the base pipeline is the base export version's
     exported = export_or_none(openvino)  # None: export.enabled false, served by diffusers
     if exported is not None:
         families.read_index(exported, "run the pipeline first (`dvc repro`)")
-    artifacts = {"finetuned": str(finetuned), **({"openvino": str(exported)} if exported else {})}
-    if (Path(finetuned) / "model_index.json").is_file():  # a full pipeline (LoRA weights beside it: fused)
+    artifacts = {layout.FINETUNED: str(finetuned), **({layout.OPENVINO: str(exported)} if exported else {})}
+    if layout.is_pipeline(finetuned):  # a full pipeline (LoRA weights beside it: fused)
         return artifacts
     if not ((Path(finetuned) / LORA_WEIGHTS).is_file() or (Path(finetuned) / PEFT_DIR).is_dir()):
         raise UserError(f"{finetuned} holds neither a diffusers pipeline (model_index.json) nor adapters "
@@ -68,25 +65,17 @@ def model_artifacts(finetuned: Path, openvino: Path, base: Path | None) -> dict[
     if base is None:
         raise UserError(adapters_only)
     families.read_index(base, adapters_only)
-    return {**artifacts, "base": str(base)}
-
-
-#: Input images a request may send to a model whose family edits (its `image` param): each one's
-#: tokens join every denoising step, so they are bounded like the images asked for
-SERVED_INPUT_IMAGES = 4
+    return {**artifacts, layout.BASE: str(base)}
 
 
 def call_convention(*folders: Path | None) -> dict[str, Any]:
     """How the served model calls its pipeline, from the first pipeline folder among `folders` (the
-    fine-tune, the base its adapters apply to, the export or its base): the family's convention
-    (ModelFamily.call_convention) as model_config `pipeline_call`, and `input_images`, how many
-    input images a request may send (0 where the family does not edit)."""
+    fine-tune, the base its adapters apply to, the export or its base): the family's CallConvention
+    (finetune_runtime/convention.py) as model_config `pipeline_call`."""
     found = [Path(f) for f in folders if f is not None]
     found += [f / BASE_DIR for f in found]  # a run-time adapter export's base
-    folder = next((f for f in found if (f / "model_index.json").is_file()), None)
+    folder = next((f for f in found if layout.is_pipeline(f)), None)
     if folder is None:
         raise UserError(f"none of {', '.join(map(str, found))} is a pipeline folder (model_index.json): run the "
                         "pipeline first (`dvc repro`)")
-    family = families.detect(folder)
-    return {"pipeline_call": family.call_convention(),
-            "input_images": SERVED_INPUT_IMAGES if family.takes_references else 0}
+    return {CONFIG_KEY: families.detect(folder).call_convention().as_config()}

@@ -1,6 +1,6 @@
 """Loads that check a registered model's files against its manifest (tasks/register/manifest.py).
 
-The check cannot live in the model: pyfunc_model.py, `code/` and MLmodel are artifacts the
+The check cannot live in the model: its python_model file, `code/` and MLmodel are artifacts the
 pipeline user can rewrite. It lives in this installed package, in MLflow's resolver of `models:/`
 URIs: `VerifiedModelsArtifactRepository` downloads like MLflow's own, then compares what it
 downloaded with the manifest of the version (or logged model) the URI names, before MLflow reads

@@ -129,15 +129,15 @@ def test_a_guidance_value_runs_true_cfg(tiny_qwenimage) -> None:
     """Qwen-Image's pipeline guides (`true_cfg_scale`) only with a negative prompt: a call with guidance
     above 1 and none sends " " (the stages' guidance guides, a second transformer pass per step); a
     negative prompt given is kept, and guidance 1 or none leaves the pipeline unguided."""
-    from tasks.common import pipeline_call
+    from finetune_runtime import pipeline_call
 
     family = families.by_name("qwenimage")
-    args = pipeline_call.call_arguments(["a", "b"], steps=1, guidance=4.0, **family.call_convention())
+    convention = family.call_convention()
+    args = pipeline_call.call_arguments(["a", "b"], convention, steps=1, guidance=4.0)
     assert args["true_cfg_scale"] == 4.0 and args["negative_prompt"] == [" ", " "]
-    assert pipeline_call.call_arguments("a", steps=1, guidance=4.0, negative="blur",
-                                        **family.call_convention())["negative_prompt"] == "blur"
-    assert "negative_prompt" not in pipeline_call.call_arguments("a", steps=1, guidance=1.0,
-                                                                 **family.call_convention())
+    assert pipeline_call.call_arguments("a", convention, steps=1, guidance=4.0, negative="blur")["negative_prompt"] \
+        == "blur"
+    assert "negative_prompt" not in pipeline_call.call_arguments("a", convention, steps=1, guidance=1.0)
     pipe = family.pipeline_class().from_pretrained(tiny_qwenimage)
     calls = []
     pipe.transformer.register_forward_hook(lambda *_: calls.append(1))
@@ -151,16 +151,18 @@ def test_a_guidance_value_runs_true_cfg(tiny_qwenimage) -> None:
 def test_a_hard_coded_pipeline_size_follows_the_vae(tmp_path) -> None:
     """Z-Image's pipeline makes 1024 px when given no size, whatever its VAE; the family's call makes
     its default latent side times the VAE's factor (1024 px for the real model, 256 for the tiny
-    one), and the served model's default size says the same."""
-    from tasks.register.pyfunc_model import model_size
+    one), and the served model's default size (the same rule, from the recorded convention) says the same."""
+    from finetune_runtime.convention import CallConvention
+    from finetune_runtime.size import shape_of
 
     family = families.BUILTINS["builtin:tiny-zimage"]
     pipe = family.pipeline_class().from_pretrained(families.build_tiny_pipeline(family.builtin, 0, tmp_path))
-    assert pipe.vae_scale_factor == 2 and family.native_size(pipe) == 256
+    assert pipe.vae_scale_factor == 2
     image = family.generate(pipe, "a photo of sks toy", steps=1, guidance=0.0)[0]
     assert image.size == (256, 256)
-    assert model_size(pipe, family.call_convention()) == ((256, 256), False)
-    assert model_size(pipe) == ((512, 512), False)  # unrecorded: the served model's old guess
+    recorded = CallConvention.from_config({"pipeline_call": family.call_convention().as_config()})
+    assert shape_of(pipe, recorded).default == (256, 256)
+    assert shape_of(pipe, CallConvention()).default == (512, 512)  # unrecorded: the denoiser's guess
 
 
 def test_sana_generates_from_the_conditioning_it_trains_on(tmp_path) -> None:

@@ -34,10 +34,11 @@ def _one_image(folder):
 def test_a_family_from_one_module_trains_exports_and_serves(toy, tmp_path):
     import torch
 
+    from finetune_runtime.load import Loaded
+    from finetune_runtime.model import DiffusionImageModel
     from tasks.common.openvino_model import load_ov_pipeline
     from tasks.export.config import ExportConfig
     from tasks.export.core import export
-    from tasks.register.pyfunc_model import DiffusionImageModel
     from tasks.train.config import TrainConfig
     from tasks.train.core import train
 
@@ -61,8 +62,9 @@ def test_a_family_from_one_module_trains_exports_and_serves(toy, tmp_path):
     assert families.detect(tmp_path / "openvino") is toy
 
     model = DiffusionImageModel()
-    model.serve(load_ov_pipeline(tmp_path / "openvino", static=True), "openvino",
-                {"pipeline_call": toy.call_convention()})
+    pipe = load_ov_pipeline(tmp_path / "openvino", static=True)
+    model.serve(Loaded(pipe, "openvino", str(tmp_path / "openvino")),
+                {"pipeline_call": toy.call_convention().as_config()})
     rows = model.predict(None, ["a photo of sks toy"], {"num_inference_steps": 2})
     image = Image.open(io.BytesIO(base64.b64decode(rows["image"][0])))
     assert image.size == (32, 32)

@@ -40,7 +40,7 @@ pytestmark = pytest.mark.quick  # make test-fast
 
 ROOT = Path(__file__).resolve().parents[2]
 FAMILIES_DIR = ROOT / "tasks" / "common" / "families"
-SCANNED = ("tasks", "flows")
+SCANNED = ("tasks", "flows", "finetune_runtime")
 
 #: Family-specific names the family classes do not state as attributes: the families' own model
 #: classes and the denoiser call conventions only some families use.
@@ -259,7 +259,7 @@ fine = ("ddpm", "builtin:tiny-flux2 | a hub id", "SDXL and FLUX.1 are prose", fa
 PIPELINE_NAMES = {"pipe", "pt_pipe", "ov_pipe", "pipeline", "runner"}
 #: Where a pipeline is called directly: the one call (pipeline_call.py), GenAI's own API behind the
 #: stand-ins that ModelFamily.generate calls (genai.py; genai_serving.py is the served model's code).
-PIPELINE_CALLERS = {"tasks/common/pipeline_call.py", "tasks/common/genai.py", "tasks/register/genai_serving.py"}
+PIPELINE_CALLERS = {"finetune_runtime/pipeline_call.py", "tasks/common/genai.py", "finetune_runtime/genai_serving.py"}
 
 
 def pipeline_calls(source: str) -> list[int]:

@@ -19,9 +19,10 @@ import numpy as np
 import pytest
 from mlflow.exceptions import MlflowException
 
-from tasks.register.adapter_cache import MARKER, AdapterCache, confined_file, folder_bytes
-from tasks.register.pyfunc_model import DiffusionImageModel
-from tasks.register.serving_limits import TIMEOUT_ENV
+from finetune_runtime.adapter_cache import MARKER, AdapterCache, confined_file, folder_bytes
+from finetune_runtime.limits import TIMEOUT_ENV
+from finetune_runtime.load import Loaded
+from finetune_runtime.model import DiffusionImageModel
 from tests.register.test_serving_limits import SlowPipe
 
 pytestmark = pytest.mark.quick  # make test-fast
@@ -136,7 +137,7 @@ def test_an_adapter_over_the_whole_cache_is_refused_naming_the_knob(cache, tmp_p
 
 def test_a_killed_servers_cache_folder_is_removed_at_the_next_start(tmp_path) -> None:
     root = tmp_path / "root"
-    code = ("import sys, time; from tasks.register.adapter_cache import AdapterCache; "
+    code = ("import sys, time; from finetune_runtime.adapter_cache import AdapterCache; "
             f"print(AdapterCache('k', 1000, root={str(root)!r}).folder, flush=True); time.sleep(60)")
     child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
                              cwd=Path(__file__).resolve().parents[2])
@@ -164,7 +165,7 @@ class AdapterPipe(SlowPipe):
         self.cache, self.looked_up = cache, 0
 
     def resolve(self, spec: str, check) -> list:
-        from tasks.register.genai_serving import parse_adapters
+        from finetune_runtime.genai_serving import parse_adapters
 
         self.looked_up += bool(spec)  # a request without `adapter` resolves "" (nothing to look up)
         return [(self.cache.get(name, alias, version, check)[1].file, weight)
@@ -173,7 +174,7 @@ class AdapterPipe(SlowPipe):
 
 def _served(cache: AdapterCache, max_waiting: int) -> tuple[DiffusionImageModel, AdapterPipe]:
     model, pipe = DiffusionImageModel(), AdapterPipe(0.02, cache)
-    model.serve(pipe, "genai", {"budget_images": 100, "max_waiting": max_waiting})
+    model.serve(Loaded(pipe, "genai", "stand-in"), {"budget_images": 100, "max_waiting": max_waiting})
     return model, pipe
 
 

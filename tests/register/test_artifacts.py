@@ -132,7 +132,8 @@ def test_unfused_lokr_registers_and_predicts_through_peft(project: Path, monkeyp
     import torch
     from diffusers import DiffusionPipeline
 
-    from tasks.common.adapters import apply_peft_adapters, peft_config, save_peft_adapters
+    from finetune_runtime.adapters import apply_peft
+    from tasks.common.adapters import peft_config, save_peft_adapters
 
     root = project
     shutil.move(root / "models/finetuned", root / "models/base")
@@ -153,7 +154,7 @@ def test_unfused_lokr_registers_and_predicts_through_peft(project: Path, monkeyp
     got = np.asarray(Image.open(io.BytesIO(base64.b64decode(out["image"][0]))).convert("RGB"))
     expected = DiffusionPipeline.from_pretrained(root / "models/base")
     plain = _image(expected)
-    apply_peft_adapters(expected, root / "models/finetuned/peft_adapters")
+    apply_peft(expected, root / "models/finetuned/peft_adapters")
     assert np.array_equal(got, _image(expected))
     assert not np.array_equal(got, plain)
 
@@ -163,7 +164,7 @@ def test_a_base_over_base_copy_max_gb_is_registered_by_reference_and_found_again
     """register.base_copy_max_gb: a base over it is not copied into the version: the version names it
     (path, DVC hash, file sizes), the pyfunc loads it from there or from FINETUNE_BASE_DIR, and a
     folder that is not the registered base, or no base at all, is refused naming the fix."""
-    from tasks.register import base_reference
+    from finetune_runtime import base_reference
 
     root = adapters_project
     params = root / "params.yaml"
@@ -218,7 +219,7 @@ def test_a_referenced_base_serves_in_the_precision_the_fine_tune_trained_on(
     import torch
     from diffusers import DiffusionPipeline
 
-    from tasks.register import base_reference
+    from finetune_runtime import base_reference
     from tests.register.conftest import TRAIN_REPORT
 
     root = adapters_project

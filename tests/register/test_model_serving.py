@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
+from finetune_runtime.convention import CallConvention
 from tasks.register.core import register
 from tests.register.http_serve import models_serve, post
 
@@ -86,9 +87,9 @@ def test_models_serve_answers_with_png_images(project: Path, tmp_path: Path) -> 
     result = register(project / "models/finetuned", project / "models/openvino",
                       project / "reports/evaluate.json", project / "dvc.lock", project / "params.yaml")
     config = mlflow.models.get_model_info(result.model_uri).flavors["python_function"]["config"]
-    convention = {"guidance_argument": "guidance_scale"}
+    convention = CallConvention().as_config()  # SD 1.x: the shared call
     assert config == {"budget_images": 4.0, "max_waiting": 4, "adapter_cache_mb": 1024.0,
-                      "pipeline_call": convention, "input_images": 0}, \
+                      "pipeline_call": convention}, \
         "register's defaults and the family's call convention, logged with the model"
     with models_serve("models:/sd-test@champion", tmp_path / "serve.log", timeout_s=TIMEOUT_S,
                       config=SERVE_CONFIG) as (url, ready_s):

@@ -10,9 +10,23 @@ import pytest
 from mlflow.exceptions import MlflowException
 from PIL import Image
 
-from tasks.register.serving_limits import MAX_IMAGES, SETTINGS, Budget, check_request, signature
+from finetune_runtime import limits
+from finetune_runtime.convention import CallConvention
+from finetune_runtime.limits import MAX_IMAGES, SETTINGS, Budget, signature
+from finetune_runtime.size import Shape
 
 pytestmark = pytest.mark.quick  # make test-fast
+
+
+def check_request(inputs, params, *, size_multiple: int = 8, input_images: int = 0,
+                  size: tuple[int, int] | None = None, budget: Budget | None = None,
+                  default: tuple[int, int] = (512, 512)) -> tuple[list[str], dict]:
+    """limits.check_request for a pipeline that makes `default` (or only `size`, a static export), its
+    sides multiples of `size_multiple`, taking `input_images` as FLUX.2 [klein] does (latents in 2x2
+    patches, an input image encoded at most a megapixel)."""
+    shape = Shape(size, True, size_multiple) if size else Shape(default, False, size_multiple)
+    convention = CallConvention(input_images=input_images, latent_patch=2, edit_pixels=1024 * 1024)
+    return limits.check_request(inputs, params, shape, convention, budget)
 
 BAD = [
     # (inputs, params, what the error must say)
@@ -56,7 +70,7 @@ def test_defaults_fill_in_and_good_values_pass() -> None:
     prompts, settings = check_request(pd.DataFrame({"prompt": ["a", "b"]}), {"seed": 4, "height": 128})
     assert prompts == ["a", "b"]
     assert settings == {"seed": 4, "num_inference_steps": 20, "guidance_scale": 7.5, "height": 128,
-                        "width": None, "num_images_per_prompt": 1, "adapter": "", "image": []}
+                        "width": 512, "num_images_per_prompt": 1, "adapter": "", "image": []}  # the model's width
     assert check_request(["a"] * 4, {"num_images_per_prompt": 4, "guidance_scale": 0})[1]["guidance_scale"] == 0.0
     assert len(check_request(["a"] * 8, {"num_images_per_prompt": 2})[0]) * 2 == MAX_IMAGES
     assert check_request(["a"], {"height": 66}, size_multiple=2)[1]["height"] == 66, "the model's VAE factor rules"

@@ -3,6 +3,7 @@ fresh process (the way a user or `mlflow models serve` loads the model)."""
 from __future__ import annotations
 
 import base64
+import hashlib
 import io
 import json
 import os
@@ -14,6 +15,7 @@ import mlflow
 import pytest
 from PIL import Image
 
+import finetune_runtime
 from tasks.register import manifest
 from tasks.register.core import register
 from tasks.register.registry import champion_of
@@ -74,15 +76,15 @@ def test_cli_registers_version_with_lineage_and_both_aliases(registered: Path) -
     (output,) = run.outputs.model_outputs  # the pyfunc, logged from that run
     assert mv.source == f"models:/{output.model_id}"
     files = {Path(f.path).name for f in mlflow.artifacts.list_artifacts(mv.source)}
-    assert {"MLmodel", "artifacts", "code", "pyfunc_model.py"} <= files
+    assert {"MLmodel", "artifacts", "code", "mlflow_model.py"} <= files
     location = mlflow.get_logged_model(output.model_id).artifact_location
-    code = {Path(f.path).name for f in mlflow.artifacts.list_artifacts(artifact_uri=f"{location}/code")}
-    assert code == {"serving_limits.py", "serving_images.py", "genai_serving.py", "adapter_cache.py",
-                    "pipeline_call.py", "base_reference.py"}  # its imports
+    code_dir = f"{location}/code/finetune_runtime"
+    code = {Path(f.path).name for f in mlflow.artifacts.list_artifacts(artifact_uri=code_dir)}
+    assert code == {p.name for p in Path(finetune_runtime.__file__).parent.glob("*.py")}  # the runtime, whole
     # What was registered is what loads (tasks/register/manifest.py): every stored file's SHA-256, in
     # the run, its digest a param; lineage.json's digest a param after its last write.
     registered = manifest.expected(client, mv.run_id, mv.source, "sd-test v1")
-    assert {"MLmodel", "pyfunc_model.py", "code/serving_limits.py", "artifacts/openvino/model_index.json",
+    assert {"MLmodel", "mlflow_model.py", "code/finetune_runtime/limits.py", "artifacts/openvino/model_index.json",
             "artifacts/finetuned/unet/diffusion_pytorch_model.safetensors"} <= set(registered)
     manifest.compare(registered, Path(location.removeprefix("file://")), "", "sd-test v1")  # raises on a difference
     assert champion_of(client, mv, "dino").score == 0.4  # lineage.json checked against its recorded digest
@@ -198,17 +200,20 @@ def test_an_export_serves_dynamic_at_its_exported_size_by_default(tiny_models: P
     made at 256), and still makes any size asked for (an edit at its input image's size)."""
     from optimum.intel import OVStableDiffusionPipeline
 
-    from tasks.register.pyfunc_model import DiffusionImageModel, _openvino_pipeline, model_size
+    from finetune_runtime.convention import CallConvention
+    from finetune_runtime.load import Loaded, openvino_pipeline
+    from finetune_runtime.model import DiffusionImageModel
+    from finetune_runtime.size import Shape, shape_of
 
     ov = OVStableDiffusionPipeline.from_pretrained(tiny_models / "openvino", compile=False, dynamic_shapes=False)
     ov.reshape(batch_size=1, height=32, width=48, num_images_per_prompt=1)
     ov.save_pretrained(tmp_path / "openvino")
-    pipe, exported = _openvino_pipeline(str(tmp_path / "openvino"))
+    pipe, exported = openvino_pipeline(str(tmp_path / "openvino"))
     assert exported == (32, 48) and pipe.height == -1  # dynamic, the saved size remembered
-    assert model_size(pipe) == ((64, 64), False)  # what the pipeline alone would make
+    assert shape_of(pipe, CallConvention()).default == (64, 64)  # what the pipeline alone would make
     model = DiffusionImageModel()
-    model.serve(pipe, "openvino", None, exported)
-    assert (model.budget.height, model.budget.width, model.size) == (32, 48, None)
+    model.serve(Loaded(pipe, "openvino", str(tmp_path / "openvino"), exported), None)
+    assert (model.budget.height, model.budget.width) == (32, 48) and model.shape == Shape((32, 48), False, 2)
     sizes = [Image.open(io.BytesIO(base64.b64decode(model.predict(None, ["a photo of sks toy"], params)["image"][0])))
              .size for params in ({"num_inference_steps": 1}, {"num_inference_steps": 1, "height": 64, "width": 64})]
     assert sizes == [(48, 32), (64, 64)]
@@ -244,16 +249,15 @@ def test_missing_inputs_fail_before_mlflow(project: Path) -> None:
 
 
 def test_pyfunc_reads_the_exports_runtime_settings_like_the_pipeline(tmp_path: Path) -> None:
-    """The model's code stands alone, so it reads openvino_runtime.json itself: it must agree with
-    tasks.common.openvino_model for every precision and for a folder without the file (f32)."""
-    from tasks.common.openvino_model import runtime_config, write_runtime_config
-    from tasks.register.pyfunc_model import _runtime_config
+    """The served model reads openvino_runtime.json with the runtime's reader, which reads back what the
+    export stage writes, for every precision, and f32 for a folder without the file."""
+    from finetune_runtime.load import runtime_config
+    from tasks.common.openvino_model import precision_config, write_runtime_config
 
-    assert _runtime_config(str(tmp_path)) == runtime_config(tmp_path) == {
-        "INFERENCE_PRECISION_HINT": "f32"}
+    assert runtime_config(str(tmp_path)) == {"INFERENCE_PRECISION_HINT": "f32"}
     for precision in ("auto", "bf16", "f16", "f32"):
         write_runtime_config(tmp_path, precision)
-        assert _runtime_config(str(tmp_path)) == runtime_config(tmp_path), precision
+        assert runtime_config(str(tmp_path)) == precision_config(precision), precision
 
 
 def test_predict_refuses_bad_requests_before_generating(registered: Path) -> None:
@@ -380,3 +384,47 @@ def test_a_registration_that_loses_the_race_for_champion_says_so(
     assert v3.tags["champion.decision"] == result.decision == f"not promoted: lost the race for champion: {lost}"
     champion = mlflow.artifacts.load_dict(v3.tags["lineage"])["champion"]
     assert champion["champion.promoted"] == "false" and champion["champion.decision"] == result.decision
+
+
+#: A Python where the project's own packages cannot be imported (a user's, with MLflow and the model's
+#: libraries): it loads a registered version, predicts, and says where its runtime package came from.
+ONLY_THE_RUNTIME = """
+import hashlib, importlib.abc, sys
+
+
+class NoProject(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in ("tasks", "flows", "tests", "benchmarks"):
+            raise ModuleNotFoundError(f"{name}: the project is not importable here")
+        return None
+
+
+sys.meta_path.insert(0, NoProject())
+import mlflow
+
+model = mlflow.pyfunc.load_model(sys.argv[1])
+out = model.predict(["a photo of sks toy"], params={"num_inference_steps": 1, "seed": 3})
+import finetune_runtime
+
+print("runtime", finetune_runtime.__file__)
+print("images", len(out), hashlib.sha256(out["image"][0].encode()).hexdigest())
+print("project", sorted(m for m in sys.modules if m.split(".")[0] in ("tasks", "flows")))
+"""
+
+
+def test_a_version_loads_where_only_its_runtime_is_importable(registered: Path, tmp_path: Path) -> None:
+    """The served model's code is the runtime package, logged whole with the version: in a Python where
+    the project cannot be imported, the version loads from the registry, predicts the image the project's
+    own process predicts, and runs the version's copy of the runtime, not the checkout's."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    proc = subprocess.run([sys.executable, "-c", ONLY_THE_RUNTIME, "models:/sd-test/1"], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = dict(line.split(" ", 1) for line in proc.stdout.splitlines() if line.split(" ", 1)[0] in
+                 ("runtime", "images", "project"))
+    runtime = Path(lines["runtime"])
+    assert runtime.parent.parent.name == "code" and REPO not in runtime.parents, runtime  # the version's copy
+    assert lines["project"] == "[]"
+    here = mlflow.pyfunc.load_model("models:/sd-test/1").predict(["a photo of sks toy"],
+                                                                    params={"num_inference_steps": 1, "seed": 3})
+    assert lines["images"] == f"1 {hashlib.sha256(here['image'][0].encode()).hexdigest()}"

@@ -11,15 +11,12 @@ import pytest
 from mlflow.exceptions import MlflowException
 from PIL import Image
 
-from tasks.register.pyfunc_model import DiffusionImageModel, model_size
-from tasks.register.serving_limits import (
-    SERVING_DEFAULTS,
-    TIMEOUT_ENV,
-    Budget,
-    Turns,
-    check_request,
-    serving_config,
-)
+from finetune_runtime.convention import CallConvention
+from finetune_runtime.limits import SERVING_DEFAULTS, TIMEOUT_ENV, Budget, Turns, serving_config
+from finetune_runtime.load import Loaded
+from finetune_runtime.model import DiffusionImageModel
+from finetune_runtime.size import shape_of
+from tests.register.test_pyfunc_inputs import check_request
 
 pytestmark = pytest.mark.quick  # make test-fast
 
@@ -40,7 +37,7 @@ def test_a_request_over_budget_is_refused_naming_the_fields_and_the_budget() -> 
 
 def test_the_budget_counts_the_default_size_and_a_static_shape() -> None:
     budget = Budget(4, 512, 512)
-    assert check_request(["a"] * 4, {}, budget=budget)[1]["height"] is None  # 4 default images: at budget
+    assert check_request(["a"] * 4, {}, budget=budget)[1]["height"] == 512  # 4 default images: at budget
     with pytest.raises(MlflowException, match="5 prompts x num_images_per_prompt 1 x num_inference_steps 20 "
                                               "x height 512 x width 512"):
         check_request(["a"] * 5, {}, budget=budget)
@@ -64,11 +61,19 @@ def test_serving_config_fills_in_and_refuses_bad_values() -> None:
 def test_the_default_size_is_the_models_own() -> None:
     parts = {"vae": SimpleNamespace(config={"sample_size": 512}),  # pixels: not the one that counts
              "denoiser": SimpleNamespace(config={"sample_size": 64})}
-    assert model_size(SimpleNamespace(components=parts, vae_scale_factor=8)) == ((512, 512), False)  # SD 1.x
-    assert model_size(SimpleNamespace(default_sample_size=128, vae_scale_factor=8)) == ((1024, 1024), False)
-    assert model_size(SimpleNamespace(height=64, width=96, components=parts)) == ((64, 96), True)  # static export
-    assert model_size(SimpleNamespace(height=-1, width=-1, components=parts, vae_scale_factor=2)) == ((128, 128), False)
-    assert model_size(SimpleNamespace()) == ((512, 512), False)
+    none = CallConvention()
+
+    def default(pipe, convention=none, exported=None):
+        shape = shape_of(pipe, convention, exported)
+        return shape.default, shape.static
+
+    assert default(SimpleNamespace(components=parts, vae_scale_factor=8)) == ((512, 512), False)  # SD 1.x
+    assert default(SimpleNamespace(default_sample_size=128, vae_scale_factor=8)) == ((1024, 1024), False)
+    assert default(SimpleNamespace(height=64, width=96, components=parts)) == ((64, 96), True)  # static export
+    assert default(SimpleNamespace(height=-1, width=-1, components=parts, vae_scale_factor=2)) == ((128, 128), False)
+    assert default(SimpleNamespace(height=-1, width=-1, components=parts), none, (32, 48)) == ((32, 48), False)
+    assert default(SimpleNamespace(vae_scale_factor=2), CallConvention(default_sample_size=128)) == ((256, 256), False)
+    assert default(SimpleNamespace()) == ((512, 512), False)
 
 
 def _in_thread(fn) -> tuple[threading.Thread, dict]:
@@ -148,7 +153,7 @@ def test_a_generation_stops_at_the_servers_timeout_and_frees_the_model(monkeypat
 
     monkeypatch.setenv(TIMEOUT_ENV, "0.5")
     model, pipe = DiffusionImageModel(), SlowPipe(0.02)
-    model.serve(pipe, "stand-in", {"budget_images": 100})
+    model.serve(Loaded(pipe, "stand-in", "stand-in"), {"budget_images": 100})
     start = time.monotonic()
     with pytest.raises(MlflowException, match=rf"stopped after 0.5 s \({TIMEOUT_ENV}\), at image 1 of 1, "
                                               r"step \d+") as info:
@@ -162,7 +167,7 @@ def test_a_generation_stops_at_the_servers_timeout_and_frees_the_model(monkeypat
 def test_no_deadline_outside_the_server_and_over_budget_touches_nothing(monkeypatch) -> None:
     monkeypatch.delenv(TIMEOUT_ENV, raising=False)
     model, pipe = DiffusionImageModel(), SlowPipe(0.0)
-    model.serve(pipe, "stand-in", None)
+    model.serve(Loaded(pipe, "stand-in", "stand-in"), None)
     assert model.timeout_s is None and model.budget == Budget(4.0, 64, 64)
     assert len(model.predict(None, ["a"], {"num_inference_steps": 80})) == 1
     with pytest.raises(MlflowException, match="over this model's budget"):

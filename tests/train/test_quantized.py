@@ -11,7 +11,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tasks.common.adapters import ADAPTER_TYPES, PEFT_DIR, apply_peft_adapters, peft_components
+from finetune_runtime.adapters import apply_peft
+from finetune_runtime.layout import PEFT_DIR, peft_components
+from tasks.common.adapters import ADAPTER_TYPES
 from tasks.common.families import detect
 from tasks.common.quantize import CHOICES, UNSUPPORTED_ADAPTERS, BasePrecision, is_quantized
 from tasks.train.config import TrainConfig
@@ -67,7 +69,7 @@ def _adapters_change_the_denoiser(base: Path, out: Path, adapter: str) -> None:
         pipe.unload_lora_weights()
     else:
         assert peft_components(out / PEFT_DIR) and not (out / "pytorch_lora_weights.safetensors").exists()
-        apply_peft_adapters(pipe, out / PEFT_DIR)
+        apply_peft(pipe, out / PEFT_DIR)
     after = getattr(pipe, denoiser).state_dict()
     assert after.keys() == before.keys()
     assert any(not torch.equal(before[k], after[k]) for k in before)

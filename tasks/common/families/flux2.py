@@ -14,8 +14,10 @@ LoRA loader has no Qwen3 part.
 from __future__ import annotations
 
 import re
+from dataclasses import replace
 from typing import Any, ClassVar
 
+from finetune_runtime.convention import CallConvention
 from tasks.common.families.base import PredictInputs
 from tasks.common.families.flow import FlowMatchingFamily, flow_scheduler
 from tasks.common.families.tiny import qwen3_config, qwen_tokenizer, seeded
@@ -80,6 +82,11 @@ class Flux2Klein(FlowMatchingFamily):
     # ComfyUI's FLUX.2 has BFL's module names (comfyui_layers), kohya-style; LoKr and LoHa keep
     # diffusers' under `lycoris_` (a Kronecker or Hadamard product does not fuse)
     comfyui_lora_prefixes = {"transformer": "lora_unet_"}
+
+    @classmethod
+    def call_convention(cls) -> CallConvention:
+        """Flux2KleinPipeline encodes an input image larger than a megapixel scaled down to one."""
+        return replace(super().call_convention(), edit_pixels=1024 * 1024)
 
     @classmethod
     def comfyui_layers(cls, component: str, layers: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
@@ -180,10 +187,6 @@ class Flux2Klein(FlowMatchingFamily):
         """Patchified, not packed: (4 x the VAE's channels, h/2, w/2); the pipeline packs `latents` itself."""
         vsf = int(pipe.vae_scale_factor)
         return (int(pipe.transformer.config["in_channels"]), height // vsf // 2, width // vsf // 2)
-
-    @classmethod
-    def native_size(cls, pipe: Any) -> int:
-        return int(pipe.default_sample_size) * int(pipe.vae_scale_factor)
 
     @classmethod
     def build_tiny(cls, seed: int) -> Any:

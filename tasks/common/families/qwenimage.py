@@ -23,8 +23,10 @@ every other family.
 """
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
+from finetune_runtime.convention import CallConvention
 from tasks.common.families.base import PredictInputs
 from tasks.common.families.flow import FlowMatchingFamily
 from tasks.common.families.tiny import qwen_tokenizer, seeded
@@ -58,8 +60,8 @@ class QwenImage(FlowMatchingFamily):
                 "guidance_scale": f"the guidance input of guidance-distilled FLUX bases; {cls.title} has none"}
 
     @classmethod
-    def call_convention(cls) -> dict[str, Any]:
-        return {**super().call_convention(), "negative_when_guided": " "}
+    def call_convention(cls) -> CallConvention:
+        return replace(super().call_convention(), negative_when_guided=" ")
 
     @classmethod
     def tokenize(cls, components: Any, prompts: list[str], max_sequence_length: int | None = None) -> list[Any]:
@@ -112,10 +114,6 @@ class QwenImage(FlowMatchingFamily):
         """Packed: (h/2 x w/2 latent tokens, 4 x the VAE's channels), as QwenImagePipeline takes `latents`."""
         vsf = int(pipe.vae_scale_factor)
         return ((height // vsf // 2) * (width // vsf // 2), int(pipe.transformer.config["in_channels"]))
-
-    @classmethod
-    def native_size(cls, pipe: Any) -> int:
-        return int(pipe.default_sample_size) * int(pipe.vae_scale_factor)
 
     @classmethod
     def build_tiny(cls, seed: int) -> Any:

@@ -28,8 +28,10 @@ part only).
 """
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
+from finetune_runtime.convention import CallConvention
 from tasks.common.families.base import PredictInputs
 from tasks.common.families.flow import FlowMatchingFamily
 from tasks.common.families.tiny import gemma2_config, gemma_tokenizer, seeded
@@ -48,6 +50,9 @@ class Sana(FlowMatchingFamily):
     #: image sides: multiples of the released autoencoder's 32x compression (the tiny one's 4x divides it);
     #: everything at run time reads the loaded VAE's factor (`pipe.vae_scale_factor`)
     pixel_multiple = 32
+    #: ComfyUI has no Sana model: no key of a ComfyUI adapter file would load (`lora_format: comfyui` is refused)
+    comfyui_lora_prefixes = None
+    comfyui_lycoris_prefixes = None
 
     @classmethod
     def refused_options(cls) -> dict[str, str]:
@@ -85,9 +90,9 @@ class Sana(FlowMatchingFamily):
         return pred
 
     @classmethod
-    def call_convention(cls) -> dict[str, Any]:
+    def call_convention(cls) -> CallConvention:
         """No complex human instruction, as training encodes prompts (and as the script validates)."""
-        return {**super().call_convention(), "arguments": {"complex_human_instruction": None}}
+        return replace(super().call_convention(), arguments={"complex_human_instruction": None})
 
     @classmethod
     def build_tiny(cls, seed: int) -> Any:

@@ -71,10 +71,6 @@ class ZImage(FlowMatchingFamily):
         return -torch.stack(out).squeeze(2).to(noisy_latents.dtype)
 
     @classmethod
-    def native_size(cls, pipe: Any) -> int:
-        return cls.default_sample_size * int(pipe.vae_scale_factor)
-
-    @classmethod
     def build_tiny(cls, seed: int) -> Any:
         """A 2-layer Qwen3 16 wide, a transformer of one main and one refiner layer 64 wide (4 heads
         of 16), FLUX.1's VAE layout at toy size (16 channels, its shift and scaling)."""

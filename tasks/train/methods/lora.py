@@ -18,9 +18,11 @@ from typing import Any
 
 import torch
 
+from finetune_runtime.adapters import apply_peft
+from finetune_runtime.layout import PEFT_DIR
 from tasks.common import families, stream_fuse
 from tasks.common.adapter_formats import adapter_format
-from tasks.common.adapters import DIFFUSERS_FORMAT, PEFT_DIR, apply_peft_adapters, peft_config, save_peft_adapters
+from tasks.common.adapters import DIFFUSERS_FORMAT, peft_config, save_peft_adapters
 from tasks.common.lora import fuse_lora_file
 from tasks.common.quantize import is_quantized
 from tasks.train.config import TrainConfig
@@ -135,7 +137,7 @@ class LoRA(TrainingMethod):
         if self.diffusers_format:
             fuse_lora_file(pipe, out_dir / WEIGHT_NAME, self.fused_components)
         else:
-            apply_peft_adapters(pipe, out_dir / PEFT_DIR)
+            apply_peft(pipe, out_dir / PEFT_DIR)
         pipe.save_pretrained(out_dir, safe_serialization=True)
         log.info("saved the base pipeline with the LoRA fused in to %s", out_dir)
 
@@ -148,7 +150,7 @@ class LoRA(TrainingMethod):
         if self.diffusers_format:
             pipe.load_lora_weights(out_dir, weight_name=WEIGHT_NAME)
         else:
-            apply_peft_adapters(pipe, out_dir / PEFT_DIR)  # fused: same images
+            apply_peft(pipe, out_dir / PEFT_DIR)  # fused: same images
         return pipe
 
 

@@ -1,7 +1,6 @@
 """What a request may ask of a served model, and how long it may wait: the pyfunc's limits.
 
-Logged with the pyfunc as its code (MLflow `code_paths`), so, like pyfunc_model.py, it imports
-nothing from this repository. `SETTINGS` holds every generation param's type, default and allowed
+`SETTINGS` holds every generation param's type, default and allowed
 range (the signature is built from it), and `check_request` refuses anything outside them, before
 any image is generated, with an MlflowException of INVALID_PARAMETER_VALUE that names the field
 and the allowed range (`mlflow models serve` answers it with HTTP 400).
@@ -36,10 +35,9 @@ from typing import Any
 
 import pandas as pd
 
-try:  # logged beside this file as the model's code (MLflow `code_paths`)
-    import serving_images as images
-except ImportError:  # this file imported from the repository (tests, the register stage)
-    from tasks.register import serving_images as images
+from finetune_runtime import images
+from finetune_runtime.convention import CallConvention
+from finetune_runtime.size import Shape, SizeError, output_size
 
 
 @dataclass(frozen=True)
@@ -65,7 +63,7 @@ SETTINGS: dict[str, Setting] = {
     "seed": Setting("long", 0, 0, 2**32 - 1),
     "num_inference_steps": Setting("long", 20, 1, 100),
     "guidance_scale": Setting("double", 7.5, 0.0, 30.0),
-    "height": Setting("long", None, 64, 1024),  # also a multiple of the model's VAE scale factor
+    "height": Setting("long", None, 64, 1024),  # also a multiple of the model's VAE scale factor (size.py)
     "width": Setting("long", None, 64, 1024),
     "num_images_per_prompt": Setting("long", 1, 1, 4),
 }
@@ -154,13 +152,12 @@ class Budget:
     def pixel_steps(self) -> int:
         return int(self.images * self.default_image)
 
-    def check(self, prompts: int, settings: dict[str, Any], size: tuple[int, int] | None = None,
-              input_pixels: int = 0) -> None:
+    def check(self, prompts: int, settings: dict[str, Any], input_pixels: int = 0) -> None:
         """A bad_request naming the fields and the budget when the request costs more than it.
 
-        `size`: the (height, width) the model makes whatever was asked (a static export's shape);
-        `input_pixels`: an edit's input images, as encoded (their tokens join every step)."""
-        height, width = size or (settings["height"] or self.height, settings["width"] or self.width)
+        `settings` carry the size the request will be made at (size.output_size); `input_pixels`: an
+        edit's input images, as encoded (their tokens join every step)."""
+        height, width = settings["height"], settings["width"]
         per_prompt, steps = settings["num_images_per_prompt"], settings["num_inference_steps"]
         cost = prompts * per_prompt * steps * (height * width + input_pixels)
         if cost <= self.pixel_steps:
@@ -175,28 +172,28 @@ class Budget:
             "num_images_per_prompt, num_inference_steps, height or width, or split the request")
 
 
-def check_request(model_input: Any, params: dict[str, Any] | None, size_multiple: int = 8,
-                  budget: Budget | None = None, size: tuple[int, int] | None = None,
-                  input_images: int = 0) -> tuple[list[str], dict]:
+def check_request(model_input: Any, params: dict[str, Any] | None, shape: Shape,
+                  convention: CallConvention, budget: Budget | None = None) -> tuple[list[str], dict]:
     """(prompts, settings) of a valid request; a bad_request before any work otherwise.
 
-    `input_images`: how many input images the model takes (serving_images.py); settings[`image`]
-    holds the decoded ones ([] without), and an edit is made at the static shape `size`, else, with
-    no size asked, at the first image's (size_multiple x 2: the packed latents' 2x2 patches)."""
+    settings[`height`], [`width`]: the size the request is made at (size.output_size: the pipeline's
+    `shape`, what was asked, the first input image's size); settings[`image`]: the decoded input
+    images, at most the convention's `input_images` ([] without)."""
     prompts = prompts_from(model_input)
-    settings = check_settings(params, size_multiple)
+    settings = check_settings(params, shape.multiple)
     count = len(prompts) * settings["num_images_per_prompt"]
     if count > MAX_IMAGES:
         raise bad_request(f"{len(prompts)} prompts x num_images_per_prompt {settings['num_images_per_prompt']} = "
                           f"{count} images; at most {MAX_IMAGES} per request: split it")
-    inputs = images.input_images((params or {}).get(images.IMAGE_PARAM), input_images)
-    if inputs and size is not None:  # the pipeline would follow the input image, not the static shape
-        settings["height"], settings["width"] = size
-    elif inputs and settings["height"] is None and settings["width"] is None:
-        settings["height"], settings["width"] = images.edit_size(inputs[0], size_multiple * 2,
-                                                                 int(SETTINGS["height"].high))
+    inputs = images.input_images((params or {}).get(images.IMAGE_PARAM), convention.input_images)
+    try:
+        settings["height"], settings["width"] = output_size(
+            shape, convention, settings["height"], settings["width"], inputs[0].size if inputs else None,
+            int(SETTINGS["height"].high))
+    except SizeError as err:
+        raise bad_request(str(err)) from None
     if budget is not None:
-        budget.check(len(prompts), settings, size, images.encoded_pixels(inputs))
+        budget.check(len(prompts), settings, images.encoded_pixels(inputs, convention.edit_pixels))
     settings[images.IMAGE_PARAM] = inputs
     return prompts, settings
 

@@ -1,7 +1,6 @@
 """One OpenVINO base export serving any number of registered LoRA fine-tunes (OpenVINO GenAI).
 
-Logged with the pyfunc as its code (MLflow `code_paths`), so, like pyfunc_model.py, it imports
-nothing from this repository. The registered base export (`<model>-base`, written by the register
+The registered base export (`<model>-base`, written by the register
 stage for `export.adapters: runtime`) loads this: its requests name the adapters in the `adapter`
 param, e.g. `sks-toy@champion`, `sks-toy/3`, or a blend `sks-toy/3:0.7,other@champion:0.3`.
 
@@ -26,15 +25,12 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-try:  # logged beside this file as the model's code (MLflow `code_paths`)
-    import adapter_cache
-except ImportError:  # this file imported from the repository (tests, the register stage)
-    from tasks.register import adapter_cache
+from finetune_runtime import adapter_cache, layout
 
 log = logging.getLogger("sd_pyfunc.genai")
 
 #: The file of a registered base export that says what it is (key, family, static shape).
-BASE_INFO = "genai_base.json"
+BASE_INFO = layout.GENAI_BASE
 #: The registered adapter version's artifact: genai_lora.safetensors, runtime_adapter.json and
 #: BASE_REF, the base export's registered version it applies to.
 ADAPTER_ARTIFACT = adapter_cache.ADAPTER_ARTIFACT
@@ -185,5 +181,5 @@ def base_export_of(adapter_dir: str) -> tuple[str, str, str]:
     folder = mlflow.artifacts.download_artifacts(uri)
     names = {p: os.path.join(folder, p) for p in os.listdir(folder)}
     export = next(p for p in names.values() if os.path.isfile(os.path.join(p, BASE_INFO)))
-    pipeline = next(p for p in names.values() if p != export and os.path.isfile(os.path.join(p, "model_index.json")))
+    pipeline = next(p for p in names.values() if p != export and layout.is_pipeline(p))
     return export, pipeline, lora

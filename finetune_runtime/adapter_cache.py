@@ -1,9 +1,8 @@
 """The registered adapters a base export's endpoint applies: looked up, checked, downloaded into one
 folder bounded in bytes, deleted on eviction.
 
-Logged with the pyfunc as its code (MLflow `code_paths`), so, like pyfunc_model.py, it imports
-nothing from this repository. genai_serving.AdapterServer calls `AdapterCache.get` inside the
-model's turn (serving_limits.Turns), so a look-up, a download and the compile after it wait in the
+genai_serving.AdapterServer calls `AdapterCache.get` inside the
+model's turn (limits.Turns), so a look-up, a download and the compile after it wait in the
 same bounded queue and under the same deadline as a generation.
 
 - Which versions apply: the adapter version's lineage document (`lineage.json` in the version's own
@@ -30,10 +29,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from finetune_runtime import layout
+
 log = logging.getLogger("sd_pyfunc.adapters")
 
 #: The registered adapter version's artifact (genai_lora.safetensors, runtime_adapter.json, ...).
-ADAPTER_ARTIFACT = "adapter"
+ADAPTER_ARTIFACT = layout.ADAPTER
 ADAPTER_INFO = "runtime_adapter.json"
 LINEAGE_ARTIFACT = "lineage.json"
 #: A folder the cache made (and so may delete) carries this file.

@@ -7,9 +7,6 @@ the base's name (`base.model`), its pinned revision, its DVC hash (`dvc pull mod
 version's git commit brings it back), the folder it was registered from and the size of every file.
 The version's OpenVINO export serves it without the base; the diffusers backend (and re-scoring)
 finds the base with `resolve`.
-
-Logged beside pyfunc_model.py as the model's code (MLflow `code_paths`): it imports nothing from
-this repository.
 """
 from __future__ import annotations
 
@@ -18,7 +15,9 @@ import os
 from pathlib import Path
 from typing import Any
 
-ARTIFACT = "base_reference"
+from finetune_runtime import layout
+
+ARTIFACT = layout.BASE_REFERENCE
 FILE = "base_reference.json"
 #: A folder holding a copy of the base, used instead of the recorded one (another machine's path)
 BASE_DIR_ENV = "FINETUNE_BASE_DIR"
@@ -47,7 +46,7 @@ def read(folder: str | Path) -> dict[str, Any]:
 
 def _matches(folder: Path, files: dict[str, int]) -> str | None:
     """Why `folder` is not the referenced base (a file missing or of another size), or None."""
-    if not (folder / "model_index.json").is_file():
+    if not layout.is_pipeline(folder):
         return f"{folder} holds no pipeline (model_index.json)"
     for rel, size in files.items():
         path = folder / rel

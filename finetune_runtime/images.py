@@ -1,17 +1,13 @@
 """An edit's input images in a request: the `image` param, decoded and checked before any work.
 
-Logged with the pyfunc as its code (MLflow `code_paths`), so, like serving_limits.py, it imports
-nothing from this repository. A model whose family edits (FLUX.2 [klein]: reference images beside
-the prompt) records how many input images it takes in its model_config (`input_images`); a request
-sends them as the param `image`, a list of base64-encoded PNG, JPEG or WebP files (a `data:` URL
-prefix is accepted), and every prompt of the request edits them. Each is refused with HTTP 400
-naming `image[i]` when it is not base64, not one of those formats, too long, too small or too large
-(`decoded` reads a file's header before its pixels, so a decompression bomb is refused unread).
-
-With input images and no height or width asked, the edit is made at the first image's size, as
-the diffusers pipeline does: scaled down to at most a megapixel (and SETTINGS' largest side),
-floored to the model's size multiple (`edit_size`). The images' own pixels, at the size the
-pipeline encodes them, count towards the request's cost (serving_limits.Budget).
+A model whose family edits (FLUX.2 [klein]: reference images beside the prompt) records how many
+input images it takes (its call convention's `input_images`); a request sends them as the param
+`image`, a list of base64-encoded PNG, JPEG or WebP files (a `data:` URL prefix is accepted), and
+every prompt of the request edits them. Each is refused with HTTP 400 naming `image[i]` when it is
+not base64, not one of those formats, too long, too small or too large (`decoded` reads a file's
+header before its pixels, so a decompression bomb is refused unread). The edit's size, when the
+request asks for none, is size.py's; the images' own pixels, at the size the pipeline encodes them,
+count towards the request's cost (limits.Budget).
 """
 from __future__ import annotations
 
@@ -21,12 +17,12 @@ import io
 import math
 from typing import Any
 
+from finetune_runtime.size import encoded_size
+
 IMAGE_PARAM = "image"
 MAX_IMAGE_CHARS = 16 * 2**20  # base64 text of one input image: a 12 MB file
 MIN_SIDE, MAX_SIDE = 64, 4096  # each side of an input image, in pixels
 FORMATS = ("PNG", "JPEG", "WEBP")
-#: The pipeline encodes a larger input image scaled down to this many pixels (Flux2KleinPipeline's)
-ENCODED_PIXELS = 1024 * 1024
 
 
 def _bad(message: str) -> Exception:
@@ -74,32 +70,14 @@ def input_images(values: Any, allowed: int) -> list[Any]:
         raise _bad(f"{IMAGE_PARAM}: expected a list of base64-encoded images, got {type(values).__name__}")
     values = list(values)
     if values and allowed <= 0:
-        raise _bad(f"{IMAGE_PARAM}: this model takes no input image (its family generates from a prompt only); "
+        raise _bad(f"{IMAGE_PARAM}: this model takes no input image (it generates from a prompt only); "
                    "send the prompts alone")
     if len(values) > allowed:
         raise _bad(f"{IMAGE_PARAM}: {len(values)} input images; this model takes at most {allowed}")
     return [decoded(i, v) for i, v in enumerate(values)]
 
 
-def encoded_size(size: tuple[int, int]) -> tuple[int, int]:
-    """(width, height) an input image of `size` (width, height) is scaled to before it is encoded."""
-    width, height = size
-    scale = min(1.0, math.sqrt(ENCODED_PIXELS / (width * height)))
-    return int(width * scale), int(height * scale)
-
-
-def edit_size(image: Any, multiple: int, max_side: int) -> tuple[int, int]:
-    """(height, width) of an edit made at `image`'s size: at most a megapixel and `max_side`, floored to
-    `multiple`; a bad_request when a side would fall under MIN_SIDE (ask for a height and width)."""
-    width, height = encoded_size(image.size)
-    scale = min(1.0, max_side / max(width, height))
-    out = (int(height * scale) // multiple * multiple, int(width * scale) // multiple * multiple)
-    if min(out) < MIN_SIDE:
-        raise _bad(f"{IMAGE_PARAM}[0]: {image.size[0]}x{image.size[1]} px would make a {out[1]}x{out[0]} edit; "
-                   f"pass height and width (each at least {MIN_SIDE})")
-    return out
-
-
-def encoded_pixels(images: list[Any]) -> int:
-    """The input images' pixels as the pipeline encodes them (their tokens join every step)."""
-    return sum(math.prod(encoded_size(im.size)) for im in images)
+def encoded_pixels(images: list[Any], max_pixels: int | None) -> int:
+    """The input images' pixels as the pipeline encodes them, each scaled to at most `max_pixels`
+    (their tokens join every step)."""
+    return sum(math.prod(encoded_size(im.size, max_pixels)) for im in images)

@@ -1,0 +1,117 @@
+"""A registered version's artifacts loaded as the pipeline that serves them: the one `load`.
+
+Which backend serves: the OpenVINO export when optimum-intel imports (fast on CPU), compiled at the
+precision the export stage validated it at (its openvino_runtime.json), with dynamic shapes and the
+size it was exported at as its default; a base export with GenAI's run-time adapters
+(genai_serving.py); the diffusers pipeline otherwise, the fine-tune's own or its adapters applied to
+its base (a copy in the version, or the one its reference names: base_reference.py).
+`FINETUNE_PYFUNC_BACKEND=openvino|diffusers` forces one.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from finetune_runtime import adapters, base_reference, layout
+
+log = logging.getLogger("sd_pyfunc")
+
+BACKEND_ENV = "FINETUNE_PYFUNC_BACKEND"
+#: How an export without a runtime file is compiled: fp32. Left to itself, OpenVINO picks a lower
+#: precision on CPUs with bf16 (measured here: 51 dB PSNR against PyTorch by default, ~100 dB with
+#: f32), so results would differ between machines unless the precision is stated.
+DEFAULT_OV_CONFIG = {"INFERENCE_PRECISION_HINT": "f32"}
+
+
+@dataclass(frozen=True)
+class Loaded:
+    """What serves a version: the pipeline, its backend (`openvino`, `genai`, `diffusers`), the
+    folder it came from, and the size an OpenVINO export was saved at (its default; None otherwise)."""
+
+    pipe: Any
+    backend: str
+    path: str
+    exported: tuple[int, int] | None = None
+
+
+def want_openvino() -> bool:
+    """Whether the OpenVINO export serves (FINETUNE_PYFUNC_BACKEND, else whether optimum-intel imports)."""
+    choice = os.environ.get(BACKEND_ENV, "auto").lower()
+    if choice not in ("auto", "openvino", "diffusers"):
+        raise ValueError(f"{BACKEND_ENV} must be auto, openvino or diffusers, not {choice!r}")
+    if choice != "auto":
+        return choice == "openvino"
+    try:
+        import optimum.intel  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def runtime_config(path: str | os.PathLike) -> dict[str, str]:
+    """The OpenVINO settings the export stage validated (openvino_runtime.json); fp32 without it."""
+    file = os.path.join(path, layout.OV_RUNTIME)
+    if not os.path.isfile(file):
+        return dict(DEFAULT_OV_CONFIG)
+    with open(file) as fh:
+        return dict(json.load(fh)["ov_config"])
+
+
+def openvino_pipeline(path: str) -> tuple[Any, tuple[int, int] | None]:
+    """(the export with dynamic shapes, the (height, width) it was exported at; None if dynamic).
+
+    Served dynamic, so an edit is made at its input image's size; the exported size is the default,
+    which optimum-intel's dynamic load forgets (a 256 px FLUX.2 export would make 1024 px images,
+    the denoiser's sample size, at 16x the cost). Read from the saved shapes, then made dynamic."""
+    from optimum.intel import OVDiffusionPipeline
+
+    pipe = OVDiffusionPipeline.from_pretrained(path, ov_config=runtime_config(path), dynamic_shapes=False,
+                                               compile=False)
+    height, width = pipe.height, pipe.width
+    pipe.reshape(batch_size=-1, height=-1, width=-1, num_images_per_prompt=-1)
+    pipe.compile()
+    return pipe, ((height, width) if height > 0 and width > 0 else None)
+
+
+def diffusers_pipeline(artifacts: dict[str, str], precision: dict[str, str] | None = None) -> Any:
+    """The fine-tuned pipeline: the version's own, or its adapters (adapters.py) applied to its base,
+    a copy in the version or the one its reference names, loaded in the precision it trained in."""
+    from diffusers import DiffusionPipeline
+
+    path = artifacts[layout.FINETUNED]
+    if layout.is_pipeline(path):
+        return DiffusionPipeline.from_pretrained(path)
+    if layout.BASE in artifacts:
+        base, kwargs = artifacts[layout.BASE], {}
+    elif layout.BASE_REFERENCE in artifacts:  # a big base, registered by reference
+        base, kwargs = base_reference.resolve(artifacts[layout.BASE_REFERENCE])
+        kwargs.update(base_reference.quantization(precision))  # as it trained: a big base fits
+    else:
+        raise ValueError(f"{path} holds no pipeline ({layout.MODEL_INDEX}) and the model has no base")
+    pipe = DiffusionPipeline.from_pretrained(base, **kwargs)
+    adapters.apply(pipe, layout.contents(path), merge_peft=True)
+    return pipe
+
+
+def load(artifacts: dict[str, str], model_config: dict[str, Any] | None, cache_mb: float) -> Loaded:
+    """The pipeline that serves a version's `artifacts` (see the module's docstring); `cache_mb`: the
+    downloaded adapters a base export's endpoint keeps."""
+    artifacts, own = dict(artifacts), None
+    if layout.ADAPTER in artifacts and layout.OPENVINO not in artifacts:  # a run-time adapter version:
+        from finetune_runtime import genai_serving  # its base's export and pipeline
+
+        export, pipeline, own = genai_serving.base_export_of(artifacts[layout.ADAPTER])
+        artifacts.update({layout.OPENVINO: export, layout.BASE: pipeline})
+    path = artifacts.get(layout.OPENVINO)
+    if path and want_openvino() and os.path.isfile(os.path.join(path, layout.GENAI_BASE)):
+        from finetune_runtime import genai_serving
+
+        return Loaded(genai_serving.AdapterServer(path, runtime_config(path), cache_mb, own=own), "genai", path)
+    if path and want_openvino():
+        pipe, exported = openvino_pipeline(path)
+        return Loaded(pipe, "openvino", path, exported)
+    precision = (model_config or {}).get("base_precision")
+    return Loaded(diffusers_pipeline(artifacts, precision), "diffusers", artifacts[layout.FINETUNED])

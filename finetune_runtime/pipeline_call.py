@@ -1,0 +1,60 @@
+"""One call of a text-to-image pipeline, the same for every stage and for the served model.
+
+A diffusers pipeline, an optimum-intel `OV*Pipeline` and the GenAI stand-ins (tasks/common/genai.py,
+genai_serving.py) are all called here, so how a prompt, a size, a step count, a guidance value and
+input images reach a pipeline is written once. What differs between families is in the family's
+`CallConvention` (convention.py), recorded with a registered model; the size of every call is
+decided by size.py.
+
+Only the arguments given are passed: a value left None leaves the pipeline's own default, so a
+caller that never set, say, the guidance keeps generating exactly what it generated before.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from finetune_runtime.convention import CallConvention
+from finetune_runtime.size import output_size, shape_of
+
+
+def call_arguments(prompts: list[str] | str, convention: CallConvention, *, steps: int, height: int | None = None,
+                   width: int | None = None, guidance: float | None = None, negative: list[str] | str | None = None,
+                   generator: Any = None, images_per_prompt: int | None = None, output_type: str | None = None,
+                   callback: Any = None, image: Any = None) -> dict[str, Any]:
+    """The keyword arguments of one pipeline call (the prompt by name: FLUX.2 klein's first
+    positional argument is an input image). `image`: an edit's input (reference) images, a list of
+    PIL images that every prompt of the call sees (FLUX.2 klein's `image`)."""
+    if negative is None and convention.negative_when_guided is not None and guidance is not None and guidance > 1:
+        guided = convention.negative_when_guided
+        negative = guided if isinstance(prompts, str) else [guided] * len(prompts)
+    optional = {
+        "negative_prompt": negative,
+        "num_images_per_prompt": images_per_prompt,
+        "height": height,
+        "width": width,
+        convention.guidance_argument: guidance,
+        "generator": generator,
+        "output_type": output_type,
+        "callback_on_step_end": callback,
+        "image": image,
+    }
+    if convention.area_argument is not None and height is not None and width is not None:
+        optional[convention.area_argument] = height * width
+    return {"prompt": prompts, "num_inference_steps": steps, **convention.arguments,
+            **{k: v for k, v in optional.items() if v is not None}}
+
+
+def generate(pipe: Any, prompts: list[str] | str, convention: CallConvention, *, latents: Any = None,
+             extra: dict[str, Any] | None = None, height: int | None = None, width: int | None = None,
+             exported: tuple[int, int] | None = None, **settings: Any) -> list[Any]:
+    """`pipe`'s images for `prompts` (see call_arguments for `settings`), at the size size.py decides
+    from `height`, `width`, the first input image and the pipeline (`exported`: the size a dynamic
+    OpenVINO export was saved at). `latents` (a tensor or array) is passed as given; `extra`:
+    arguments only some pipelines take (GenAI's `adapters`)."""
+    image = settings.get("image")
+    first = image[0].size if image else None
+    height, width = output_size(shape_of(pipe, convention, exported), convention, height, width, first)
+    kwargs = call_arguments(prompts, convention, height=height, width=width, **settings)
+    if latents is not None:
+        kwargs["latents"] = latents
+    return pipe(**kwargs, **(extra or {})).images
