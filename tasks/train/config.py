@@ -14,6 +14,7 @@ from typing import Any
 from pydantic import Field, field_validator, model_validator
 
 from tasks.common import families
+from tasks.common.adapter_formats import format_refusal
 from tasks.common.config import StageConfig
 from tasks.common.errors import UserError
 from tasks.common.safe_remove import own_folder
@@ -101,9 +102,7 @@ class TrainConfig(LaunchSection, OutputsSection, PrecisionSection, OptimizerSect
 
     def check_family(self, family: Any) -> None:
         """Refuse, before any weights load, a method or option the base model's family does not have."""
-        problems = []
-        if refusal := family_refusal(self.spec, family):
-            problems.append(refusal)
+        problems = [r for r in (family_refusal(self.spec, family), format_refusal(self.lora_format, family)) if r]
         defaults = type(self).model_fields
         for key, why in family.refused_options().items():
             if getattr(self, key) != defaults[key].default:

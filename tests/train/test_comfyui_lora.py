@@ -1,14 +1,17 @@
 """`train.lora_format: comfyui`: the trained adapters as one file under ComfyUI's keys
 (tasks/common/comfyui_lora.py), written by the LoRA method's own `save`.
 
+- ComfyUI's own key maps (tests/train/comfyui_keymap.py, written down from its source at the commits
+  named there): every key of the file, for every family ComfyUI has a model for and every adapter
+  type, is one its LoraLoader maps and reads (none it would log as "lora key not loaded"); Sana,
+  which ComfyUI has no model for, is refused before any model loads, naming the formats that work.
 - Where diffusers has a converter for the family's ComfyUI keys (SD and SDXL: kohya's `lora_unet_`,
   `lora_te*_`; FLUX.1: OneTrainer's `lora_transformer_`; FLUX.2: kohya's `lora_unet_` with BFL's
   names, q, k and v fused; Z-Image and Qwen-Image: `diffusion_model.`), `pipe.load_lora_weights`
   on the ComfyUI file generates the same latents, bit for bit, as on diffusers' own file.
-- Where it has none (SD3's `lora_transformer_`, Sana's `diffusion_model.`, `lycoris_` for LoKr and
-  LoHa on the DiT families, DoRA's `dora_scale`, which diffusers' loaders drop), every key stem is
-  checked against the module names and weight shapes of the real model, the way ComfyUI's key map
-  is built from them, and the update ComfyUI computes from the file against peft's.
+- Where it has none (SD3's `lora_transformer_`, `lycoris_` for LoKr and LoHa on the DiT families,
+  DoRA's `dora_scale`, which diffusers' loaders drop), every key stem is checked against the module
+  names and weight shapes of the real model, and the update ComfyUI computes from the file against peft's.
 - LoKr, LoHa (and DoRA) load with the LyCORIS library (kohya's network and its own) to the same
   per-layer weight deltas (merged weights) as peft's.
 """
@@ -23,11 +26,13 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from tasks.common import families
-from tasks.common.adapters import peft_config
-from tasks.common.comfyui_lora import COMFYUI_LORA_NAME, SUFFIXES, prefixes, stem
+from tasks.common import adapter_formats, families
+from tasks.common.adapters import ADAPTER_TYPES, peft_config
+from tasks.common.comfyui_lora import COMFYUI_LORA_NAME, SUFFIXES, comfyui_state, prefixes, stem
+from tasks.common.errors import UserError
 from tasks.train.config import TrainConfig
 from tasks.train.methods.lora import WEIGHT_NAME, LoRA
+from tests.train import comfyui_keymap
 
 
 def adapted(base: Path, lora_type: str, text: bool = False, rank: int = 4, alpha: float | None = None,
@@ -37,6 +42,14 @@ def adapted(base: Path, lora_type: str, text: bool = False, rank: int = 4, alpha
     from diffusers import DiffusionPipeline
 
     pipe = DiffusionPipeline.from_pretrained(base)
+    return pipe, with_adapters(pipe, lora_type, text, rank, alpha, seed)
+
+
+def with_adapters(pipe: object, lora_type: str, text: bool = False, rank: int = 4, alpha: float | None = None,
+                  seed: int = 0, copy: bool = False) -> dict[str, torch.nn.Module]:
+    """`adapted`'s adapters on `pipe`'s modules (with `copy`: on copies of them, `pipe` unchanged)."""
+    import copy as copying
+
     family = families.of_pipeline(pipe)
     names = {family.denoiser_name: family.lora_targets}
     if text:
@@ -44,13 +57,13 @@ def adapted(base: Path, lora_type: str, text: bool = False, rank: int = 4, alpha
     generator = torch.Generator().manual_seed(seed)
     trained = {}
     for name, targets in names.items():
-        module = getattr(pipe, name)
+        module = copying.deepcopy(getattr(pipe, name)) if copy else getattr(pipe, name)
         module.add_adapter(peft_config(lora_type, rank, alpha, 0.0, list(targets)))
         for pname, param in module.named_parameters():
             if "lora_" in pname or "hada_" in pname or "lokr_" in pname:
                 param.data = torch.randn(param.shape, generator=generator) * 0.1 + (1.0 if "magnitude" in pname else 0)
         trained[name] = module
-    return pipe, trained
+    return trained
 
 
 def save(tmp_path: Path, pipe: object, trained: dict, lora_type: str, **kw) -> Path:
@@ -58,7 +71,7 @@ def save(tmp_path: Path, pipe: object, trained: dict, lora_type: str, **kw) -> P
     method = LoRA(TrainConfig(method="lora", lora_type=lora_type, lora_format="comfyui", **{"rank": 4, **kw}))
     method._components = SimpleNamespace(family=families.of_pipeline(pipe))
     out = tmp_path / f"out-{lora_type}"
-    out.mkdir()
+    out.mkdir(parents=True)
     method.save(Path("unused"), out, trained)
     return out
 
@@ -165,8 +178,8 @@ def base_weight(base: object, key: str) -> torch.Tensor:
 # at rank 1: lokr_w2 low-rank (lokr_w2_a, lokr_w2_b) with alpha.
 @pytest.mark.parametrize(("name", "lora_type", "text", "rank"), [
     ("sd3", "lora", True, 4), ("sd3", "loha", False, 4), ("flux", "lokr", True, 4), ("flux", "dora", True, 4),
-    ("flux2", "loha", False, 4), ("sana", "lora", False, 4), ("sana", "lokr", False, 1),
-    ("zimage", "loha", False, 4), ("qwenimage", "lokr", False, 1), ("sdxl", "lokr", True, 4), ("sd", "loha", True, 4)])
+    ("flux2", "loha", False, 4), ("zimage", "lokr", False, 1), ("zimage", "loha", False, 4),
+    ("qwenimage", "lokr", False, 1), ("sdxl", "lokr", True, 4), ("sd", "loha", True, 4)])
 def test_every_key_names_a_layer_of_the_real_model_with_the_update_peft_applies(tmp_path, request, name, lora_type,
                                                                                   text, rank) -> None:
     """ComfyUI's key map is built from the model's module names: each stem of the file names a module
@@ -314,3 +327,113 @@ def test_the_train_stage_writes_the_comfyui_file_beside_its_outputs(tmp_path, ti
     layers = grouped(load_file(tmp_path / "out" / COMFYUI_LORA_NAME))
     _, modules = lycoris_network(tmp_path / "out" / COMFYUI_LORA_NAME, tiny_sd)
     assert len(modules) == len(layers) > 0 and all(k.startswith("lora_unet_") for k in layers)
+
+
+#: the families ComfyUI has a model for (its key maps, tests/train/comfyui_keymap.py), and Sana, which it has none for
+COMFYUI_FAMILIES = [name for name, model in comfyui_keymap.COMFYUI_MODELS.items() if model is not None]
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize("name", COMFYUI_FAMILIES)
+def test_comfyui_maps_and_reads_every_key_of_the_file(name) -> None:
+    """Every key the writer produces (the state dict `write_comfyui_lora` saves), for each adapter type
+    (LoKr with whole and with low-rank factors) and with the family's trainable text encoders, is one
+    ComfyUI's LoraLoader maps to a weight and reads as part of a whole layer: none it would log as
+    "lora key not loaded"."""
+    family = families.by_name(name)
+    pipe = family.build_tiny(0)
+    stems = comfyui_keymap.key_map(family, pipe)
+    text = family.trainable_text_encoders != ()
+    for lora_type, rank in (*((t, 4) for t in ADAPTER_TYPES), ("lokr", 1)):
+        keys = set(comfyui_state(family, with_adapters(pipe, lora_type, text, rank=rank, copy=True), lora_type))
+        assert keys, (lora_type, rank)
+        assert not comfyui_keymap.not_loaded(keys, stems), (lora_type, rank)
+        assert not text or any(k.startswith("lora_te") for k in keys), "the text encoders' layers are in it"
+
+
+@pytest.mark.quick
+def test_the_key_map_check_names_what_comfyui_would_not_load() -> None:
+    """Not vacuous: names ComfyUI does not map, and layers it cannot read whole, are reported."""
+    sd = families.by_name("sd")
+    stems = comfyui_keymap.key_map(sd, sd.build_tiny(0))
+    layer = "lora_unet_down_blocks_1_attentions_0_transformer_blocks_0_attn1_to_q"
+    good = [f"{layer}.lora_down.weight", f"{layer}.lora_up.weight", f"{layer}.alpha",
+            "lora_te_text_model_encoder_layers_1_self_attn_out_proj.hada_w1_a",
+            *(f"lora_te_text_model_encoder_layers_1_self_attn_out_proj.{n}" for n in ("hada_w1_b", "hada_w2_a",
+                                                                                       "hada_w2_b"))]
+    bad = ["lora_te_encoder_layers_0_self_attn_q_proj.lora_down.weight",  # transformers 5's name: no text_model
+           "lora_te_encoder_layers_0_self_attn_q_proj.lora_up.weight",
+           "lora_unet_down_blocks_0_attentions_0_transformer_blocks_0_attn1_to_q.alpha",  # block 0 has no attention
+           "diffusion_model.down_blocks.1.attentions.0.transformer_blocks.0.attn1.to_k.lora_up.weight",
+           "lora_unet_down_blocks_1_attentions_0_transformer_blocks_0_attn1_to_k.lora_up.weight",  # no down
+           "lora_te_text_model_encoder_layers_2_mlp_fc1.lora_down.weight",  # the tiny CLIP has 2 layers
+           f"{layer}.lokr_w1"]  # a LoKr factor without its second
+    assert comfyui_keymap.not_loaded(good, stems) == []
+    assert comfyui_keymap.not_loaded(good + bad, stems) == sorted(bad)
+    flux2 = families.by_name("flux2")
+    stems = comfyui_keymap.key_map(flux2, flux2.build_tiny(0))
+    assert {"lora_unet_single_blocks_0_linear1", "lycoris_single_transformer_blocks_0_attn_to_qkv_mlp_proj",
+            "lora_unet_double_blocks_0_img_attn_qkv"} <= stems
+    unmapped = {"lora_unet_single_transformer_blocks_0_attn_to_qkv_mlp_proj",
+                "diffusion_model.double_blocks.0.img_attn.to_q", "lora_transformer_double_blocks_0_img_attn_qkv"}
+    assert not unmapped & stems
+    sana = families.by_name("sana")
+    assert comfyui_keymap.key_map(sana, sana.build_tiny(0)) == set(), "ComfyUI has no Sana model"
+
+
+@pytest.mark.quick
+def test_comfyui_is_refused_up_front_for_a_family_comfyui_has_no_model_for() -> None:
+    """One line naming the key, the family and the formats that work; the default works for every
+    family, comfyui for every other."""
+    sana = families.by_name("sana")
+    with pytest.raises(UserError) as refused:
+        TrainConfig(method="lora", lora_format="comfyui").check_family(sana)
+    message = str(refused.value)
+    assert "\n" not in message and "train.lora_format: comfyui is not available for Sana" in message
+    assert message.endswith("choose one of diffusers") and "ComfyUI has no Sana model" in message
+    assert adapter_formats.names_for(sana) == ["diffusers"]
+    TrainConfig(method="lora").check_family(sana)
+    for name in COMFYUI_FAMILIES:
+        TrainConfig(method="lora", lora_format="comfyui").check_family(families.by_name(name))
+        assert adapter_formats.names_for(families.by_name(name)) == ["diffusers", "comfyui"]
+    with pytest.raises(ValueError, match="unknown adapter format 'kohya'; choose one of diffusers, comfyui"):
+        TrainConfig(method="lora", lora_format="kohya")
+
+
+def test_the_train_stage_refuses_comfyui_for_sana_before_loading_a_model(tmp_path, tiny_sana, one_image,
+                                                                          monkeypatch) -> None:
+    from tasks.train import core
+
+    monkeypatch.setattr(core, "_load_parts", lambda *a, **k: pytest.fail("a model was loaded"))
+    config = TrainConfig(method="lora", lora_format="comfyui", max_train_steps=1, resolution=32,
+                         checkpoints_dir=tmp_path / "ckpt")
+    with pytest.raises(UserError, match=r"train\.lora_format: comfyui is not available for Sana"):
+        core.train(config, tiny_sana, one_image, None, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.quick
+def test_a_registered_format_is_accepted_and_its_file_written(tmp_path) -> None:
+    """A new output format is one spec: the config accepts its name, the LoRA method writes its file,
+    and a family it does not support is refused naming the others."""
+    def write(path, family, modules, lora_type, rank, alpha) -> int:
+        path.write_text(f"{family.name} {lora_type} {rank} {sorted(modules)}")
+        return len(modules)
+
+    toy = adapter_formats.AdapterFormat(name="toy", description="a test's format", file="toy.txt", writer=write,
+                                        supports=lambda family: family.name != "sd3", unsupported="no {title} here")
+    adapter_formats.register(toy)
+    try:
+        pipe = families.by_name("sd").build_tiny(0)
+        method = LoRA(TrainConfig(method="lora", lora_format="toy", rank=2))
+        method._components = SimpleNamespace(family=families.of_pipeline(pipe))
+        method.save(Path("unused"), tmp_path, with_adapters(pipe, "lora", rank=2))
+        assert (tmp_path / "toy.txt").read_text() == "sd lora 2 ['unet']"
+        assert not (tmp_path / COMFYUI_LORA_NAME).exists()
+        with pytest.raises(UserError, match=r"lora_format: toy is not available for .* \(no .* here\); "
+                                            r"choose one of diffusers, comfyui$"):
+            TrainConfig(method="lora", lora_format="toy").check_family(families.by_name("sd3"))
+    finally:
+        adapter_formats.unregister("toy")
+    with pytest.raises(ValueError, match="toy"):
+        TrainConfig(method="lora", lora_format="toy")
