@@ -16,6 +16,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
+from finetune_runtime import pipeline_call
+from finetune_runtime.convention import MAX_INPUT_IMAGES, CallConvention
+
 log = logging.getLogger(__name__)
 
 
@@ -97,8 +100,8 @@ class ModelFamily:
     builtin: ClassVar[str]
     #: diffusers pipeline class names (model_index.json `_class_name`) this family loads
     pipeline_class_names: ClassVar[tuple[str, ...]]
-    #: optimum-intel's pipeline class for the OpenVINO export
-    ov_pipeline_class_name: ClassVar[str]
+    #: optimum-intel's pipeline class for the OpenVINO export (None: it has none for this family)
+    ov_pipeline_class_name: ClassVar[str | None]
     #: the denoiser's folder in the pipeline ("unet" or "transformer")
     denoiser_name: ClassVar[str] = "unet"
     #: text encoder folders, in the order conditioning uses them; tokenizers follow the same order
@@ -165,6 +168,11 @@ class ModelFamily:
     def ov_pipeline_class(cls) -> type:
         import optimum.intel
 
+        if cls.ov_pipeline_class_name is None:
+            from tasks.common.errors import UserError
+
+            raise UserError(f"export: optimum-intel has no OpenVINO pipeline for {cls.title}; set export.enabled: "
+                            "false (evaluate and the registered version then run the PyTorch fine-tune)")
         return getattr(optimum.intel, cls.ov_pipeline_class_name)
 
     # --- the built-in tiny model -----------------------------------------------------------------
@@ -308,20 +316,20 @@ class ModelFamily:
     def generate(cls, pipe: Any, prompts: list[str] | str, *, steps: int, latents: Any = None,
                  extra: dict[str, Any] | None = None, **settings: Any) -> list[Any]:
         """Images of one call of `pipe` (this family's diffusers or OpenVINO pipeline, or a GenAI
-        stand-in): `settings` as tasks/common/pipeline_call.call_arguments takes them (height, width,
-        guidance, negative, generator, images_per_prompt, output_type, callback); None leaves the
-        pipeline's default. Every stage and the served model call pipelines through this."""
-        from tasks.common import pipeline_call
-
-        return pipeline_call.generate(pipe, prompts, steps=steps, latents=latents, extra=extra,
-                                      **cls.call_convention(), **settings)
+        stand-in): `settings` as finetune_runtime/pipeline_call.call_arguments takes them (height, width,
+        guidance, negative, generator, images_per_prompt, output_type, callback, image); None leaves the
+        pipeline's default, the size decided by finetune_runtime/size.py. Every stage and the served
+        model call pipelines through finetune_runtime/pipeline_call.py."""
+        return pipeline_call.generate(pipe, prompts, cls.call_convention(), steps=steps, latents=latents, extra=extra,
+                                      **settings)
 
     @classmethod
-    def call_convention(cls) -> dict[str, Any]:
-        """What this family's pipeline call needs beyond the shared arguments (recorded with a
-        registered model, whose served code cannot import the families)."""
-        sample = {} if cls.default_sample_size is None else {"default_sample_size": cls.default_sample_size}
-        return {"guidance_argument": cls.guidance_argument, **sample}
+    def call_convention(cls) -> CallConvention:
+        """How this family's pipeline is called (recorded with a registered model, whose served code
+        cannot import the families)."""
+        return CallConvention(guidance_argument=cls.guidance_argument, default_sample_size=cls.default_sample_size,
+                               input_images=MAX_INPUT_IMAGES if cls.takes_references else 0,
+                               latent_patch=max(1, cls.pixel_multiple // 8))
 
     @classmethod
     def latent_shape(cls, pipe: Any, height: int, width: int) -> tuple[int, ...]:
@@ -329,11 +337,6 @@ class ModelFamily:
         channels = int(getattr(pipe, cls.denoiser_name).config["in_channels"])
         vsf = int(pipe.vae_scale_factor)
         return (channels, height // vsf, width // vsf)
-
-    @classmethod
-    def native_size(cls, pipe: Any) -> int:
-        """The image size (px) the denoiser's config was made for."""
-        return int(getattr(pipe, cls.denoiser_name).config["sample_size"]) * int(pipe.vae_scale_factor)
 
     @classmethod
     def single_file_refusal(cls, index: dict[str, Any]) -> str | None:

@@ -28,8 +28,10 @@ part only).
 """
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
+from finetune_runtime.convention import CallConvention
 from tasks.common.families.base import PredictInputs
 from tasks.common.families.flow import FlowMatchingFamily
 from tasks.common.families.tiny import gemma2_config, gemma_tokenizer, seeded
@@ -88,9 +90,9 @@ class Sana(FlowMatchingFamily):
         return pred
 
     @classmethod
-    def call_convention(cls) -> dict[str, Any]:
+    def call_convention(cls) -> CallConvention:
         """No complex human instruction, as training encodes prompts (and as the script validates)."""
-        return {**super().call_convention(), "arguments": {"complex_human_instruction": None}}
+        return replace(super().call_convention(), arguments={"complex_human_instruction": None})
 
     @classmethod
     def build_tiny(cls, seed: int) -> Any:
