@@ -9,7 +9,6 @@ its base (a copy in the version, or the one its reference names: base_reference.
 """
 from __future__ import annotations
 
-import json
 import logging
 import os
 from dataclasses import dataclass
@@ -20,10 +19,7 @@ from finetune_runtime import adapters, base_reference, layout
 log = logging.getLogger("sd_pyfunc")
 
 BACKEND_ENV = "FINETUNE_PYFUNC_BACKEND"
-#: How an export without a runtime file is compiled: fp32. Left to itself, OpenVINO picks a lower
-#: precision on CPUs with bf16 (measured here: 51 dB PSNR against PyTorch by default, ~100 dB with
-#: f32), so results would differ between machines unless the precision is stated.
-DEFAULT_OV_CONFIG = {"INFERENCE_PRECISION_HINT": "f32"}
+
 
 
 @dataclass(frozen=True)
@@ -51,15 +47,6 @@ def want_openvino() -> bool:
     return True
 
 
-def runtime_config(path: str | os.PathLike) -> dict[str, str]:
-    """The OpenVINO settings the export stage validated (openvino_runtime.json); fp32 without it."""
-    file = os.path.join(path, layout.OV_RUNTIME)
-    if not os.path.isfile(file):
-        return dict(DEFAULT_OV_CONFIG)
-    with open(file) as fh:
-        return dict(json.load(fh)["ov_config"])
-
-
 def openvino_pipeline(path: str) -> tuple[Any, tuple[int, int] | None]:
     """(the export with dynamic shapes, the (height, width) it was exported at; None if dynamic).
 
@@ -68,7 +55,7 @@ def openvino_pipeline(path: str) -> tuple[Any, tuple[int, int] | None]:
     the denoiser's sample size, at 16x the cost). Read from the saved shapes, then made dynamic."""
     from optimum.intel import OVDiffusionPipeline
 
-    pipe = OVDiffusionPipeline.from_pretrained(path, ov_config=runtime_config(path), dynamic_shapes=False,
+    pipe = OVDiffusionPipeline.from_pretrained(path, ov_config=layout.runtime_config(path), dynamic_shapes=False,
                                                compile=False)
     height, width = pipe.height, pipe.width
     pipe.reshape(batch_size=-1, height=-1, width=-1, num_images_per_prompt=-1)
@@ -109,7 +96,7 @@ def load(artifacts: dict[str, str], model_config: dict[str, Any] | None, cache_m
     if path and want_openvino() and os.path.isfile(os.path.join(path, layout.GENAI_BASE)):
         from finetune_runtime import genai_serving
 
-        return Loaded(genai_serving.AdapterServer(path, runtime_config(path), cache_mb, own=own), "genai", path)
+        return Loaded(genai_serving.AdapterServer(path, layout.runtime_config(path), cache_mb, own=own), "genai", path)
     if path and want_openvino():
         pipe, exported = openvino_pipeline(path)
         return Loaded(pipe, "openvino", path, exported)

@@ -155,3 +155,14 @@ def test_the_check_names_the_stage_and_the_missing_and_extra_paths_and_write_fix
         "tasks.other\n    deps:\n",
         "tasks.other\n    deps:\n      - tasks/other\n      - tasks/__init__.py\n      - tasks/common\n",
     ), "code deps replaced in place, the data dep and its comment kept"
+
+
+def test_the_runtime_package_imports_nothing_of_the_project() -> None:
+    """finetune_runtime/ is the registered model's whole code: it loads where tasks/ and flows/ cannot
+    be imported (tests/register/test_register.py loads a version so), so it imports neither."""
+    runtime = import_graph(REPO, ("finetune_runtime", "tasks", "flows"))
+    own = "finetune_runtime"
+    problems = sorted(f"{name} imports {other}" for name, others in runtime.items()
+                      if name.startswith(own) for other in others if not other.startswith(own))
+    assert {"finetune_runtime.model", "finetune_runtime.size"} <= set(runtime)
+    assert not problems, "the served model's code must stand alone:\n" + "\n".join(problems)

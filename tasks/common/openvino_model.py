@@ -17,8 +17,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from finetune_runtime.layout import OV_RUNTIME
-from finetune_runtime.load import runtime_config
+from finetune_runtime.layout import OV_RUNTIME, runtime_config
 from tasks.common import families
 from tasks.common.errors import UserError
 
@@ -26,7 +25,7 @@ log = logging.getLogger(__name__)
 
 #: The runtime settings the export stage validated and timed the model with (`export.
 #: inference_precision`), written beside model_index.json so every loader (the served model's
-#: included: finetune_runtime/load.py `runtime_config`) compiles it alike.
+#: included: finetune_runtime/layout.py `runtime_config`) compiles it alike.
 RUNTIME_FILE = OV_RUNTIME
 
 PRECISIONS = ("f32", "bf16", "f16", "auto")

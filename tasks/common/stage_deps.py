@@ -1,15 +1,15 @@
 """Each stage's code in dvc.yaml, from the import graph: `python -m tasks.common.stage_deps --check | --write`.
 
-A stage (`python -m tasks.<stage>`) depends on the modules of tasks/ that its command imports,
-directly or through other modules, at the top of a module or inside a function (`import` and
+A stage (`python -m tasks.<stage>`) depends on the modules of tasks/ and finetune_runtime/ that its
+command imports, directly or through other modules, at the top of a module or inside a function (`import` and
 `from ... import`, relative imports resolved), and on the `__init__.py` of every package on the
 way (Python runs them first). A package whose every module the stage imports is listed as its
 folder, any other module by its file. So a change to a module reruns the stages that run it and
 no other (tasks/common/launch.py: class_images and train).
 
-- `--check` (the default): exit 1 naming each stage whose `tasks/` deps in dvc.yaml are missing a
+- `--check` (the default): exit 1 naming each stage whose code deps in dvc.yaml are missing a
   module it imports or list one it does not (tests/test_imports.py runs the same comparison);
-- `--write`: rewrite the `- tasks/...` lines of each stage's deps in dvc.yaml; every other line
+- `--write`: rewrite the `- tasks/...` and `- finetune_runtime/...` lines of each stage's deps; every other line
   (data deps, comments) stays as it is.
 
 The graph is read from the source with `ast`, never by importing it; tests/test_imports.py also
@@ -28,6 +28,9 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("tasks", "flows")
+#: the code a stage's command can import: the stages' packages and the runtime package they share
+#: with the served model (finetune_runtime/)
+STAGE_CODE = ("tasks", "finetune_runtime")
 STAGE_CMD = re.compile(r"^python -m tasks\.(\w+)(\s|$)")
 
 Graph = dict[str, set[str]]
@@ -163,7 +166,7 @@ def stage_commands(dvc_yaml: Path) -> dict[str, str]:
 
 def generated_deps(root: Path = ROOT) -> dict[str, list[str]]:
     """Stage -> the code paths its dvc.yaml deps should list: its own package first, then the rest sorted."""
-    modules = module_files(root, ["tasks"])
+    modules = module_files(root, STAGE_CODE)
     graph = {name: imports_of(name, path, modules) for name, path in modules.items()}
     deps = {}
     for stage, package in stage_commands(root / "dvc.yaml").items():
@@ -174,9 +177,9 @@ def generated_deps(root: Path = ROOT) -> dict[str, list[str]]:
 
 
 def listed_deps(dvc_yaml: Path) -> dict[str, list[str]]:
-    """Stage -> the code paths (`tasks/...`) its deps list in dvc.yaml now."""
+    """Stage -> the code paths (`tasks/...`, `finetune_runtime/...`) its deps list in dvc.yaml now."""
     stages = yaml.safe_load(dvc_yaml.read_text())["stages"]
-    return {name: [d for d in spec.get("deps", []) if isinstance(d, str) and d.startswith("tasks/")]
+    return {name: [d for d in spec.get("deps", []) if isinstance(d, str) and d.split("/")[0] in STAGE_CODE]
             for name, spec in stages.items()}
 
 
@@ -195,7 +198,8 @@ def differences(root: Path = ROOT) -> list[str]:
 
 
 def rewrite(text: str, deps: Mapping[str, list[str]]) -> str:
-    """dvc.yaml's text with each stage's `- tasks/...` deps lines replaced by `deps[stage]`, in
+    """dvc.yaml's text with each stage's code deps lines (`- tasks/...`, `- finetune_runtime/...`)
+    replaced by `deps[stage]`, in
     place of the first of them (or first in the list); all other lines as they were."""
     out: list[str] = []
     stage, in_deps, written = None, False, False
@@ -209,7 +213,7 @@ def rewrite(text: str, deps: Mapping[str, list[str]]) -> str:
         elif in_deps and not re.match(r"^(      |\s*$)", line):
             in_deps = False
         if in_deps and stage in deps:
-            item = re.match(r"^      - (tasks/\S*)", line)
+            item = re.match(r"^      - ((?:tasks|finetune_runtime)/\S*)", line)
             if item or (not written and re.match(r"^      - ", line)):
                 if not written:
                     out.extend(f"      - {path}\n" for path in deps[stage])

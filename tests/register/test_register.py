@@ -251,7 +251,7 @@ def test_missing_inputs_fail_before_mlflow(project: Path) -> None:
 def test_pyfunc_reads_the_exports_runtime_settings_like_the_pipeline(tmp_path: Path) -> None:
     """The served model reads openvino_runtime.json with the runtime's reader, which reads back what the
     export stage writes, for every precision, and f32 for a folder without the file."""
-    from finetune_runtime.load import runtime_config
+    from finetune_runtime.layout import runtime_config
     from tasks.common.openvino_model import precision_config, write_runtime_config
 
     assert runtime_config(str(tmp_path)) == {"INFERENCE_PRECISION_HINT": "f32"}
