@@ -119,6 +119,13 @@ def refuse_reference_settings(cfg: Any, records: list[Any]) -> None:
 def refuse_references(family: Any, records: list[Any]) -> None:
     """Reference images (an edit dataset) train only on a family that takes them: refused before any load."""
     with_refs = sum(1 for r in records if r.references)
+    most = family.call_convention().input_images
+    if with_refs and family.takes_references and (over := [r for r in records if len(r.references) > most]):
+        counts = sorted({len(r.references) for r in over})
+        raise UserError(
+            f"train: {len(over)} of {len(records)} instance images list {'/'.join(map(str, counts))} reference images; "
+            f"{family.title} takes at most {most} per target (its pipeline's input images); ingest a dataset "
+            f"with at most {most} (metadata.jsonl `reference_file_names`).")
     if with_refs and not family.takes_references:
         raise UserError(
             f"train: {with_refs} of {len(records)} instance images list reference images (metadata.jsonl "

@@ -94,6 +94,11 @@ def tiny_flux2(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_kontext(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _builtin(tmp_path_factory, "flux-kontext")
+
+
+@pytest.fixture(scope="session")
 def tiny_zimage(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return _builtin(tmp_path_factory, "zimage")
 
@@ -126,4 +131,21 @@ def mixed_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
             for i in range(n):
                 size = {"width": w, "height": h} if sub != "wide" else {}  # wide: read from the file
                 fh.write(json.dumps({"file_name": f"{sub}/img{i}.png", "text": "a photo of sks toy", **size}) + "\n")
+    return folder
+
+
+@pytest.fixture(scope="session")
+def edit_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Two 32 px targets, the first with one reference, the second with two (as ingest writes them)."""
+    folder = write_imagefolder(tmp_path_factory.mktemp("edits") / "processed", 2, "make it red", 11, size=(32, 32))
+    (folder / "references").mkdir()
+    rows = [json.loads(line) for line in (folder / "metadata.jsonl").read_text().splitlines()]
+    rng = np.random.default_rng(12)
+    for row, count in zip(rows, (1, 2)):
+        stem = Path(row["file_name"]).stem
+        names = [f"references/{stem}.png"] if count == 1 else [f"references/{stem}_{i}.png" for i in range(count)]
+        for name in names:
+            Image.fromarray(rng.integers(0, 256, (32, 32, 3), dtype=np.uint8)).save(folder / name)
+        row["reference_file_names"] = names
+    (folder / "metadata.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     return folder

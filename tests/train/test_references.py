@@ -2,7 +2,6 @@
 FLUX.2 [klein] training with the reference latents in its input sequence."""
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import numpy as np
@@ -12,26 +11,8 @@ from PIL import Image
 
 from tasks.common.errors import UserError
 from tasks.train.config import TrainConfig
-from tests.train.conftest import write_imagefolder
 
 SEQ = 32
-
-
-@pytest.fixture(scope="session")
-def edit_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Two 32 px targets, the first with one reference, the second with two (as ingest writes them)."""
-    folder = write_imagefolder(tmp_path_factory.mktemp("edits") / "processed", 2, "make it red", 11, size=(32, 32))
-    (folder / "references").mkdir()
-    rows = [json.loads(line) for line in (folder / "metadata.jsonl").read_text().splitlines()]
-    rng = np.random.default_rng(12)
-    for row, count in zip(rows, (1, 2)):
-        stem = Path(row["file_name"]).stem
-        names = [f"references/{stem}.png"] if count == 1 else [f"references/{stem}_{i}.png" for i in range(count)]
-        for name in names:
-            Image.fromarray(rng.integers(0, 256, (32, 32, 3), dtype=np.uint8)).save(folder / name)
-        row["reference_file_names"] = names
-    (folder / "metadata.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return folder
 
 
 def _config(tmp_path: Path, **kw) -> TrainConfig:

@@ -45,14 +45,23 @@ class Flux(FlowMatchingFamily):
         return hidden, pooled
 
     @classmethod
+    def image_tokens(cls, latents: Any, inputs: PredictInputs) -> tuple[Any, Any]:
+        """(the noisy latents packed 2x2 into tokens, their (0, row, column) position ids)."""
+        from diffusers import FluxPipeline
+
+        b, c, h, w = latents.shape
+        packed = FluxPipeline._pack_latents(latents, b, c, h, w)
+        return packed, FluxPipeline._prepare_latent_image_ids(b, h // 2, w // 2, packed.device, packed.dtype)
+
+    @classmethod
     def predict(cls, denoiser: Any, noisy_latents: Any, timesteps: Any, hidden: Any, pooled: Any,
                 inputs: PredictInputs) -> Any:
+        """The transformer over `image_tokens`; the prediction read from the noisy latents' tokens."""
         import torch
         from diffusers import FluxPipeline
 
         b, c, h, w = noisy_latents.shape
-        packed = FluxPipeline._pack_latents(noisy_latents, b, c, h, w)
-        img_ids = FluxPipeline._prepare_latent_image_ids(b, h // 2, w // 2, packed.device, packed.dtype)
+        packed, img_ids = cls.image_tokens(noisy_latents, inputs)
         txt_ids = torch.zeros(hidden.shape[1], 3, device=packed.device, dtype=packed.dtype)
         guidance = None
         if getattr(denoiser, "module", denoiser).config.guidance_embeds:  # (DDP wraps it in .module)
@@ -60,6 +69,7 @@ class Flux(FlowMatchingFamily):
         pred = denoiser(hidden_states=packed, timestep=timesteps / 1000, guidance=guidance,
                         pooled_projections=pooled, encoder_hidden_states=hidden, txt_ids=txt_ids, img_ids=img_ids,
                         return_dict=False)[0]
+        pred = pred[:, : (h // 2) * (w // 2)]
         return FluxPipeline._unpack_latents(pred, h, w, 1)  # (h, w) are latent sizes: scale factor 1
 
     @classmethod
@@ -68,10 +78,6 @@ class Flux(FlowMatchingFamily):
         channels = int(pipe.transformer.config["in_channels"])  # already 4 x the VAE's channels
         vsf = int(pipe.vae_scale_factor)
         return ((height // vsf // 2) * (width // vsf // 2), channels)
-
-    @classmethod
-    def native_size(cls, pipe: Any) -> int:
-        return int(pipe.default_sample_size) * int(pipe.vae_scale_factor)
 
     @classmethod
     def build_tiny(cls, seed: int) -> Any:
