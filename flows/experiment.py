@@ -13,10 +13,11 @@ This module does what `--temp` does, with those inputs carried over:
    then every dep and out of dvc.yaml that git does not track, as DVC reads dvc.yaml there (its
    `${...}` filled in from that params.yaml, overrides included: `${ingest.data_dir}`, the
    folder of your images), is carried over: copied,
-   except the files of cached, non-persistent outputs, which are hard-linked when possible (DVC
-   deletes such an output before its stage runs and stages write outputs to a new folder, so a
-   link is never written through; dvc.lock, params.yaml, .gitignore, reports and persistent
-   outputs are written in place and are always copies);
+   except the files of cached outputs, which are hard-linked when possible (before a stage runs,
+   DVC deletes its outputs, or for a `persist: true` one copies every hard-linked file back into
+   a file of its own, and stages write outputs to a new folder, so a link is never written
+   through; dvc.lock, params.yaml, .gitignore and reports are written in place and are always
+   copies);
 3. after the stages ran, `dvc exp save --name <name>` records the experiment in the repository,
    listed by `dvc exp show` and restorable with `dvc exp apply <name>`;
 4. the worktree is removed, success or failure. The workspace, params.yaml and dvc.lock included,
@@ -134,7 +135,8 @@ def _repo_path(entry: Any, root_dir: str) -> str | None:
 def _pipeline_paths(dest: Path) -> tuple[list[str], set[str]]:
     """Every dep, out, metric and plot path of the stages in `dest`'s dvc.yaml, as DVC resolves
     them (`${...}` from `dest`'s params.yaml, foreach/matrix expanded); and the linkable ones
-    (cached, non-persistent outs that are no metric or plot). Params files are not paths to carry."""
+    (cached outs that are no metric or plot; DVC un-links a persistent one's files before its
+    stage runs: Output.unprotect). Params files are not paths to carry."""
     from dvc.dependency.param import ParamsDependency
     from dvc.exceptions import DvcException
     from dvc.repo import Repo
@@ -144,7 +146,7 @@ def _pipeline_paths(dest: Path) -> tuple[list[str], set[str]]:
             stages = repo.stage.load_file(os.path.join(repo.root_dir, "dvc.yaml"))
             deps = [_repo_path(d, repo.root_dir) for s in stages for d in s.deps
                     if not isinstance(d, ParamsDependency)]
-            outs = [(_repo_path(o, repo.root_dir), o.use_cache and not (o.persist or o.metric or o.plot))
+            outs = [(_repo_path(o, repo.root_dir), o.use_cache and not (o.metric or o.plot))
                     for s in stages for o in s.outs]
     except DvcException as err:
         raise UserError(f"DVC cannot read the pipeline in {dest}: {err}. Fix dvc.yaml or "

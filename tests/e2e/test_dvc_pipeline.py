@@ -142,6 +142,51 @@ def test_a_param_change_reruns_only_the_stages_that_read_it(reproduced) -> None:
     assert sorted(skipped_stages(proc.stdout)) == sorted(STAGES[:-1])
 
 
+def _typo(text: str, key: str) -> str:
+    """params.yaml's text with the first two-space-indented `key:` misspelt by its last letter."""
+    new = re.sub(rf"\n  {key}:", f"\n  {key[:-1]}:", text, count=1)
+    assert new != text, f"{key} not found in params.yaml"
+    return new
+
+
+def test_a_misspelt_key_costs_no_output(reproduced) -> None:
+    """A typo in train's section: `dvc repro` fails in one line with the closest key, and
+    models/finetuned and train's reports are as they were (persist: true in dvc.yaml). A typo in
+    evaluate's section: DVC removed evaluate's reports first; the error names `dvc checkout
+    evaluate`, which brings them back."""
+    root, _ = reproduced
+    params = root / "params.yaml"
+    text = params.read_text()
+    kept = ["reports/train.json", "reports/train_loss.csv",
+            *(str(p.relative_to(root)) for p in sorted((root / "models/finetuned").rglob("*")) if p.is_file())]
+    before = {path: (root / path).read_bytes() for path in kept}
+    try:
+        params.write_text(_typo(text, "learning_rate"))
+        start = time.monotonic()
+        proc = dvc(root, "repro")
+        print(f"dvc repro with a misspelt train key: {time.monotonic() - start:.1f} s")
+        shown = proc.stdout + proc.stderr
+        assert proc.returncode != 0 and ran_stages(proc.stdout) == ["train"], shown[-3000:]
+        line = ("error: params.yaml: invalid parameters: train.learning_rat: unknown key (misspelt?). "
+                "Did you mean 'train.learning_rate'? Every key of 'train': docs/parameters.md\n")
+        assert line in shown, shown[-3000:]
+        assert "dvc checkout" not in shown, "nothing was removed, nothing to bring back"
+        assert {path: (root / path).read_bytes() for path in kept} == before
+
+        params.write_text(_typo(text, "images_per_prompt"))
+        proc = dvc(root, "repro")
+        shown = proc.stdout + proc.stderr
+        assert proc.returncode != 0 and ran_stages(proc.stdout) == ["evaluate"], shown[-3000:]
+        assert "Did you mean 'evaluate.images_per_prompt'?" in shown, shown[-3000:]
+        assert "`dvc checkout evaluate` brings them back" in shown, shown[-3000:]
+        assert not (root / "reports/evaluate.json").exists()
+    finally:
+        params.write_text(text)
+    assert dvc(root, "checkout", "evaluate").returncode == 0
+    assert (root / "reports/evaluate.json").is_file() and (root / "reports/evaluate/grid.png").is_file()
+    assert "Data and pipelines are up to date" in dvc(root, "status").stdout
+
+
 def test_masks_captions_and_concepts_reach_the_registered_model(reproduced) -> None:
     """Every image is kept with its concept and a mask (its own or a made one) and a caption (its
     file, the captioner's); the train report counts examples per concept; the model registers
