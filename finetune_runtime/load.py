@@ -21,7 +21,6 @@ log = logging.getLogger("sd_pyfunc")
 BACKEND_ENV = "FINETUNE_PYFUNC_BACKEND"
 
 
-
 @dataclass(frozen=True)
 class Loaded:
     """What serves a version: the pipeline, its backend (`openvino`, `genai`, `diffusers`), the
@@ -78,8 +77,12 @@ def diffusers_pipeline(artifacts: dict[str, str], precision: dict[str, str] | No
         kwargs.update(base_reference.quantization(precision))  # as it trained: a big base fits
     else:
         raise ValueError(f"{path} holds no pipeline ({layout.MODEL_INDEX}) and the model has no base")
+    contents = layout.contents(path)
+    if contents.lora is None:  # serving the bare base as the fine-tune would hide a broken version
+        raise ValueError(f"{path} holds neither a pipeline ({layout.MODEL_INDEX}) nor adapters "
+                         f"({layout.LORA_WEIGHTS}, {layout.PEFT_DIR}/)")
     pipe = DiffusionPipeline.from_pretrained(base, **kwargs)
-    adapters.apply(pipe, layout.contents(path), merge_peft=True)
+    adapters.apply(pipe, contents, merge_peft=True)
     return pipe
 
 

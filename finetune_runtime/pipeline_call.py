@@ -7,7 +7,9 @@ input images reach a pipeline is written once. What differs between families is 
 decided by size.py.
 
 Only the arguments given are passed: a value left None leaves the pipeline's own default, so a
-caller that never set, say, the guidance keeps generating exactly what it generated before.
+caller that never set, say, the guidance keeps generating exactly what it generated before. The
+size is the exception: every call passes the one size.py decides (what was asked, an input image's,
+or the pipeline's default), so what a served request is charged for is what is made.
 """
 from __future__ import annotations
 

@@ -26,7 +26,8 @@ class SizeError(ValueError):
 @dataclass(frozen=True)
 class Shape:
     """What a loaded pipeline makes: `default` (height, width) with nothing asked, only that size when
-    `static` (a static-shape OpenVINO export, a compiled GenAI pipeline), a side a multiple of `multiple`."""
+    `static` (a pipeline with a fixed `height` and `width`: a static-shape OpenVINO export, GenAI's
+    pipelines compiled at one size), a side a multiple of `multiple`."""
 
     default: tuple[int, int]
     static: bool = False
@@ -42,9 +43,9 @@ def _default_side(pipe: Any, convention: CallConvention) -> int:
     """The denoiser's sample size (`default_sample_size` for SDXL, SD3, FLUX; the convention's where the
     pipeline hard-codes it) times the VAE's factor; FALLBACK_SIDE when none is known."""
     sample = convention.default_sample_size or getattr(pipe, "default_sample_size", None)
-    if sample is None:  # the denoiser: the one component besides the VAE whose config has a sample size
+    if sample is None:  # the denoiser: the one component besides the VAE's whose config has a sample size
         components = getattr(pipe, "components", None) or {}
-        sizes = [_sample_size(module) for name, module in components.items() if name != "vae"]
+        sizes = [_sample_size(module) for name, module in components.items() if not name.startswith("vae")]
         sample = next((size for size in sizes if size is not None), None)
     if isinstance(sample, (list, tuple)):
         sample = sample[0]
@@ -77,14 +78,11 @@ def encoded_size(size: tuple[int, int], max_pixels: int | None) -> tuple[int, in
 def edit_size(image_size: tuple[int, int], multiple: int, max_pixels: int | None, max_side: int | None
               ) -> tuple[int, int]:
     """(height, width) of an edit made at an input image's size (width, height), as the pipeline makes
-    it: scaled to at most `max_pixels` (and `max_side`), floored to `multiple`."""
+    it: scaled to at most `max_pixels` (and, as the served model's limit, `max_side`), floored to
+    `multiple`."""
     width, height = encoded_size(image_size, max_pixels)
     scale = min(1.0, max_side / max(width, height)) if max_side else 1.0
-    out = (int(height * scale) // multiple * multiple, int(width * scale) // multiple * multiple)
-    if min(out) < MIN_SIDE:
-        raise SizeError(f"image[0]: {image_size[0]}x{image_size[1]} px would make a {out[1]}x{out[0]} edit; "
-                        f"pass height and width (each at least {MIN_SIDE})")
-    return out
+    return int(height * scale) // multiple * multiple, int(width * scale) // multiple * multiple
 
 
 def output_size(shape: Shape, convention: CallConvention, height: int | None = None, width: int | None = None,
@@ -96,7 +94,12 @@ def output_size(shape: Shape, convention: CallConvention, height: int | None = N
         return shape.default
     if height is not None and width is not None:
         return height, width
-    fallback = shape.default
-    if image_size is not None:
-        fallback = edit_size(image_size, shape.multiple * convention.latent_patch, convention.edit_pixels, max_side)
-    return height or fallback[0], width or fallback[1]
+    if image_size is None:
+        return height or shape.default[0], width or shape.default[1]
+    edit = edit_size(image_size, shape.multiple * convention.latent_patch, convention.edit_pixels, max_side)
+    out = (height or edit[0], width or edit[1])
+    if short := [f"{name} {side}" for name, side, asked in (("height", out[0], height), ("width", out[1], width))
+                 if asked is None and side < MIN_SIDE]:
+        raise SizeError(f"image[0]: {image_size[0]}x{image_size[1]} px would make an edit of {', '.join(short)} px; "
+                        f"pass {' and '.join(s.split()[0] for s in short)} (at least {MIN_SIDE})")
+    return out

@@ -3,7 +3,7 @@ proof that nothing was left half-done (params.yaml byte-identical, no output wri
 
 Doors: params.yaml (each stage's CLI with one bad value), the stages' CLI arguments, the flow's
 parameters (`overrides`, `python -m flows.finetune --set`), and the serving endpoint: its tables
-are tests/register/test_pyfunc_inputs.py (every bad request, no model needed) and
+are tests/runtime/test_request_inputs.py (every bad request, no model needed) and
 tests/register/test_model_serving.py (the same refusals as HTTP 400 from `mlflow models serve`).
 Everything here fails at config or argument level, before any model loads: the sweep takes seconds.
 """

@@ -182,6 +182,7 @@ class GenAIRunner:
         vae = json.loads((export / "vae_decoder" / "config.json").read_text())
         self.vae_scale_factor = 2 ** (len(vae["block_out_channels"]) - 1)
         self.shape = shape
+        self.height, self.width = shape.height, shape.width  # compiled at one size (finetune_runtime/size.py)
         self.pipe = load_text2image(export, shape, guidance_scale, precision, [p for p, _ in adapters])
         self.adapters = [(genai.Adapter(str(p)), w) for p, w in adapters]
 

@@ -14,7 +14,7 @@ class RegisterConfig(StageConfig):
     Every registered version gets `candidate`. `champion` moves to it only when the evaluation
     gate passed AND it beats the current champion on `primary_metric` (strictly: a tie keeps the
     champion, so re-registering the same model never churns the alias). `serve_*` become the
-    model's `model_config` (serving_limits.SERVING_DEFAULTS, same defaults): its serving limits.
+    model's `model_config` (finetune_runtime/limits.py SERVING_DEFAULTS, same defaults): its serving limits.
     """
 
     model_name: str = Field(

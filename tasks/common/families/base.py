@@ -318,7 +318,7 @@ class ModelFamily:
         """Images of one call of `pipe` (this family's diffusers or OpenVINO pipeline, or a GenAI
         stand-in): `settings` as finetune_runtime/pipeline_call.call_arguments takes them (height, width,
         guidance, negative, generator, images_per_prompt, output_type, callback, image); None leaves the
-        pipeline's default, the size decided by finetune_runtime/size.py. Every stage and the served
+        pipeline's default, the size excepted (finetune_runtime/size.py decides it). Every stage and the served
         model call pipelines through finetune_runtime/pipeline_call.py."""
         return pipeline_call.generate(pipe, prompts, cls.call_convention(), steps=steps, latents=latents, extra=extra,
                                       **settings)

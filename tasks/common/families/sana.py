@@ -92,7 +92,8 @@ class Sana(FlowMatchingFamily):
     @classmethod
     def call_convention(cls) -> CallConvention:
         """No complex human instruction, as training encodes prompts (and as the script validates)."""
-        return replace(super().call_convention(), arguments={"complex_human_instruction": None})
+        return replace(super().call_convention(), arguments={"complex_human_instruction": None},
+                       latent_patch=1)  # its 32 px multiple is the autoencoder's factor, patches of 1
 
     @classmethod
     def build_tiny(cls, seed: int) -> Any:

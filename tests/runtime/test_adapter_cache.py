@@ -23,7 +23,7 @@ from finetune_runtime.adapter_cache import MARKER, AdapterCache, confined_file, 
 from finetune_runtime.limits import TIMEOUT_ENV
 from finetune_runtime.load import Loaded
 from finetune_runtime.model import DiffusionImageModel
-from tests.register.test_serving_limits import SlowPipe
+from tests.runtime.test_limits import SlowPipe
 
 pytestmark = pytest.mark.quick  # make test-fast
 

@@ -1,6 +1,6 @@
 """A served model cannot be tied up: the cost budget, the bounded wait for the model and the
 deadline that stops a generation, on a stand-in pipeline (no model, seconds in all). The same
-limits against the real `mlflow models serve`: test_model_serving.py."""
+limits against the real `mlflow models serve`: tests/register/test_model_serving.py."""
 from __future__ import annotations
 
 import threading
@@ -16,7 +16,7 @@ from finetune_runtime.limits import SERVING_DEFAULTS, TIMEOUT_ENV, Budget, Turns
 from finetune_runtime.load import Loaded
 from finetune_runtime.model import DiffusionImageModel
 from finetune_runtime.size import shape_of
-from tests.register.test_pyfunc_inputs import check_request
+from tests.runtime.test_request_inputs import check_request
 
 pytestmark = pytest.mark.quick  # make test-fast
 

@@ -103,7 +103,8 @@ BAD_IMAGES = [
     ([_b64(Image.new("L", (5000, 64)))], 4, r"image\[0\]: 5000x64 px; allowed"),
     ([_b64(RED)[:-200]], 4, r"image\[0\]: (not base64|the file is damaged)"),
     (["A" * (16 * 2**20 + 4)], 4, r"image\[0\]: 16777220 base64 characters; allowed: at most"),
-    ([_b64(Image.new("RGB", (4096, 64)))], 4, r"image\[0\]: 4096x64 px would make a 1024x16 edit; pass height"),
+    ([_b64(Image.new("RGB", (4096, 64)))], 4, r"image\[0\]: 4096x64 px would make an edit of height 16 px; pass "
+                                               r"height \(at least 64\)"),
 ]
 
 
@@ -128,6 +129,9 @@ def test_input_images_are_decoded_upright_and_set_the_edit_size() -> None:
     assert (settings["height"], settings["width"]) == (752, 1024), "at most 1024 px a side and a megapixel"
     _, asked = check_request(["a"], {"image": [_b64(big)], "height": 256, "width": 512}, input_images=1)
     assert (asked["height"], asked["width"]) == (256, 512), "a size asked for wins"
+    wide = _b64(Image.new("RGB", (4096, 64)))  # alone it would make a 16 px high edit: refused, naming height
+    _, one_side = check_request(["a"], {"image": [wide], "height": 512}, input_images=1)
+    assert (one_side["height"], one_side["width"]) == (512, 1024), "the side not asked is the image's"
     _, static = check_request(["a"], {"image": [_b64(big)]}, input_images=1, size=(64, 64))
     assert (static["height"], static["width"]) == (64, 64), "a static export makes its own size"
     assert check_request(["a"], {}, input_images=4)[1]["image"] == []
