@@ -7,7 +7,9 @@ OpenVINO GenAI does not apply; the export stage would refuse them after the trai
 `problems` names each such combination with both keys and the fix; `flows.params.check_params`
 asks it, with every section loaded as its stage's typed config (so a section's own refusals, e.g.
 bf16 inference with run-time adapters, fail there too), before any stage runs. The later stage's
-own check stays, for a pipeline run by hand (`dvc repro`).
+own check stays, for a pipeline run by hand (`dvc repro`). What the base's family refuses (the train
+stage's `check_family`, an export with no OpenVINO pipeline) is asked here too when the family is
+known before the base stage runs (a built-in or a local folder).
 """
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ from typing import Any
 
 from tasks.common import families
 from tasks.common.adapters import RUNTIME_TYPES
+from tasks.common.errors import UserError
 
 FUSED = "or set export.adapters: fused"
 
@@ -70,8 +73,29 @@ def runtime_adapters(configs: Mapping[str, Any], root: Path) -> list[str]:
     return _runtime_method(train) + _runtime_family(train, family, str(getattr(base, "model", "")))
 
 
+def family_fits(configs: Mapping[str, Any], root: Path) -> list[str]:
+    """What the base's family refuses, when it is known before the base stage runs: train.* settings it
+    has not (the train stage's own `check_family`: method, adapter file format, options) and an export
+    optimum-intel has no pipeline for (FLUX.1 Kontext)."""
+    train, export, base = configs.get("train"), configs.get("export"), configs.get("base")
+    family = base_family(base, root) if base is not None else None
+    if family is None:
+        return []
+    found = []
+    if train is not None:
+        try:
+            train.check_family(family)
+        except UserError as err:
+            found.append(str(err))
+    if export is not None and export.enabled and family.ov_pipeline_class_name is None:
+        found.append(f"export.enabled: optimum-intel has no OpenVINO pipeline for {family.title} (base.model: "
+                     f"{getattr(base, 'model', '')}): set export.enabled: false (evaluate and the registered "
+                     "version then run the PyTorch fine-tune)")
+    return found
+
+
 #: Every rule: (the loaded sections by name, the repository root) -> problems.
-RULES: tuple[Callable[[Mapping[str, Any], Path], list[str]], ...] = (runtime_adapters,)
+RULES: tuple[Callable[[Mapping[str, Any], Path], list[str]], ...] = (runtime_adapters, family_fits)
 
 
 def problems(configs: Mapping[str, Any], root: Path) -> list[str]:

@@ -29,6 +29,11 @@ REFUSED = [
     ({**LORA, "base.model": "builtin:tiny-sd3", "train.train_text_encoder": True},
      ["export.adapters: runtime cannot take train.train_text_encoder: true", "text_encoder, text_encoder_2"]),
     ({**LORA, "export.inference_precision": "bf16"}, ["export.adapters: runtime", "export.inference_precision"]),
+    # what the base's family refuses, known from a built-in before the base stage runs
+    ({"train.method": "lora", "train.lora_format": "comfyui", "base.model": "builtin:tiny-sana"},
+     ["train does not fit the base model (Sana)", "train.lora_format: comfyui", "diffusers"]),
+    ({"base.model": "builtin:tiny-flux-kontext", "train.method": "lora"},
+     ["export.enabled: optimum-intel has no OpenVINO pipeline for FLUX.1 Kontext", "set export.enabled: false"]),
 ]
 
 
