@@ -15,5 +15,6 @@ libraries.
 - limits.py, images.py: what a request may ask, its input images;
 - genai_serving.py, adapter_cache.py, base_reference.py: a base export serving registered adapters,
   and a base registered by reference;
-- model.py: the MLflow pyfunc; mlflow_model.py: the file MLflow loads it from.
+- model.py: the MLflow pyfunc; mlflow_model.py: the file MLflow loads it from; quiet.py: the scope it
+  loads and predicts in, where the libraries it imports keep quiet.
 """

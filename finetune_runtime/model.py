@@ -30,6 +30,7 @@ import pandas as pd
 from finetune_runtime import limits, pipeline_call
 from finetune_runtime.convention import CallConvention
 from finetune_runtime.load import Loaded, load
+from finetune_runtime.quiet import libraries_quiet
 from finetune_runtime.size import shape_of
 
 log = logging.getLogger("sd_pyfunc")
@@ -47,7 +48,8 @@ class DiffusionImageModel(mlflow.pyfunc.PythonModel):
     def load_context(self, context: Any) -> None:
         model_config = getattr(context, "model_config", None)
         cache_mb = limits.serving_config(model_config)["adapter_cache_mb"]
-        self.serve(load(dict(context.artifacts), model_config, cache_mb), model_config)
+        with libraries_quiet():  # quiet.py: the libraries' import and load lines off, LOG_LEVEL=DEBUG shows them
+            self.serve(load(dict(context.artifacts), model_config, cache_mb), model_config)
         log.info("loaded the %s pipeline from %s; a request may cost %s pixel-steps (%g images of %dx%d px "
                  "at %d steps), %d may wait, timeout %s s", self.backend, self.path, self.budget.pixel_steps,
                  self.budget.images, self.budget.height, self.budget.width, self.budget.steps,
@@ -72,6 +74,10 @@ class DiffusionImageModel(mlflow.pyfunc.PythonModel):
     # prompts) are checked by limits.check_request, typed and bounded, 400 naming the field.
     def predict(self, context, model_input: pd.DataFrame, params=None):
         """One row per image; see the module docstring for inputs, params and output."""
+        with libraries_quiet():
+            return self._predict(model_input, params)
+
+    def _predict(self, model_input: pd.DataFrame, params: dict[str, Any] | None) -> pd.DataFrame:
         deadline = None if self.timeout_s is None else time.monotonic() + self.timeout_s
         prompts, settings = limits.check_request(model_input, params, self.shape, self.convention, self.budget)
         spec = self._adapter_spec(settings.pop(limits.ADAPTER_PARAM), settings)

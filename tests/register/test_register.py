@@ -428,3 +428,57 @@ def test_a_version_loads_where_only_its_runtime_is_importable(registered: Path, 
     here = mlflow.pyfunc.load_model("models:/sd-test/1").predict(["a photo of sks toy"],
                                                                     params={"num_inference_steps": 1, "seed": 3})
     assert lines["images"] == f"1 {hashlib.sha256(here['image'][0].encode()).hexdigest()}"
+
+
+#: The README's snippet in a fresh Python: load a registered version and predict, then write (to the file
+#: argv[2]) what the process's logging, warnings and progress bars are left as.
+USERS_SNIPPET = """
+import json, logging, sys, warnings
+import mlflow
+
+model = mlflow.pyfunc.load_model(sys.argv[1])
+model.predict(["a photo of sks toy"], params={"num_inference_steps": 1, "seed": 3})
+from diffusers.utils import logging as diffusers_logging
+from huggingface_hub.utils import are_progress_bars_disabled
+from transformers.utils import logging as transformers_logging
+
+from finetune_runtime.quiet import LIBRARIES
+
+state = {"levels": {name: logging.getLogger(name).level for name in (*LIBRARIES, "", "mlflow")},
+         "warnings": sorted(repr(f) for f in warnings.filters),  # those the libraries set as imported
+         "bars": [diffusers_logging.is_progress_bar_enabled(), transformers_logging.is_progress_bar_enabled(),
+                  are_progress_bars_disabled()]}
+with open(sys.argv[2], "w") as f:
+    json.dump(state, f)
+"""
+
+
+def _users_python(version: str, state: Path, **env: str) -> list[str]:
+    """The non-empty lines (stdout and stderr, a progress bar's updates counted) of USERS_SNIPPET."""
+    base = {k: v for k, v in os.environ.items() if k not in (
+        "PYTHONPATH", "LOG_LEVEL", "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "HF_HUB_DISABLE_PROGRESS_BARS",
+        "TRANSFORMERS_VERBOSITY", "DIFFUSERS_VERBOSITY", "FINETUNE_PYFUNC_BACKEND")}
+    proc = subprocess.run([sys.executable, "-c", USERS_SNIPPET, version, str(state)], cwd=state.parent,
+                          env={**base, **env}, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return [line for line in (proc.stdout + proc.stderr).splitlines() if line.strip()]
+
+
+def test_loading_and_predicting_a_version_prints_nothing_quiet(registered: Path, tmp_path: Path) -> None:
+    """In a user's own Python (the project installed, nothing configured), loading a registered version
+    and predicting prints nothing at the default level, with either backend: no library deprecations,
+    fallbacks, safety-checker paragraph or progress bars (finetune_runtime/quiet.py; MLflow's download
+    bars, tasks/register/verified.py). The process's logging, warning filters and bars are left as the
+    libraries set them, and LOG_LEVEL=DEBUG brings the libraries' lines back."""
+    states = {}
+    for backend in ("openvino", "diffusers"):
+        printed = _users_python("models:/sd-test@champion", tmp_path / f"{backend}.json",
+                                FINETUNE_PYFUNC_BACKEND=backend)
+        assert printed == [], f"{backend}: {len(printed)} lines:\n" + "\n".join(printed)
+        states[backend] = json.loads((tmp_path / f"{backend}.json").read_text())
+    verbose = _users_python("models:/sd-test@champion", tmp_path / "verbose.json", LOG_LEVEL="DEBUG",
+                            FINETUNE_PYFUNC_BACKEND="openvino")
+    assert any("safety checker" in line for line in verbose), "\n".join(verbose)  # diffusers' own paragraph
+    assert any(line.startswith("Downloading artifacts") for line in verbose), "\n".join(verbose)
+    # as the libraries left them where nothing quieted them
+    assert states["openvino"] == json.loads((tmp_path / "verbose.json").read_text())
