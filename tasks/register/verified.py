@@ -18,10 +18,17 @@ URIs that bypass `models:/` (`runs:/...`, the artifact store's own `mlflow-artif
 or file paths); files a served model downloads itself at run time in an environment without the
 entry point (a base export's endpoint fetching adapters); a file changed on the local disk after
 the check and before MLflow reads it.
+
+Its downloads show no "Downloading artifacts" bars (up to one line per file, before the model's
+own code runs: finetune_runtime/quiet.py quiets the rest), unless the environment sets
+`MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR` or `LOG_LEVEL=DEBUG`.
 """
 from __future__ import annotations
 
+import contextlib
+import os
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -29,14 +36,31 @@ from mlflow.store.artifact.models_artifact_repo import ModelsArtifactRepository
 
 from tasks.register import manifest
 
+#: MLflow's switch for its download bars, read at each download
+BARS_ENV = "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR"
+
+
+@contextlib.contextmanager
+def bars_off() -> Iterator[None]:
+    """MLflow's download bars off inside, unless the environment sets BARS_ENV or LOG_LEVEL=DEBUG."""
+    if BARS_ENV in os.environ or os.environ.get("LOG_LEVEL", "").strip().upper() == "DEBUG":
+        yield
+        return
+    os.environ[BARS_ENV] = "false"
+    try:
+        yield
+    finally:
+        os.environ.pop(BARS_ENV, None)
+
 
 class VerifiedModelsArtifactRepository(ModelsArtifactRepository):
     """MLflow's `models:/` repository, refusing a download that differs from the registered manifest."""
 
     def download_artifacts(self, artifact_path: str, dst_path: str | None = None,
                            lineage_header_info: Any = None) -> str:
-        path = super().download_artifacts(artifact_path, dst_path, lineage_header_info)
-        files = self.registered_files()
+        with bars_off():
+            path = super().download_artifacts(artifact_path, dst_path, lineage_header_info)
+            files = self.registered_files()
         if files is not None:
             manifest.compare(files, path, artifact_path, self.describe())
         return path
@@ -76,12 +100,18 @@ def download(model_uri: str, dst_path: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """MLflow's CLI (`mlflow <argv>`) with `models:/` downloads checked."""
+    """MLflow's CLI (`mlflow <argv>`) with `models:/` downloads checked; `models serve` without MLflow's
+    INFO lines (the backend it selected, the uvicorn command it runs), unless LOG_LEVEL=DEBUG."""
+    import logging
+
     from mlflow.cli import cli
 
     use()
+    args = list(sys.argv[1:] if argv is None else argv)
+    if args[:2] == ["models", "serve"] and os.environ.get("LOG_LEVEL", "").strip().upper() != "DEBUG":
+        logging.getLogger("mlflow").setLevel(logging.WARNING)
     try:
-        cli.main(args=list(sys.argv[1:] if argv is None else argv), prog_name="mlflow")
+        cli.main(args=args, prog_name="mlflow")
     except manifest.ManifestMismatch as err:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(2)
