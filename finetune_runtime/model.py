@@ -74,7 +74,7 @@ class DiffusionImageModel(mlflow.pyfunc.PythonModel):
     # prompts) are checked by limits.check_request, typed and bounded, 400 naming the field.
     def predict(self, context, model_input: pd.DataFrame, params=None):
         """One row per image; see the module docstring for inputs, params and output."""
-        with libraries_quiet():
+        with libraries_quiet(import_first=False):  # loaded: the libraries are imported
             return self._predict(model_input, params)
 
     def _predict(self, model_input: pd.DataFrame, params: dict[str, Any] | None) -> pd.DataFrame:

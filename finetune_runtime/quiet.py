@@ -51,9 +51,11 @@ def verbose() -> bool:
 
 
 @contextlib.contextmanager
-def libraries_quiet() -> Iterator[None]:
+def libraries_quiet(import_first: bool = True) -> Iterator[None]:
     """The scope the model loads and predicts in (see the module's docstring); nests, and overlaps
-    across threads: the first to enter quiets, the last to leave restores."""
+    across threads: the first to enter quiets, the last to leave restores. `import_first`: import
+    torch, transformers and diffusers quietly first (the load; a request, which runs after it, finds
+    them imported and must not spend its time budget importing them)."""
     global _depth
     if verbose():
         yield
@@ -61,7 +63,7 @@ def libraries_quiet() -> Iterator[None]:
     with _lock:
         _depth += 1
         if _depth == 1:
-            _undo[:] = _quiet()
+            _undo[:] = _quiet(import_first)
     try:
         yield
     finally:
@@ -73,13 +75,14 @@ def libraries_quiet() -> Iterator[None]:
                 _undo.clear()
 
 
-def _quiet() -> list[Callable[[], None]]:
+def _quiet(import_first: bool) -> list[Callable[[], None]]:
     """Warnings ignored, library loggers at ERROR, bars off; the undo of each, in order."""
     undo: list[Callable[[], None]] = []
     if IGNORE_ALL not in warnings.filters:  # (the same filter of the user's would move, then go)
         warnings.simplefilter("ignore")
         undo.append(_filter_remover(warnings.filters[0]))
-    _import_quietly()
+    if import_first:
+        _import_quietly()
     for name in LIBRARIES:
         logger = logging.getLogger(name)
         if logger.level < logging.ERROR:
