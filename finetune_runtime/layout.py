@@ -69,7 +69,6 @@ def peft_components(folder: str | os.PathLike) -> list[str]:
 class Contents:
     """What a train output folder holds; each path is None where it holds no such thing."""
 
-    folder: Path
     full_pipeline: bool
     lora: Path | None  # diffusers' LoRA file (LoRA, DoRA), or peft's adapters folder (LoKr, LoHa)
     embeds: Path | None
@@ -91,4 +90,4 @@ def contents(folder: str | os.PathLike) -> Contents:
     folder = Path(folder)
     lora = next((p for p in (folder / LORA_WEIGHTS, folder / PEFT_DIR) if p.is_file() or peft_components(p)), None)
     embeds = folder / EMBEDS
-    return Contents(folder, is_pipeline(folder), lora, embeds if embeds.is_file() else None)
+    return Contents(is_pipeline(folder), lora, embeds if embeds.is_file() else None)
