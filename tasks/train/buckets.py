@@ -5,16 +5,18 @@ The buckets are kohya sd-scripts' (`enable_bucket`, `min_bucket_reso`, `max_buck
 list (diffusers' `aspect_ratio_buckets`, "h,w;h,w" or a list of [h, w]). Each image goes to the
 bucket nearest its aspect ratio (diffusers' `find_nearest_bucket`).
 
-A batch holds images of one bucket only. Per epoch a generator seeded by (seed, epoch) shuffles
-the images inside each bucket, cuts each bucket into batches (the last batch of a bucket may be
-smaller, as in kohya) and shuffles the batches: the order is a function of (seed, epoch) alone, so
-every rank derives it without communication and a resume that skips the batches already trained
-continues exactly.
+A batch holds images of one bucket only (and, in an edit dataset, targets with one number of reference
+images: a batch is one token sequence length, so the sampler's groups are (bucket, references)). Per
+epoch a generator seeded by (seed, epoch) shuffles the images inside each group, cuts each group into
+batches (the last batch of a group may be smaller, as in kohya) and shuffles the batches: the order is
+a function of (seed, epoch) alone, so every rank derives it without communication and a resume that
+skips the batches already trained continues exactly.
 """
 from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 from torch.utils.data import Sampler
@@ -59,11 +61,12 @@ def counts(buckets: list[Bucket], bucket_of: list[int]) -> dict[str, int]:
 
 
 class BucketBatchSampler(Sampler):
-    """Batches of (epoch, index) within one bucket; `bucket_of[index]` is the example's bucket."""
+    """Batches of (epoch, index) within one group; `bucket_of[index]` is the example's group (its bucket,
+    or (bucket, reference count): any sortable key)."""
 
-    def __init__(self, bucket_of: list[int], batch_size: int, seed: int) -> None:
+    def __init__(self, bucket_of: list[Any], batch_size: int, seed: int) -> None:
         self.bucket_of, self.batch_size, self.seed, self.epoch = list(bucket_of), batch_size, seed, 0
-        self.members: dict[int, list[int]] = {}
+        self.members: dict[Any, list[int]] = {}
         for index, bucket in enumerate(self.bucket_of):
             self.members.setdefault(bucket, []).append(index)
 

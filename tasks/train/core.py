@@ -143,9 +143,10 @@ def train(
     set_seed(cfg.seed)
     method = cfg.spec.trainer_class()(cfg)
     dataset = method.dataset(Path(data_dir), Path(class_dir) if class_dir else None)  # fails fast on bad data
+    cfg = method.cfg  # as the data settled it (an edit dataset trains on its instructions: caption_column text)
     _refuse_data_no_ops(cfg, method, dataset)
     refuse_references(family, dataset.instances)  # edit datasets: a family that takes references,
-    refuse_reference_settings(cfg, dataset.instances)  # and no class images or mixed counts per batch
+    refuse_reference_settings(cfg, dataset.instances)  # and no class images beside them
     data_files = [Path(data_dir) / METADATA]
     if cfg.with_prior_preservation and class_dir is not None:
         data_files += method.class_files or [Path(class_dir) / METADATA]  # train.concepts: one per concept

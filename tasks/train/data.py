@@ -227,9 +227,15 @@ class TrainDataset(Dataset):
             return (self.resolution, self.resolution)
         return self.buckets[self.bucket_of[self.layout.instance(index)]]
 
-    def example_buckets(self) -> list[int]:
-        """The bucket of every example index (for the batch sampler)."""
-        return [self.bucket_of[self.layout.instance(i)] for i in range(len(self))]
+    def batch_groups(self) -> list[tuple[int, int]] | None:
+        """What each example's batch must share, per example index (for the batch sampler): its bucket (one
+        size) and its number of reference images (an edit's; one token sequence length). None when every
+        example shares both (no buckets, one reference count): batches are then drawn from all of them."""
+        counts = [len(r.references) for r in self.instances]
+        if not self.buckets and len(set(counts)) <= 1:
+            return None
+        return [(self.bucket_of[j] if self.buckets else 0, counts[j])
+                for j in map(self.layout.instance, range(len(self)))]
 
     def bucket_counts(self) -> dict[str, int]:
         """Instance images per bucket ('HxW' -> count); empty without buckets."""

@@ -94,15 +94,17 @@ def make_accelerator(cfg: TrainConfig) -> Any:
 def build_dataloader(dataset: Dataset, method: TrainingMethod, cfg: TrainConfig) -> tuple[DataLoader, Any]:
     """Order from (seed, epoch); the loader's own generator keeps it off the global RNG.
 
-    With buckets, a batch sampler makes batches within one bucket (tasks/train/buckets.py). With
-    the disk latent cache, the dataset reads the latents it finds there instead of decoding.
+    With buckets, or an edit dataset whose targets have different numbers of reference images, a batch
+    sampler makes batches within one group: one bucket, one reference count (tasks/train/buckets.py).
+    With the disk latent cache, the dataset reads the latents it finds there instead of decoding.
     """
     if hasattr(dataset, "read_latents_from"):  # after the back end chose the caches (XLA turns them off)
         dataset.read_latents_from(method.disk_latents())
     common = {"collate_fn": method.collate, "num_workers": cfg.dataloader_num_workers,
               "generator": torch.Generator().manual_seed(cfg.seed)}
-    if getattr(dataset, "buckets", None):
-        batches = BucketBatchSampler(dataset.example_buckets(), cfg.train_batch_size, cfg.seed)  # type: ignore
+    groups = dataset.batch_groups() if hasattr(dataset, "batch_groups") else None
+    if groups is not None:
+        batches = BucketBatchSampler(groups, cfg.train_batch_size, cfg.seed)
         return DataLoader(dataset, batch_sampler=batches, **common), batches
     sampler = EpochSampler(len(dataset), cfg.seed)  # type: ignore[arg-type]
     return DataLoader(dataset, batch_size=cfg.train_batch_size, sampler=sampler, **common), sampler

@@ -68,7 +68,7 @@ def stack_references(parts: list[dict[str, Any]]) -> tuple[list[torch.Tensor] | 
     if counts == {0}:
         return None, None
     if len(counts) > 1:
-        raise RuntimeError(f"a batch mixes targets with {sorted(counts)} reference images (refused at load)")
+        raise RuntimeError(f"a batch mixes targets with {sorted(counts)} reference images (see batch_groups)")
     (count,) = counts
     pixels = [torch.stack([p["references"][j] for p in parts]) for j in range(count)]
     keys = [[p["reference_keys"][j] for p in parts] for j in range(count)]
@@ -101,19 +101,14 @@ def reference_latents(vae: torch.nn.Module, pixels: list[torch.Tensor] | None, k
 
 def refuse_reference_settings(cfg: Any, records: list[Any]) -> None:
     """What edit training cannot do here, refused before any load: class images (they have no
-    references) and, in batches of several, targets with different numbers of references (one
-    batch is one token sequence length)."""
-    counts = {len(r.references) for r in records}
-    if counts == {0}:
+    references). Targets with different numbers of references train in batches of one count each
+    (TrainDataset.batch_groups: one batch is one token sequence length)."""
+    if not any(r.references for r in records):
         return
     if cfg.with_prior_preservation:
         raise UserError("train.with_prior_preservation: class images have no reference images, so prior "
                         "preservation cannot train beside an edit dataset (metadata.jsonl `reference_file_names`); "
                         "set train.with_prior_preservation: false.")
-    if len(counts) > 1 and cfg.train_batch_size > 1:
-        raise UserError(f"train.train_batch_size: the instance images have {sorted(counts)} reference images "
-                        "(metadata.jsonl `reference_file_names`), and a batch of several needs one count; set "
-                        "train.train_batch_size: 1 (gradient_accumulation_steps for a larger effective batch).")
 
 
 def refuse_references(family: Any, records: list[Any]) -> None:

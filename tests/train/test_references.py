@@ -113,15 +113,33 @@ def test_flux2_trains_on_an_edit_dataset(tmp_path, tiny_flux2, edit_dir) -> None
     assert sum(k.startswith("ref:") for k in keys) == 3, keys  # each reference once (no flips)
 
 
-def test_edit_settings_that_cannot_train_are_refused(tmp_path, tiny_flux2, edit_dir, class_dir) -> None:
+def test_prior_preservation_beside_an_edit_dataset_is_refused(tmp_path, tiny_flux2, edit_dir, class_dir) -> None:
     from tasks.train.core import train
 
     with pytest.raises(UserError, match="train.with_prior_preservation: class images have no reference images"):
         train(_config(tmp_path, max_sequence_length=SEQ, with_prior_preservation=True), tiny_flux2, edit_dir,
               class_dir, tmp_path / "out")
-    with pytest.raises(UserError, match=r"train.train_batch_size: .* \[1, 2\] reference images"):
-        train(_config(tmp_path, max_sequence_length=SEQ, train_batch_size=2), tiny_flux2, edit_dir, None,
-              tmp_path / "out")
+
+
+def test_batches_of_an_edit_dataset_hold_one_reference_count(edit_dir) -> None:
+    """Targets with one and with two references never share a batch (one token sequence length), also
+    in buckets; a dataset of one count and no buckets draws its batches from all examples."""
+    from tasks.train.buckets import BucketBatchSampler
+    from tasks.train.data import TrainDataset, read_imagefolder
+
+    records = read_imagefolder(edit_dir, "instance images", "") * 3  # 6 targets: 3 with one reference, 3 with two
+    dataset = TrainDataset(records, None, lambda r, rng: r.text, "", 32)
+    groups = dataset.batch_groups()
+    assert groups == [(0, 1), (0, 2)] * 3
+    for epoch in range(4):
+        batches = BucketBatchSampler(groups, 2, seed=epoch).batches(epoch)
+        assert sorted(i for b in batches for i in b) == list(range(6))
+        assert all(len({len(records[i].references) for i in b}) == 1 for b in batches), batches
+        assert sorted(map(len, batches)) == [1, 1, 2, 2]
+    same = [r for r in records if len(r.references) == 1]
+    assert TrainDataset(same, None, lambda r, rng: r.text, "", 32).batch_groups() is None
+    bucketed = TrainDataset(records, None, lambda r, rng: r.text, "", 32, buckets=[(32, 32), (32, 48)])
+    assert bucketed.batch_groups() == [(0, 1), (0, 2)] * 3
 
 
 def test_the_caching_pass_holds_the_references_a_step_needs(tmp_path, tiny_flux2, edit_dir) -> None:
@@ -141,9 +159,10 @@ def test_the_caching_pass_holds_the_references_a_step_needs(tmp_path, tiny_flux2
     assert cache.misses == 5, "every latent a step needed was cached before it"
 
 
-def test_the_edit_demo_from_ingest_trains_on_flux2(tmp_path, tiny_flux2) -> None:
-    """data/demo/edits.py -> ingest (control_dir) -> two LoRA steps on tiny FLUX.2 [klein] at batch 1
-    (the demo mixes one and two references), with flips: the stages' contract holds end to end."""
+def test_the_edit_demo_from_ingest_trains_on_flux2(tmp_path, tiny_flux2, caplog) -> None:
+    """data/demo/edits.py -> ingest (control_dir) -> two LoRA steps on tiny FLUX.2 [klein] at batch 2
+    (the demo mixes one and two references: batches of one count), with flips, on each target's
+    instruction (train.caption_column null): the stages' contract holds end to end."""
     import subprocess
     import sys
 
@@ -155,7 +174,23 @@ def test_the_edit_demo_from_ingest_trains_on_flux2(tmp_path, tiny_flux2) -> None
     ingested = run(config([{"type": "folder", "path": str(tmp_path / "edits"), "control_dir": "control"}],
                           resolution=32, near_duplicate_distance=None), tmp_path / "processed")
     assert len(ingested.kept) == 4 and not ingested.rejected
-    outcome = train(_config(tmp_path, method="lora", max_sequence_length=SEQ, random_flip=True), tiny_flux2,
-                    tmp_path / "processed", None, tmp_path / "out")
+    from tasks.train.methods.assembly import DataAssembly
+
+    seen: list[str] = []
+    collate = DataAssembly.collate
+
+    def recording(self, examples):
+        batch = collate(self, examples)
+        seen.extend(batch.prompts)
+        return batch
+
+    caplog.set_level("INFO", logger="tasks.train")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(DataAssembly, "collate", recording)
+        outcome = train(_config(tmp_path, method="lora", max_sequence_length=SEQ, random_flip=True,
+                                train_batch_size=2), tiny_flux2, tmp_path / "processed", None, tmp_path / "out")
     assert len(outcome.history) == 2 and all(np.isfinite(h.loss) for h in outcome.history)
+    instructions = {(tmp_path / "edits" / f"edit_0{i}.txt").read_text().strip() for i in range(4)}
+    assert seen and set(seen) <= instructions, (seen, instructions)
+    assert "prompts: each target's instruction, column 'text'" in caplog.text
     assert outcome.trained["edit_pairs"] == 4 and outcome.trained["instance_images"] == 4  # reports/train.json's

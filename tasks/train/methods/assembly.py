@@ -39,6 +39,10 @@ class DataAssembly:
     def dataset(self, data_dir: Path, class_dir: Path | None) -> TrainDataset:
         """Instance images (and class images with prior preservation); UserError when inputs are missing."""
         instances = read_imagefolder(data_dir, "instance images", INGEST_FIX, self.caption_column or "text")
+        edits = self.caption_column is None and self.cfg.spec.reads_captions and any(r.references for r in instances)
+        if edits:  # an edit dataset: each target trains on its instruction (its caption), not the instance prompt
+            self.cfg = self.cfg.model_copy(update={"caption_column": "text"})
+            self.caption_column = "text"
         self.sample_captions = [r.text for r in instances[:4]]
         self.concept_prompts = concept_validation_prompts(self.cfg, instances)
         self.instance_texts = {r.text for r in instances}
@@ -58,8 +62,10 @@ class DataAssembly:
             if len(classes) < len(instances):
                 log.warning("only %d class images for %d instance images; the DreamBooth paper uses ~200",
                             len(classes), len(instances))
-        log.info("%s data: %d instance images (prompts: %s)%s", self.name, len(instances),
-                 f"column {self.caption_column!r}" if self.caption_column else repr(self.cfg.instance_prompt),
+        prompts = (f"each target's instruction, column {self.caption_column!r}: an edit dataset, train.caption_column "
+                   "null" if edits else f"column {self.caption_column!r}" if self.caption_column
+                   else repr(self.cfg.instance_prompt))
+        log.info("%s data: %d instance images (prompts: %s)%s", self.name, len(instances), prompts,
                  f", {len(classes)} class images" if classes else "")
         dataset = TrainDataset(instances, classes, self.prompt, self.cfg.class_prompt, self.cfg.resolution,
                                self.cfg.center_crop, self.cfg.random_flip, self.cfg.seed,
