@@ -160,6 +160,28 @@ def test_cli_writes_outputs_and_logs(tmp_path: Path, tiny_sd: Path, isolated_mlf
     assert sorted(p.name for p in (tmp_path / "cls").glob("*.png")) == ["00000.png", "00001.png"]
 
 
+def test_without_prior_preservation_it_makes_none_and_loads_nothing(tmp_path: Path, isolated_mlflow: str) -> None:
+    """train.with_prior_preservation: false (the edit recipe's): no class image is made, no model loads
+    (the base folder is not even there), the images an earlier run made stay for a later one."""
+    params = tmp_path / "params.yaml"
+    params.write_text(yaml.safe_dump({"class_images": {**FAST, "num_images": 8},
+                                      "train": {"with_prior_preservation": False}}))
+    (tmp_path / "cls").mkdir()
+    Image.new("RGB", (32, 32)).save(tmp_path / "cls" / "00000.png")
+    done = subprocess.run(
+        [sys.executable, "-m", "tasks.class_images", "--base", str(tmp_path / "missing"), "--out",
+         str(tmp_path / "cls"), "--report", str(tmp_path / "r.json"), "--params", str(params)],
+        capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(REPO)}, cwd=tmp_path,
+    )
+    assert done.returncode == 0, done.stderr
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert report == {"skipped": True, "reason": "train.with_prior_preservation: false", "num_images": 0,
+                      "generated": 0, "kept_unused": 1}
+    assert "no class images (train.with_prior_preservation: false" in done.stderr + done.stdout
+    assert [p.name for p in (tmp_path / "cls").iterdir()] == ["00000.png"]
+    assert [r.data.tags["class_images.skipped"] for r in stage_runs(isolated_mlflow)] == ["true"]
+
+
 def test_cli_bad_base_is_a_clean_error(tmp_path: Path) -> None:
     params = tmp_path / "params.yaml"
     params.write_text(yaml.safe_dump({"class_images": {**FAST, "num_images": 1}}))

@@ -14,14 +14,16 @@ class DataSection(StageConfig):
     caption_column: str | None = Field(
         None, min_length=1,
         description="metadata.jsonl column with per-image captions; null: instance_prompt for every image "
-                    "(method full: 'text')",
+                    "(method full, and an edit dataset: 'text', each target's caption, its instruction)",
     )
     shuffle_tag_p: float = Field(0.0, ge=0.0, le=1.0, description="chance to shuffle an image's tags")
     keep_tokens: int = Field(0, ge=0, description="the first N tags stay in place when shuffling")
     proportion_empty_prompts: float = Field(0.0, ge=0.0, lt=1.0, description="caption dropout: chance of ''")
     # prior preservation (DreamBooth; also usable as regularisation by lora and full)
     class_prompt: str = Field("a photo of a toy", min_length=1, description="prompt of the class images")
-    with_prior_preservation: bool = Field(True, description="add the prior-preservation loss over class images")
+    with_prior_preservation: bool = Field(
+        True, description="add the prior-preservation loss over class images (false: the class_images stage makes "
+                          "none; an edit dataset refuses true: class images have no reference images)")
     prior_loss_weight: float = Field(1.0, ge=0.0, description="weight of the prior-preservation loss")
     # images
     resolution: int = Field(64, ge=8, le=4096, multiple_of=8, description="training images are resized/cropped to this")
