@@ -9,7 +9,8 @@ asks it, with every section loaded as its stage's typed config (so a section's o
 bf16 inference with run-time adapters, fail there too), before any stage runs. The later stage's
 own check stays, for a pipeline run by hand (`dvc repro`). What the base's family refuses (the train
 stage's `check_family`, an export with no OpenVINO pipeline) is asked here too when the family is
-known before the base stage runs (a built-in or a local folder).
+known before the base stage runs (a built-in or a local folder). An edit dataset (tasks/common/
+edit_data.py) refuses prior preservation and a base that takes no reference images.
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from tasks.common import families
+from tasks.common import edit_data, families
 from tasks.common.adapters import RUNTIME_TYPES
 from tasks.common.errors import UserError
 
@@ -94,8 +95,29 @@ def family_fits(configs: Mapping[str, Any], root: Path) -> list[str]:
     return found
 
 
+def edit_dataset(configs: Mapping[str, Any], root: Path) -> list[str]:
+    """An edit dataset (an ingest source with `control_dir` or `cond_image_column`): no prior preservation
+    beside it (class images have no references: the train stage refuses it after class_images made them)
+    and a base whose family trains on reference images, when the family is known before the base stage
+    runs (the train stage refuses the others after ingest)."""
+    ingest, train, base = configs.get("ingest"), configs.get("train"), configs.get("base")
+    if ingest is None or not (keys := edit_data.reference_sources(ingest)):
+        return []
+    found = []
+    if train is not None and (problem := edit_data.prior_preservation_problem(ingest, train.with_prior_preservation)):
+        found.append(problem)
+    family = base_family(base, root) if base is not None else None
+    if family is not None and not family.takes_references:
+        editors = ", ".join(f"{f.title}: {f.builtin}" for f in families.FAMILIES
+                            if f.takes_references and getattr(f, "builtin", None))
+        found.append(f"{keys[0]} makes an edit dataset (reference images), but {family.title} (base.model: "
+                     f"{getattr(base, 'model', '')}) does not train on reference images; use a base that does "
+                     f"({editors}), or ingest without {keys[0].rsplit('.', 1)[1]}")
+    return found
+
+
 #: Every rule: (the loaded sections by name, the repository root) -> problems.
-RULES: tuple[Callable[[Mapping[str, Any], Path], list[str]], ...] = (runtime_adapters, family_fits)
+RULES: tuple[Callable[[Mapping[str, Any], Path], list[str]], ...] = (runtime_adapters, family_fits, edit_dataset)
 
 
 def problems(configs: Mapping[str, Any], root: Path) -> list[str]:

@@ -17,7 +17,8 @@ from tasks.class_images.config import ClassImagesConfig
 from tasks.common.config import load_config, read_params
 from tasks.common.confine import confine
 from tasks.common.distributed import failures_named, join
-from tasks.common.errors import main_guard
+from tasks.common.edit_data import prior_preservation_problem
+from tasks.common.errors import UserError, main_guard
 from tasks.common.launch import start
 from tasks.common.quantize import following_train
 
@@ -61,6 +62,8 @@ def main() -> None:
     if not needed(params):
         skip(args, cfg)
         return
+    if problem := prior_preservation_problem(params.get("ingest") or {}, True):  # before any image is made
+        raise UserError(f"{args.params}: {problem}")
     start("class_images", cfg.launcher, cfg.launch)  # under mpirun/accelerate: re-executes there and exits
     from tasks.class_images.stage import generate_and_record  # torch, diffusers, MLflow: only where it runs
 

@@ -142,8 +142,7 @@ def train(
     accelerator = make_accelerator(cfg)
     set_seed(cfg.seed)
     method = cfg.spec.trainer_class()(cfg)
-    dataset = method.dataset(Path(data_dir), Path(class_dir) if class_dir else None)  # fails fast on bad data
-    cfg = method.cfg  # as the data settled it (an edit dataset trains on its instructions: caption_column text)
+    dataset, cfg = method.dataset(Path(data_dir), Path(class_dir) if class_dir else None), method.cfg  # fails fast
     _refuse_data_no_ops(cfg, method, dataset)
     refuse_references(family, dataset.instances)  # edit datasets: a family that takes references,
     refuse_reference_settings(cfg, dataset.instances)  # and no class images beside them

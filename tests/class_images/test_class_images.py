@@ -182,6 +182,22 @@ def test_without_prior_preservation_it_makes_none_and_loads_nothing(tmp_path: Pa
     assert [r.data.tags["class_images.skipped"] for r in stage_runs(isolated_mlflow)] == ["true"]
 
 
+def test_prior_preservation_beside_an_edit_dataset_is_refused_before_any_image(tmp_path: Path) -> None:
+    """Under a plain dvc repro the flow's up-front check has not run: class_images refuses what the train
+    stage would refuse after it (class images have no reference images), before making any."""
+    params = tmp_path / "params.yaml"
+    params.write_text(yaml.safe_dump({"class_images": {**FAST, "num_images": 8},
+                                      "ingest": {"sources": [{"type": "folder", "control_dir": "control"}]}}))
+    done = subprocess.run(
+        [sys.executable, "-m", "tasks.class_images", "--base", str(tmp_path / "missing"), "--out",
+         str(tmp_path / "cls"), "--report", str(tmp_path / "r.json"), "--params", str(params)],
+        capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(REPO)}, cwd=tmp_path,
+    )
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+    assert "train.with_prior_preservation: true beside an edit dataset (ingest.sources[0].control_dir" in done.stderr
+    assert not (tmp_path / "cls").exists() and not (tmp_path / "r.json").exists()
+
+
 def test_cli_bad_base_is_a_clean_error(tmp_path: Path) -> None:
     params = tmp_path / "params.yaml"
     params.write_text(yaml.safe_dump({"class_images": {**FAST, "num_images": 1}}))

@@ -15,6 +15,7 @@ from tasks.common.errors import UserError
 from tests.conftest import REPO
 
 LORA = {"train.method": "lora", "export.adapters": "runtime"}
+EDITS = {"ingest.data_dir": "data/demo/edits", "ingest.sources": [{"type": "folder", "control_dir": "control"}]}
 REFUSED = [
     ({**LORA, "train.lora_type": "dora"},
      ["export.adapters: runtime", "train.lora_type: dora", "set train.lora_type: lora"]),
@@ -34,6 +35,15 @@ REFUSED = [
      ["train does not fit the base model (Sana)", "train.lora_format: comfyui", "diffusers"]),
     ({"base.model": "builtin:tiny-flux-kontext", "train.method": "lora"},
      ["export.enabled: optimum-intel has no OpenVINO pipeline for FLUX.1 Kontext", "set export.enabled: false"]),
+    # an edit dataset: no class images beside it, a base that takes references
+    ({**EDITS, "base.model": "builtin:tiny-flux2"},
+     ["train.with_prior_preservation: true beside an edit dataset (ingest.sources[0].control_dir",
+      "set train.with_prior_preservation: false"]),
+    ({**EDITS, "train.with_prior_preservation": False},
+     ["ingest.sources[0].control_dir makes an edit dataset", "Stable Diffusion", "builtin:tiny-flux2",
+      "or ingest without control_dir"]),
+    ({"ingest.sources": [{"type": "imagefolder", "cond_image_column": "ref"}], "base.model": "builtin:tiny-flux2"},
+     ["beside an edit dataset (ingest.sources[0].cond_image_column"]),
 ]
 
 
@@ -50,6 +60,18 @@ def test_a_combination_a_later_stage_refuses_fails_at_load(params: Path, written
         check_params(params)
     for text in named:
         assert text in str(err.value)
+
+
+def test_the_readme_edit_recipe_loads_as_written(params: Path) -> None:
+    """The README's edit recipe, in params.yaml as it stands: nothing refused (mixed reference counts at
+    train_batch_size 2 train in batches of one count; the instructions are the prompts)."""
+    from tests.readme_blocks import recipe, settings
+
+    written = settings(recipe("edits"))
+    assert written["train.with_prior_preservation"] is False and written["base.model"] == "builtin:tiny-flux2"
+    apply_overrides(params, written)
+    configs = check_params(params)
+    assert configs["train"].train_batch_size > 1 and configs["train"].caption_column is None
 
 
 def test_what_the_export_takes_loads(params: Path) -> None:

@@ -37,7 +37,9 @@ class DataAssembly:
         return captioned and self.captions.varies
 
     def dataset(self, data_dir: Path, class_dir: Path | None) -> TrainDataset:
-        """Instance images (and class images with prior preservation); UserError when inputs are missing."""
+        """Instance images (and class images with prior preservation); UserError when inputs are missing.
+        An edit dataset with train.caption_column null sets `cfg.caption_column` to 'text' (its instructions):
+        the caller reads `self.cfg` after this, so the run key and the report follow what trains."""
         instances = read_imagefolder(data_dir, "instance images", INGEST_FIX, self.caption_column or "text")
         edits = self.caption_column is None and self.cfg.spec.reads_captions and any(r.references for r in instances)
         if edits:  # an edit dataset: each target trains on its instruction (its caption), not the instance prompt
