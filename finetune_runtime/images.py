@@ -48,8 +48,8 @@ def decoded(i: int, text: Any) -> Any:
         raise _bad(f"{field}: not base64 ({err}); send the file's bytes base64-encoded") from None
     try:
         image = Image.open(io.BytesIO(data))
-    except (UnidentifiedImageError, OSError) as err:
-        raise _bad(f"{field}: not an image file ({err}); allowed: {', '.join(FORMATS)}") from None
+    except (UnidentifiedImageError, OSError):  # PIL's message names only its BytesIO object
+        raise _bad(f"{field}: not an image (a PNG, JPEG or WebP file, base64-encoded)") from None
     if image.format not in FORMATS:
         raise _bad(f"{field}: a {image.format} file; allowed: {', '.join(FORMATS)}")
     width, height = image.size

@@ -7,7 +7,8 @@ and the allowed range (`mlflow models serve` answers it with HTTP 400).
 
 Serving cannot be tied up (README "The registry", "Limits of a served model"):
 - cost: prompts x num_images_per_prompt x num_inference_steps x height x width must stay within
-  the model's budget, `budget_images` images at its default size and steps (model_config), checked
+  the model's budget, `budget_images` images at its default size and steps (model_config; an edit
+  model's images are edits, each with the most input images it takes at that size), checked
   with the other settings, before any work: a bad_request (HTTP 400) naming the fields and budget;
 - queue: one request at a time per process (the server runs requests in threads and a pipeline
   is not thread-safe), at most `max_waiting` (model_config) waiting for it; the next is refused at
@@ -137,16 +138,31 @@ def check_settings(params: dict[str, Any] | None, size_multiple: int = 8) -> dic
 class Budget:
     """What one request may cost: `images` images of `height` x `width` at `steps` steps, the
     model's defaults. Cost = images x num_inference_steps x height x width (pixel-steps): a
-    denoising step's time and memory grow with its pixels, a request's time with its steps."""
+    denoising step's time and memory grow with its pixels, a request's time with its steps.
+
+    An edit model's image at its defaults is an edit: `input_images` (the most its call takes) at
+    that size join every step beside it, so each of the `images` counts them: a budget of 4 holds 4
+    edits at the default size with every input image a call may take (else one default edit with 4
+    inputs, 5 images' pixels, would be over the default budget of 4, and an edit of an input image
+    twice the default side, made at that size, would be refused at the default settings)."""
 
     images: float
     height: int
     width: int
     steps: int = SETTINGS["num_inference_steps"].default
+    input_images: int = 0
 
     @property
     def default_image(self) -> int:
-        return self.steps * self.height * self.width
+        """The pixel-steps of one image (an edit model's: one edit, its input images included) at the defaults."""
+        return self.steps * self.height * self.width * (1 + self.input_images)
+
+    def describe(self) -> str:
+        """'4 images of 64x64 px at 20 steps' (an edit model's: '... edits ..., each with 4 input images of that size')."""
+        if not self.input_images:
+            return f"{self.images:g} images of {self.height}x{self.width} px at {self.steps} steps"
+        return (f"{self.images:g} edits of {self.height}x{self.width} px at {self.steps} steps, each with "
+                f"{self.input_images} input image{'s' if self.input_images > 1 else ''} of that size")
 
     @property
     def pixel_steps(self) -> int:
@@ -167,8 +183,8 @@ class Budget:
         raise bad_request(
             f"request cost {prompts} prompts x num_images_per_prompt {per_prompt} x num_inference_steps "
             f"{steps} x {pixels} = {cost} pixel-steps ({cost / self.default_image:.3g} "
-            f"default images) is over this model's budget of {self.pixel_steps} ({self.images:g} images of "
-            f"{self.height}x{self.width} px at {self.steps} steps; model_config budget_images): lower "
+            f"default {'edits' if self.input_images else 'images'}) is over this model's budget of "
+            f"{self.pixel_steps} ({self.describe()}; model_config budget_images): lower "
             "num_images_per_prompt, num_inference_steps, height or width, or split the request")
 
 

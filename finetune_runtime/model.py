@@ -50,9 +50,8 @@ class DiffusionImageModel(mlflow.pyfunc.PythonModel):
         cache_mb = limits.serving_config(model_config)["adapter_cache_mb"]
         with libraries_quiet():  # quiet.py: the libraries' import and load lines off, LOG_LEVEL=DEBUG shows them
             self.serve(load(dict(context.artifacts), model_config, cache_mb), model_config)
-        log.info("loaded the %s pipeline from %s; a request may cost %s pixel-steps (%g images of %dx%d px "
-                 "at %d steps), %d may wait, timeout %s s", self.backend, self.path, self.budget.pixel_steps,
-                 self.budget.images, self.budget.height, self.budget.width, self.budget.steps,
+        log.info("loaded the %s pipeline from %s; a request may cost %s pixel-steps (%s), %d may wait, "
+                 "timeout %s s", self.backend, self.path, self.budget.pixel_steps, self.budget.describe(),
                  self.turns.max_waiting, self.timeout_s)
 
     def serve(self, loaded: Loaded, model_config: dict[str, Any] | None) -> None:
@@ -63,7 +62,8 @@ class DiffusionImageModel(mlflow.pyfunc.PythonModel):
         self.pipe, self.backend, self.path = loaded.pipe, loaded.backend, loaded.path
         self.pipe.set_progress_bar_config(disable=True)
         self.shape = shape_of(self.pipe, self.convention, loaded.exported)
-        self.budget = limits.Budget(config["budget_images"], *self.shape.default)
+        self.budget = limits.Budget(config["budget_images"], *self.shape.default,
+                                    input_images=self.convention.input_images)
         # `mlflow models serve` runs each request in a thread of its worker: a pipeline (its
         # scheduler's step state, OpenVINO's infer requests) must not run two calls at once.
         self.turns = limits.Turns(config["max_waiting"])

@@ -175,6 +175,12 @@ def test_no_deadline_outside_the_server_and_over_budget_touches_nothing(monkeypa
     assert pipe.steps == 80
 
 
+def test_an_edit_models_budget_counts_the_input_images_its_call_takes() -> None:
+    model = DiffusionImageModel()
+    model.serve(Loaded(SlowPipe(0.0), "stand-in", "stand-in"), {"pipeline_call": {"input_images": 4}})
+    assert model.budget == Budget(4.0, 64, 64, input_images=4)
+
+
 def test_the_register_params_defaults_are_the_models() -> None:
     from tasks.register.config import RegisterConfig
 

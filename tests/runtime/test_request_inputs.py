@@ -97,7 +97,8 @@ BAD_IMAGES = [
     (_b64(RED), 4, r"image: expected a list of base64-encoded images, got str"),
     ([7], 4, r"image\[0\]: expected a base64-encoded PNG, JPEG or WebP file, got int"),
     ([_b64(RED), "not base64!"], 4, r"image\[1\]: not base64"),
-    ([base64.b64encode(b"hello, world").decode()], 4, r"image\[0\]: not an image file"),
+    ([base64.b64encode(b"hello, world").decode()], 4, r"^image\[0\]: not an image \(a PNG, JPEG or WebP file, "
+                                                      r"base64-encoded\)$"),
     ([_b64(RED, "GIF")], 4, r"image\[0\]: a GIF file; allowed: PNG, JPEG, WEBP"),
     ([_b64(Image.new("RGB", (32, 80)))], 4, r"image\[0\]: 32x80 px; allowed: each side from 64 to 4096"),
     ([_b64(Image.new("L", (5000, 64)))], 4, r"image\[0\]: 5000x64 px; allowed"),
@@ -135,6 +136,23 @@ def test_input_images_are_decoded_upright_and_set_the_edit_size() -> None:
     _, static = check_request(["a"], {"image": [_b64(big)]}, input_images=1, size=(64, 64))
     assert (static["height"], static["width"]) == (64, 64), "a static export makes its own size"
     assert check_request(["a"], {}, input_images=4)[1]["image"] == []
+
+
+def test_an_edit_models_budget_counts_edits_with_their_input_images() -> None:
+    """FLUX.2 [klein]'s default budget at the tiny model's 64 px: 4 edits, each with the 4 input images a
+    call takes at that size; the README's request (the demo's 128 px reference, every other setting
+    its default: an edit at 128 px) fits it."""
+    budget = Budget(4, 64, 64, input_images=4)
+    assert budget.pixel_steps == 4 * 20 * 64 * 64 * 5 and Budget(4, 64, 64).pixel_steps == 4 * 20 * 64 * 64
+    reference = _b64(Image.new("RGB", (128, 128)))
+    _, settings = check_request(["turn it blue"], {"image": [reference]}, budget=budget, input_images=4,
+                                default=(64, 64))
+    assert (settings["height"], settings["width"]) == (128, 128)
+    with pytest.raises(MlflowException) as info:  # 3 x 20 x (128x128 + 128x128) = 4.8 default edits
+        check_request(["turn it blue"], {"image": [reference], "num_images_per_prompt": 3}, budget=budget,
+                      input_images=4, default=(64, 64))
+    assert "= 1966080 pixel-steps (4.8 default edits) is over this model's budget of 1638400 (4 edits of 64x64 px " \
+           "at 20 steps, each with 4 input images of that size; model_config budget_images)" in info.value.message
 
 
 def test_input_images_count_towards_the_cost() -> None:
