@@ -158,7 +158,8 @@ class Budget:
         return self.steps * self.height * self.width * (1 + self.input_images)
 
     def describe(self) -> str:
-        """'4 images of 64x64 px at 20 steps' (an edit model's: '... edits ..., each with 4 input images of that size')."""
+        """'4 images of 64x64 px at 20 steps'; an edit model's: '4 edits of ..., each with 4 input images of
+        that size'."""
         if not self.input_images:
             return f"{self.images:g} images of {self.height}x{self.width} px at {self.steps} steps"
         return (f"{self.images:g} edits of {self.height}x{self.width} px at {self.steps} steps, each with "
