@@ -8,8 +8,10 @@ version says DoRA, not only `method: lora`, and how many of its images trained m
   (tasks/train/methods/specs/);
 - `optimizer`: what make_optimizer built (tasks/train/optim.py `optimizer_name`);
 - `instance_images`: the instance images of the data; `edit_pairs`, on an edit dataset: the targets
-  trained with reference images; `masked_loss`, and with it `masked_images` (those whose mask
-  weighs the loss) and the mask settings;
+  trained with reference images; `caption_column`: the metadata column the prompts came from (an
+  edit dataset's `text`, its instructions, also where params.yaml left it null), null where every
+  image trained with `instance_prompt` (or textual inversion's templates); `masked_loss`, and with
+  it `masked_images` (those whose mask weighs the loss) and the mask settings;
 - the report's own `base_model_precision`, `text_encoder_precision` (what the base held) and
   `concepts` (per concept: images, repeats, loss weight) are written beside them (core.py).
 """
@@ -33,6 +35,7 @@ def trained_settings(cfg: Any, instances: Sequence[Any], optimizer: str) -> dict
     out["train_text_encoder"] = cfg.train_text_encoder
     out["optimizer"] = optimizer
     out["instance_images"] = len(instances)
+    out["caption_column"] = (cfg.caption_column or cfg.spec.default_caption_column) if cfg.spec.reads_captions else None
     if edits := sum(bool(getattr(r, "references", ())) for r in instances):
         out["edit_pairs"] = edits
     out["masked_loss"] = cfg.masked_loss

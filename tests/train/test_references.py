@@ -194,3 +194,4 @@ def test_the_edit_demo_from_ingest_trains_on_flux2(tmp_path, tiny_flux2, caplog)
     assert seen and set(seen) <= instructions, (seen, instructions)
     assert "prompts: each target's instruction, column 'text'" in caplog.text
     assert outcome.trained["edit_pairs"] == 4 and outcome.trained["instance_images"] == 4  # reports/train.json's
+    assert outcome.trained["caption_column"] == "text"
