@@ -46,6 +46,11 @@ REASONS: tuple[str, ...] = (
     "aspect_ratio",  # long side / short side above ingest.max_aspect_ratio
     "bad_mask",  # its mask is unreadable, of another size than the image, or all black (detail: the mask)
     "bad_reference",  # one of its reference images fails the image checks (detail: the reference and why)
+    # clips (a `clips` source; `corrupt`, `too_large`, `too_small`, `aspect_ratio` apply to them too)
+    "not_a_video",  # a clip file FFmpeg finds no video stream (or no decoder) in
+    "too_long",  # over ingest.video.max_seconds, by its header or by its packets
+    "too_short",  # fewer frames than the smallest of ingest.video.frames at its fps (zero frames included)
+    "decode_limit",  # its checks and decoding passed ingest.video.decode_seconds or decode_memory_mb
     # the caption policy (ingest.captions)
     "empty_caption",  # no caption, and captions.empty is drop
     "long_caption",  # over captions.max_words, and captions.too_long is drop
@@ -144,6 +149,30 @@ def read_regular(target: Path, max_bytes: int | None = None) -> bytes:
     if not data:
         raise Reject("empty_file", "0 bytes")
     return data
+
+
+def open_regular(target: Path, max_bytes: int) -> int:
+    """A read-only descriptor of `target` if it is a non-empty regular file of at most `max_bytes`.
+
+    For files too large to hold whole (clips): the same checks as `read_regular` (`stat` before any
+    open, so a FIFO named like a video is refused unopened; non-blocking open, checked again on the
+    descriptor), and the caller reads it in chunks. The caller closes the descriptor.
+    """
+    try:
+        info = os.stat(target)
+        _require_regular(info.st_mode, "never opened")
+        _check_size(info.st_size, max_bytes)
+        if info.st_size == 0:
+            raise Reject("empty_file", "0 bytes")
+        fd = os.open(target, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOCTTY", 0))
+    except OSError as err:
+        raise Reject("unreadable", f"{type(err).__name__}: {err.strerror or err}") from None
+    try:
+        _require_regular(os.fstat(fd).st_mode, "not read")
+    except Reject:
+        os.close(fd)
+        raise
+    return fd
 
 
 def _require_regular(mode: int, what: str) -> None:

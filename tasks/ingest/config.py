@@ -184,8 +184,29 @@ class HubSource(ConceptFields):
     limit: int | None = Field(None, ge=1, description="read only the first N rows")
 
 
+class ClipsSource(ConceptFields):
+    """Video clips (mp4, webm, mov) and folders of frames at any depth, with sidecar captions
+    (`clip.txt` beside `clip.mp4` or beside the frame folder `clip/`), or one prompt for all."""
+
+    type: Literal["clips"]
+    path: Path | None = Field(
+        None, description="dataset root; nothing outside it is read; default: ingest.data_dir"
+    )
+    caption_extensions: tuple[str, ...] = Field(
+        (".txt", ".caption"), min_length=1, description="sidecar caption names, first found wins"
+    )
+    instance_prompt: str | None = Field(
+        None, min_length=1, description="caption for every clip (sidecars are then ignored)"
+    )
+    frames_fps: float = Field(
+        24.0, gt=0, le=1000, description="the rate a folder of frames was shot at (its frames in name order)"
+    )
+
+    _dotted = field_validator("caption_extensions")(FolderSource._dotted.__func__)
+
+
 Source = Annotated[
-    FolderSource | MetadataJsonSource | ImageFolderSource | HubSource,
+    FolderSource | MetadataJsonSource | ImageFolderSource | HubSource | ClipsSource,
     Field(discriminator="type"),
 ]
 SOURCE_TYPES: dict[str, type[StageConfig]] = {
@@ -193,6 +214,7 @@ SOURCE_TYPES: dict[str, type[StageConfig]] = {
     "metadata_json": MetadataJsonSource,
     "imagefolder": ImageFolderSource,
     "hub": HubSource,
+    "clips": ClipsSource,
 }
 
 
@@ -207,6 +229,48 @@ class Captions(StageConfig):
     too_long: Literal["truncate", "drop", "fallback"] = Field(
         "truncate", description="over max_words: cut to max_words (tags: whole tags) | drop the image | the fallback"
     )
+
+
+class VideoConfig(StageConfig):
+    """How clips (a `clips` source) are checked, sampled and bucketed (tasks/ingest/README.md, "Video clips")."""
+
+    frames: tuple[int, ...] = Field(
+        (9, 17, 25), min_length=1, description="frame counts a clip may be sampled to (the video VAE's: "
+        "frame_step x k + 1); each clip gets the longest its duration holds at `fps`: its length bucket",
+    )
+    frame_step: int = Field(8, ge=1, le=64, description="the VAE's temporal compression: every count in "
+                            "`frames` is frame_step x k + 1 (LTX-Video: 8)")
+    fps: float = Field(8.0, gt=0, le=240, description="frames per second the samples are taken at")
+    resolution: int = Field(128, ge=32, le=4096, description="each frame is resized and centre-cropped to its "
+                            "aspect bucket: about resolution^2 pixels, sides multiples of bucket_step")
+    bucket_step: int = Field(32, ge=1, le=256, description="bucket sides are multiples of this (the VAE's "
+                             "spatial compression: 32 for LTX-Video)")
+    max_seconds: float = Field(60.0, gt=0, le=86_400, description="a clip longer than this (by its header, "
+                               "or by its packets when the header says nothing) is rejected (too_long)")
+    max_pixels: int = Field(8_294_400, gt=0, description="a clip with more pixels per frame (from its header, "
+                            "before decoding) is rejected (too_large); default 3840 x 2160")
+    max_bytes: int = Field(256 * 1024 * 1024, gt=0, description="a clip file over this many bytes is rejected "
+                           "unread (oversized_file)")
+    decode_seconds: float = Field(30.0, gt=0, le=3600, description="wall-clock bound on one clip's checks and "
+                                  "decoding (a confined child process); over it: decode_limit")
+    decode_memory_mb: int = Field(1024, ge=256, le=65536, description="address-space bound of that child "
+                                  "process in MiB; over it: decode_limit")
+
+    @field_validator("frames")
+    @classmethod
+    def _sorted_unique(cls, frames: tuple[int, ...]) -> tuple[int, ...]:
+        if any(f < 1 for f in frames):
+            raise ValueError(f"frame counts are at least 1 (got {list(frames)})")
+        return tuple(sorted(set(frames)))
+
+    @model_validator(mode="after")
+    def _vae_frames(self) -> VideoConfig:
+        bad = [f for f in self.frames if (f - 1) % self.frame_step]
+        if bad:
+            fix = sorted({(f - 1) // self.frame_step * self.frame_step + 1 for f in bad})
+            raise ValueError(f"frames {bad} are not frame_step x k + 1 (frame_step {self.frame_step}), which the "
+                             f"video VAE needs; use e.g. {fix}")
+        return self
 
 
 class IngestConfig(StageConfig):
@@ -250,6 +314,10 @@ class IngestConfig(StageConfig):
     cache_dir: Path | None = Field(
         Path(".cache/ingest"), description="content-hash cache outside the outs; null: off. Pruning "
         "removes only the cache's own folders; the repository, an ancestor, / or home is refused"
+    )
+    video: VideoConfig = Field(
+        VideoConfig(), description="clips of a `clips` source: frame count, fps, bucket size and the bounds "
+        "on each file (tasks/ingest/README.md, \"Video clips\")",
     )
     captioner: CaptionerConfig | None = Field(
         None, description="captions made by a model at ingest (tasks/ingest/README.md); null: off"

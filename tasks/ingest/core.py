@@ -16,9 +16,10 @@ import logging
 import multiprocessing
 import os
 import re
+import shutil
 from collections import Counter, deque
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from itertools import chain, islice
 from pathlib import Path
 from typing import IO, Any
@@ -30,18 +31,23 @@ from tasks.common.errors import UserError
 from tasks.ingest import annotate, captions, references
 from tasks.ingest.cache import close_store, fingerprint, open_store
 from tasks.ingest.checks import REASONS, Limits, Reject
-from tasks.ingest.config import FolderSource, HubSource, ImageFolderSource, IngestConfig, label
+from tasks.ingest.clip_sources import iter_clips
+from tasks.ingest.clips import WORK
+from tasks.ingest.config import ClipsSource, FolderSource, HubSource, ImageFolderSource, IngestConfig, label
 from tasks.ingest.dedup import ExactIndex, NearIndex
 from tasks.ingest.hub import iter_hub
 from tasks.ingest.masks import MASK_SOURCES
 from tasks.ingest.metadata import iter_metadata_json
 from tasks.ingest.sources import Item, iter_folder, iter_imagefolder, source_root
+from tasks.ingest.video import ClipSpec
 from tasks.ingest.work import Outcome, Settings, init_worker, run_batch, run_task
 
 log = logging.getLogger(__name__)
 
 METADATA = "metadata.jsonl"  # the Hugging Face imagefolder metadata file
 MASKS = "masks"  # processed masks: <out>/masks/<stem of the image's file_name>.png
+CLIPS = "clips"  # kept clips: <out>/clips/<stem>-<sha12>/0000.png, 0001.png, ... (one folder per clip)
+CLIPS_METADATA = "clips.jsonl"  # one row per kept clip (tasks/ingest/README.md, "Video clips")
 CAPTION_SOURCES = ("file", "instance_prompt", "folder_name", "metadata", "tags", "hub", "fallback", "captioner")
 MAX_SAMPLES = 16  # kept images shown in the preview grid
 BATCH = 8  # inputs per worker call
@@ -66,6 +72,8 @@ class Summary:
     by_concept: Counter = field(default_factory=Counter)  # kept images per concept (rows naming one)
     captions_by_source: Counter = field(default_factory=Counter)
     annotations: dict[str, dict[str, int]] = field(default_factory=dict)  # captioner, masker
+    clip_inputs: int = 0  # inputs of clips sources (clip files and frame folders)
+    clips_by_bucket: Counter = field(default_factory=Counter)  # kept clips per "<width>x<height>x<frames>"
 
     @property
     def rejected(self) -> int:
@@ -86,6 +94,8 @@ class Summary:
             "references": {"targets": self.references["targets"], "files": self.references["files"]},
             "captions_by_source": {k: self.captions_by_source[k] for k in CAPTION_SOURCES},
             "annotations": self.annotations,
+            **({"clips": {"inputs": self.clip_inputs, "kept": sum(self.clips_by_bucket.values()),
+                          "by_bucket": dict(sorted(self.clips_by_bucket.items()))}} if self.clip_inputs else {}),
         }
 
 
@@ -102,6 +112,15 @@ def settings_of(cfg: IngestConfig) -> Settings:
         invert_mask=cfg.invert_mask,
         mask_min_value=cfg.mask_min_value,
     )
+
+
+def clip_spec(cfg: IngestConfig) -> ClipSpec:
+    """What a clip must be and becomes: ingest.video, with ingest's min_side and max_aspect_ratio."""
+    v = cfg.video
+    return ClipSpec(frames=v.frames, fps=v.fps, resolution=v.resolution, bucket_step=v.bucket_step,
+                    max_seconds=v.max_seconds, max_pixels=v.max_pixels, max_bytes=v.max_bytes,
+                    min_side=cfg.min_side, max_aspect_ratio=cfg.max_aspect_ratio,
+                    decode_seconds=v.decode_seconds, decode_memory_mb=v.decode_memory_mb)
 
 
 def check_sources(cfg: IngestConfig) -> None:
@@ -122,6 +141,8 @@ def iter_items(cfg: IngestConfig) -> Iterator[Item]:
             items = iter_imagefolder(src, name, key)
         elif isinstance(src, HubSource):
             items = iter_hub(src, name, key)
+        elif isinstance(src, ClipsSource):
+            items = iter_clips(src, name, key)
         else:
             items = iter_metadata_json(src, name, key)
         for item in items:
@@ -137,6 +158,8 @@ def worker_count(cfg: IngestConfig) -> int:
 def ingest(cfg: IngestConfig, out_dir: Path, rejected_path: Path) -> Summary:
     """Process every input into `out_dir` (images + metadata.jsonl) and `rejected_path` (JSONL)."""
     settings = settings_of(cfg)
+    if any(isinstance(src, ClipsSource) for src in cfg.sources):  # samples land in the output being built
+        settings = replace(settings, clips=(clip_spec(cfg), str(out_dir / WORK)))
     post = annotate.prepare(cfg)  # models resolved and loaded first: offline fails before any work
     store = open_store(cfg.cache_dir, fingerprint(settings.pixel_params()), out_dir)
     summary = Summary()
@@ -150,8 +173,10 @@ def ingest(cfg: IngestConfig, out_dir: Path, rejected_path: Path) -> Summary:
             results = run_ordered(iter_items(cfg), settings, store, workers)
             for item, outcome in tqdm(results, desc="ingest", unit="file", disable=None):
                 judge(item, outcome)
+            judge.close()
     finally:
         close_store(store)
+        shutil.rmtree(out_dir / WORK, ignore_errors=True)  # samples of clips not kept
     if summary.kept + summary.rejected != summary.total:
         raise RuntimeError("ingest bug: an input was neither kept nor rejected")
     post.run(out_dir / METADATA, out_dir)  # captions and masks for the rows that lack them
@@ -212,6 +237,7 @@ class _Judge:
                  meta: IO[str], rejected: IO[str]) -> None:
         self.cfg, self.out_dir, self.store, self.summary = cfg, out_dir, store, summary
         self.meta, self.rejected = meta, rejected
+        self.clips: IO[str] | None = None  # clips.jsonl, opened with the first kept clip
         self.exact = ExactIndex()
         distance = cfg.near_duplicate_distance
         self.near = NearIndex(distance) if distance is not None else None
@@ -221,6 +247,7 @@ class _Judge:
         s.total += 1
         counts = s.by_source.setdefault(item.source, Counter(total=0, kept=0))
         counts["total"] += 1
+        s.clip_inputs += item.task is not None and item.task.clip
         if outcome is not None and outcome.cached:
             s.cache_hits += 1
         name = f"{item.source}/{item.rel}"
@@ -234,7 +261,10 @@ class _Judge:
             log.debug("rejected %s: %s", name, err)
             return
         assert outcome is not None and outcome.sha is not None
-        self._keep(item, outcome, caption, name)
+        if outcome.entry.get("kind") == "clip":
+            self._keep_clip(item, outcome, caption, name)
+        else:
+            self._keep(item, outcome, caption, name)
         counts["kept"] += 1
 
     def _check(self, item: Item, outcome: Outcome | None) -> captions.Caption:
@@ -253,7 +283,7 @@ class _Judge:
         first = self.exact.find(outcome.sha)
         if first is not None:
             raise Reject("duplicate", f"same bytes as {first}", duplicate_of=first)
-        if self.near is not None:
+        if self.near is not None and "phash" in outcome.entry:  # clips: exact duplicates only
             hit = self.near.find(int(outcome.entry["phash"], 16))
             if hit is not None:
                 other, distance = hit
@@ -314,6 +344,49 @@ class _Judge:
                 factor = max(1, max(im.size) // 256)  # a cheap box reduction for the preview
                 s.samples.append(im.convert("RGB").reduce(factor))
 
+
+    def _keep_clip(self, item: Item, outcome: Outcome, caption: captions.Caption, name: str) -> None:
+        """Move a kept clip's samples into clips/<stem>-<sha12>/ and write its row to clips.jsonl."""
+        entry, sha = outcome.entry, outcome.sha
+        assert sha is not None
+        folder = f"{CLIPS}/{output_name(item.rel, sha, '')}"
+        (self.out_dir / CLIPS).mkdir(exist_ok=True)
+        Path(entry["work"]).replace(self.out_dir / folder)
+        if self.clips is None:
+            self.clips = open(self.out_dir / CLIPS_METADATA, "w", encoding="utf-8")  # noqa: SIM115 (closed by close)
+        bucket = f"{entry['width']}x{entry['height']}x{entry['frames']}"
+        row = {
+            "file_name": folder,
+            "frame_files": [f"{i:04d}.png" for i in range(entry["frames"])],
+            "text": caption.text,
+            "caption_source": caption.source,
+            "caption_truncated": caption.truncated,
+            "source": item.source,
+            "path": item.rel,
+            "sha256": sha,
+            "bucket": bucket,
+            **{k: entry[k] for k in ("frames", "fps", "width", "height", "source_width", "source_height",
+                                     "source_fps", "source_frames", "source_seconds", "codec", "container")},
+            "concept": item.concept,
+            "repeats": item.repeats,
+        }
+        _write(self.clips, row)
+        self.exact.add(sha, name)
+        s = self.summary
+        s.kept += 1
+        s.clips_by_bucket[bucket] += 1
+        if item.concept is not None:
+            s.by_concept[item.concept] += 1
+        s.captions_from_fallback += caption.source == "fallback"
+        s.captions_truncated += caption.truncated
+        s.captions_by_source[caption.source] += 1
+        if len(s.samples) < MAX_SAMPLES:
+            with Image.open(self.out_dir / folder / "0000.png") as im:
+                s.samples.append(im.convert("RGB"))
+
+    def close(self) -> None:
+        if self.clips is not None:
+            self.clips.close()
 
     def _references(self, key: str, entry: dict[str, Any], stem: str) -> list[str]:
         """Copy a kept target's processed references out of the store; their names in the output."""

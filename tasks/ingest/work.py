@@ -20,8 +20,10 @@ from PIL import Image
 from tasks.common.images import apply_exif_orientation, resize_and_crop, resize_short_side, to_rgb
 from tasks.ingest.cache import Store
 from tasks.ingest.checks import CAPTION_MAX_BYTES, Limits, Reject, decode, read_bytes
+from tasks.ingest.clips import run_clip
 from tasks.ingest.masks import alpha_of, encode_png, finish, has_alpha, read_mask
 from tasks.ingest.references import encode_references, read_reference_file
+from tasks.ingest.video import ClipSpec
 
 log = logging.getLogger(__name__)
 
@@ -42,9 +44,10 @@ class Settings:
     alpha_mask: bool = False  # the alpha channel is the mask (when there is no mask file)
     invert_mask: bool = False
     mask_min_value: float = 0.0
+    clips: tuple[ClipSpec, str] | None = None  # (ingest.video's spec, the work folder): clips are not cached
 
     def pixel_params(self) -> dict[str, Any]:
-        params = {k: v for k, v in self.__dict__.items() if k != "limits"}
+        params = {k: v for k, v in self.__dict__.items() if k not in ("limits", "clips")}
         params.update(self.limits.__dict__)
         if self.output_size == "source":
             params.pop("resolution")
@@ -75,6 +78,9 @@ class Task:
     mask_source: str | None = None  # file | masklabel
     references: tuple[str, ...] = ()  # its reference images' files (tasks/ingest/references.py), same confinement
     reference_data: tuple[bytes, ...] = ()  # its reference images' bytes already in hand (hub rows)
+    clip: bool = False  # a clip (tasks/ingest/clips.py): `path` is a video file, or a folder of `frames`
+    frames: tuple[str, ...] = ()  # a folder clip's frame files, in order
+    frames_fps: float = 0.0  # the rate they were shot at
 
 
 @dataclass
@@ -107,6 +113,8 @@ def run_batch(tasks: list[Task]) -> list[Outcome]:
 
 def run_task(task: Task, settings: Settings, store: Store) -> Outcome:
     """Read one input, then reuse its stored outcome by content hash or compute and store it."""
+    if task.clip:
+        return run_clip_task(task, settings)
     try:
         data = task.data if task.data is not None else read_bytes(Path(task.root), Path(task.path))
         caption = read_caption(Path(task.root), Path(task.caption_path)) if task.caption_path else None
@@ -134,6 +142,18 @@ def run_task(task: Task, settings: Settings, store: Store) -> Outcome:
         store.put(key, entry, encoded, encoded_mask, encoded_refs or ())
     reject = Reject(entry["reject"], entry["detail"]) if "reject" in entry else None
     return Outcome(sha=sha, reject=reject, entry=entry, caption=caption, cached=cached, key=key)
+
+
+def run_clip_task(task: Task, settings: Settings) -> Outcome:
+    """A clip: checked and sampled into the work folder (not cached: its samples are the output)."""
+    assert settings.clips is not None, "a clips source without ingest.video settings"
+    spec, work = settings.clips
+    try:
+        caption = read_caption(Path(task.root), Path(task.caption_path)) if task.caption_path else None
+        sha, entry = run_clip(Path(task.root), Path(task.path), task.frames, task.frames_fps, spec, Path(work))
+    except Reject as err:
+        return Outcome(reject=err)
+    return Outcome(sha=sha, entry={"kind": "clip", **entry}, caption=caption, key=sha)
 
 
 def _read_references(task: Task) -> list[tuple[bytes, str]]:

@@ -1,0 +1,98 @@
+"""Clips in: a `clips` source's video files and frame folders checked, sampled to ingest.video's frame
+count and fps, bucketed by aspect and length, written as PNG frames per clip with a clips.jsonl row."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from tasks.ingest.config import IngestConfig
+from tasks.ingest.core import CLIPS_METADATA
+from tests.ingest.clip_util import frame, make_clip
+from tests.ingest.util import config, run
+
+pytestmark = pytest.mark.quick
+
+
+def clips_config(src: Path, **video: object) -> IngestConfig:
+    return config([{"type": "clips", "path": str(src)}], video={"resolution": 64, **video})
+
+
+def clip_rows(out: Path) -> dict[str, dict]:
+    lines = (out / CLIPS_METADATA).read_text(encoding="utf-8").splitlines()
+    return {row["path"]: row for row in map(json.loads, lines)}
+
+
+def test_clip_files_and_frame_folders_are_sampled_to_the_frame_count_and_bucketed(tmp_path: Path) -> None:
+    src = tmp_path / "clips"
+    make_clip(src / "wave.mp4", frames=72, size=(96, 48))  # 3 s at 24 fps: 17 frames at 8 fps (25 needs 3 s + 1/8)
+    (src / "wave.txt").write_text("a bar moves right", encoding="utf-8")
+    make_clip(src / "sub" / "short.webm", frames=30, size=(64, 64))  # 1.2 s: 9 frames
+    make_clip(src / "b.mov", frames=120, size=(48, 64))  # 5 s: 25 frames
+    folder = src / "spin"
+    folder.mkdir()
+    for i in range(36):  # 1.5 s at frames_fps 24: 9 frames
+        Image.fromarray(frame(i, (64, 64))).save(folder / f"{i:03d}.png")
+    (src / "spin.txt").write_text("frames of a bar", encoding="utf-8")
+
+    r = run(clips_config(src), tmp_path / "out")
+    rows = clip_rows(r.out)
+    assert r.rejected == [] and r.kept == []  # no image rows: clips have their own manifest
+    assert {p: (row["frames"], row["bucket"]) for p, row in rows.items()} == {
+        "wave.mp4": (17, "96x32x17"), "sub/short.webm": (9, "64x64x9"), "b.mov": (25, "64x64x25"),
+        "spin": (9, "64x64x9")}
+    wave = rows["wave.mp4"]
+    assert (wave["text"], wave["caption_source"]) == ("a bar moves right", "file")
+    assert (wave["source_frames"], wave["source_fps"], wave["codec"], wave["fps"]) == (72, 24.0, "h264", 8.0)
+    assert rows["sub/short.webm"]["codec"] == "vp9" and rows["spin"]["text"] == "frames of a bar"
+    files = sorted(p.name for p in (r.out / wave["file_name"]).iterdir())
+    assert files == wave["frame_files"] == [f"{i:04d}.png" for i in range(17)]
+    first, second = (np.asarray(Image.open(r.out / wave["file_name"] / f)) for f in files[:2])
+    assert first.shape == (32, 96, 3) and np.abs(first.astype(int) - second).mean() > 1  # 1/8 s apart: moved
+    assert r.summary.report()["clips"] == {
+        "inputs": 4, "kept": 4, "by_bucket": {"64x64x25": 1, "64x64x9": 2, "96x32x17": 1}}
+    assert not (r.out / ".clips-work").exists()
+
+
+def test_samples_are_one_over_fps_apart(tmp_path: Path) -> None:
+    """Frame i of the output is source frame 3i (24 fps sampled at 8 fps): the bar sits 12 px further each time."""
+    src = tmp_path / "clips"
+    folder = src / "bar"
+    folder.mkdir(parents=True)
+    for i in range(40):
+        Image.fromarray(frame(i, (64, 64))).save(folder / f"{i:03d}.png")
+    r = run(clips_config(src), tmp_path / "out")
+    row = clip_rows(r.out)["bar"]
+    bars = [int(np.argmax(np.asarray(Image.open(r.out / row["file_name"] / f))[0, :, 1])) for f in row["frame_files"]]
+    assert bars == [12 * i % 64 for i in range(9)]  # the bar wraps at the 64 px edge
+
+
+def test_a_too_short_clip_a_stray_file_and_an_orphan_caption_are_rejected_with_reasons(tmp_path: Path) -> None:
+    src = tmp_path / "clips"
+    make_clip(src / "ok.mp4", frames=30)
+    make_clip(src / "blink.mp4", frames=6)  # 0.25 s: 9 frames at 8 fps need 1 s
+    (src / "notes.md").write_text("x", encoding="utf-8")
+    (src / "gone.txt").write_text("no clip", encoding="utf-8")
+    Image.fromarray(frame(0, (64, 64))).save(src / "loose.png")
+    r = run(clips_config(src), tmp_path / "out")
+    assert r.reasons() == {"blink.mp4": "too_short", "notes.md": "unsupported_extension",
+                           "gone.txt": "orphan_caption", "loose.png": "unsupported_extension"}
+    assert "needs 1.00 s" in next(x["detail"] for x in r.rejected if x["path"] == "blink.mp4")
+    assert list(clip_rows(r.out)) == ["ok.mp4"]
+
+
+def test_the_same_clip_twice_is_a_duplicate(tmp_path: Path) -> None:
+    src = tmp_path / "clips"
+    make_clip(src / "a.mp4", frames=30)
+    (src / "b.mp4").write_bytes((src / "a.mp4").read_bytes())
+    r = run(clips_config(src), tmp_path / "out")
+    assert r.reasons() == {"b.mp4": "duplicate"}
+    assert len(list((r.out / "clips").iterdir())) == 1
+
+
+def test_frame_counts_must_suit_the_video_vae() -> None:
+    with pytest.raises(ValueError, match=r"frames \[16\] are not frame_step x k \+ 1.*use e.g. \[9\]"):
+        IngestConfig.model_validate({"video": {"frames": [16]}})
