@@ -16,8 +16,8 @@ parameter overrides.
   which tracks the whole section (`params: - train`), reruns the stage.
 - `check_params` then loads every section (overrides applied) as its stage's typed config and
   refuses the combinations a later stage refuses (flows/combinations.py: `export.adapters: runtime`
-  with DoRA, LoKr, LoHa, a full pipeline or a family GenAI cannot take), naming both keys, before
-  any stage runs.
+  with DoRA, LoKr, LoHa, a full pipeline or a family GenAI cannot take; an edit dataset with prior
+  preservation or a base that takes no reference images), naming both keys, before any stage runs.
 """
 from __future__ import annotations
 
