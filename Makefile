@@ -179,6 +179,7 @@ data: $(STAMP)
 	$(BIN)/python data/demo/generate.py --out data/demo/subject
 	$(BIN)/python data/demo/concepts.py --out data/demo/concepts
 	$(BIN)/python data/demo/edits.py --out data/demo/edits
+	$(BIN)/python data/demo/clips.py --out data/demo/clips
 
 demo: data
 	@start=$$(date +%s); \

@@ -2,7 +2,10 @@
 count and fps, bucketed by aspect and length, written as PNG frames per clip with a clips.jsonl row."""
 from __future__ import annotations
 
+import importlib.util
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -11,6 +14,7 @@ from PIL import Image
 
 from tasks.ingest.config import IngestConfig
 from tasks.ingest.core import CLIPS_METADATA
+from tests.conftest import REPO
 from tests.ingest.clip_util import frame, make_clip
 from tests.ingest.util import config, run
 
@@ -96,3 +100,20 @@ def test_the_same_clip_twice_is_a_duplicate(tmp_path: Path) -> None:
 def test_frame_counts_must_suit_the_video_vae() -> None:
     with pytest.raises(ValueError, match=r"frames \[16\] are not frame_step x k \+ 1.*use e.g. \[9\]"):
         IngestConfig.model_validate({"video": {"frames": [16]}})
+
+
+def test_the_demo_clips_are_deterministic_and_ingest_keeps_three_and_rejects_the_broken_one(tmp_path: Path) -> None:
+    """data/demo/clips.py (make data): a few KB per clip, the same bytes on every run; ingested as the README says."""
+    script = REPO / "data" / "demo" / "clips.py"
+    subprocess.run([sys.executable, str(script), "--out", str(tmp_path / "clips")], check=True, capture_output=True)
+    spec = importlib.util.spec_from_file_location("demo_clips", script)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    assert module.encode(module._frames("walk", 13), "mov") == (tmp_path / "clips" / "walk.mov").read_bytes()
+    assert all((tmp_path / "clips" / n).stat().st_size < 8000 for n in ("wave.mp4", "nod.webm", "walk.mov"))
+    r = run(config([{"type": "clips", "path": str(tmp_path / "clips")}]), tmp_path / "out")
+    assert {p: row["bucket"] for p, row in clip_rows(r.out).items()} == {
+        "nod.webm": "128x128x17", "walk.mov": "128x128x9", "wave.mp4": "128x128x17"}
+    assert r.reasons() == {"broken.mp4": "corrupt"}
+    assert r.rejected[0]["detail"] == "truncated: 1 of the 25 frames its header lists"
