@@ -32,7 +32,12 @@ class CallConvention:
     - latent_patch: the side of the denoiser's latent patches (2 where latents are packed 2x2), so an
       edit made at its input image's size is a multiple of the VAE's factor times this;
     - area_argument: the keyword a pipeline that rescales any size to a pixel area reads that area
-      from (FLUX.1 Kontext's `max_area`), given the decided size's height x width.
+      from (FLUX.1 Kontext's `max_area`), given the decided size's height x width;
+    - min_input_images: the input images a call needs (Qwen-Image-Edit cannot make an image without one);
+    - input_pixels: the pixels every input image is scaled to, up or down, before it is encoded
+      (Qwen-Image-Edit's megapixel), what each one costs a call; None: `edit_pixels` says;
+    - one_prompt_per_call: the pipeline takes a single prompt (QwenImageEditPlusPipeline): a call of
+      several is made one prompt at a time.
     """
 
     guidance_argument: str = "guidance_scale"
@@ -43,6 +48,9 @@ class CallConvention:
     edit_pixels: int | None = None
     latent_patch: int = 1
     area_argument: str | None = None
+    min_input_images: int = 0
+    input_pixels: int | None = None
+    one_prompt_per_call: bool = False
 
     def as_config(self) -> dict[str, Any]:
         """The record as model_config stores it (plain JSON types)."""

@@ -53,6 +53,12 @@ def generate(pipe: Any, prompts: list[str] | str, convention: CallConvention, *,
     from `height`, `width`, the first input image and the pipeline (`exported`: the size a dynamic
     OpenVINO export was saved at). `latents` (a tensor or array) is passed as given; `extra`:
     arguments only some pipelines take (GenAI's `adapters`)."""
+    if convention.one_prompt_per_call and not isinstance(prompts, str) and len(prompts) > 1:
+        return [image for i in range(len(prompts))
+                for image in generate(pipe, prompts[i], convention, latents=_row(latents, i, len(prompts)),
+                                      extra=extra, height=height, width=width, exported=exported,
+                                      **{k: _row(v, i, len(prompts)) if k in ("generator", "negative") else v
+                                         for k, v in settings.items()})]
     image = settings.get("image")
     first = image[0].size if image else None
     height, width = output_size(shape_of(pipe, convention, exported), convention, height, width, first)
@@ -60,3 +66,12 @@ def generate(pipe: Any, prompts: list[str] | str, convention: CallConvention, *,
     if latents is not None:
         kwargs["latents"] = latents
     return pipe(**kwargs, **(extra or {})).images
+
+
+def _row(value: Any, i: int, prompts: int) -> Any:
+    """Prompt `i`'s share of a per-image value of a call of `prompts` prompts (latents, generators and
+    negative prompts given per image or per prompt); a shared value as it is."""
+    if value is None or isinstance(value, str) or not hasattr(value, "__len__") or len(value) % prompts:
+        return value
+    per = len(value) // prompts
+    return value[i * per : (i + 1) * per]

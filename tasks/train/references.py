@@ -50,7 +50,8 @@ def load_references(record: Any, original: tuple[int, int], target: tuple[int, i
     return {"references": pixels, "reference_keys": keys}
 
 
-def fill_references(cache: Any, vae: torch.nn.Module, record: Any, target: tuple[int, int], flip: bool) -> None:
+def fill_references(cache: Any, vae: torch.nn.Module, record: Any, target: tuple[int, int], flip: bool,
+                    family: Any) -> None:
     """Put a centre-cropped target's references into the latent cache (the caching pass before the
     first step), under the keys its examples will look up."""
 
@@ -59,7 +60,7 @@ def fill_references(cache: Any, vae: torch.nn.Module, record: Any, target: tuple
     crop = ((height - target[0]) // 2, (width - target[1]) // 2)
     refs = load_references(record, original, target, crop, flip, fixed=True)
     for pixels, key in zip(refs["references"], refs["reference_keys"]):
-        cache.parameters(vae, key, pixels[None])
+        cache.parameters(vae, key, family.reference_pixels(pixels[None]))
 
 
 def stack_references(parts: list[dict[str, Any]]) -> tuple[list[torch.Tensor] | None, list[list[str | None]] | None]:
@@ -76,9 +77,10 @@ def stack_references(parts: list[dict[str, Any]]) -> tuple[list[torch.Tensor] | 
 
 
 def reference_latents(vae: torch.nn.Module, pixels: list[torch.Tensor] | None, keys: list[list[str | None]] | None,
-                      cache: Any, scale: Any, vae_input: Any) -> list[torch.Tensor] | None:
+                      cache: Any, family: Any) -> list[torch.Tensor] | None:
     """The scaled latents of each reference index ([n, C, h, w] each): the posterior's mode, from the
-    latent cache where the key is there (else encoded, and kept there), as the target's latents."""
+    latent cache where the key is there (else encoded, and kept there), as the target's latents; a
+    reference encoded as the family's pipeline encodes an input image (`reference_pixels`)."""
     from tasks.train.diffusion import _distribution, _posterior
 
     if not pixels:
@@ -91,11 +93,12 @@ def reference_latents(vae: torch.nn.Module, pixels: list[torch.Tensor] | None, k
             key = keys[j][i] if keys else None
             one = batch_pixels[i : i + 1]
             if cache is not None and key is not None:
-                rows.append(cache.parameters(vae, key, one))
+                rows.append(cache.parameters(vae, key, one if key in cache.store else family.reference_pixels(one)))
             else:
-                rows.append(_posterior(vae.encode(vae_input(one.to(param.device, param.dtype)))).parameters.float())
+                one = family.reference_pixels(one).to(param.device, param.dtype)
+                rows.append(_posterior(vae.encode(family.vae_input(one))).parameters.float())
         stacked = torch.cat([r.to(param.device) for r in rows])
-        out.append(scale(vae, _distribution(stacked).mode().float()))
+        out.append(family.scale_latents(vae, _distribution(stacked).mode().float()))
     return out
 
 

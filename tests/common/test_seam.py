@@ -65,7 +65,10 @@ def _family_classes() -> list[type[ModelFamily]]:
 def _forbidden() -> dict[str, frozenset[str]]:
     classes = _family_classes()
     shared = set(ModelFamily.__annotations__) | set(vars(ModelFamily))
-    parts = [{*f.text_encoder_names, *f.tokenizer_names, f.denoiser_name} for f in FAMILIES]
+    # "tokenizer" and "processor" are the role's own words: a family loading its tokenizer through a
+    # processor folder (Qwen-Image-Edit) makes neither one family's name; tokenizer_2, _3 stay
+    roles = {"tokenizer", "processor"}
+    parts = [{*f.text_encoder_names, *(set(f.tokenizer_names) - roles), f.denoiser_name} for f in FAMILIES]
     return {
         "family class": frozenset(c.__name__ for c in classes),
         "pipeline class": frozenset(n for f in FAMILIES for n in (*f.pipeline_class_names, f.ov_pipeline_class_name)

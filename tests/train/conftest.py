@@ -99,6 +99,11 @@ def tiny_kontext(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_qwenimage_edit(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _builtin(tmp_path_factory, "qwenimage-edit")
+
+
+@pytest.fixture(scope="session")
 def tiny_zimage(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return _builtin(tmp_path_factory, "zimage")
 

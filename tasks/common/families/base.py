@@ -115,6 +115,9 @@ class ModelFamily:
     #: trains on (reference images, target, instruction) triples: reference latents join the denoiser's
     #: input sequence (ingest's `reference_file_names`); a family without refuses a dataset that has them
     takes_references: ClassVar[bool] = False
+    #: its text encoder sees the reference images too (Qwen-Image-Edit): `encode_batch_text` takes them,
+    #: and training does not cache text embeddings (a target's conditioning is its prompt and its references)
+    text_sees_references: ClassVar[bool] = False
     #: a new text embedding trains here (what textual inversion needs; tasks/train/methods/spec.py asks)
     trains_embeddings: ClassVar[bool] = True
     #: peft target modules of the denoiser's and the text encoders' attention projections
@@ -199,7 +202,7 @@ class ModelFamily:
         for tok_name, enc_name in zip(cls.tokenizer_names, cls.text_encoder_names):
             if (index.get(enc_name) or [None])[0] is None:
                 continue  # an optional encoder left out (SD3 without T5)
-            tokenizers.append(getattr(transformers, index[tok_name][1]).from_pretrained(base, subfolder=tok_name))
+            tokenizers.append(_library_class(index[tok_name]).from_pretrained(base, subfolder=tok_name))
             encoder_class = getattr(transformers, index[enc_name][1])
             if text_quantize is None:
                 encoders.append(encoder_class.from_pretrained(base, subfolder=enc_name))
@@ -290,6 +293,20 @@ class ModelFamily:
         raise NotImplementedError
 
     @classmethod
+    def encode_batch_text(cls, components: Components, prompts: list[str], input_ids: list[Any],
+                          text_encoders: list[Any] | None = None, references: list[Any] | None = None
+                          ) -> tuple[Any, Any]:
+        """A training batch's text conditioning: `encode_prompt` of its token ids, except in a family
+        whose text encoder sees the rows' reference pixels too (`text_sees_references`)."""
+        return cls.encode_prompt(components, input_ids, text_encoders)
+
+    @classmethod
+    def reference_pixels(cls, pixels: Any) -> Any:
+        """A training reference (1, 3, H, W) in [-1, 1] as the pipeline encodes an input image of it
+        (here: as it is; Qwen-Image-Edit scales it to a megapixel)."""
+        return pixels
+
+    @classmethod
     def predict(cls, denoiser: Any, noisy_latents: Any, timesteps: Any, hidden: Any, pooled: Any,
                 inputs: PredictInputs) -> Any:
         """The denoiser's prediction, in the latents' shape."""
@@ -347,6 +364,14 @@ class ModelFamily:
     def single_file_layout(cls, pipe: Any) -> str:
         """The original single-file checkpoint layout of `pipe` ('sd1', 'sd2', 'sdxl')."""
         raise NotImplementedError(cls.single_file_refusal({}))
+
+
+def _library_class(entry: list[str]) -> Any:
+    """The class a model_index.json entry ([library, class name]) names: transformers' by name, or
+    one of a module the pipeline recorded (Qwen-Image-Edit's finetune_runtime.vl_processor)."""
+    import importlib
+
+    return getattr(importlib.import_module(entry[0]), entry[1])
 
 
 def _index(base: Path) -> dict[str, Any]:

@@ -26,10 +26,12 @@ class Caches:
     """The latent and prompt caches (`latent_cache`, `prompt_cache` on TrainingMethod)."""
 
     def caches_prompts(self) -> bool:
-        """True when the text embeddings are cached: the option is on, no text encoder trains, and an
-        image's prompt cannot change between epochs."""
+        """True when the text embeddings are cached: the option is on, no text encoder trains, an
+        image's prompt cannot change between epochs, and the text alone is the conditioning (not where
+        the text encoder sees the reference images: Qwen-Image-Edit)."""
         trains_text = any(n.startswith("text_encoder") for n in self.trainable())
-        return self.cfg.cache_text_encoder_outputs and not trains_text and not self.prompts_vary()
+        return (self.cfg.cache_text_encoder_outputs and not trains_text and not self.prompts_vary()
+                and not self.components.family.text_sees_references)
 
     def place_frozen_first(self, device: torch.device, dtype: torch.dtype) -> None:
         """Before the denoiser is loaded (core.py): the frozen parts already loaded (the VAE, the
@@ -73,8 +75,13 @@ class Caches:
             self.prompt_cache = self._new_prompt_cache() if self.caches_prompts() else None
         log.info("caching: latents %s, text embeddings %s",
                  "on" if self.latent_cache else "off" + (" (random crops)" if self.cfg.cache_latents else ""),
-                 "on" if self.prompt_cache else "off" + (" (text encoder trains or tags shuffle)"
+                 "on" if self.prompt_cache else "off" + (self._why_text_uncached()
                                                          if self.cfg.cache_text_encoder_outputs else ""))
+
+    def _why_text_uncached(self) -> str:
+        if self.components.family.text_sees_references:
+            return f" ({self.components.family.title}'s text encoder sees each target's reference images)"
+        return " (text encoder trains or tags shuffle)"
 
     def fill_latent_cache(self, dataset: Any, accelerator: Any) -> float:
         """Encode every latent an epoch can need before the first step, so that each step's time is
@@ -98,7 +105,7 @@ class Caches:
                 mask_digest = dataset.mask_digest(record, hashes.digest if hashes is not None else None)
                 key = latent_key(digest, target, flip, mask_digest)
                 if record.references:  # edit training: the references' latents too
-                    fill_references(cache, vae, record, target, flip)
+                    fill_references(cache, vae, record, target, flip, self.components.family)
                 if key in cache.store:
                     continue
                 with Image.open(io.BytesIO(data) if data is not None else record.path) as image:

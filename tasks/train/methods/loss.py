@@ -28,7 +28,7 @@ class Loss:
             else:
                 latents = encode_latents(modules["vae"], batch.pixels, rand, scale, c.family.vae_input)
             references = reference_latents(modules["vae"], batch.references, batch.reference_keys,
-                                           self.latent_cache, scale, c.family.vae_input)
+                                           self.latent_cache, c.family)
         noised = self.objective.noise(latents, rand)
         family = c.family
         encoders = [modules[n] for n in c.text_encoder_names()]
@@ -38,7 +38,7 @@ class Loss:
                     batch.prompts, batch.input_ids, lambda ids: family.encode_prompt(c, ids, encoders),
                     latents.device)
         else:
-            hidden, pooled = family.encode_prompt(c, batch.input_ids, encoders)
+            hidden, pooled = family.encode_batch_text(c, batch.prompts, batch.input_ids, encoders, batch.references)
         sample = noised.noisy_latents
         if cfg.channels_last:
             sample = sample.contiguous(memory_format=torch.channels_last)
