@@ -45,6 +45,10 @@ PARAMS = [
                                 r"'base': docs/parameters.md\n"),
     ("ingest", "ingest.resolution", 0, r"ingest.resolution: Input should be greater than"),
     ("ingest", "ingest.output_format", "gif", r"ingest.output_format: Input should be 'png' or 'jpeg'"),
+    ("ingest", "ingest.video.frames", [16, 24], r"ingest.video: Value error, frames \[16, 24\] are not frame_step x k "
+     r"\+ 1 \(frame_step 8\), which the video VAE needs; use e.g. \[9, 17\]"),
+    ("ingest", "ingest.video.decode_memory_mb", 64, r"ingest.video.decode_memory_mb: Input should be greater than or "
+     r"equal to 256"),
     ("class_images", "class_images.num_images", -1, r"class_images.num_images: Input should be greater"),
     ("class_images", "class_images.resolution", 63, r"class_images.resolution: Input should be a multiple of 8"),
     ("class_images", "class_images.guidance_scale", "high",

@@ -18,7 +18,7 @@ from tasks.common.images import make_grid
 from tasks.common.outputs import atomic_dir, atomic_file, write_json
 from tasks.common.tracking import stage_run
 from tasks.ingest.config import IngestConfig
-from tasks.ingest.core import METADATA, check_sources, ingest, require_kept
+from tasks.ingest.core import CLIPS_METADATA, METADATA, check_sources, ingest, require_kept
 from tasks.ingest.deps import check_dvc_deps
 
 log = logging.getLogger("tasks.ingest")
@@ -55,12 +55,15 @@ def main() -> None:
                 **{f"captions.{k}": v for k, v in report["captions_by_source"].items()},
                 "cache_hits": summary.cache_hits,
                 **{f"concept.{metric_key(k)}.images": v for k, v in report.get("by_concept", {}).items()},
+                **{f"clips.{k}": report["clips"][k] for k in ("inputs", "kept") if "clips" in report},
             }
         )
         run.log_image(make_grid(summary.samples), "ingest_samples.png")
         run.log_artifact(args.report)
         run.log_artifact(args.rejected)
         run.log_artifact(args.out / METADATA)
+        if (args.out / CLIPS_METADATA).exists():
+            run.log_artifact(args.out / CLIPS_METADATA)
     log.info(
         "kept %d of %d inputs into %s (rejected %d: see %s; %d from the cache)",
         report["kept"], report["total"], args.out, report["rejected"], args.rejected,

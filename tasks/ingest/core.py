@@ -404,6 +404,13 @@ def require_kept(summary: Summary, rejected_path: Path | None = None) -> None:
         return
     where = f"; reasons per file in {rejected_path}" if rejected_path else ""
     counts = {k: v for k, v in summary.by_reason.items() if v}
+    if summary.clip_inputs:
+        raise UserError(
+            f"ingest.sources: no usable images or clips ({summary.total} inputs, rejected: {counts or 'none'}"
+            f"{where}). Add mp4/webm/mov clips (or folders of frames) of at least the smallest of "
+            "ingest.video.frames at ingest.video.fps, or point ingest.sources elsewhere; for the demo clips run "
+            "`make data` (data/demo/clips)."
+        )
     raise UserError(
         f"ingest.sources: no usable images ({summary.total} inputs, rejected: "
         f"{counts or 'none'}{where}). Add PNG/JPEG/WebP images (short side at least "

@@ -117,3 +117,15 @@ def test_the_demo_clips_are_deterministic_and_ingest_keeps_three_and_rejects_the
         "nod.webm": "128x128x17", "walk.mov": "128x128x9", "wave.mp4": "128x128x17"}
     assert r.reasons() == {"broken.mp4": "corrupt"}
     assert r.rejected[0]["detail"] == "truncated: 1 of the 25 frames its header lists"
+
+
+def test_no_usable_clip_is_an_error_naming_the_keys(tmp_path: Path) -> None:
+    from tasks.common.errors import UserError
+    from tasks.ingest.core import require_kept
+
+    src = tmp_path / "clips"
+    make_clip(src / "blink.mp4", frames=6)
+    r = run(clips_config(src), tmp_path / "out")
+    with pytest.raises(UserError, match=r"no usable images or clips \(1 inputs, rejected: \{'too_short': 1\}.*"
+                                        r"ingest.video.frames at ingest.video.fps"):
+        require_kept(r.summary)
