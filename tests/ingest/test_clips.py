@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -129,3 +130,33 @@ def test_no_usable_clip_is_an_error_naming_the_keys(tmp_path: Path) -> None:
     with pytest.raises(UserError, match=r"no usable images or clips \(1 inputs, rejected: \{'too_short': 1\}.*"
                                         r"ingest.video.frames at ingest.video.fps"):
         require_kept(r.summary)
+
+
+def test_a_clip_file_s_samples_are_the_frames_nearest_each_step(tmp_path: Path) -> None:
+    """24 fps sampled at 8 fps: sample k is source frame 3k, whose bar starts at 12k px (lossy H.264: +-2 px)."""
+    src = tmp_path / "clips"
+    make_clip(src / "bar.mp4", frames=40, size=(64, 64))
+    r = run(clips_config(src), tmp_path / "out")
+    row = clip_rows(r.out)["bar.mp4"]
+    assert (row["width"], row["height"], row["frames"]) == (64, 64, 9)
+    for k, name in enumerate(row["frame_files"]):
+        green = np.asarray(Image.open(r.out / row["file_name"] / name))[:, :, 1].mean(axis=0) > 128
+        columns = np.flatnonzero(green)
+        assert abs(int(columns.min()) - 12 * k % 64) <= 2, (k, columns)
+
+
+def test_clips_through_the_worker_pool_match_one_process(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from tasks.ingest import core
+
+    src = tmp_path / "clips"
+    make_clip(src / "a.mp4", frames=30)
+    make_clip(src / "b.webm", frames=48, size=(96, 48))
+    os.mkfifo(src / "c.mov")
+    one = run(clips_config(src), tmp_path / "one")
+    monkeypatch.setattr(core, "POOL_MIN_ITEMS", 2)  # the pool path with a handful of inputs
+    two = run(config([{"type": "clips", "path": str(src)}], workers=2, video={"resolution": 64}), tmp_path / "two")
+    assert two.reasons() == one.reasons() == {"c.mov": "not_regular_file"}
+    assert clip_rows(two.out) == clip_rows(one.out) and len(clip_rows(one.out)) == 2
+    for row in clip_rows(one.out).values():
+        for name in row["frame_files"]:
+            assert (two.out / row["file_name"] / name).read_bytes() == (one.out / row["file_name"] / name).read_bytes()
