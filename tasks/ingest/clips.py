@@ -77,7 +77,10 @@ def _run_child(fd: int, spec: ClipSpec, out: Path) -> dict[str, Any]:
     try:
         stdout, stderr = proc.communicate(request, timeout=spec.decode_seconds)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)  # the child and anything it started
+        except ProcessLookupError:  # it ended just now
+            pass
         proc.communicate()
         raise Reject("decode_limit", f"still checking or decoding after ingest.video.decode_seconds "
                                      f"{spec.decode_seconds:g} s: killed") from None

@@ -132,7 +132,14 @@ def _open(av: Any, fh: IO[bytes]) -> Any:
     try:
         return av.open(fh, mode="r", metadata_errors="ignore")
     except av.error.FFmpegError as err:
+        _out_of_memory(err)
         raise Reject("corrupt", f"FFmpeg cannot read it (truncated, damaged or no video format): {err}") from None
+
+
+def _out_of_memory(err: Exception) -> None:
+    """FFmpeg's ENOMEM (the child's address-space cap reached) is the memory bound, not a damaged file."""
+    if isinstance(err, MemoryError):
+        raise MemoryError(str(err)) from None
 
 
 def _seconds(value: int | None, base: Fraction | None) -> float | None:
@@ -180,6 +187,7 @@ def _count_packets(av: Any, fh: IO[bytes], spec: ClipSpec, header: dict[str, Any
                     raise Reject("too_long", f"over ingest.video.max_seconds {spec.max_seconds:g}: "
                                              f"{count} frames span {max(0.0, last - first):.1f} s and go on")
         except av.error.FFmpegError as err:
+            _out_of_memory(err)
             raise Reject("corrupt", f"damaged after {count} frames: {err}") from None
     header["source_frames"] = count
     if count == 0:
@@ -215,6 +223,7 @@ def _decode(av: Any, fh: IO[bytes], spec: ClipSpec, count: int, size: tuple[int,
                     break
                 prev, prev_t = frame, t
         except av.error.FFmpegError as err:
+            _out_of_memory(err)
             raise Reject("corrupt", f"decoding failed after {index} frames: {err}") from None
     if len(samples) < count:
         raise Reject("corrupt", f"truncated: {index} frames decoded, {count} samples needed")
