@@ -78,3 +78,17 @@ def zero_frames(path: Path) -> Path:
     data[at : at + 4] = struct.pack(">I", 0)
     path.write_bytes(bytes(data))
     return path
+
+
+def audio_only(path: Path) -> Path:
+    """An mp4 holding one AAC audio stream (a second of silence) and no video stream."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with av.open(str(path), "w", format="mp4") as out:
+        stream = out.add_stream("aac", rate=8000)
+        stream.layout = "mono"
+        for i in range(8):
+            samples = av.AudioFrame.from_ndarray(np.zeros((1, 1024), np.float32), format="fltp", layout="mono")
+            samples.sample_rate, samples.pts = 8000, i * 1024
+            out.mux(stream.encode(samples))
+        out.mux(stream.encode())
+    return path

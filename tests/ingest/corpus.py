@@ -1,7 +1,7 @@
 """A generated corpus of bad and awkward inputs, with the expected fate of each.
 
-`build(root)` writes four sources (a captioned folder, a JSON-metadata dataset, an imagefolder, an
-edit folder with references)
+`build(root)` writes five sources (a captioned folder, a JSON-metadata dataset, an imagefolder, an
+edit folder with references, a clips folder)
 and returns the params for them and `expected`: {(source label, path): reason or "kept"}. Every
 rejection reason in checks.REASONS occurs at least once.
 """
@@ -16,12 +16,16 @@ from typing import Any
 from PIL import Image
 
 from tasks.ingest.checks import CAPTION_MAX_BYTES
+from tests.ingest.clip_util import audio_only, frame, hours_long_header, make_clip, truncated, zero_frames
 from tests.ingest.util import bomb_png, picture, save
 
 PARAMS: dict[str, Any] = {
     "max_pixels": 4_000_000,
     "captions": {"fallback": "a photo of sks toy", "empty": "drop", "max_words": 20,
                  "too_long": "drop"},
+    # clips: the baseline of the decoding child (Python, PyAV) is about 180 MiB here, a 4K frame's
+    # decoding about 320 MiB: the 4K clip passes the cap, the small ones do not
+    "video": {"decode_memory_mb": 256, "resolution": 64},
 }
 
 
@@ -150,6 +154,27 @@ def build(root: Path) -> tuple[list[dict], dict[tuple[str, str], str]]:
     expected.update({(e, "kept.png"): "kept", (e, "alone.png"): "missing_reference",
                      (e, "broken.png"): "bad_reference"})
 
+    # clips: a clip file and a folder of frames kept, every way a clip fails
+    clips = root / "clips"
+    c = str(clips)
+    make_clip(clips / "wave.mp4", frames=30)
+    (clips / "wave.txt").write_text("a bar moving", encoding="utf-8")
+    (clips / "spin").mkdir()
+    for i in range(25):  # 1 s at the source's frames_fps 24: 9 frames at 8 fps
+        Image.fromarray(frame(i, (48, 48))).save(clips / "spin" / f"{i:02d}.png")
+    (clips / "spin.txt").write_text("frames of a bar", encoding="utf-8")
+    audio_only(clips / "voice.mp4")
+    hours_long_header(clips / "ten_hours.mov")
+    zero_frames(clips / "no_frames.mp4")
+    truncated(clips / "cut.mp4")
+    make_clip(clips / "huge.mp4", frames=9, size=(3840, 2160), fps=8)  # 1 s: 9 samples, each 4K
+    make_clip(clips / "blink.webm", frames=6)
+    os.mkfifo(clips / "pipe.mp4")
+    expected.update({(c, "wave.mp4"): "kept", (c, "spin"): "kept", (c, "voice.mp4"): "not_a_video",
+                     (c, "ten_hours.mov"): "too_long", (c, "no_frames.mp4"): "too_short",
+                     (c, "cut.mp4"): "corrupt", (c, "huge.mp4"): "decode_limit", (c, "blink.webm"): "too_short",
+                     (c, "pipe.mp4"): "not_regular_file"})
+
     rules = {"abs_min_score": 50, "min_score": 200, "tag_bonus_scores": {"monochrome": -75},
              "blacklist_tags": ["animated"], "score_tags": [400]}
     sources = [
@@ -158,5 +183,6 @@ def build(root: Path) -> tuple[list[dict], dict[tuple[str, str], str]]:
         {"type": "metadata_json", "path": m, "metadata_dir": "every_other", "consider_every_nth": 2},
         {"type": "imagefolder", "path": h},
         {"type": "folder", "path": e, "control_dir": "control"},
+        {"type": "clips", "path": c},
     ]
     return sources, expected

@@ -77,9 +77,10 @@ def test_a_clip_over_the_length_or_frame_size_is_refused_from_its_header(tmp_pat
 
 @pytest.mark.timeout(60)
 def test_a_clip_needing_more_than_decode_memory_mb_is_rejected_not_swapped_in(tmp_path: Path) -> None:
-    """The child caps its address space before FFmpeg loads: a 2560x1920 clip needs more than 256 MiB."""
+    """The child caps its address space before FFmpeg loads: a 4K clip needs more than 256 MiB."""
     src = tmp_path / "clips"
-    make_clip(src / "huge.mp4", frames=9, size=(2560, 1920))
-    r = run(clips_config(src, decode_memory_mb=256, fps=24), tmp_path / "out")
-    assert r.reasons() == {"huge.mp4": "decode_limit"}
+    make_clip(src / "huge.mp4", frames=9, size=(3840, 2160), fps=8)  # decoding a 4K frame: about 320 MiB here
+    make_clip(src / "small.mp4", frames=9, fps=8)  # the child's baseline: about 180 MiB
+    r = run(clips_config(src, decode_memory_mb=256), tmp_path / "out")
+    assert r.reasons() == {"huge.mp4": "decode_limit"} and list(clip_rows(r.out)) == ["small.mp4"]
     assert "ingest.video.decode_memory_mb 256 MiB" in r.rejected[0]["detail"]

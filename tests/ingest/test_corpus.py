@@ -9,7 +9,7 @@ from PIL import Image
 
 from tasks.ingest.checks import REASONS
 from tests.ingest.corpus import PARAMS, build
-from tests.ingest.util import config, run
+from tests.ingest.util import config, read_jsonl, run
 
 pytestmark = pytest.mark.quick  # make test-fast
 
@@ -21,17 +21,22 @@ def test_every_input_is_kept_or_rejected_with_the_expected_reason(tmp_path: Path
     got = {(row["source"], row["path"]): row["reason"] for row in r.rejected}
     for row in r.kept:
         got[(row["source"], row.get("metadata_file") or row["path"])] = "kept"
+    clips = read_jsonl(r.out / "clips.jsonl")
+    for row in clips:
+        got[(row["source"], row["path"])] = "kept"
     assert got == expected
     assert set(REASONS) <= set(expected.values()), "the corpus exercises every reason"
 
     report = r.summary.report()
     assert report["total"] == len(expected) == report["kept"] + report["rejected"]
+    assert report["clips"] == {"inputs": 9, "kept": 2, "by_bucket": {"64x64x9": 2}}
+    assert sorted(p.name for p in (r.out / "clips").iterdir()) == sorted(row["file_name"][6:] for row in clips)
     assert report["rejected_by_reason"] == {
         reason: Counter(expected.values())[reason] for reason in REASONS}
     assert sum(s["total"] for s in report["by_source"].values()) == report["total"]
     # every rejected row says why, and every kept row's image is there, upright RGB
     assert all(row["detail"] for row in r.rejected)
-    files = {p.name for p in r.out.iterdir()} - {"metadata.jsonl", "masks", "references"}
+    files = {p.name for p in r.out.iterdir()} - {"metadata.jsonl", "masks", "references", "clips", "clips.jsonl"}
     assert files == {row["file_name"] for row in r.kept}
     masks = {f"masks/{p.name}" for p in (r.out / "masks").iterdir()}
     assert masks == {row["mask_file_name"] for row in r.kept if row["mask_file_name"]} and len(masks) == 1
