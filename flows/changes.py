@@ -19,7 +19,9 @@ never from timestamps:
    registration) counts as changed; so does a last version without a readable lineage document
    (registered before lineage.json existed, or its document removed): what it was built from is
    unknown, and the reason says so.
-4. No registered version of `register.model_name` yet: changed.
+4. No registered version of the model it registers under yet (`register.model_name`, or the name
+   that follows what is trained: tasks/register/naming.py; not known before a hub base is
+   downloaded): changed.
 5. A last version whose registration was cut off after its creation (tag `registration=incomplete`,
    tasks/register/resume.py): changed, and the registration finishes that version.
 """
@@ -46,7 +48,7 @@ FINGERPRINT_TAG = "lineage.fingerprint"
 class Changes:
     changed: bool
     reasons: list[str] = field(default_factory=list)
-    compared_with: str | None = None  # "sd-finetuned v3", when a registered version was found
+    compared_with: str | None = None  # "sd-dreambooth v3", when a registered version was found
     notes: list[str] = field(default_factory=list)  # e.g. a tag that disagrees with the lineage
 
     def summary(self) -> str:
@@ -150,7 +152,7 @@ def _diff(now: dict[str, str], then: dict[str, str]) -> list[str]:
     return [f"{shown}{more}"] if diffs else []
 
 
-def detect_changes(root: Path, model_name: str, tracking_uri: str,
+def detect_changes(root: Path, model_name: str | None, tracking_uri: str,
                    include_experiments: bool = False, allow_missing: bool = False) -> Changes:
     """Compare the workspace (dvc status, dvc.lock, sources) with the last registered version
     (with `include_experiments`, one registered from a DVC experiment counts too; with
@@ -161,6 +163,10 @@ def detect_changes(root: Path, model_name: str, tracking_uri: str,
                 for p in unwatched_sources(root)]
     from mlflow import MlflowClient
 
+    if model_name is None:
+        reasons.append("the registered model's name follows the base's family, which is not known before "
+                       "the base stage runs (or set register.model_name)")
+        return Changes(True, reasons)
     client = MlflowClient(tracking_uri=tracking_uri)
     version = last_registered(client, model_name, include_experiments)
     if version is None:

@@ -38,15 +38,18 @@ from tasks.common.tracking import (
     wait_for_server,
 )
 from tasks.register.config import RegisterConfig
+from tasks.register.oneline import one_line
 
 REPO = Path(__file__).resolve().parents[1]
 
 #: What registration reads, as the stage and argument dvc.yaml gives each path to (the paths are
 #: written there only; flows.params.stage_output reads them).
 OUTPUTS = {"base": ("base", "--out"), "finetuned": ("train", "--out"), "openvino": ("export", "--out"),
-           "evaluation": ("evaluate", "--report"), "training": ("train", "--report")}
-#: Of OUTPUTS, what a pipeline of one's own may leave out (no base stage; a train stage without a report).
-OPTIONAL_OUTPUTS = ("base", "training")
+           "evaluation": ("evaluate", "--report"), "training": ("train", "--report"),
+           "grids": ("evaluate", "--out"), "loss": ("train", "--plot")}
+#: Of OUTPUTS, what a pipeline of one's own may leave out (no base stage; a train stage without a report;
+#: no plots for the version's run to show).
+OPTIONAL_OUTPUTS = ("base", "training", "grids", "loss")
 
 #: A stage killed by SIGKILL/SIGTERM (OOM killer, container limit, node drain) is retried: the rerun
 #: resumes from its checkpoint (train) or redoes a cheap stage. A config or data error (a stage's
@@ -132,6 +135,7 @@ def register_model(root: str, parent_run_id: str, flow_run_id: str | None,
             paths["finetuned"], paths["openvino"], paths["evaluation"], lock=base / "dvc.lock",
             params=base / "params.yaml", run_id=parent_run_id, extra_tags=extra,
             base=paths["base"], champion_rescore=champion_rescore, train_report=paths["training"],
+            grids=paths["grids"], loss_table=paths["loss"],
         )
     except MlflowException as err:
         uri = tracking_uri(base)
@@ -226,7 +230,7 @@ def _run_if_changed(root: Path, workdir: Path, stages: list[str], applied: dict[
     remote = dvc_remote.prepare(workdir, log=get_run_logger().info)
     changes = None
     if only_if_changed:
-        model_name = load_config("register", RegisterConfig, workdir / "params.yaml").model_name
+        model_name = planned_name(workdir)
         changes = detect_changes(workdir, model_name, tracking_uri(root),
                                  include_experiments=experiment_name is not None,
                                  allow_missing=remote is not None)
@@ -291,15 +295,15 @@ def _rescore_champion(root: Path, workdir: Path, parent: ParentRun) -> dict[str,
 
     logger = get_run_logger()
     cfg = load_config("register", RegisterConfig, workdir / "params.yaml")
-    name = cfg.model_name
     report = _evaluation(workdir)
     if report is None:
         return None
+    lineage, name = _lineage(workdir, cfg)
     try:  # its protocol as its lineage document records it, not as its tag says
         champion = current_champion(parent.client, name, cfg.primary_metric)
     except MlflowException:
         return None
-    if champion is None or not rescore.needs_rescore(champion, report):
+    if champion is None or not rescore.needs_rescore(champion, report, lineage):
         return None
     logger.info("champion v%s was scored under protocol %s; re-scoring it under %s",
                 champion.version, champion.protocol or "unknown", report["protocol"]["id"])
@@ -309,11 +313,30 @@ def _rescore_champion(root: Path, workdir: Path, parent: ParentRun) -> dict[str,
         result = rescore.rescore(workdir, f"models:/{name}/{champion.version}", env)
     except UserError as err:
         logger.warning("could not re-score the champion v%s, so it holds: %s", champion.version, err)
-        parent.set_tags({"champion.rescore_error": str(err)[:5000]})
+        parent.set_tags({"champion.rescore_error": one_line(str(err))})
         return {"version": str(champion.version), "error": str(err)}  # promotion fails closed
     parent.set_tags({"champion.rescored_seconds": result["seconds_total"]})
     logger.info("champion v%s re-scored in %s s", champion.version, result["seconds_total"])
     return {"version": str(champion.version), "report": result}
+
+
+def planned_name(workdir: Path) -> str | None:
+    """The registered model a run of `workdir` goes to, before its stages (tasks/register/naming.py)."""
+    from tasks.register.naming import planned
+
+    return planned(workdir / "params.yaml", _output(workdir, "training"), _output(workdir, "base"))
+
+
+def _lineage(workdir: Path, cfg: RegisterConfig) -> tuple[Any, str]:
+    """What the stages in `workdir` trained (family, task, method) and the name it registers under."""
+    from tasks.register.core import resolve
+    from tasks.register.lineage import read_lock
+    from tasks.register.training import read_train_report
+
+    report = _output(workdir, "training")
+    trained = read_train_report(report) if report is not None and report.is_file() else None
+    finetuned = _output(workdir, "finetuned")
+    return resolve(cfg, read_lock(workdir / "dvc.lock", required=()), trained, finetuned or workdir)
 
 
 def _stages(workdir: Path, stages: list[str], parent: ParentRun,

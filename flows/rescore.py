@@ -20,6 +20,7 @@ protocol re-scores the champion again rather than trust a tag.
 from __future__ import annotations
 
 import json
+import logging
 import shlex
 import subprocess
 import sys
@@ -34,17 +35,22 @@ from finetune_runtime import base_reference
 from finetune_runtime.genai_serving import ADAPTER_ARTIFACT
 from tasks.common.errors import UserError
 from tasks.register.base_export import runtime_export_of
-from tasks.register.promotion import Champion
+from tasks.register.naming import Lineage
+from tasks.register.oneline import last_error
+from tasks.register.promotion import Champion, other_lineage
+
+log = logging.getLogger(__name__)
 
 #: Arguments of the evaluate command that name where it writes (replaced by a temporary folder).
 _OUTPUT_ARGS = ("--out", "--report", "--metrics")
 
 
-def needs_rescore(champion: Champion | None, report: Mapping[str, Any]) -> bool:
+def needs_rescore(champion: Champion | None, report: Mapping[str, Any], lineage: Lineage | None = None) -> bool:
     """True when a champion exists and the protocol its lineage document records (None: unknown,
     or no document) differs from the current evaluation's, or its score cannot be read (without
-    one it holds: tasks/register/promotion.py)."""
-    if champion is None:
+    one it holds: tasks/register/promotion.py). Never for a champion of another family or task than
+    the candidate's `lineage`: it is not ranked against (tasks/register/naming.py)."""
+    if champion is None or other_lineage(champion, lineage):
         return False
     current = (report.get("protocol") or {}).get("id")
     return bool(current) and (champion.protocol != current or champion.score is None)
@@ -106,9 +112,11 @@ def rescore(workdir: Path, model_uri: str, env: Mapping[str, str]) -> dict[str, 
             raise UserError(f"{workdir / 'dvc.yaml'}: the evaluate command has no --report to read the scores from")
         start = time.monotonic()
         proc = subprocess.run(cmd, cwd=workdir, env=stage_env(env), capture_output=True, text=True)
-        if proc.returncode != 0:
-            raise UserError(f"re-scoring {model_uri} failed (exit {proc.returncode}):\n"
-                            f"{(proc.stdout + proc.stderr)[-3000:]}")
+        if proc.returncode != 0:  # its whole output in the flow's log, its error in one line for the tags
+            log.warning("re-scoring %s: the evaluate command's output:\n%s", model_uri,
+                        (proc.stdout + proc.stderr)[-6000:])
+            raise UserError(f"re-scoring {model_uri} failed (exit {proc.returncode}): "
+                            f"{last_error(proc.stdout + proc.stderr)}")
         report = json.loads(Path(cmd[cmd.index("--report") + 1]).read_text())
     report["seconds_total"] = round(time.monotonic() - start, 2)
     return report

@@ -8,7 +8,6 @@ import json
 from pathlib import Path
 
 from flows.params import stage_output
-from tasks.common.config import read_params
 from tasks.common.tracking import tracking_uri
 
 
@@ -17,11 +16,22 @@ def _size(path: Path) -> str:
     return f"{total / 2**20:.1f} MiB"
 
 
+def registered_name(root: Path) -> str:
+    """The registered model this workspace's run went to: `register.model_name`, or the name that
+    follows what was trained (tasks/register/naming.py)."""
+    from tasks.register.naming import planned
+
+    dvc_yaml = root / "dvc.yaml"
+    report, base = stage_output(dvc_yaml, "train", "--report"), stage_output(dvc_yaml, "base", "--out")
+    return planned(root / "params.yaml", root / report if report else None,
+                   root / base if base else None) or "(not known: the base stage has not run)"
+
+
 def summary(root: Path = Path(".")) -> str:
     from mlflow.exceptions import MlflowException
     from mlflow.tracking import MlflowClient
 
-    name = read_params(root / "params.yaml").get("register", {}).get("model_name", "")
+    name = registered_name(root)
     uri = tracking_uri(root)
     lines = ["", "Pipeline finished. Where to look:", ""]
     lines.append(f"  MLflow UI          make mlflow-ui   (then open http://127.0.0.1:5000; store {uri})")

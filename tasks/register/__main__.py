@@ -1,6 +1,7 @@
 """python -m tasks.register --finetuned models/finetuned --openvino models/openvino
 --evaluation reports/evaluate.json [--train-report reports/train.json] [--base models/base]
-[--lock dvc.lock] [--params params.yaml] [--run-id ID]"""
+[--grids reports/evaluate] [--loss reports/train_loss.csv] [--lock dvc.lock] [--params params.yaml]
+[--run-id ID]"""
 from __future__ import annotations
 
 import argparse
@@ -25,6 +26,10 @@ def main() -> None:
                              "only (train.fuse_lora: false)")
     parser.add_argument("--train-report", type=Path, default=Path("reports/train.json"),
                         help="the train stage's report: what the version says it trained (tags train.*)")
+    parser.add_argument("--grids", type=Path, default=Path("reports/evaluate"),
+                        help="the evaluate stage's plots folder: its grids go into the version's run")
+    parser.add_argument("--loss", type=Path, default=Path("reports/train_loss.csv"),
+                        help="the train stage's loss table: drawn as the version's run's loss curve")
     parser.add_argument("--lock", type=Path, default=Path("dvc.lock"), help="lineage source")
     parser.add_argument("--params", type=Path, default=Path("params.yaml"))
     parser.add_argument("--run-id", default=None, help="log into this MLflow run, not a new one")
@@ -32,7 +37,7 @@ def main() -> None:
     configure()
     result = register(
         args.finetuned, args.openvino, args.evaluation, args.lock, args.params, args.run_id,
-        base=args.base, train_report=args.train_report,
+        base=args.base, train_report=args.train_report, grids=args.grids, loss_table=args.loss,
     )
     log.info(
         "registered %s version %s (aliases: %s) in %s; load it with "

@@ -11,17 +11,23 @@ from tasks.common.config import StageConfig
 class RegisterConfig(StageConfig):
     """Where the model goes in the MLflow registry, and when it becomes `champion`.
 
+    `model_name` null (the default): the name follows what was trained (tasks/register/naming.py).
     Every registered version gets `candidate`. `champion` moves to it only when the evaluation
     gate passed AND it beats the current champion on `primary_metric` (strictly: a tie keeps the
     champion, so re-registering the same model never churns the alias). `serve_*` become the
     model's `model_config` (finetune_runtime/limits.py SERVING_DEFAULTS, same defaults): its serving limits.
     """
 
-    model_name: str = Field(
+    model_name: str | None = Field(
+        None,
         min_length=1,
         max_length=256,
         pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$",
-        description="registered model name; letters, digits, '.', '_' and '-'",
+        description="registered model name; letters, digits, '.', '_' and '-'. null: the name follows "
+                    "what was trained, `<family>-<method>` (`sd-dreambooth`, `zimage-lora`; `-edit` before "
+                    "the method for an edit set: `kontext-edit-lora`), one name per lineage of comparable "
+                    "models (tasks/register/naming.py). Whatever the name, a version of another family or "
+                    "task than the champion's is never ranked against it",
     )
     primary_metric: str = Field(
         "dino",

@@ -19,7 +19,7 @@ from tasks.common import families
 from tasks.common.config import load_config, read_params
 from tasks.common.errors import UserError
 from tasks.common.genai import is_runtime_export
-from tasks.common.tracking import git_commit, stage_run
+from tasks.common.tracking import flatten, git_commit, stage_run
 from tasks.register import manifest, resume
 from tasks.register.base_export import BASE_SUFFIX, find_base_version, stage_adapter, stage_base
 from tasks.register.config import RegisterConfig
@@ -34,7 +34,8 @@ from tasks.register.lineage import (
     summary_tags,
 )
 from tasks.register.model_contents import call_convention, model_artifacts, pip_requirements
-from tasks.register.promotion import Champion, Decision, Goal, candidate_score, decide
+from tasks.register.naming import Lineage, family_of_folder, model_name, of_training
+from tasks.register.promotion import Champion, Decision, Goal, candidate_score, decide, other_lineage
 from tasks.register.registry import (
     CHAMPION,
     LINEAGE_ARTIFACT,
@@ -44,6 +45,7 @@ from tasks.register.registry import (
     move_champion,
     rescored,
 )
+from tasks.register.story import images, log_story, markdown, run_tags
 from tasks.register.training import read_train_report, train_tags, trained_line, trained_summary
 
 log = logging.getLogger(__name__)
@@ -135,12 +137,16 @@ def register_model(
     hub_base: HubBase | None = None,
     trained: dict[str, Any] | None = None,
     base_copy_max_gb: float | None = None,
+    lineage: Lineage | None = None,
+    shown: dict[str, Path] | None = None,
 ) -> Registered:
     """Log the pyfunc in run `run_id`, register a version of `model_name`, tag it, set aliases.
-    `trained`: the train stage's report, which the tags `train.<key>` and the description read;
-    a base over `base_copy_max_gb` is registered by reference (base_reference.py)."""
+    `trained`: the train report (tags `train.<key>`, the description); a base over `base_copy_max_gb`
+    is registered by reference (base_reference.py); `lineage` (naming.py; default: `trained`'s): a
+    champion of another family or task is never ranked against; `shown`: the run's images (story.py)."""
     import mlflow
 
+    lineage = lineage or of_training(trained, family_of_folder(finetuned), flatten(lock.params).get("train.method"))
     artifacts = model_artifacts(finetuned, openvino, base)
     convention = call_convention(finetuned, base, openvino)
     if precision := base_precision(base, trained):  # what a base by reference is served in (base_reference.py)
@@ -148,12 +154,10 @@ def register_model(
     candidate_score(evaluation, primary_metric)  # a misnamed metric fails before anything is logged
     client = mlflow.MlflowClient()
     ensure_registered_model(client, model_name)  # before any upload
-    tags = summary_tags(lock, evaluation, git_commit, primary_metric,
-                        {**train_tags(trained or {}), **(extra_tags or {})})
+    steps = (trained or {}).get("steps", flatten(lock.params).get("train.max_train_steps"))
+    tags, record = _what_it_is(lock, evaluation, params, git_commit, primary_metric, extra_tags, trained,
+                               lineage, steps)
     tags["model.artifacts"] = "lora_adapters+base" if "base" in artifacts else "pipeline"
-    record = lineage_record(lock, evaluation, params, git_commit, extra_tags)
-    if trained:
-        record["train"] = trained_summary(trained)
     unfinished = resume.find_unfinished(client, model_name, record["fingerprint"], run_id)
     if unfinished is not None:
         resume.announce(model_name, unfinished)
@@ -165,17 +169,21 @@ def register_model(
         source, model_id = _log(client, model_name, artifacts, openvino, base, run_id, serving, convention, tags,
                                 record, hub=hub_base if fits(finetuned, hub_base) else None,
                                 base_copy_max_gb=base_copy_max_gb)
+        log_story(client, run_id, evaluation, shown or {},  # its run shows scores, images, what trained (story.py)
+                  run_tags(lineage, trained, steps, lock.hashes.get("data/processed")), model_id)
     champion = resume.champion_to_beat(client, model_name, current_champion(client, model_name, primary_metric),
                                        unfinished, primary_metric)
-    champion, rescore_tags = rescored(client, model_name, champion, champion_rescore, primary_metric)
+    # another family's or task's champion is never re-scored or ranked against
+    champion, rescore_tags = (rescored(client, model_name, champion, champion_rescore, primary_metric)
+                              if not other_lineage(champion, lineage) else (champion, {}))
 
     def redecide(holder: Champion | None) -> Decision:
-        return decide(evaluation, primary_metric, primary_metric_goal, holder, promote_uncalibrated)
+        return decide(evaluation, primary_metric, primary_metric_goal, holder, promote_uncalibrated, lineage)
 
     decision = redecide(champion)
     reason = decision.reason
-    line = trained_line(trained) if trained else ""
-    description = f"{describe(lock, evaluation, git_commit, primary_metric, line)} Champion: {reason}."
+    description = (f"{describe(lock, evaluation, git_commit, primary_metric, trained_line(trained) if trained else '')}"
+                   f" Champion: {reason}.{markdown(run_id, shown or {})}")
     # a resumed registration's logged model is the cut-off run's (its artifacts, a base by reference included)
     logged = sorted(artifacts) if unfinished is None else (record.get("model") or {}).get("artifacts",
                                                                                       sorted(artifacts))
@@ -189,6 +197,21 @@ def register_model(
         version = unfinished.version
         resume.retag(client, model_name, version, {"champion.decision": reason, **rescore_tags})
     return _after_the_commit(client, model_name, version, run_id, source, record, decision, redecide)
+
+
+def _what_it_is(lock: Lock, evaluation: Evaluation, params: dict[str, Any], git_commit: str | None,
+               primary_metric: str, extra_tags: dict[str, Any] | None, trained: dict[str, Any] | None,
+               lineage: Lineage, steps: Any) -> tuple[dict[str, str], dict[str, Any]]:
+    """The version's tags (lineage.py's summary, what trained, family, task, steps) and its lineage
+    document (with the `lineage` section naming.py reads back and, with a train report, `train`)."""
+    tags = summary_tags(lock, evaluation, git_commit, primary_metric,
+                        {**train_tags(trained or {}), "family": lineage.family or "unknown",
+                         "task": lineage.task or "unknown", "steps": steps, **(extra_tags or {})})
+    record = lineage_record(lock, evaluation, params, git_commit, extra_tags)
+    record["lineage"] = lineage.record()
+    if trained:
+        record["train"] = trained_summary(trained)
+    return tags, record
 
 
 def _after_the_commit(client: Any, model_name: str, version: str, run_id: str, source: str,
@@ -343,9 +366,13 @@ def register(
     base: Path | None = None,
     champion_rescore: dict[str, Any] | None = None,
     train_report: Path | None = None,
+    grids: Path | None = None,
+    loss_table: Path | None = None,
 ) -> Registered:
     """Read params, dvc.lock, the evaluation and the train stage's report (when given: what the
-    version says it trained), then register: in `run_id`, or in a new run.
+    version says it trained), then register: in `run_id`, or in a new run. The name is
+    `register.model_name`, or follows what was trained (naming.py). `grids`: the evaluate stage's
+    plots folder, `loss_table`: the train stage's loss table; the version's run shows them (story.py).
 
     Everything is read and checked before MLflow is touched, so a missing input fails cleanly.
     The MLflow tracking URI must already be set (`tasks.common.tracking.configure()`).
@@ -353,8 +380,13 @@ def register(
     cfg = load_config("register", RegisterConfig, params)
     lock_info = read_lock(lock)
     report = read_evaluation(evaluation)
+    trained = read_train_report(train_report) if train_report is not None else None
+    lineage, name = resolve(cfg, lock_info, trained, Path(finetuned))
+    work = tempfile.TemporaryDirectory(prefix="register-story-")
     kwargs: dict[str, Any] = dict(
-        model_name=cfg.model_name,
+        model_name=name,
+        lineage=lineage,
+        shown=images(grids, loss_table, Path(work.name)),
         finetuned=Path(finetuned).resolve(),
         openvino=Path(openvino).resolve(),
         lock=lock_info,
@@ -371,11 +403,19 @@ def register(
                  "adapter_cache_mb": cfg.serve_adapter_cache_mb},
         hub_base=hub_reference(read_params(params).get("base") or {}),
         base_copy_max_gb=cfg.base_copy_max_gb,
-        trained=read_train_report(train_report) if train_report is not None else None,
+        trained=trained,
     )
-    if run_id:
-        return register_model(run_id=run_id, **kwargs)
-    with stage_run("register", params=cfg.model_dump()) as run:
-        result = register_model(run_id=run.run_id, **kwargs)
-        run.set_tags({"registered_model": result.name, "registered_version": result.version})
-        return result
+    with work:
+        if run_id:
+            return register_model(run_id=run_id, **kwargs)
+        with stage_run("register", params=cfg.model_dump()) as run:
+            result = register_model(run_id=run.run_id, **kwargs)
+            run.set_tags({"registered_model": result.name, "registered_version": result.version})
+            return result
+
+
+def resolve(cfg: RegisterConfig, lock: Lock, trained: dict[str, Any] | None, finetuned: Path) -> tuple[Lineage, str]:
+    """The fine-tune's lineage (the train report's family, task and method; else its folder's family
+    and dvc.lock's method) and the name it registers under (naming.py)."""
+    lineage = of_training(trained, family_of_folder(finetuned), flatten(lock.params).get("train.method"))
+    return lineage, model_name(cfg.model_name, lineage)

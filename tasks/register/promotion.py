@@ -13,6 +13,9 @@ encoders, prompts, seeds, sizes, data, backend and precision they were measured 
 scored under another protocol is not compared with: the flow re-scores it under the current
 protocol first (flows/rescore.py) and passes that score in; without one, the candidate is not
 promoted and the reason says the champion must be re-scored.
+Scores are compared only within one lineage (tasks/register/naming.py): a champion of another model
+family, or trained for another task (text-to-image, edit), is never ranked against, whatever the
+protocol: the candidate is not promoted, the champion holds, and the reason says so in one line.
 Scores from random-weight encoders (`uncalibrated`) promote only with
 `register.promote_uncalibrated: true`, an explicit choice (the offline demo makes it).
 
@@ -31,6 +34,7 @@ from typing import Literal
 
 from tasks.common.errors import UserError
 from tasks.register.lineage import Evaluation
+from tasks.register.naming import Lineage
 
 Goal = Literal["maximize", "minimize"]
 
@@ -48,6 +52,8 @@ class Champion:
     #: why it has no score, or which of its tags disagreed with its lineage document
     #: (tasks/register/registry.py reads both from the document); said in the decision
     note: str = ""
+    #: its family and task as its lineage document records them (None: not read)
+    lineage: Lineage | None = None
 
 
 @dataclass(frozen=True)
@@ -73,6 +79,8 @@ class Decision:
             ),
             "champion.previous_protocol": (self.champion.protocol or "unknown"
                                            if self.champion else "none"),
+            **({"champion.previous_lineage": self.champion.lineage.says()}
+               if self.champion and self.champion.lineage else {}),
         }
 
 
@@ -113,11 +121,31 @@ def unscored(champion: Champion, metric: str, fmt: str) -> str:
             f"it can) or move the champion alias by hand once it is checked ({fmt})")
 
 
+def other_lineage(champion: Champion | None, lineage: Lineage | None) -> bool:
+    """True when `champion` is of another family or task than `lineage` (both known)."""
+    return (champion is not None and champion.lineage is not None and lineage is not None
+            and lineage.differs(champion.lineage))
+
+
+def not_ranked(champion: Champion, lineage: Lineage, fmt: str) -> str:
+    """The one-line reason of a candidate of another lineage than the champion's."""
+    assert champion.lineage is not None
+    own = lineage.default_name()
+    return (f"not ranked: champion v{champion.version} is {champion.lineage.says()}, this version "
+            f"{lineage.says()}, so their scores are not compared and the champion holds; register it under "
+            f"its own name: {f'unset register.model_name (then {own})' if own else 'set register.model_name'}"
+            f" ({fmt})")
+
+
 def decide(evaluation: Evaluation, metric: str, goal: Goal, champion: Champion | None,
-           promote_uncalibrated: bool = False) -> Decision:
+           promote_uncalibrated: bool = False, lineage: Lineage | None = None) -> Decision:
+    """`lineage`: the candidate's family and task; a champion of another is never ranked against."""
     score = candidate_score(evaluation, metric)
     fmt = f"{metric}={score:.6g}"
     mine = evaluation.protocol_id
+    if other_lineage(champion, lineage):
+        assert champion is not None and lineage is not None
+        return Decision(False, not_ranked(champion, lineage, fmt), metric, score, champion)
     if not evaluation.passed:
         promote, reason = False, f"not promoted: the evaluation gate did not pass ({fmt})"
     elif evaluation.uncalibrated and not promote_uncalibrated:

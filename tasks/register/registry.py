@@ -46,6 +46,8 @@ from typing import Any
 
 from tasks.common.errors import UserError
 from tasks.register.manifest import check_lineage
+from tasks.register.naming import Lineage, of_record
+from tasks.register.oneline import one_line
 from tasks.register.promotion import (
     METRIC_TAG,
     Champion,
@@ -155,17 +157,20 @@ def tag_disagreements(tags: dict[str, str], metric: str, score: float | None,
 def champion_of(client: Any, version: Any, metric: str) -> Champion:
     """`version` as the champion to beat: score and protocol from its lineage document."""
     doc, problem = read_lineage(client, version)
+    tags = dict(version.tags or {})
     if doc is None:
         log.warning("%s v%s: %s; it has no score that can be read", version.name,
                     version.version, problem)
-        return Champion(str(version.version), None, None, note=problem)
+        # its family and task from its tags: they can only keep a candidate from being ranked against it
+        told = Lineage(tags.get("family"), tags.get("task")) if "family" in tags else None
+        return Champion(str(version.version), None, None, note=problem, lineage=told)
     score = _finite((doc.get("metrics") or {}).get(metric))
     protocol = (doc.get("protocol") or {}).get("id") or None
-    notes = tag_disagreements(dict(version.tags or {}), metric, score, protocol)
+    notes = tag_disagreements(tags, metric, score, protocol)
     if notes:
         notes.append("the document is used")
         log.warning("%s v%s: %s", version.name, version.version, "; ".join(notes))
-    return Champion(str(version.version), score, protocol, note="; ".join(notes))
+    return Champion(str(version.version), score, protocol, note="; ".join(notes), lineage=of_record(doc))
 
 
 def holder(client: Any, model_name: str) -> Any | None:
@@ -243,10 +248,11 @@ def rescored(client: Any, model_name: str, champion: Champion | None,
     if champion is None or not rescore or str(rescore.get("version")) != champion.version:
         return champion, {}
     if rescore.get("error"):  # the flow tried and failed: the champion keeps what it had
-        log.warning("%s v%s could not be re-scored: %s", model_name, champion.version, rescore["error"])
-        note = "; ".join(filter(None, [champion.note, f"re-scoring it failed: {rescore['error']}"]))
-        return (Champion(champion.version, champion.score, champion.protocol, note=note),
-                {"champion.rescore_error": str(rescore["error"])[:5000]})
+        error = one_line(rescore["error"])
+        log.warning("%s v%s could not be re-scored: %s", model_name, champion.version, error)
+        note = "; ".join(filter(None, [champion.note, f"re-scoring it failed: {error}"]))
+        return (Champion(champion.version, champion.score, champion.protocol, note=note, lineage=champion.lineage),
+                {"champion.rescore_error": error})
     report = rescore["report"]
     score = report.get("metrics", {}).get(metric)
     protocol = (report.get("protocol") or {}).get("id")
@@ -258,4 +264,5 @@ def rescored(client: Any, model_name: str, champion: Champion | None,
     client.set_model_version_tag(model_name, champion.version, f"rescore.{protocol}",
                                  f"{metric}={score:.6g}")
     log.info("%s", text)
-    return Champion(champion.version, float(score), protocol, note=champion.note), {"champion.rescored": text}
+    return (Champion(champion.version, float(score), protocol, note=champion.note, lineage=champion.lineage),
+            {"champion.rescored": text})

@@ -110,6 +110,17 @@ stages:
 """
 
 
+def write_plots(reports: Path) -> None:
+    """What the evaluate and train stages draw: reports/evaluate/grid.png and grid_base.png (a
+    row of two images each), and reports/train_loss.csv (step,loss,lr)."""
+    from PIL import Image
+
+    (reports / "evaluate").mkdir(parents=True, exist_ok=True)
+    for name, color in (("grid.png", (200, 40, 40)), ("grid_base.png", (40, 40, 200))):
+        Image.new("RGB", (128, 64), color).save(reports / "evaluate" / name)
+    (reports / "train_loss.csv").write_text("step,loss,lr\n1,0.3,0.0001\n2,0.2,0.0001\n3,0.1,0.0001\n")
+
+
 @pytest.fixture
 def project(tmp_path: Path, tiny_models: Path) -> Path:
     """A pipeline workspace after `dvc repro`: params, dvc.lock, the models, a git commit."""
@@ -124,6 +135,7 @@ def project(tmp_path: Path, tiny_models: Path) -> Path:
     (root / "dvc.lock").write_text(DVC_LOCK)
     (root / "reports/evaluate.json").write_text(json.dumps(EVAL_PASS))
     (root / "reports/train.json").write_text(json.dumps(TRAIN_REPORT))
+    write_plots(root / "reports")
     git = ["git", "-c", "user.name=t", "-c", "user.email=t@localhost"]
     subprocess.run(["git", "init", "-q"], cwd=root, check=True)
     subprocess.run(["git", "add", "params.yaml", "dvc.lock"], cwd=root, check=True)

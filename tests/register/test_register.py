@@ -53,7 +53,8 @@ def test_cli_registers_version_with_lineage_and_both_aliases(registered: Path) -
                             "protocol", "lineage.fingerprint", "lineage", "champion.decision",
                             "model.artifacts", "model.flavors", "train.base_model_precision",
                             "train.text_encoder_precision", "train.optimizer", "train.instance_images",
-                            "train.masked_loss", "registration"}
+                            "train.masked_loss", "registration", "family", "task", "steps"}
+    assert (mv.tags["family"], mv.tags["task"], mv.tags["steps"]) == ("sd", "text-to-image", "3")
     assert mv.tags["registration"] == "complete"
     assert mv.tags["train.masked_loss"] == "off"
     assert mv.tags["git_commit"] == commit and mv.tags["method"] == "dreambooth"
@@ -89,6 +90,25 @@ def test_cli_registers_version_with_lineage_and_both_aliases(registered: Path) -
     manifest.compare(registered, Path(location.removeprefix("file://")), "", "sd-test v1")  # raises on a difference
     assert champion_of(client, mv, "dino").score == 0.4  # lineage.json checked against its recorded digest
     assert manifest.LINEAGE_PARAM.format(manifest.model_key(mv.source)) in run.data.params
+    # The version's own run tells the story (tasks/register/story.py): scores as metrics (linked to
+    # the logged model), the grids and the loss curve as images, what trained as tags.
+    assert run.data.metrics == {"clip_t": 0.21, "clip_i": 0.5, "dino": 0.4, "gate.passed": 1.0}
+    assert {m.key for m in mlflow.get_logged_model(output.model_id).metrics} == set(run.data.metrics)
+    shown = {Path(f.path).name: f.file_size for f in client.list_artifacts(mv.run_id, "story")}
+    assert set(shown) == {"grid.png", "grid_base.png", "loss.png"} and shown["loss.png"] > 5000, shown
+    with Image.open(mlflow.artifacts.download_artifacts(run_id=mv.run_id, artifact_path="story/loss.png")) as loss:
+        assert loss.size == (600, 320)
+    tags = run.data.tags
+    assert {k: tags[k] for k in ("family", "task", "method", "adapter", "steps", "data")} == {
+        "family": "sd", "task": "text-to-image", "method": "dreambooth", "adapter": "none (full weights)",
+        "steps": "3", "data": "11111111111111111111111111111111.dir"}
+    lscpu = subprocess.run(["lscpu"], capture_output=True, text=True, env={**os.environ, "LC_ALL": "C"}).stdout
+    model = next(line.split(":", 1)[1].strip() for line in lscpu.splitlines() if line.startswith("Model name"))
+    assert tags["cpu"].startswith(model), tags["cpu"]
+    # its page shows the fine-tune's grid, served by the tracking server from that run
+    assert f"![the fine-tune's evaluation grid](get-artifact?path=story%2Fgrid.png&run_uuid={mv.run_id})" \
+        in mv.description
+    assert lineage["lineage"] == {"family": "sd", "task": "text-to-image", "method": "dreambooth"}
 
 
 def test_a_dora_version_says_dora_in_its_tags_and_description(project: Path) -> None:
