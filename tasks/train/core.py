@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from PIL import Image
 
+from finetune_runtime.cpu_formats import Choice
 from tasks.common import families
 from tasks.common.errors import UserError
 from tasks.common.fingerprint import weight_hashes
@@ -27,7 +28,7 @@ from tasks.train.checkpoints import CheckpointManager, run_key
 from tasks.train.concepts import examples_report
 from tasks.train.config import TrainConfig
 from tasks.train.data import METADATA
-from tasks.train.loop import LoopResult, make_accelerator, run_loop
+from tasks.train.loop import LoopResult, device_type, make_accelerator, run_loop
 
 # The built-in methods' trainers, which their specs name by path (spec.trainer_class() imports
 # them): imported here too so that the train stage's code deps in dvc.yaml follow them.
@@ -68,6 +69,7 @@ class TrainOutcome:
     base_precision: dict[str, Any] = field(default_factory=dict)  # the frozen base's: name, quantized layers
     phase_peaks_mb: dict[str, float] = field(default_factory=dict)  # peak RSS of text_cache, load, steps, save
     trained: dict[str, Any] = field(default_factory=dict)  # what trained: adapter, optimizer, masks (trained.py)
+    precision: Choice | None = None  # the mixed precision that ran and why (auto: by the CPU's native formats)
 
     def report(self) -> dict[str, Any]:
         """reports/train.json (DVC metrics)."""
@@ -77,6 +79,8 @@ class TrainOutcome:
             "method": self.method,
             "family": self.family,
             **self.trained,
+            **({"mixed_precision": self.precision.precision, "precision_why": self.precision.why}
+               if self.precision else {}),
             "steps": int(self.losses[-1][0]) if self.losses else 0,
             "final_loss": self.losses[-1][1] if self.losses else float("nan"),
             "mean_loss_last_10": sum(tail) / len(tail) if tail else float("nan"),
@@ -139,6 +143,8 @@ def train(
     cfg.check_family(family)  # a method or option the family lacks: refused before any load
     cfg = cfg.with_scoring_from(None)  # keys the CLI did not fill from params.yaml: their defaults
     _settings(cfg)
+    cfg, precision = cfg.with_precision_chosen(device_type())  # explicit bf16 on a CPU emulating it: refused
+    log.info("%s", precision.line("train.mixed_precision"))
     accelerator = make_accelerator(cfg)
     set_seed(cfg.seed)
     method = cfg.spec.trainer_class()(cfg)
@@ -192,7 +198,7 @@ def train(
         text_cache_seconds=method.text_cache_seconds,
         checkpoints=[_on_disk(r, checkpoints.run_dir / f"checkpoint-{r['step']}") for r in result.state.scores],
         selected=selected, concepts=concepts, base_precision=base_info, phase_peaks_mb=peaks.peaks,
-        trained=trained_keys,
+        trained=trained_keys, precision=precision,
     )
 
 

@@ -70,6 +70,15 @@ class LoopResult:
     cache_seconds: float = 0.0  # filling the latent cache before the first step (not in `seconds`)
 
 
+def device_type() -> str:
+    """The device type this process trains on, known before its Accelerator exists: xla where
+    torch_xla is installed (accelerate then runs on it), else accelerate's device (cuda, cpu, ...)."""
+    from accelerate import PartialState
+    from accelerate.utils import is_torch_xla_available
+
+    return "xla" if is_torch_xla_available() else PartialState().device.type
+
+
 def make_accelerator(cfg: TrainConfig) -> Any:
     """A fresh accelerate `Accelerator` for this run (CPU or GPU; distributed when launched so).
 

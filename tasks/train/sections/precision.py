@@ -5,11 +5,13 @@ from __future__ import annotations
 import os
 import shutil
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field
 
+from finetune_runtime.cpu_formats import Choice, CpuFormats, auto_bf16, detect, emulated_bf16_problem
 from tasks.common.config import StageConfig
+from tasks.common.errors import UserError
 from tasks.train.methods.spec import method_spec, names_training
 
 
@@ -19,8 +21,11 @@ def cxx_compiler() -> str | None:
 
 
 class PrecisionSection(StageConfig):
-    mixed_precision: Literal["no", "bf16", "fp16"] = Field(
-        "no", description="no | bf16 (autocast, also on CPU) | fp16 (CUDA only)"
+    mixed_precision: Literal["auto", "no", "bf16", "fp16"] = Field(
+        "no", description="auto | no | bf16 (autocast) | fp16 (CUDA only); auto: bf16 on a CPU that computes it "
+                          "natively (AVX512-BF16 or AMX-BF16), fp32 on one that would emulate it (AVX2 only: "
+                          "~500x slower) and on a GPU; bf16 on a CPU that emulates it is refused "
+                          "(finetune_runtime/cpu_formats.py)"
     )
     full_bf16: bool | None = Field(
         None, description="hold the weights dreambooth and full train in bf16, updated by AdamW in float32 with "
@@ -54,13 +59,35 @@ class PrecisionSection(StageConfig):
     )
     channels_last: bool = Field(False, description="channels-last memory format for the UNet and VAE")
 
+    def chosen_precision(self, device_type: str, formats: CpuFormats | None = None) -> Choice:
+        """The mixed precision this run trains in on `device_type`, and why: `auto` on a CPU is bf16
+        where it is native and `no` (fp32) where it would be emulated, `no` elsewhere (a GPU, XLA);
+        an explicit bf16 on a CPU that emulates it is refused (UserError naming the cost and the fix)."""
+        key = f"train.mixed_precision: {self.mixed_precision}"
+        if device_type != "cpu":
+            if self.mixed_precision == "auto":
+                return Choice("no", f"auto: fp32 on {device_type}")
+            return Choice(self.mixed_precision, key)
+        if self.mixed_precision == "auto":
+            choice = auto_bf16(formats)
+            return Choice("bf16" if choice.precision == "bf16" else "no", choice.why)
+        if self.mixed_precision == "bf16" and (problem := emulated_bf16_problem(
+                "train.mixed_precision", "train.mixed_precision: auto or no (fp32)", formats)):
+            raise UserError(f"params.yaml: {problem}")
+        return Choice(self.mixed_precision, f"{key}, on {(formats or detect()).describe()}")
+
+    def with_precision_chosen(self, device_type: str, formats: CpuFormats | None = None) -> tuple[Any, Choice]:
+        """(this config with `mixed_precision` as chosen (never auto), the choice)."""
+        choice = self.chosen_precision(device_type, formats)
+        return self.model_copy(update={"mixed_precision": choice.precision}), choice
+
     def _precision_problem(self) -> str | None:
         if self.mixed_precision == "fp16":
             import torch
 
             if not torch.cuda.is_available():
                 return ("mixed_precision fp16 needs a CUDA GPU (CPUs have no fp16 autocast for training); "
-                        "use bf16 or no")
+                        "use auto, bf16 or no")
         if self.full_bf16:
             return self._full_bf16_problem()
         return None
