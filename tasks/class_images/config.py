@@ -35,9 +35,11 @@ class ClassImagesConfig(StageConfig):
     seed: int = Field(0, ge=0, description="image i is drawn from a generator seeded with seed + i")
     precision: Literal["auto", "fp32", "bf16", "fp16"] = Field(
         "auto", description="the generating pipeline's weights and compute (diffusers' --prior_generation_precision); "
-                            "auto: fp16 on CUDA, else the dtype the base's denoiser is stored in, fp16 read as bf16 "
-                            "(bf16 releases such as FLUX and SD3.5 then take half the memory of fp32; SD 1.x and "
-                            "the built-in models stay fp32)",
+                            "auto: fp16 on CUDA; on a CPU bf16 where the base's denoiser is stored in bf16 or fp16 "
+                            "and the CPU computes bf16 natively (AVX512-BF16, AMX-BF16: bf16 releases such as FLUX "
+                            "and SD3.5 then take half the memory of fp32), else fp32 (SD 1.x, the built-in models, "
+                            "and any base on an AVX2-only CPU, where bf16 is emulated ~500x slower); bf16 on such "
+                            "a CPU is refused",
     )
     vae_decode: Literal["auto", "full", "sliced", "tiled"] = Field(
         "auto", description="how the VAE decodes: full | sliced (one image of a batch at a time: the same images) | "

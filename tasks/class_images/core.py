@@ -20,6 +20,7 @@ from typing import Any
 from PIL import Image
 from tqdm import tqdm
 
+from finetune_runtime.cpu_formats import Choice, emulated_bf16_problem
 from tasks.class_images import encoded
 from tasks.class_images.config import ClassImagesConfig
 from tasks.common import families
@@ -27,7 +28,7 @@ from tasks.common.errors import UserError
 from tasks.common.fingerprint import folder_fingerprint
 from tasks.common.outputs import atomic_file
 from tasks.common.quantize import BasePrecision
-from tasks.common.quantized_pipeline import compute_dtype, load_with_denoiser_last
+from tasks.common.quantized_pipeline import compute_choice, load_with_denoiser_last
 from tasks.common.safe_remove import refusal
 
 log = logging.getLogger(__name__)
@@ -42,10 +43,11 @@ def image_name(index: int) -> str:
     return f"{index:05d}.png"
 
 
-def generation_key(cfg: ClassImagesConfig, base_fingerprint: str) -> dict[str, Any]:
-    """Everything that changes the pixels of image i (not num_images, not batch_size). An explicit
-    precision other than fp32 is part of it (fp32 and auto keep the keys folders already hold),
-    a quantized denoiser's precision and library (none keeps them too), and tiled VAE decoding."""
+def generation_key(cfg: ClassImagesConfig, base_fingerprint: str, precision: str | None = None) -> dict[str, Any]:
+    """Everything that changes the pixels of image i (not num_images, not batch_size). The precision
+    they are made in (`precision`: what `pipeline_choice` chose; None: class_images.precision, auto as
+    fp32) when it is not fp32 (fp32 keeps the keys folders already hold), a quantized denoiser's
+    precision and library (none keeps them too), and tiled VAE decoding."""
     key = {
         "prompt": cfg.prompt,
         "negative_prompt": cfg.negative_prompt,
@@ -59,7 +61,8 @@ def generation_key(cfg: ClassImagesConfig, base_fingerprint: str) -> dict[str, A
         key["base_model_precision"] = held.name
     if vae_decode(cfg) == "tiled":  # tiles change pixels; sliced decoding does not
         key["vae_decode"] = "tiled"
-    return key if cfg.precision in ("auto", "fp32") else {**key, "precision": cfg.precision}
+    precision = precision or ("fp32" if cfg.precision == "auto" else cfg.precision)
+    return key if precision == "fp32" else {**key, "precision": precision}
 
 
 #: class_images.vae_decode auto decodes in tiles above this side (px): a 2048 px FLUX VAE decode
@@ -172,13 +175,27 @@ def shard(indices: Sequence[int], rank: int, world_size: int) -> list[int]:
 
 def pipeline_dtype(base: Path, device: Any, precision: str = "auto") -> Any:
     """The torch dtype `precision` (class_images.precision) means for this base on `device`."""
+    return pipeline_choice(base, device, precision)[0]
+
+
+def pipeline_choice(base: Path, device: Any, precision: str = "auto") -> tuple[Any, Choice]:
+    """(the torch dtype `precision` means for this base on `device`, the choice and why): auto is fp16
+    on CUDA; on a CPU bf16 where the base's denoiser is stored in 16 bits and the CPU computes bf16
+    natively, else fp32 (finetune_runtime/cpu_formats.py). An explicit bf16 on a CPU that would emulate
+    it is refused (UserError: the cost and the fix), before anything loads."""
     import torch
 
+    dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+    kind = torch.device(device).type
     if precision != "auto":
-        return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
-    if torch.device(device).type == "cuda":
-        return torch.float16
-    return compute_dtype(base)
+        if precision == "bf16" and kind == "cpu" and (problem := emulated_bf16_problem(
+                "class_images.precision", "class_images.precision: auto or fp32")):
+            raise UserError(f"params.yaml: {problem}")
+        return dtypes[precision], Choice(precision, f"class_images.precision: {precision}")
+    if kind == "cuda":
+        return torch.float16, Choice("fp16", "auto: fp16 on CUDA")
+    dtype, why = compute_choice(base, kind)
+    return dtype, Choice({v: k for k, v in dtypes.items()}[dtype], f"auto: {why}")
 
 
 def load_pipeline(base: Path, device: Any = None, precision: str = "auto", quantize: BasePrecision | None = None,
@@ -194,7 +211,6 @@ def load_pipeline(base: Path, device: Any = None, precision: str = "auto", quant
     class images by black squares, which the prior loss would then learn.
     """
     import diffusers
-    import torch
     from diffusers import DiffusionPipeline
     from diffusers.configuration_utils import FrozenDict
 
@@ -202,7 +218,7 @@ def load_pipeline(base: Path, device: Any = None, precision: str = "auto", quant
     extra: dict[str, Any] = {}
     if "safety_checker" in index:
         extra = {"safety_checker": None, "requires_safety_checker": False}
-    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    device = _device(device)
     dtype = pipeline_dtype(base, device, precision)
     held = f", the denoiser in {quantize.name}" if quantize else ""
     log.info("class images: the base pipeline in %s%s on %s", str(dtype).removeprefix("torch."), held, device)
@@ -299,6 +315,13 @@ class Summary:
         }
 
 
+def _device(device: Any = None) -> Any:
+    """`device`, else the best there is (cuda, else cpu)."""
+    import torch
+
+    return torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+
+
 def _nothing() -> None:
     return None
 
@@ -318,7 +341,9 @@ def run(cfg: ClassImagesConfig, base: Path, out_dir: Path, pipe: Any = None, ran
     if not base.is_dir():
         raise UserError(f"base model folder {base} not found: run the `base` stage first (dvc repro base)")
     fingerprint = folder_fingerprint(base)
-    key = generation_key(cfg, fingerprint)
+    _, precision = pipeline_choice(base, _device(device), cfg.precision)  # an emulated bf16: refused here
+    log.info("class images: %s", precision.line("class_images.precision"))
+    key = generation_key(cfg, fingerprint, precision.precision)
     removed = 0
     if rank == 0:
         if why := refusal(out_dir):

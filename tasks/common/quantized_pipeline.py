@@ -2,10 +2,10 @@
 
 The train stage's path (tasks/common/quantize.py): the denoiser's Linear layers are quantized a chunk at
 a time as its weights are read, so its full-precision weights are never all in memory; the other parts
-of the pipeline load first, without it, in `compute_dtype` (the dtype the denoiser is stored in where
-that is bf16 or fp16, read as bf16; else float32). Used by the class_images stage (its class images)
-and the evaluate stage (the fine-tune and the base, like with like), which both generate on the base
-the train stage held quantized.
+of the pipeline load first, without it, in `compute_dtype` (bf16 where the denoiser is stored in bf16
+or fp16 and the CPU computes bf16 natively, else float32: finetune_runtime/cpu_formats.py). Used by
+the class_images stage (its class images) and the evaluate stage (the fine-tune and the base, like
+with like), which both generate on the base the train stage held quantized.
 """
 from __future__ import annotations
 
@@ -14,21 +14,36 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from finetune_runtime import cpu_formats
 from tasks.common import families
 from tasks.common.quantize import BasePrecision, place_quantized
 
 log = logging.getLogger(__name__)
 
 
-def compute_dtype(folder: Path) -> Any:
-    """bfloat16 when the pipeline in `folder` stores its denoiser in bf16 or fp16, else float32."""
+def compute_dtype(folder: Path, device_type: str = "cpu") -> Any:
+    """bfloat16 when the pipeline in `folder` stores its denoiser in bf16 or fp16 and `device_type`
+    computes bf16 natively (a GPU, or a CPU with AVX512-BF16 or AMX-BF16: finetune_runtime/cpu_formats.py),
+    else float32 (an AVX2-only CPU would emulate bf16, ~500x slower)."""
+    return compute_choice(folder, device_type)[0]
+
+
+def compute_choice(folder: Path, device_type: str = "cpu") -> tuple[Any, str]:
+    """(`compute_dtype`, why: the stored dtype and, on a CPU, its native formats), for the log line."""
     import torch
 
     from tasks.common.weights_load import stored_dtype
 
     family = families.from_index(families.read_index(folder), str(folder))
     stored = stored_dtype(Path(folder) / family.denoiser_name)
-    return torch.bfloat16 if stored in (torch.bfloat16, torch.float16) else torch.float32
+    dtype = cpu_formats.compute_dtype(stored, device_type=device_type)
+    name = str(stored).removeprefix("torch.") if stored is not None else "no safetensors"
+    if stored not in (torch.bfloat16, torch.float16):
+        return dtype, f"the base's {family.denoiser_name} is stored in {name}"
+    if device_type != "cpu":
+        return dtype, f"the base's {family.denoiser_name} is stored in {name}, on {device_type}"
+    choice = cpu_formats.auto_bf16(key=f"the base's {family.denoiser_name} is stored in {name}")
+    return dtype, choice.why
 
 
 def place_denoiser(pipe: Any, denoiser: Any) -> None:

@@ -210,9 +210,11 @@ def test_cli_bad_base_is_a_clean_error(tmp_path: Path) -> None:
     assert not (tmp_path / "r.json").exists()
 
 
-def test_precision_follows_the_stored_weights_and_is_part_of_the_key(tmp_path: Path, tiny_sd: Path) -> None:
+def test_precision_follows_the_stored_weights_and_is_part_of_the_key(tmp_path: Path, tiny_sd: Path,
+                                                                     monkeypatch) -> None:
     """auto: a base stored in fp32 (SD 1.x, the tiny models) generates in fp32, one stored in bf16
-    (FLUX, SD3.5 releases) in bf16, half the memory; an explicit bf16 changes the images' key."""
+    (FLUX, SD3.5 releases) in bf16, half the memory, on a CPU that computes bf16 natively (flags
+    faked: AMX); the precision made is part of the images' key."""
     import shutil
 
     import torch
@@ -220,6 +222,7 @@ def test_precision_follows_the_stored_weights_and_is_part_of_the_key(tmp_path: P
 
     from tasks.class_images.core import generation_key, load_pipeline, pipeline_dtype
 
+    monkeypatch.setenv("FINETUNE_CPU_FLAGS", "avx2 avx512f avx512_bf16 amx_bf16")
     assert pipeline_dtype(tiny_sd, "cpu") == torch.float32
     assert pipeline_dtype(tiny_sd, "cpu", "bf16") == torch.bfloat16
     assert pipeline_dtype(tiny_sd, "cuda") == torch.float16  # decided from the device alone: no GPU needed
@@ -233,8 +236,18 @@ def test_precision_follows_the_stored_weights_and_is_part_of_the_key(tmp_path: P
     assert pipe.unet.dtype == torch.bfloat16 and pipe.text_encoder.dtype == torch.bfloat16
     summary = run(cfg(num_images=1), stored_bf16, tmp_path / "cls", pipe=pipe)
     assert summary.generated == 1 and pixels(tmp_path / "cls" / "00000.png").shape == (64, 64, 3)
+    assert json.loads((tmp_path / "cls" / STATE).read_text())["precision"] == "bf16", "auto made bf16: in the key"
     assert generation_key(cfg(precision="auto"), "f") == generation_key(cfg(precision="fp32"), "f")
     assert generation_key(cfg(precision="bf16"), "f") == {**generation_key(cfg(), "f"), "precision": "bf16"}
+
+    # An AVX2-only CPU (EPYC Rome/Milan) would emulate bf16: auto makes fp32, an explicit bf16 is refused
+    monkeypatch.setenv("FINETUNE_CPU_FLAGS", "avx avx2 fma")
+    assert pipeline_dtype(stored_bf16, "cpu") == torch.float32
+    assert pipeline_dtype(stored_bf16, "cuda") == torch.float16
+    with pytest.raises(UserError, match=r"class_images.precision: bf16 on a CPU without native bf16 \(AVX2.*"
+                                        r"about 500x slower than fp32.*Set class_images.precision: auto or fp32"):
+        run(cfg(num_images=1, precision="bf16"), stored_bf16, tmp_path / "refused")
+    assert not (tmp_path / "refused").exists(), "refused before anything is written"
 
 
 def test_a_quantized_denoiser_makes_the_class_images_under_its_own_key(tmp_path: Path, tiny_sd: Path) -> None:
