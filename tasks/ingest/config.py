@@ -196,7 +196,11 @@ class ClipsSource(ConceptFields):
         (".txt", ".caption"), min_length=1, description="sidecar caption names, first found wins"
     )
     instance_prompt: str | None = Field(
-        None, min_length=1, description="caption for every clip (sidecars are then ignored)"
+        None, min_length=1, description="caption for every clip (sidecars and metadata are then ignored)"
+    )
+    caption_column: str = Field(
+        "text", min_length=1, description="the column holding captions in metadata.jsonl / metadata.csv files "
+        "(any depth; `file_name`: the clip or frame folder, relative to the metadata file), as an imagefolder's",
     )
     frames_fps: float = Field(
         24.0, gt=0, le=1000, description="the rate a folder of frames was shot at (its frames in name order)"

@@ -309,9 +309,15 @@ def _row_references(row: dict, column: str, base: str) -> list[str] | Reject:
     return paths
 
 
+def read_metadata_captions(root: Path, column: str, label: str, key: str) -> tuple[dict[str, str | None], list[Item]]:
+    """{path relative to root: caption} from the metadata.jsonl/.csv files under root (none: {}), and rejected
+    rows; for sources whose captions may also come from elsewhere (clips: sidecars)."""
+    return _read_imagefolder_metadata(root, column, label, key, warn_if_none=False)
+
+
 def _read_imagefolder_metadata(
     root: Path, column: str, label: str, key: str,
-    references: tuple[str | None, dict[str, list[str] | Reject]] = (None, {}),
+    references: tuple[str | None, dict[str, list[str] | Reject]] = (None, {}), warn_if_none: bool = True,
 ) -> tuple[dict[str, str | None], list[Item]]:
     """{image path relative to root: caption} from every metadata file, and rejected rows.
 
@@ -355,7 +361,7 @@ def _read_imagefolder_metadata(
             f"{key}.caption_column: no metadata file under {root} has a column {column!r}; set "
             "caption_column to the column holding the captions."
         )
-    if not files:
+    if not files and warn_if_none:
         log.warning("%s: no metadata.jsonl or metadata.csv under %s: no captions", key, root)
     return captions, problems
 

@@ -160,3 +160,18 @@ def test_clips_through_the_worker_pool_match_one_process(tmp_path: Path, monkeyp
     for row in clip_rows(one.out).values():
         for name in row["frame_files"]:
             assert (two.out / row["file_name"] / name).read_bytes() == (one.out / row["file_name"] / name).read_bytes()
+
+
+def test_captions_from_metadata_jsonl_as_an_imagefolder_s(tmp_path: Path) -> None:
+    src = tmp_path / "clips"
+    make_clip(src / "a.mp4", frames=30)
+    make_clip(src / "sub" / "b.mp4", frames=30, size=(64, 40))
+    (src / "a.txt").write_text("the sidecar", encoding="utf-8")
+    rows = [{"file_name": "a.mp4", "text": "from the metadata"}, {"file_name": "gone.mp4", "text": "x"}]
+    (src / "metadata.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    (src / "sub" / "metadata.jsonl").write_text(json.dumps({"file_name": "b.mp4", "text": "nested"}) + "\n",
+                                                encoding="utf-8")
+    r = run(clips_config(src), tmp_path / "out")
+    got = {p: (row["text"], row["caption_source"]) for p, row in clip_rows(r.out).items()}
+    assert got == {"a.mp4": ("from the metadata", "metadata"), "sub/b.mp4": ("nested", "metadata")}
+    assert r.reasons() == {"gone.mp4": "missing_image"}
