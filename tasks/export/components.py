@@ -3,7 +3,8 @@
 The default path (core.py) loads the whole pipeline in fp32 through optimum-intel and the parity
 gate loads it again: FLUX.2 klein 4B is ~30 GB in fp32, FLUX.1-dev over 60 GB. Here each group of
 models (each text encoder, the denoiser, the VAE's encoder and decoder) is loaded alone, in the
-dtype its weights are stored in, converted with optimum-intel's own export configs, checked
+dtype its weights are stored in (bf16 in float32 on a CPU without native bf16, where it would be
+emulated ~500x slower: `load_dtypes`), converted with optimum-intel's own export configs, checked
 against its PyTorch source on the same seeded inputs, weight-compressed (int8/int4) and written,
 then freed before the next loads. The other heavy models of the pipeline are built on the `meta`
 device (config only, no weights) so that optimum-intel's per-family export functions see a whole
@@ -25,6 +26,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from finetune_runtime import cpu_formats
 from tasks.common import families
 from tasks.common.errors import UserError
 from tasks.common.genai import export_tokenizers
@@ -70,19 +72,44 @@ def available_bytes() -> int | None:
     return None
 
 
+def load_dtypes(folder: Path, say: bool = True) -> dict[str, Any]:
+    """The dtype each component loads in, and its PyTorch reference runs in: the stored one, except
+    bf16 on a CPU that would emulate it (AVX2 only: ~500x slower), where it is float32, twice the
+    memory (finetune_runtime/cpu_formats.py). `say`: log the choice."""
+    import torch
+
+    stored = families.stored_dtypes(folder)
+    widened = [name for name, dtype in stored.items() if dtype == torch.bfloat16]
+    if not widened:
+        return stored
+    choice = cpu_formats.auto_bf16(key="auto")
+    if say:
+        log.info("export: precision of %s (stored in bf16): %s", ", ".join(widened), choice.line())
+    if choice.precision == "bf16":
+        return stored
+    return {**stored, **{name: torch.float32 for name in widened}}
+
+
 def preflight(folder: Path) -> dict[str, float]:
     """Before anything loads: {group: GB of stored weights}. A group whose conversion needs more than
     the memory available now even at the least measured ratio (PHASE_PER_WEIGHT_MIN times its weights)
     is refused (it would page for hours, not fail); one whose usual ratio (PHASE_PER_WEIGHT) exceeds
     it is warned about."""
+    import torch
+
     index = families.read_index(folder)
+    stored, loads = families.stored_dtypes(folder), load_dtypes(folder, say=False)
     weights = {real: sum(p.stat().st_size for p in (folder / real).rglob("*") if p.suffix in (".safetensors", ".bin"))
                for real, _ in groups(index, families.from_index(index))}
-    largest = max(weights, key=weights.get)
-    need, available = weights[largest], available_bytes()
+    widened = {real for real in weights if loads.get(real) == torch.float32 and stored.get(real) == torch.bfloat16}
+    loaded = {real: size * (2 if real in widened else 1) for real, size in weights.items()}
+    largest = max(loaded, key=loaded.get)
+    need, available = loaded[largest], available_bytes()
+    held = ("in float32 (stored in bf16, which this CPU would emulate)" if largest in widened
+            else "in its stored dtype")
     if available is not None and PHASE_PER_WEIGHT_MIN * need > available:
         raise UserError(
-            f"export.components: one_at_a_time: {largest} holds {need / _GB:.1f} GB of weights in its stored dtype; "
+            f"export.components: one_at_a_time: {largest} holds {need / _GB:.1f} GB of weights {held}; "
             f"{available / _GB:.1f} GB of memory is available and converting it takes about "
             f"{PHASE_PER_WEIGHT * need / _GB:.0f} GB (its weights, the traced model and the checked copy): export "
             "on a machine with that much memory, or set export.enabled: false to evaluate and register the "
@@ -257,7 +284,7 @@ def convert_components(source: Path, stage: Path, cfg: ExportConfig, peaks: Phas
     component that fails its parity. Returns the report's `components` section."""
     index = families.read_index(source)
     family = families.from_index(index)
-    dtypes = families.stored_dtypes(source)
+    dtypes = load_dtypes(source)
     done: dict[str, Any] = {}
     for real, parts in groups(index, family):
         log.info("one component at a time: %s -> %s (%s)", real, ", ".join(parts), dtypes.get(real))

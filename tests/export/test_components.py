@@ -298,3 +298,32 @@ def test_a_skipped_export_writes_only_its_note_and_nothing_downstream_reads_it_a
     finetuned.mkdir()
     (finetuned / "model_index.json").write_text("{}")
     assert model_artifacts(finetuned, out, None) == {"finetuned": str(finetuned)}
+
+
+def test_a_bf16_component_loads_in_float32_where_the_cpu_would_emulate_bf16(tmp_path_factory, tmp_path, monkeypatch):
+    """A component stored in bf16 loads, and its PyTorch reference runs, in bf16 on a CPU with native
+    bf16 and in float32 on an AVX2-only one (flags faked both ways), whose preflight counts it twice."""
+    import shutil
+
+    import torch
+    from diffusers import UNet2DConditionModel
+
+    from tasks.common.errors import UserError
+    from tasks.export import components
+
+    src = tmp_path / "bf16-base"
+    shutil.copytree(tiny_pipeline(tmp_path_factory, "builtin:tiny-sd"), src)
+    unet = UNet2DConditionModel.from_pretrained(src / "unet")
+    shutil.rmtree(src / "unet")
+    unet.to(torch.bfloat16).save_pretrained(src / "unet")
+    monkeypatch.setenv("FINETUNE_CPU_FLAGS", "avx2 avx512f avx512_bf16 amx_bf16")
+    assert components.load_dtypes(src) == {"unet": torch.bfloat16, "text_encoder": torch.float32,
+                                           "vae": torch.float32}
+    stored = sum(p.stat().st_size for p in (src / "unet").rglob("*.safetensors"))
+    monkeypatch.setattr(components, "available_bytes", lambda: int(components.PHASE_PER_WEIGHT_MIN * stored) + 1)
+    assert components.preflight(src)["unet"] == round(stored / 2 ** 30, 2)
+    monkeypatch.setenv("FINETUNE_CPU_FLAGS", "avx avx2 fma")
+    assert components.load_dtypes(src)["unet"] == torch.float32
+    with pytest.raises(UserError, match=r"unet holds 0\.0 GB of weights in float32 \(stored in bf16, which this "
+                                        r"CPU would emulate\)"):
+        components.preflight(src)
