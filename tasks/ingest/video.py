@@ -208,6 +208,9 @@ def _decode(av: Any, fh: IO[bytes], spec: ClipSpec, count: int, size: tuple[int,
     samples: list[Image.Image] = []
     with _open(av, fh) as container:
         stream = container.streams.video[0]
+        # One decoding thread: the stage runs a worker per CPU already, and FFmpeg's automatic count
+        # (one per core, each with its frames) would make the memory a clip needs depend on the machine.
+        stream.codec_context.thread_count = 1
         rate = float(stream.average_rate or stream.guessed_rate or spec.fps)
         start, prev, prev_t, index = None, None, 0.0, 0
         try:
