@@ -11,11 +11,14 @@ finds the base with `resolve`.
 from __future__ import annotations
 
 import json
+import logging
 import os
 from pathlib import Path
 from typing import Any
 
-from finetune_runtime import layout
+from finetune_runtime import cpu_formats, layout
+
+log = logging.getLogger("sd_pyfunc")
 
 ARTIFACT = layout.BASE_REFERENCE
 FILE = "base_reference.json"
@@ -98,8 +101,9 @@ def quantization(precision: dict[str, str] | None) -> dict[str, Any]:
     """from_pretrained's `quantization_config` for a referenced base: each named model in the precision
     the fine-tune trained on (model_config `base_precision`, {component: precision}, written at
     registration from the train report), quantized as it loads by diffusers' or transformers'
-    torchao config, in bf16; so the base of a 12B FLUX.1-dev serves in the memory it trained in, as
-    evaluate scored it. Precisions other than TORCHAO_CONFIGS' load in the stored dtype."""
+    torchao config, in bf16 where the CPU computes it natively, else fp32 (cpu_formats.py); so the
+    base of a 12B FLUX.1-dev serves in the memory it trained in, as evaluate scored it. Precisions
+    other than TORCHAO_CONFIGS' load in the stored dtype."""
     import diffusers
     import torch
     import torchao.quantization
@@ -113,7 +117,10 @@ def quantization(precision: dict[str, str] | None) -> dict[str, Any]:
             mapping[name] = library.TorchAoConfig(getattr(torchao.quantization, TORCHAO_CONFIGS[key])())
     if not mapping:
         return {}
-    # in bf16, what torchao's weight-only layers compute in and big bases are released in (an fp32
-    # base's other parts would not take the denoiser's bf16 activations)
+    # the whole pipeline in one dtype (an fp32 base's other parts would not take the denoiser's bf16
+    # activations): bf16, what big bases are released in, where this CPU computes it natively; fp32
+    # where it would emulate it (AVX2 only: ~500x slower; torchao's weight-only layers take fp32 too)
+    choice = cpu_formats.auto_bf16()
+    log.info("the referenced base, quantized as it loads: %s", choice.line())
     return {"quantization_config": diffusers.PipelineQuantizationConfig(quant_mapping=mapping),
-            "torch_dtype": torch.bfloat16}
+            "torch_dtype": torch.bfloat16 if choice.precision == "bf16" else torch.float32}

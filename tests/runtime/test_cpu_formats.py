@@ -74,3 +74,14 @@ def test_this_cpu_as_read(monkeypatch) -> None:
     formats = C.detect()
     assert formats.flags, "/proc/cpuinfo has a flags line"
     assert formats.capability.startswith(formats.vector) or formats.capability == "DEFAULT", formats
+
+
+def test_a_referenced_quantized_base_serves_in_bf16_only_where_native(monkeypatch) -> None:
+    """The served model's referenced base, quantized as it loads (base_reference.quantization)."""
+    from finetune_runtime import base_reference
+
+    monkeypatch.setenv(C.FLAGS_ENV, " ".join(AMX))
+    assert base_reference.quantization({"transformer": "int8"})["torch_dtype"] == torch.bfloat16
+    monkeypatch.setenv(C.FLAGS_ENV, " ".join(AVX2))
+    assert base_reference.quantization({"transformer": "int8"})["torch_dtype"] == torch.float32
+    assert base_reference.quantization({"transformer": "none"}) == {}, "nothing quantized: the stored dtype"
