@@ -62,10 +62,11 @@ def decoded(i: int, text: Any) -> Any:
     return ImageOps.exif_transpose(image).convert("RGB")
 
 
-def input_images(values: Any, allowed: int) -> list[Any]:
-    """The request's input images (`image` param), decoded; [] without; a bad_request naming the field."""
+def input_images(values: Any, allowed: int, needed: int = 0) -> list[Any]:
+    """The request's input images (`image` param), decoded; [] without; a bad_request naming the field
+    (fewer than `needed`: a model that edits only)."""
     if values is None:
-        return []
+        values = []
     if isinstance(values, str) or not hasattr(values, "__len__"):
         raise _bad(f"{IMAGE_PARAM}: expected a list of base64-encoded images, got {type(values).__name__}")
     values = list(values)
@@ -74,10 +75,15 @@ def input_images(values: Any, allowed: int) -> list[Any]:
                    "send the prompts alone")
     if len(values) > allowed:
         raise _bad(f"{IMAGE_PARAM}: {len(values)} input images; this model takes at most {allowed}")
+    if len(values) < needed:
+        raise _bad(f"{IMAGE_PARAM}: this model edits an input image and cannot make one from a prompt alone; "
+                   f"send {needed} or more (up to {allowed}) base64-encoded images in `{IMAGE_PARAM}`")
     return [decoded(i, v) for i, v in enumerate(values)]
 
 
-def encoded_pixels(images: list[Any], max_pixels: int | None) -> int:
-    """The input images' pixels as the pipeline encodes them, each scaled to at most `max_pixels`
-    (their tokens join every step)."""
+def encoded_pixels(images: list[Any], max_pixels: int | None, exact_pixels: int | None = None) -> int:
+    """The input images' pixels as the pipeline encodes them, each scaled to at most `max_pixels`, or to
+    `exact_pixels` whatever its size (Qwen-Image-Edit's megapixel): their tokens join every step."""
+    if exact_pixels:
+        return exact_pixels * len(images)
     return sum(math.prod(encoded_size(im.size, max_pixels)) for im in images)

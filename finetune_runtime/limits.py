@@ -151,19 +151,27 @@ class Budget:
     width: int
     steps: int = SETTINGS["num_inference_steps"].default
     input_images: int = 0
+    #: the pixels each input image is encoded at whatever its size (CallConvention.input_pixels), or None:
+    #: at the default size
+    input_pixels: int | None = None
 
     @property
     def default_image(self) -> int:
         """The pixel-steps of one image (an edit model's: one edit, its input images included) at the defaults."""
-        return self.steps * self.height * self.width * (1 + self.input_images)
+        return self.steps * (self.height * self.width + self.input_images * self._input_size())
+
+    def _input_size(self) -> int:
+        return self.input_pixels or self.height * self.width
 
     def describe(self) -> str:
         """'4 images of 64x64 px at 20 steps'; an edit model's: '4 edits of ..., each with 4 input images of
         that size'."""
         if not self.input_images:
             return f"{self.images:g} images of {self.height}x{self.width} px at {self.steps} steps"
+        mp = (self.input_pixels or 0) / 2**20
+        size = f"{mp:.3g} megapixel{'' if mp == 1 else 's'}" if self.input_pixels else "that size"
         return (f"{self.images:g} edits of {self.height}x{self.width} px at {self.steps} steps, each with "
-                f"{self.input_images} input image{'s' if self.input_images > 1 else ''} of that size")
+                f"{self.input_images} input image{'s' if self.input_images > 1 else ''} of {size}")
 
     @property
     def pixel_steps(self) -> int:
@@ -202,7 +210,8 @@ def check_request(model_input: Any, params: dict[str, Any] | None, shape: Shape,
     if count > MAX_IMAGES:
         raise bad_request(f"{len(prompts)} prompts x num_images_per_prompt {settings['num_images_per_prompt']} = "
                           f"{count} images; at most {MAX_IMAGES} per request: split it")
-    inputs = images.input_images((params or {}).get(images.IMAGE_PARAM), convention.input_images)
+    inputs = images.input_images((params or {}).get(images.IMAGE_PARAM), convention.input_images,
+                                 convention.min_input_images)
     try:
         settings["height"], settings["width"] = output_size(
             shape, convention, settings["height"], settings["width"], inputs[0].size if inputs else None,
@@ -210,7 +219,7 @@ def check_request(model_input: Any, params: dict[str, Any] | None, shape: Shape,
     except SizeError as err:
         raise bad_request(str(err)) from None
     if budget is not None:
-        budget.check(len(prompts), settings, images.encoded_pixels(inputs, convention.edit_pixels))
+        budget.check(len(prompts), settings, images.encoded_pixels(inputs, convention.edit_pixels, convention.input_pixels))
     settings[images.IMAGE_PARAM] = inputs
     return prompts, settings
 

@@ -63,7 +63,8 @@ class DiffusionImageModel(mlflow.pyfunc.PythonModel):
         self.pipe.set_progress_bar_config(disable=True)
         self.shape = shape_of(self.pipe, self.convention, loaded.exported)
         self.budget = limits.Budget(config["budget_images"], *self.shape.default,
-                                    input_images=self.convention.input_images)
+                                    input_images=self.convention.input_images,
+                                    input_pixels=self.convention.input_pixels)
         # `mlflow models serve` runs each request in a thread of its worker: a pipeline (its
         # scheduler's step state, OpenVINO's infer requests) must not run two calls at once.
         self.turns = limits.Turns(config["max_waiting"])

@@ -97,6 +97,16 @@ def refuse_family(family: Any, triples: list[Triple]) -> None:
             "to evaluate it without the edit set, or evaluate a family that takes references (FLUX.2 [klein])")
 
 
+def refuse_no_input(family: Any, triples: list[Triple], instance_data: Any) -> None:
+    """A family that makes no image from a prompt alone (Qwen-Image-Edit) is evaluated on an edit set:
+    its fidelity prompts edit the set's first reference (phases._jobs); without one, refused."""
+    if family.call_convention().min_input_images and not triples:
+        raise UserError(
+            f"evaluate: {family.title} makes no image from a prompt alone, and {instance_data} is not an edit "
+            "dataset (no metadata.jsonl `reference_file_names`), or evaluate.edits.enabled is false; evaluate it "
+            "on its edit dataset with evaluate.edits.enabled: true (its prompts then edit the first reference)")
+
+
 def generate(pipe: Any, triples: list[Triple], *, seed: int, num_inference_steps: int, guidance_scale: float,
              desc: str) -> tuple[list[list[Image.Image]], float]:
     """images[i] = [the edit of triple i] (one call each, at its target's size, from seed's latents), seconds."""

@@ -72,10 +72,12 @@ def generate(
     num_inference_steps: int,
     guidance_scale: float,
     desc: str,
+    image: list[Any] | None = None,
 ) -> tuple[list[list[Any]], float]:
     """images[p][j] for every prompt p and image j, and the seconds it took.
 
-    `shape` is the call shape (a static export's, or any shape for a dynamic/PyTorch pipeline).
+    `shape` is the call shape (a static export's, or any shape for a dynamic/PyTorch pipeline);
+    `image`: the input images every call edits (a family that makes no image without one).
     """
     pipe.set_progress_bar_config(disable=True)
     family = families.of_pipeline(pipe)
@@ -87,7 +89,7 @@ def generate(
         out = family.generate(
             pipe, [unit.prompt for unit in chunk], images_per_prompt=shape.num_images_per_prompt,
             latents=initial_latents(seeds, pipe, shape.height, shape.width), height=shape.height,
-            width=shape.width, steps=num_inference_steps, guidance=guidance_scale, output_type="pil")
+            width=shape.width, steps=num_inference_steps, guidance=guidance_scale, output_type="pil", image=image)
         per = shape.num_images_per_prompt
         for u, unit in enumerate(chunk[:real]):
             images[unit.prompt_index].extend(out[u * per : u * per + unit.keep])

@@ -118,6 +118,8 @@ class Jobs:
                 plain["shape"] = plain["shape"].as_dict()
             if "triples" in plain:
                 plain["triples"] = {"set": E.set_hash(plain["triples"]), "pairs": len(plain["triples"])}
+            if plain.get("image"):
+                plain["image"] = E.images_hash(plain["image"])
             out[name] = plain
         return out
 
@@ -162,9 +164,11 @@ def export_images(export: Path, prompts: list[str], cfg: EvaluateConfig) -> dict
 
 
 def _jobs(prompts: list[str], cfg: EvaluateConfig, shape: StaticShape, with_base: bool, heldout_data: Any,
-          triples: list[E.Triple]) -> Jobs:
+          triples: list[E.Triple], family: type[families.ModelFamily]) -> Jobs:
     common = dict(shape=shape, seed=cfg.seed, num_inference_steps=cfg.num_inference_steps,
                   guidance_scale=cfg.guidance_scale)
+    if family.call_convention().min_input_images:  # no image from a prompt alone: the prompts edit the edit
+        common["image"] = [triples[0].references[0]]  # set's first reference (core.evaluate refuses no set)
     return Jobs(
         main=dict(prompts=prompts, images_per_prompt=cfg.images_per_prompt, **common),
         drift=dict(prompts=X.drift_prompts(cfg.drift.prompts, cfg.identifier, cfg.class_name),
@@ -193,7 +197,7 @@ def generate_all(model: Path, base: Path | None, with_base: bool, prompts: list[
         shape = exported["shape"] if exported else call_shape(pipe, cfg.resolution)
         log.info("generating %d x %d images in %s at %s", len(prompts), cfg.images_per_prompt, precision.label,
                  shape)
-        jobs = _jobs(prompts, cfg, shape, with_base, heldout_data, triples)
+        jobs = _jobs(prompts, cfg, shape, with_base, heldout_data, triples, families.of_pipeline(pipe))
         tuned = jobs.run(pipe, f"fine-tuned ({precision.label})")
         del pipe
         release_memory()

@@ -117,7 +117,14 @@ def refuse_reference_settings(cfg: Any, records: list[Any]) -> None:
 def refuse_references(family: Any, records: list[Any]) -> None:
     """Reference images (an edit dataset) train only on a family that takes them: refused before any load."""
     with_refs = sum(1 for r in records if r.references)
-    most = family.call_convention().input_images
+    convention = family.call_convention()
+    most = convention.input_images
+    needed = convention.min_input_images
+    if needed and (without := [r for r in records if len(r.references) < needed]):
+        raise UserError(
+            f"train: {len(without)} of {len(records)} instance images list no reference images, and {family.title} "
+            "edits input images only (it makes no image from a prompt alone); ingest an edit dataset (ingest's "
+            "control_dir or cond_image_column: metadata.jsonl `reference_file_names`) or train a text-to-image base.")
     if with_refs and family.takes_references and (over := [r for r in records if len(r.references) > most]):
         counts = sorted({len(r.references) for r in over})
         raise UserError(

@@ -22,15 +22,19 @@ from tasks.train.methods.base import TrainingMethod
 log = logging.getLogger(__name__)
 
 
-def generate(pipe: Any, prompts: list[str], cfg: TrainConfig, autocast: Any = None) -> dict[str, list[Image.Image]]:
+def generate(pipe: Any, prompts: list[str], cfg: TrainConfig, autocast: Any = None,
+             references: list[Path] | None = None) -> dict[str, list[Image.Image]]:
     """`cfg.num_validation_images` images per prompt at the training resolution.
 
     `autocast` makes a fresh context per prompt (accelerate's `accelerator.autocast`), or None.
+    `references`: the first target's reference files, the input images of a family that cannot make
+    an image without one (Qwen-Image-Edit); other families make theirs from the prompt alone.
     """
     if cfg.num_validation_images <= 0 or not prompts:
         return {}
     pipe.set_progress_bar_config(disable=True)
     family = families.of_pipeline(pipe)
+    image = _input_images(family, references)
     device = pipe.device
     out: dict[str, list[Image.Image]] = {}
     devices = [device] if device.type == "cuda" else []
@@ -40,8 +44,16 @@ def generate(pipe: Any, prompts: list[str], cfg: TrainConfig, autocast: Any = No
             with autocast() if autocast is not None else nullcontext():
                 out[prompt] = family.generate(
                     pipe, [prompt] * cfg.num_validation_images, height=cfg.resolution, width=cfg.resolution,
-                    steps=cfg.validation_inference_steps, generator=generators)
+                    steps=cfg.validation_inference_steps, generator=generators, image=image)
     return out
+
+
+def _input_images(family: Any, references: list[Path] | None) -> list[Image.Image] | None:
+    """The validation call's input images: the references, for a family that needs one (train refuses
+    such a family on data without references before any load: references.refuse_references)."""
+    if not family.call_convention().min_input_images:
+        return None
+    return [Image.open(path).convert("RGB") for path in references or ()]
 
 
 def live_validator(method: TrainingMethod, base: Path, cfg: TrainConfig, accelerator: Any,
@@ -57,7 +69,7 @@ def live_validator(method: TrainingMethod, base: Path, cfg: TrainConfig, acceler
         log.info("validation at step %d: %d image(s) for each of %d prompt(s)", step, cfg.num_validation_images,
                  len(prompts))
         try:
-            return generate(pipe, prompts, cfg, accelerator.autocast)
+            return generate(pipe, prompts, cfg, accelerator.autocast, method.sample_references)
         finally:
             for name, module in unwrapped.items():
                 module.train(training[name])
@@ -74,4 +86,4 @@ def output_validation(method: TrainingMethod, out_dir: Path, base: Path, cfg: Tr
     pipe = method.load_output(out_dir, base).to(device)
     log.info("final validation from %s: %d image(s) for each of %d prompt(s)", out_dir, cfg.num_validation_images,
              len(prompts))
-    return generate(pipe, prompts, cfg)
+    return generate(pipe, prompts, cfg, references=method.sample_references)

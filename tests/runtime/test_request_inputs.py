@@ -164,3 +164,23 @@ def test_input_images_count_towards_the_cost() -> None:
     with pytest.raises(MlflowException, match=r"x \(height 96 x width 96 \+ image 18432 px\) = 276480 pixel-steps"):
         check_request(["a"], {"num_inference_steps": 10, "height": 96, "width": 96, "image": [image] * 2},
                       budget=budget, input_images=4)
+
+
+def test_an_edit_only_model_needs_an_input_image_and_pays_its_megapixel() -> None:
+    """Qwen-Image-Edit's convention: a prompt alone is refused naming `image`; every input image costs
+    the megapixel its pipeline encodes it at, whatever its size, and the budget holds edits with them."""
+    convention = CallConvention(input_images=4, latent_patch=2, min_input_images=1, input_pixels=1024 * 1024)
+    shape = Shape((64, 64), False, 8)
+    budget = Budget(4, 64, 64, input_images=4, input_pixels=1024 * 1024)
+    assert budget.pixel_steps == 4 * 20 * (64 * 64 + 4 * 1024 * 1024)
+    with pytest.raises(MlflowException, match=r"^image: this model edits an input image and cannot make one from a "
+                                              r"prompt alone; send 1 or more \(up to 4\)") as info:
+        limits.check_request(["make it blue"], {}, shape, convention, budget)
+    assert info.value.error_code == "INVALID_PARAMETER_VALUE"
+    small = _b64(Image.new("RGB", (64, 64)))
+    _, settings = limits.check_request(["make it blue"], {"image": [small]}, shape, convention, budget)
+    assert (settings["height"], settings["width"]) == (64, 64), "made at the input image's size"
+    with pytest.raises(MlflowException, match=r"x \(height 64 x width 64 \+ image 4194304 px\) = .* over this model's "
+                                              r"budget of .* \(4 edits of 64x64 px at 20 steps, each with 4 input "
+                                              r"images of 1 megapixel;"):
+        limits.check_request(["a"] * 4, {"image": [small] * 4, "num_images_per_prompt": 2}, shape, convention, budget)

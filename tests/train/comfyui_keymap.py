@@ -40,6 +40,8 @@ COMFYUI_MODELS: dict[str, tuple[str, tuple[str, ...]] | None] = {
     "zimage": ("lumina2", ("qwen3",)),  # ZImage is a Lumina2 model: z_image_to_diffusers' map
     "qwenimage": ("qwenimage", ("qwen25vl",)),
     "sana": None,
+    "kontext": ("flux", ("clip_l", "t5xxl")),  # ComfyUI loads FLUX.1 Kontext as a Flux model
+    "qwenimage-edit": ("qwenimage", ("qwen25vl",)),  # Qwen-Image-Edit is a QwenImage model in ComfyUI
 }
 
 # --- stems: (prefix, dotted) -> "prefix" + path, its dots as "_" unless dotted ---------------------

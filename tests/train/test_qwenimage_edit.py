@@ -82,3 +82,30 @@ def test_qwenimage_edit_trains_on_an_edit_dataset(tmp_path, tiny_qwenimage_edit,
     losses = [h.loss for h in outcome.history]
     assert outcome.family == "qwenimage-edit" and len(losses) == 2 and all(np.isfinite(losses)), losses
     assert (tmp_path / "out" / "pytorch_lora_weights.safetensors").is_file()
+
+
+def test_a_hub_layout_base_loads_without_torchvision(tmp_path, tiny_qwenimage_edit) -> None:
+    """The hub's model_index.json names transformers' Qwen2VLProcessor (its video part needs torchvision,
+    which is not installed): the base stage's resolve of such a folder names the image-only processor,
+    and the pipeline and the training components load from it."""
+    import json
+    import shutil
+
+    from diffusers import DiffusionPipeline
+
+    from tasks.base.core import resolve
+
+    hub = tmp_path / "hub-layout"
+    shutil.copytree(tiny_qwenimage_edit, hub)
+    index = json.loads((hub / "model_index.json").read_text())
+    (hub / "model_index.json").write_text(json.dumps({**index, "processor": ["transformers", "Qwen2VLProcessor"]}))
+    with pytest.raises((ImportError, OSError), match="torchvision|video processor"):  # transformers' own class
+        DiffusionPipeline.from_pretrained(hub)
+    dst = tmp_path / "base"
+    dst.mkdir()
+    info = resolve(str(hub), None, 0, dst)
+    assert info["family"] == "qwenimage-edit"
+    assert json.loads((dst / "model_index.json").read_text())["processor"][0] == "finetune_runtime.vl_processor"
+    assert type(DiffusionPipeline.from_pretrained(dst).processor).__name__ == "ImageQwen2VLProcessor"
+    components = families.detect(dst).load_components(dst)
+    assert components.tokenizers[0].image_processor is not None

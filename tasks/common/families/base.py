@@ -293,6 +293,11 @@ class ModelFamily:
         raise NotImplementedError
 
     @classmethod
+    def prepare_base(cls, folder: Path) -> None:
+        """Make a base folder the base stage wrote (downloaded, copied or built) loadable here; nothing
+        for most families (Qwen-Image-Edit names a processor that needs no torchvision)."""
+
+    @classmethod
     def encode_batch_text(cls, components: Components, prompts: list[str], input_ids: list[Any],
                           text_encoders: list[Any] | None = None, references: list[Any] | None = None
                           ) -> tuple[Any, Any]:

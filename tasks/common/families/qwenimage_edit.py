@@ -15,6 +15,10 @@ read from QwenImageEditPlusPipeline (diffusers 0.40.0) and done the same way her
   each; the prediction is read from the target's tokens. `reference_pixels` scales a training
   reference as the pipeline scales an input image.
 
+Loading: transformers' Qwen2VLProcessor (5.15.1) holds a video processor that needs torchvision,
+which this stack cannot install; the base stage names finetune_runtime.vl_processor's image-only
+processor in model_index.json instead (`prepare_base`), the same files read the same way.
+
 The call: the pipeline makes a megapixel image when given no size; every call here passes the size
 finetune_runtime/size.py decides (an edit at its input image's size, as for the other edit
 families). The pipeline takes one prompt per call and cannot make an image without an input image
@@ -87,6 +91,19 @@ class QwenImageEdit(QwenImage):
     @classmethod
     def call_convention(cls) -> CallConvention:
         return replace(super().call_convention(), min_input_images=1, input_pixels=REFERENCE_PIXELS)
+
+    @classmethod
+    def prepare_base(cls, folder: Any) -> None:
+        """model_index.json's processor as finetune_runtime.vl_processor's (the hub's names transformers'
+        Qwen2VLProcessor, which cannot load without torchvision); its files are the same."""
+        import json
+        from pathlib import Path
+
+        path = Path(folder) / "model_index.json"
+        index = json.loads(path.read_text())
+        entry = ["finetune_runtime.vl_processor", "ImageQwen2VLProcessor"]
+        if index.get("processor") not in (None, entry):
+            path.write_text(json.dumps({**index, "processor": entry}, indent=2) + "\n")
 
     @classmethod
     def tokenize(cls, components: Any, prompts: list[str], max_sequence_length: int | None = None) -> list[Any]:

@@ -46,6 +46,9 @@ class DataAssembly:
             self.cfg = self.cfg.model_copy(update={"caption_column": "text"})
             self.caption_column = "text"
         self.sample_captions = [r.text for r in instances[:4]]
+        #: the first target's reference files: the input images of a family that cannot make an image
+        #: without one (its validation images edit them, with the first caption)
+        self.sample_references = list(instances[0].references) if instances and instances[0].references else []
         self.concept_prompts = concept_validation_prompts(self.cfg, instances)
         self.instance_texts = {r.text for r in instances}
         classes, layout = None, None
