@@ -70,7 +70,12 @@ class CpuFormats:
     """A CPU's vector ISA (from its flags, else torch's capability) and native low-precision formats."""
 
     flags: frozenset[str]
-    capability: str  # torch.backends.cpu.get_cpu_capability()
+    known_capability: str | None = None  # None: asked of torch when needed (the flags alone import nothing)
+
+    @property
+    def capability(self) -> str:
+        """torch.backends.cpu.get_cpu_capability(), unless given."""
+        return self.known_capability if self.known_capability is not None else torch_capability()
 
     @property
     def vector(self) -> str:
@@ -104,8 +109,7 @@ class CpuFormats:
 
 def detect(flags: Iterable[str] | None = None, capability: str | None = None) -> CpuFormats:
     """This CPU's formats (`flags`/`capability` given: those, for tests)."""
-    return CpuFormats(frozenset(f.lower() for f in flags) if flags is not None else read_flags(),
-                      capability if capability is not None else torch_capability())
+    return CpuFormats(frozenset(f.lower() for f in flags) if flags is not None else read_flags(), capability)
 
 
 @dataclass(frozen=True)

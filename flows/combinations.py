@@ -10,7 +10,9 @@ bf16 inference with run-time adapters, fail there too), before any stage runs. T
 own check stays, for a pipeline run by hand (`dvc repro`). What the base's family refuses (the train
 stage's `check_family`, an export with no OpenVINO pipeline) is asked here too when the family is
 known before the base stage runs (a built-in or a local folder). An edit dataset (tasks/common/
-edit_data.py) refuses prior preservation and a base that takes no reference images.
+edit_data.py) refuses prior preservation and a base that takes no reference images. An explicit
+bf16 that the train or class_images stage refuses on this machine's CPU (it would emulate bf16,
+~500x slower: finetune_runtime/cpu_formats.py) is refused here too.
 """
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from finetune_runtime import cpu_formats
 from tasks.common import edit_data, families
 from tasks.common.adapters import RUNTIME_TYPES
 from tasks.common.errors import UserError
@@ -116,8 +119,29 @@ def edit_dataset(configs: Mapping[str, Any], root: Path) -> list[str]:
     return found
 
 
+#: The keys whose explicit bf16 the stage refuses on a CPU that would emulate it: (section, key, fix).
+EXPLICIT_BF16 = (("train", "mixed_precision", "train.mixed_precision: auto or no (fp32)"),
+                 ("class_images", "precision", "class_images.precision: auto or fp32"))
+
+
+def emulated_bf16(configs: Mapping[str, Any], root: Path) -> list[str]:
+    """An explicit bf16 (EXPLICIT_BF16) on this machine's CPU that would emulate it (no AVX512-BF16 or
+    AMX-BF16: ~500x slower), as the train and class_images stages refuse it; none where a CUDA GPU
+    computes (torch is imported only for such a key on such a CPU)."""
+    asked = [(f"{section}.{key}", fix) for section, key, fix in EXPLICIT_BF16
+             if getattr(configs.get(section), key, None) == "bf16"]
+    if not asked or cpu_formats.detect().bf16:
+        return []
+    import torch
+
+    if torch.cuda.is_available():
+        return []
+    return [problem for key, fix in asked if (problem := cpu_formats.emulated_bf16_problem(key, fix))]
+
+
 #: Every rule: (the loaded sections by name, the repository root) -> problems.
-RULES: tuple[Callable[[Mapping[str, Any], Path], list[str]], ...] = (runtime_adapters, family_fits, edit_dataset)
+RULES: tuple[Callable[[Mapping[str, Any], Path], list[str]], ...] = (runtime_adapters, family_fits, edit_dataset,
+                                                                     emulated_bf16)
 
 
 def problems(configs: Mapping[str, Any], root: Path) -> list[str]:

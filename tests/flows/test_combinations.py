@@ -92,3 +92,26 @@ def test_the_flow_cli_refuses_dora_with_runtime_adapters_before_anything_runs() 
     assert "set train.lora_type: lora, or set export.adapters: fused" in proc.stderr
     assert "Traceback" not in proc.stderr and "Running stage" not in proc.stdout + proc.stderr
     assert (REPO / "params.yaml").read_bytes() == before
+
+
+EMULATED = [("train.mixed_precision", "train.mixed_precision: auto or no"),
+            ("class_images.precision", "class_images.precision: auto or fp32")]
+
+
+@pytest.mark.parametrize(("key", "fix"), EMULATED)
+def test_an_explicit_bf16_is_refused_at_load_on_a_cpu_that_would_emulate_it(params: Path, monkeypatch, key: str,
+                                                                            fix: str) -> None:
+    """Flags faked both ways (finetune_runtime/cpu_formats.py): refused on an AVX2-only CPU, as the
+    stage would refuse it, naming the key, the cost and the fix; loaded on one with native bf16."""
+    import torch
+
+    apply_overrides(params, {key: "bf16"})
+    monkeypatch.setenv("FINETUNE_CPU_FLAGS", "avx2 avx512f avx512_bf16 amx_bf16")
+    assert check_params(params)
+    monkeypatch.setenv("FINETUNE_CPU_FLAGS", "avx avx2 fma")
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA GPU computes bf16 here")
+    with pytest.raises(UserError) as err:
+        check_params(params)
+    text = str(err.value)
+    assert f"{key}: bf16 on a CPU without native bf16 (AVX2" in text and "about 500x slower" in text and fix in text
