@@ -43,7 +43,7 @@ help:
 	@echo "make test       set up, then run the whole test suite (what .ci/run calls)"
 	@echo "make lint       ruff over the tree, with the rules in pyproject.toml (CI runs it)"
 	@echo "make serve      Prefect server + worker on 127.0.0.1:\$${PREFECT_PORT:-4200}, deployments finetune/main and finetune/nightly"
-	@echo "make serve-model  a registered version over HTTP on 127.0.0.1:\$${PORT:-5001} (MODEL=models:/sd-finetuned@champion)"
+	@echo "make serve-model  a registered version over HTTP on 127.0.0.1:\$${PORT:-5001} (MODEL=models:/<name>@champion; the name: python -m tasks.register.naming)"
 	@echo "make mlflow-ui  MLflow UI on 127.0.0.1:5000 over ./mlflow.db"
 	@echo "make lock       re-resolve requirements.in into requirements.lock and requirements-torch.lock"
 	@echo "make params-doc regenerate docs/parameters.md (every params.yaml key) from the stage configs"
@@ -234,11 +234,14 @@ figures: $(STAMP)
 # (more `mlflow models serve` options, e.g. --timeout 120 --workers 2). This environment's bin goes
 # on PATH: mlflow starts its scoring server by execing `uvicorn` by name. MLflow's CLI runs through
 # tasks.register.verified: the version's files are checked against its registered manifest first.
-MODEL ?= models:/sd-finetuned@champion
+# MODEL unset: the champion of the model this workspace registers under (register.model_name, or the
+# name that follows what was trained: sd-dreambooth for the demo; tasks/register/naming.py).
+MODEL ?=
 PORT ?= 5001
 serve-model: $(STAMP)
+	@model="$(MODEL)"; [ -n "$$model" ] || model="models:/$$($(BIN)/python -m tasks.register.naming)@champion" || exit 1; \
 	PATH="$(CURDIR)/$(BIN):$$PATH" MLFLOW_TRACKING_URI="$${MLFLOW_TRACKING_URI:-sqlite:///$(CURDIR)/mlflow.db}" \
-	  $(BIN)/python -m tasks.register.verified models serve -m "$(MODEL)" --env-manager local -h 127.0.0.1 -p $(PORT) $(SERVE_ARGS)
+	  $(BIN)/python -m tasks.register.verified models serve -m "$$model" --env-manager local -h 127.0.0.1 -p $(PORT) $(SERVE_ARGS)
 
 mlflow-ui: $(STAMP)
 	$(BIN)/mlflow ui --backend-store-uri sqlite:///$(CURDIR)/mlflow.db --host 127.0.0.1 --port $${MLFLOW_PORT:-5000}

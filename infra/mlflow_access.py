@@ -8,7 +8,9 @@ MLFLOW_TRACKING_PASSWORD) and MLFLOW_TRACKING_URI pointing at the server:
 
 `bootstrap` creates the pipeline's user (password from MLFLOW_PIPELINE_PASSWORD) and what the
 pipeline writes to: the experiment (MLFLOW_EXPERIMENT_NAME, default `finetune`), the registered
-model (REGISTERED_MODEL, params.yaml's register.model_name) and its base exports (`<model>-base`).
+model (REGISTERED_MODEL: the name a run registers under, `python -m tasks.register.naming`) and
+its base exports (`<model>-base`); run it again with another REGISTERED_MODEL for each lineage the
+pipeline registers (another family or method: zimage-lora, ...).
 The admin creates them, so that nobody else can create them first and own them (MLflow gives
 MANAGE, delete included, to whoever creates an experiment or a registered model). The pipeline
 holds EDIT on all three: it creates runs, registers versions, tags them and moves their aliases,
@@ -25,8 +27,9 @@ import os
 import sys
 
 PIPELINE_USER = "pipeline"
-#: params.yaml's register.model_name unless the stack names another.
-DEFAULT_MODEL = "sd-finetuned"
+#: The name the project's params.yaml registers under (register.model_name null: the name follows the
+#: family and method, tasks/register/naming.py: the demo's sd-dreambooth) unless the stack names another.
+DEFAULT_MODEL = "sd-dreambooth"
 #: The pipeline's experiment (tasks/common/tracking.py DEFAULT_EXPERIMENT) unless
 #: MLFLOW_EXPERIMENT_NAME names another.
 DEFAULT_EXPERIMENT = "finetune"

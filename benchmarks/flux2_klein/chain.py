@@ -47,7 +47,8 @@ STAGES = ["base", "ingest", "class_images", "train", "export", "evaluate"]
 #: after the DVC stages: the registration, the registered version's pyfunc predicting in this process,
 #: and `mlflow models serve` answering one request
 AFTER = ["register", "predict", "serve"]
-MODEL_URI = "models:/sd-finetuned/1"
+#: FLUX.2 [klein] trained with lora registers as flux2-lora (the name follows what trained: tasks/register/naming.py)
+MODEL_URI = "models:/flux2-lora/1"
 #: one image from the registered version's pyfunc, loaded through its models:/ URI (manifest-checked)
 _PREDICT = f"""import base64, io, json, time, mlflow
 from PIL import Image

@@ -1,6 +1,6 @@
 """A registered version behind `mlflow models serve` answers one request: the chain's last step.
 
-    python -m benchmarks.flux2_klein.serve_once models:/sd-finetuned/1 [--steps 4] [--size 256] [--out image.png]
+    python -m benchmarks.flux2_klein.serve_once models:/flux2-lora/1 [--steps 4] [--size 256] [--out image.png]
 
 Starts `mlflow models serve` (one worker, this environment's programs on PATH: benchmarks/serve's
 Server; the project installed, its models:/ loads are manifest-checked), waits for /ping, sends one

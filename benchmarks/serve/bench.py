@@ -2,7 +2,7 @@
 
     python benchmarks/serve/bench.py                       # the tiny model, 20 s per level
     python benchmarks/serve/bench.py --seconds 60 --workers 2 --levels 1 4 16 32
-    python benchmarks/serve/bench.py --model-uri models:/sd-finetuned@candidate   # MLFLOW_TRACKING_URI set
+    python benchmarks/serve/bench.py --model-uri models:/sd-dreambooth@candidate   # MLFLOW_TRACKING_URI set
 
 Without --model-uri it builds the built-in tiny SD (64 px) and its OpenVINO export once into
 .cache/bench/serve/ and saves them as a pyfunc with the registered model's own code and signature

@@ -4,8 +4,9 @@ A champion is compared with the versions that follow it on one yardstick: the sa
 trained for the same task, so the name follows what was trained. With `register.model_name` unset
 (params.yaml's default) it is `<family>-<method>`, with `-edit` before the method when the data is an
 edit set (targets trained with reference images): `sd-dreambooth`, `sd-lora`, `zimage-lora`,
-`flux2-edit-lora`, `kontext-edit-lora`. A name set in params.yaml is used as it is (`sd-finetuned`,
-the default before names followed the lineage, keeps working where it is set).
+`flux2-edit-lora`, `kontext-edit-lora` (`qwenimage-edit-lora`: the family's name says it). A name
+set in params.yaml is used as it is (`sd-finetuned`, the default before names followed the
+lineage, keeps working where it is set).
 
 Whatever the name, a candidate whose family or task differs from the champion's is never ranked
 against it (tasks/register/promotion.py, `Lineage.differs`): under a name set by hand and shared by
@@ -23,11 +24,13 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from tasks.common.config import read_params
+from tasks.common.errors import UserError
 
 TEXT_TO_IMAGE = "text-to-image"
 EDIT = "edit"
@@ -56,7 +59,8 @@ class Lineage:
         """`<family>[-edit]-<method>`; None when the family or the method is unknown."""
         if not self.family or not self.method:
             return None
-        name = "-".join([self.family, *([EDIT] if self.task == EDIT else []), self.method])
+        said = self.task == EDIT and EDIT not in self.family.split("-")  # qwenimage-edit says it already
+        name = "-".join([self.family, *([EDIT] if said else []), self.method])
         return re.sub(r"[^A-Za-z0-9.-]+", "-", name).strip("-.").lower()
 
     def record(self) -> dict[str, str | None]:
@@ -101,7 +105,6 @@ def _recorded(doc: dict[str, Any]) -> Lineage:
 def family_of_folder(path: Path | None) -> str | None:
     """The family of a diffusers or OpenVINO pipeline folder; None when it is not one (yet)."""
     from tasks.common import families
-    from tasks.common.errors import UserError
 
     if path is None or not (Path(path) / "model_index.json").is_file():
         return None
@@ -114,8 +117,6 @@ def family_of_folder(path: Path | None) -> str | None:
 def model_name(configured: str | None, lineage: Lineage) -> str:
     """`register.model_name` when set, else the lineage's default name; a UserError naming the key
     when neither is known."""
-    from tasks.common.errors import UserError
-
     if configured:
         return configured
     name = lineage.default_name()
@@ -159,6 +160,15 @@ def _report(path: Path | None) -> dict[str, Any] | None:
 
 
 def main() -> None:
+    """Print the name (nothing else: `make serve-model` reads it); an error in one line, exit 2."""
+    try:
+        print(_main())
+    except UserError as err:
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(2)
+
+
+def _main() -> str:
     parser = argparse.ArgumentParser(prog="python -m tasks.register.naming", description=__doc__.split("\n")[0])
     parser.add_argument("--params", type=Path, default=Path("params.yaml"))
     parser.add_argument("--train-report", type=Path, default=Path("reports/train.json"))
@@ -166,9 +176,9 @@ def main() -> None:
     args = parser.parse_args()
     name = planned(args.params, args.train_report, args.base)
     if name is None:
-        raise SystemExit("error: the registered model's name follows the base's family, which is not known until "
-                         "the base stage ran (dvc repro base); or set register.model_name in params.yaml")
-    print(name)
+        raise UserError("the registered model's name follows the base's family, which is not known until the "
+                        "base stage ran (dvc repro base); or set register.model_name in params.yaml")
+    return name
 
 
 if __name__ == "__main__":

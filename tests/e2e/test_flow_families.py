@@ -183,6 +183,27 @@ def test_the_export_loads_and_generates(pipeline) -> None:
         assert edited.size == (64, 64)
 
 
+def _registered_with_its_story(family: str, root: Path, uri: str) -> str:
+    """The name the flow registered under, which follows the family (tasks/register/naming.py); the
+    version's run carries the evaluation's scores as metrics, its grids and the loss curve."""
+    import mlflow
+
+    from tasks.register.naming import planned
+
+    name = planned(root / "params.yaml", root / "reports/train.json", root / "models/base")
+    assert name is not None and name.startswith(f"{family}-"), name
+    client = mlflow.MlflowClient(tracking_uri=uri)
+    run = client.get_run(client.get_model_version_by_alias(name, "candidate").run_id)
+    scores = json.loads((root / "reports/evaluate.json").read_text())["metrics"]
+    numbers = {k: v for k, v in scores.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+    logged = {k: run.data.metrics.get(k) for k in numbers}
+    assert numbers and logged == pytest.approx(numbers, nan_ok=True), (logged, numbers)
+    assert run.data.tags["family"] == family
+    shown = {Path(f.path).name for f in client.list_artifacts(run.info.run_id, "story")}
+    assert "loss.png" in shown and shown & {"grid.png", "grid_edits.png"}, shown
+    return name
+
+
 def test_mlflow_models_serve_answers(pipeline, tmp_path) -> None:
     """The registered version by its alias, a good request and a bad one: over HTTP (`mlflow models
     serve`, a process of its own) for the families in SERVED_OVER_HTTP, else loaded here by MLflow.
@@ -196,6 +217,7 @@ def test_mlflow_models_serve_answers(pipeline, tmp_path) -> None:
         assert all(f"{p}edit_{m}" in evaluation["metrics"] for p in ("", "base_", "gain_")
                    for m in ("dino", "clip_i", "clip_t"))
     env = e2e_env(root, MLFLOW_TRACKING_URI=f"sqlite:///{root / 'mlflow.db'}")
+    registered = _registered_with_its_story(name, root, env["MLFLOW_TRACKING_URI"])
     good = {"inputs": ["a photo of sks toy"], "params": {"num_inference_steps": 2}}
     bad, says = {"inputs": ["a"], "params": {"num_inference_steps": -3}}, "num_inference_steps: -3 is out of range"
     if name in EDITS:  # an edit: the input image as a base64 file, every prompt of the request edits it
@@ -205,7 +227,7 @@ def test_mlflow_models_serve_answers(pipeline, tmp_path) -> None:
     if name in SERVED_OVER_HTTP:
         from tests.register.http_serve import models_serve, post
 
-        with models_serve("models:/sd-finetuned@candidate", tmp_path / "serve.log", env=env, cwd=root) as (url, _):
+        with models_serve(f"models:/{registered}@candidate", tmp_path / "serve.log", env=env, cwd=root) as (url, _):
             status, body = post(url, good)
             assert status == 200 and body["predictions"][0]["image"].startswith("iVBORw0K"), body
             if name in EDITS:  # the edit is at the input image's size; the same seed without it differs
@@ -222,7 +244,7 @@ def test_mlflow_models_serve_answers(pipeline, tmp_path) -> None:
         import mlflow
 
         mlflow.set_tracking_uri(env["MLFLOW_TRACKING_URI"])
-        model = mlflow.pyfunc.load_model("models:/sd-finetuned@candidate", dst_path=str(tmp_path))
+        model = mlflow.pyfunc.load_model(f"models:/{registered}@candidate", dst_path=str(tmp_path))
         predictions = model.predict(good["inputs"], params=good["params"])  # a DataFrame in process
         assert predictions["image"][0].startswith("iVBORw0K"), predictions
         with pytest.raises(mlflow.exceptions.MlflowException, match="num_inference_steps: -3 is out of range"):
@@ -231,5 +253,5 @@ def test_mlflow_models_serve_answers(pipeline, tmp_path) -> None:
         import mlflow
 
         client = mlflow.MlflowClient(tracking_uri=env["MLFLOW_TRACKING_URI"])
-        tags = client.get_model_version_by_alias("sd-finetuned", "candidate").tags
-        assert tags["model.artifacts"] == "runtime_adapter" and tags["base_export.model"] == "sd-finetuned-base"
+        tags = client.get_model_version_by_alias(registered, "candidate").tags
+        assert tags["model.artifacts"] == "runtime_adapter" and tags["base_export.model"] == f"{registered}-base"

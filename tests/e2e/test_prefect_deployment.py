@@ -156,7 +156,9 @@ def test_deployment_run_registers_a_model(tmp_path_factory: pytest.TempPathFacto
 
         client = mlflow.MlflowClient(tracking_uri=uri)
         params = yaml.safe_load((root / "params.yaml").read_text())
-        model_name = params["register"]["model_name"]
+        from tasks.register.naming import planned  # register.model_name, or the name following what trained
+
+        model_name = planned(root / "params.yaml", root / "reports/train.json", root / "models/base")
         v1 = client.get_model_version_by_alias(model_name, "candidate")
         assert str(v1.version) == "1"  # the killed run registered nothing; this one registered once
         train = yaml.safe_load((root / "reports/train.json").read_text())

@@ -68,7 +68,7 @@ def test_every_marked_command_runs_as_written_in_order(walkthrough) -> None:
         assert proc.returncode == 0, f"{where}\n{proc.stdout[-6000:]}"
     assert len(walkthrough) == len(ran)
     (demo, status, load, serve) = (proc.stdout for _, proc, _ in walkthrough)
-    assert "pipeline took" in demo and "Registered model   sd-finetuned (latest v1" in demo, demo[-3000:]
+    assert "pipeline took" in demo and "Registered model   sd-dreambooth (latest v1" in demo, demo[-3000:]
     assert "Data and pipelines are up to date." in status
     assert status.count("didn't change, skipping") == 6, status
     assert "Traceback" not in load, load[-3000:]

@@ -91,7 +91,9 @@ def small_params(root: Path) -> str:
             else:
                 params[section][key] = value
     (root / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
-    return params["register"]["model_name"]
+    from tasks.register.naming import planned
+
+    return planned(root / "params.yaml", None, None) or "unknown"  # the name a run registers under
 
 
 def team_setup(root: Path, remote: Path) -> str:

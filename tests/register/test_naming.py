@@ -22,6 +22,8 @@ def test_the_name_follows_what_was_trained() -> None:
     assert of_training({"family": "zimage", "method": "lora"}).default_name() == "zimage-lora"
     assert of_training({"family": "kontext", "method": "lora", "edit_pairs": 4}).default_name() == "kontext-edit-lora"
     assert of_training({"family": "sd", "method": "textual_inversion"}).default_name() == "sd-textual-inversion"
+    assert of_training({"family": "qwenimage-edit", "method": "lora", "edit_pairs": 2}).default_name() \
+        == "qwenimage-edit-lora"
     assert model_name("sd-finetuned", of_training({"family": "zimage", "method": "lora"})) == "sd-finetuned"
     with pytest.raises(UserError, match=r"register.model_name is not set .*\(family unknown"):
         model_name(None, Lineage(None, None, "lora"))

@@ -1,8 +1,9 @@
 """The MLflow UI, served by the real `mlflow server` on loopback, in headless Chromium (Debian's
 `chromium` package): the registered model's page shows its versions and aliases, and a version
 registered by tasks/register shows at a glance what it is (base, method, data hash, git commit,
-primary metric, gate, protocol and its calibration, the champion decision). Screenshots are kept as
-artifacts of the test run: .pytest_cache/d/screenshots/mlflow-*.png."""
+primary metric, gate, protocol and its calibration, the champion decision), its scores and the
+fine-tune's evaluation grid, served by the tracking server from the version's run. Screenshots are
+kept as artifacts of the test run: .pytest_cache/d/screenshots/mlflow-*.png."""
 from __future__ import annotations
 
 import html
@@ -20,6 +21,7 @@ import mlflow
 import pytest
 
 from tests.e2e_util import free_port, stop_process_group
+from tests.register.conftest import write_plots
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 
@@ -64,6 +66,7 @@ class _Server:
         """The page's visible text; its screenshot is written to `shot`."""
         dom = _chromium("--dump-dom", f"{self.url}/#/{fragment}")
         assert dom.returncode == 0, dom.stderr[-3000:]
+        self.dom = dom.stdout
         taken = _chromium(f"--screenshot={shot}", f"{self.url}/#/{fragment}")
         assert taken.returncode == 0 and shot.stat().st_size > 10_000, taken.stderr[-3000:]
         assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -89,11 +92,15 @@ def test_a_registered_version_shows_what_it_is(project: Path, isolated_mlflow: s
     (project / "dvc.lock").write_text(lock.replace("stages:\n", (
         "stages:\n  base:\n    cmd: python -m tasks.base --out models/base\n    params:\n"
         "      params.yaml:\n        base:\n          model: builtin:tiny-sd\n"), 1))
+    write_plots(project / "reports")  # the evaluate stage's grids, the train stage's loss table
     result = register(project / "models/finetuned", project / "models/openvino",
                       project / "reports/evaluate.json", project / "dvc.lock",
-                      project / "params.yaml")
+                      project / "params.yaml", train_report=project / "reports/train.json",
+                      grids=project / "reports/evaluate",
+                      loss_table=project / "reports/train_loss.csv")
     mv = mlflow.MlflowClient().get_model_version("sd-test", result.version)
-    assert len(mv.tags) <= 13, sorted(mv.tags)  # a few tags (registration: its state), not one per hash and parameter
+    # a few tags (registration: its state; what trained: train.*), not one per hash and parameter
+    assert len([t for t in mv.tags if not t.startswith("train.")]) <= 16, sorted(mv.tags)
 
     server = _Server(isolated_mlflow, tmp_path / "server.log")
     shots = Path(request.config.cache.mkdir("screenshots"))
@@ -102,6 +109,11 @@ def test_a_registered_version_shows_what_it_is(project: Path, isolated_mlflow: s
         assert "Version 1" in model_page and "champion" in model_page
         version_page = server.page(f"models/sd-test/versions/{result.version}",
                                    shots / "mlflow-model-version.png")
+        # the fine-tune's grid on the version's page: an image the server serves from the version's run
+        (src,) = re.findall(r'<img[^>]* src="([^"]*story%2Fgrid\.png[^"]*)"', server.dom)
+        with urllib.request.urlopen(f"{server.url}/{html.unescape(src)}", timeout=30) as answer:
+            grid = answer.read()
+        assert grid == (project / "reports/evaluate/grid.png").read_bytes()
     finally:
         stop_process_group(server.proc)
     facts = {
@@ -109,6 +121,7 @@ def test_a_registered_version_shows_what_it_is(project: Path, isolated_mlflow: s
         "data hash": "11111111111111111111111111111111.dir",
         "git commit": mv.tags["git_commit"], "primary metric": "metric.dino", "score": "0.4",
         "gate": "passed", "protocol": "0a1b2c3d4e5f (uncalibrated)",
+        "scores": "clip_i=0.5, clip_t=0.21, dino=0.4", "family": "sd", "task": "text-to-image",
         "uncalibrated, in words": "Uncalibrated scores: builtin:tiny-clip and builtin:tiny-dino",
         "champion decision": "promoted: the gate passed and there was no champion",
     }
