@@ -3,10 +3,11 @@
 reports/train.json names what trained in flat keys, as params.yaml names them (tasks/train/README.md,
 "Logged"): the adapter type, rank and alpha, the base's and text encoders' precision, the optimizer,
 the images and masks, the concepts. A version carries the main ones as tags `train.<key>` (`train.lora_type`:
-dora, `train.rank`: 4, `train.base_model_precision`: int8-torchao, `train.optimizer`: adamw, ...),
+dora, `train.rank`: 4, `train.base_model_precision`: int8-torchao, `train.optimizer`: adamw,
+`train.mixed_precision`: bf16 with `train.precision_why`: why auto chose it, ...),
 `train.masked_loss` (`2 of 3 images (outside the mask weight 0, ...)` or `off`) and `train.concepts`
 as a line each, all of them in lineage.json (`train`), and its description says it in one sentence:
-"DoRA r4 (alpha 4) on a base held in int8-torchao, adamw, 3 images (2 with masks), 1 concept: sks
+"DoRA r4 (alpha 4) on a base held in int8-torchao, bf16 autocast, adamw, 3 images (2 with masks), 1 concept: sks
 (3 images x1)".
 """
 from __future__ import annotations
@@ -20,7 +21,9 @@ from tasks.common.errors import UserError
 #: The report's keys a version is tagged with as they are (`train.<key>`), when the report has them;
 #: `train.masked_loss` and `train.concepts` say theirs in a line each.
 TAG_KEYS = ("lora_type", "rank", "lora_alpha", "base_model_precision", "text_encoder_precision", "optimizer",
-            "instance_images", "edit_pairs")
+            "instance_images", "edit_pairs", "mixed_precision", "precision_why")
+#: How the description writes the `mixed_precision` that ran (train.mixed_precision, auto decided).
+COMPUTE_TITLES = {"no": "fp32", "bf16": "bf16 autocast", "fp16": "fp16 autocast"}
 #: The report's mask keys (with `masked_loss: true`).
 MASK_KEYS = ("masked_images", "masked_loss_unmasked_weight", "unmasked_probability", "normalize_masked_area_loss")
 #: How the description writes each `lora_type`.
@@ -95,6 +98,8 @@ def trained_line(report: dict[str, Any]) -> str:
     line = f"{what} on a base held in {precision}" if precision != "none" else f"{what} on a full-precision base"
     if report.get("text_encoder_precision", "none") != "none":
         line += f" (text encoders {report['text_encoder_precision']})"
+    if "mixed_precision" in report:
+        line += f", {COMPUTE_TITLES.get(report['mixed_precision'], report['mixed_precision'])}"
     line += f", {report.get('optimizer', 'optimizer unknown')}"
     images = report.get("instance_images")
     if images is not None:

@@ -93,7 +93,8 @@ def _record(run: Any, args: argparse.Namespace, outcome: Any, allocator: str) ->
     write_json(args.report, report)
     run.set_tags({"train.method": outcome.method, "train.family": outcome.family,
                   "train.checkpoint_dir": str(outcome.checkpoint_dir),
-                  "train.selected_step": str(report["selected_checkpoint"]["step"])})
+                  "train.selected_step": str(report["selected_checkpoint"]["step"]),
+                  **{f"train.{k}": report[k] for k in ("mixed_precision", "precision_why") if k in report}})
     for record in report["checkpoints"]:
         run.log_metrics({f"checkpoint_{k}": record[k] for k in IMAGE_METRICS}, step=record["step"])
     run.log_metrics({

@@ -50,3 +50,13 @@ def test_a_report_that_is_not_the_train_stages_is_refused(tmp_path: Path) -> Non
     (tmp_path / "train.json").write_text(json.dumps([1]))
     with pytest.raises(UserError, match="expected the train stage's report"):
         read_train_report(tmp_path / "train.json")
+
+
+def test_the_precision_that_ran_and_why_are_tagged_and_said() -> None:
+    why = "auto: this CPU has no native bf16 (AVX2); bf16 would be emulated, about 500x slower than fp32"
+    report = {"method": "lora", "lora_type": "lora", "rank": 4, "lora_alpha": 4.0, "base_model_precision": "int8",
+              "optimizer": "adamw", "instance_images": 3, "mixed_precision": "no", "precision_why": why}
+    assert trained_line(report) == "LoRA r4 (alpha 4) on a base held in int8, fp32, adamw, 3 images"
+    tags = train_tags(report)
+    assert tags["train.mixed_precision"] == "no" and tags["train.precision_why"] == why
+    assert ", bf16 autocast, adamw" in trained_line({**report, "mixed_precision": "bf16"})
