@@ -1,8 +1,9 @@
 """SD3, FLUX.1, FLUX.2 klein, Z-Image, Qwen-Image, Sana and FLUX.1 Kontext end to end with the real `dvc`:
 `base.model: builtin:tiny-<family>` and `train.method: lora` (FLUX.1, Z-Image, Qwen-Image and Sana: DoRA on
 an int8 base; SD3: exported as run-time adapters over a shared base export), then registration;
-FLUX.2 klein trains on the demo's edit triples (data/demo/edits: references, target, instruction)
-and edits an input image at every stage after; FLUX.1 Kontext, which takes one input image, on the
+FLUX.2 klein trains on the demo's edit triples (data/demo/edits: references, target, instruction) as
+the README's edit recipe writes them, edits an input image at every stage after and answers the
+README's edit request at its default settings; FLUX.1 Kontext, which takes one input image, on the
 triples with one reference, without an export (optimum-intel has none for it).
 Every output is loaded by the family's own classes (diffusers' pipeline with `load_lora_weights`,
 optimum-intel's OpenVINO pipeline or OpenVINO GenAI's Text2ImagePipeline with the adapter, the
@@ -26,8 +27,18 @@ from PIL import Image
 from safetensors.torch import load_file
 
 from tests.e2e_util import copy_repo, e2e_env
+from tests.readme_blocks import recipe, settings
 
 pytestmark = pytest.mark.e2e
+
+
+def nested(dotted: dict) -> dict:
+    """{"train.a": 1} -> {"train": {"a": 1}} (params.yaml sections)."""
+    out: dict = {}
+    for key, value in dotted.items():
+        section, rest = key.split(".", 1)
+        out.setdefault(section, {})[rest] = value
+    return out
 
 SMALL = {
     "class_images": {"num_images": 2, "batch_size": 2, "num_inference_steps": 2},
@@ -45,17 +56,21 @@ QUANTIZED = {name: {"base_model_precision": "int8", "lora_type": "dora"}
 #: SD3's LoRA is exported for OpenVINO GenAI to apply at run time (export.adapters: runtime), as a
 #: team with many fine-tunes of one base would; GenAI applies SD3's transformer layers only
 RUNTIME = {"sd3": {"train": {"train_text_encoder": False}, "export": {"adapters": "runtime"}}}
-#: FLUX.2 klein edits: the demo's (reference, target, instruction) triples, references in control/
-#: (class images have no references: no prior preservation beside them); FLUX.1 Kontext the three
-#: with one reference (ONE_REFERENCE), not exported, evaluated at 64 px
-EDITS = {"flux2": {"ingest": {"data_dir": "data/demo/edits", "sources": [{"type": "folder", "control_dir": "control"}]},
-                   "train": {"with_prior_preservation": False}},
+#: FLUX.2 klein edits: the README's edit recipe as written (the demo's (reference, target, instruction)
+#: triples, references in control/, no prior preservation), at params.yaml's train_batch_size (2: the
+#: one- and two-reference targets in batches of their own) and on the instructions (caption_column
+#: null); FLUX.1 Kontext the three with one reference (ONE_REFERENCE), not exported, evaluated at 64 px
+EDITS = {"flux2": nested(settings(recipe("edits"))),
          "kontext": {"ingest": {"data_dir": "data/demo/edits-one", "sources": [{"type": "folder",
                                                                                  "control_dir": "control"}]},
                      "train": {"with_prior_preservation": False}, "export": {"enabled": False},
                      "evaluate": {"resolution": 64}}}
 #: the triples each edit family trains on and is scored on
 EDIT_PAIRS = {"flux2": 4, "kontext": 3}
+#: families that train at params.yaml's train_batch_size (2), not SMALL's 1
+DEFAULT_BATCH = {"flux2"}
+#: the family served the README's edit request (tests/readme_blocks.py `recipe("edits-request")`)
+README_REQUEST = {"flux2"}
 
 
 def small_params(root: Path, name: str) -> None:
@@ -68,7 +83,10 @@ def small_params(root: Path, name: str) -> None:
     small = {**SMALL, "train": {**SMALL["train"], "train_text_encoder": with_text, **QUANTIZED.get(name, {}),
                                 **runtime.get("train", {}), **edits.get("train", {})},
              "export": {**SMALL["export"], **runtime.get("export", {}), **edits.get("export", {})},
-             "evaluate": {**SMALL["evaluate"], **edits.get("evaluate", {})}, "ingest": edits.get("ingest", {})}
+             "evaluate": {**SMALL["evaluate"], **edits.get("evaluate", {})}, "ingest": edits.get("ingest", {}),
+             "base": edits.get("base", {})}
+    if name in DEFAULT_BATCH:
+        del small["train"]["train_batch_size"]
     for section, values in small.items():
         for key, value in values.items():
             if isinstance(value, dict):
@@ -151,6 +169,7 @@ def test_the_lora_loads_with_the_family_pipeline(pipeline) -> None:
     assert report["base_model_precision"] == ("int8-torchao" if name in QUANTIZED else "none")
     assert (report.get("quantized_layers", 0) > 0) == (name in QUANTIZED)
     assert report.get("edit_pairs") == EDIT_PAIRS.get(name), "the demo's triples trained as edits"
+    assert report["caption_column"] == ("text" if name in EDITS else None), "edits train on their instructions"
 
 
 def test_the_export_loads_and_generates(pipeline) -> None:
@@ -223,12 +242,19 @@ def test_mlflow_models_serve_answers(pipeline, tmp_path) -> None:
     if name in EDITS:  # an edit: the input image as a base64 file, every prompt of the request edits it
         reference = base64.b64encode((root / "data/demo/edits/control/edit_00.png").read_bytes()).decode()
         good = {"inputs": ["make it blue"], "params": {"num_inference_steps": 2, "image": [reference]}}
-        bad, says = {"inputs": ["a"], "params": {"image": ["bm90IGFuIGltYWdl"]}}, "image[0]: not an image file"
+        bad, says = {"inputs": ["a"], "params": {"image": ["bm90IGFuIGltYWdl"]}}, "image[0]: not an image (a PNG"
     if name in SERVED_OVER_HTTP:
         from tests.register.http_serve import models_serve, post
 
         with models_serve(f"models:/{registered}@candidate", tmp_path / "serve.log", env=env, cwd=root) as (url, _):
-            status, body = post(url, good)
+            if name in README_REQUEST:  # the README's edit request as written: the demo's 128 px reference,
+                port = url.rsplit(":", 1)[1]  # every other setting its default (20 steps)
+                sent = subprocess.run(["bash", "-e", "-c", recipe("edits-request").text], cwd=root,
+                                      env={**env, "PORT": port}, capture_output=True, text=True, timeout=300)
+                body = json.loads(sent.stdout or "{}")  # curl -s: an HTTP 400 is a body with error_code
+                status = 200 if sent.returncode == 0 and "predictions" in body else sent.returncode or 400
+            else:
+                status, body = post(url, good)
             assert status == 200 and body["predictions"][0]["image"].startswith("iVBORw0K"), body
             if name in EDITS:  # the edit is at the input image's size; the same seed without it differs
                 edited = Image.open(io.BytesIO(base64.b64decode(body["predictions"][0]["image"])))
