@@ -25,7 +25,7 @@ from tasks.common.genai import is_runtime_export, open_runtime_export
 from tasks.common.memory import PhasePeaks, release_memory
 from tasks.common.openvino_model import StaticShape, compiled_precisions, load_ov_pipeline, static_shape
 from tasks.common.quantize import BasePrecision
-from tasks.common.quantized_pipeline import compute_dtype
+from tasks.common.quantized_pipeline import compute_choice
 from tasks.evaluate import base_cache as C
 from tasks.evaluate import edits as E
 from tasks.evaluate import extra_metrics as X
@@ -40,7 +40,8 @@ PRECISION = {"all": "f32"}  # what the fine-tune and the base are generated in (
 @dataclass(frozen=True)
 class Precision:
     """How the fine-tune and the base are both generated: fp32, or the denoiser quantized as it loads
-    (`evaluate.base_model_precision`) and the rest in `dtype` (the denoiser's stored dtype, bf16 or fp32)."""
+    (`evaluate.base_model_precision`) and the rest in `dtype` (bf16 where the denoiser is stored in 16 bits
+    and the CPU computes bf16 natively, else fp32: finetune_runtime/cpu_formats.py)."""
 
     quantize: BasePrecision | None = None
     dtype: Any = None
@@ -51,7 +52,10 @@ class Precision:
         if held is None:
             return cls()
         stored_in = Path(model) if (Path(model) / "model_index.json").is_file() or base is None else Path(base)
-        return cls(held, compute_dtype(stored_in))
+        dtype, why = compute_choice(stored_in)  # bf16 only where stored in 16 bits and the CPU computes it natively
+        log.info("evaluate: the denoiser in %s, the rest in %s (%s)", held.name, str(dtype).removeprefix("torch."),
+                 why)
+        return cls(held, dtype)
 
     def describe(self) -> dict[str, str]:
         """The report's and the protocol's `precision` (PRECISION in fp32, so fp32 runs keep their ids),

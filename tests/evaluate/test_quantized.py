@@ -132,3 +132,29 @@ def test_a_full_fine_tune_has_its_own_denoiser_quantized(runs, tmp_path):
     pipe, kind, info = load_finetuned(tune, None, quantize=BasePrecision.parse("int8"), dtype=torch.float32)
     assert kind.full_pipeline and info == {"method": "full_pipeline"}
     assert has_quantized(pipe.unet) and not has_quantized(pipe.vae)
+
+
+def test_a_bf16_stored_base_is_generated_in_bf16_only_on_a_cpu_that_computes_it(tmp_path_factory, tmp_path,
+                                                                                monkeypatch) -> None:
+    """With a quantized denoiser the rest of the pipeline computes in bf16 where the base is stored in
+    bf16 and the CPU has native bf16, in fp32 on an AVX2-only one (flags faked both ways); the
+    precision is part of the protocol and the base cache's key."""
+    import shutil
+
+    import torch
+    from diffusers import UNet2DConditionModel
+
+    from tasks.evaluate.phases import Precision
+
+    src = tmp_path / "bf16-base"
+    shutil.copytree(tiny_pipeline(tmp_path_factory, "builtin:tiny-sd"), src)
+    unet = UNet2DConditionModel.from_pretrained(src / "unet")
+    shutil.rmtree(src / "unet")
+    unet.to(torch.bfloat16).save_pretrained(src / "unet")
+    monkeypatch.setenv("FINETUNE_CPU_FLAGS", "avx2 avx512f avx512_bf16 amx_bf16")
+    native = Precision.of(_config(base_model_precision="int8"), src, None)
+    assert native.dtype == torch.bfloat16 and native.describe() == {"all": "bf16", "denoiser": "int8-torchao"}
+    monkeypatch.setenv("FINETUNE_CPU_FLAGS", "avx avx2 fma")
+    emulated = Precision.of(_config(base_model_precision="int8"), src, None)
+    assert emulated.dtype == torch.float32 and emulated.describe() == {"all": "f32", "denoiser": "int8-torchao"}
+    assert Precision.of(_config(), src, None).describe() == {"all": "f32"}, "no quantized denoiser: fp32 as before"
