@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from finetune_runtime.adapters import apply_peft
+from finetune_runtime.layout import LORA_WEIGHTS as WEIGHT_NAME
 from finetune_runtime.layout import PEFT_DIR
 from tasks.common import families, stream_fuse
 from tasks.common.adapter_formats import adapter_format
@@ -29,8 +30,6 @@ from tasks.train.config import TrainConfig
 from tasks.train.methods.base import TrainingMethod
 
 log = logging.getLogger(__name__)
-
-WEIGHT_NAME = "pytorch_lora_weights.safetensors"
 
 
 class LoRA(TrainingMethod):

@@ -24,6 +24,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from finetune_runtime.layout import EMBEDS as EMBEDS_NAME
 from tasks.common.errors import UserError
 from tasks.train.data import Record
 from tasks.train.methods.base import TrainingMethod
@@ -31,7 +32,6 @@ from tasks.train.models import Components
 
 log = logging.getLogger(__name__)
 
-EMBEDS_NAME = "learned_embeds.safetensors"
 
 OBJECT_TEMPLATES = [
     "a photo of a {}", "a rendering of a {}", "a cropped photo of the {}", "the photo of a {}",
