@@ -68,7 +68,7 @@ PARAMS = {
     "class_images": {"num_images": 2, "batch_size": 1, "resolution": 256, "num_inference_steps": 4},
     "train": {"method": "lora", "with_prior_preservation": True, "resolution": 256, "train_batch_size": 1,
               "max_train_steps": 3, "rank": 16, "base_model_precision": "int8", "text_encoder_precision": "int8",
-              "gradient_checkpointing": True, "mixed_precision": "bf16", "max_sequence_length": 128,
+              "gradient_checkpointing": True, "mixed_precision": "auto", "max_sequence_length": 128,
               "fuse_lora": False, "num_validation_images": 0, "validation_steps": 0, "checkpointing_steps": 1000},
     "export": {"components": "one_at_a_time", "height": 256, "width": 256, "compression": {"mode": "int8"},
                "parity": {"num_inference_steps": 2, "pipeline_image": False}, "latency_dynamic": False},

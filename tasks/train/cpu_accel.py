@@ -65,7 +65,7 @@ class NativeCpuBackend(Backend):
 
     def prepare(self, method: Any, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         precision = ("torch bf16 autocast" if self.mixed_precision == "bf16"
-                     else "float32 (train.mixed_precision: bf16 for bf16 autocast)")
+                     else "float32 (train.mixed_precision: auto for bf16 autocast where the CPU has native bf16)")
         log.info("CPU back end: native, %s%s (%s)", precision, ", torch.compile" if self.cfg.torch_compile else "",
                  self.why)
         return super().prepare(method, optimizer)
