@@ -9,6 +9,7 @@ from typing import Any
 
 from tasks.common.credentials import redact_params
 from tasks.common.tracking import experiment_name, flatten, git_commit, server_answers, tracking_uri
+from tasks.register.oneline import last_error, one_line
 
 
 class ParentRun:
@@ -57,6 +58,16 @@ def close_killed_stages(client: Any, experiment_id: str, run_id: str) -> list[st
     return closed
 
 
+def error_line(err: BaseException) -> str:
+    """The failed run's `error` tag, one line: a failed stage's first sentence and its `error:` line
+    (flows/dvc_stage.py StageFailed keeps the output's last lines), else the message without log prefixes."""
+    tail = getattr(err, "tail", None)
+    if isinstance(tail, list) and tail:
+        first = str(err).splitlines()[0].removesuffix(" Last lines of its output:")
+        return one_line(f"{first} {last_error(chr(10).join(tail))}", 5000)
+    return one_line(str(err) or type(err).__name__, 5000)
+
+
 @contextmanager
 def parent_run(root: Path, flow_run_id: str | None) -> Iterator[ParentRun]:
     """Open the parent run (FINISHED on success, FAILED if the body raises)."""
@@ -80,7 +91,7 @@ def parent_run(root: Path, flow_run_id: str | None) -> Iterator[ParentRun]:
         if uri.startswith(("http://", "https://")) and not server_answers(uri):
             raise  # the lost server is the failure: the run stays RUNNING there
         close_killed_stages(client, experiment.experiment_id, run.info.run_id)
-        client.set_tag(run.info.run_id, "error", str(err)[:5000])
+        client.set_tag(run.info.run_id, "error", error_line(err))
         client.set_terminated(run.info.run_id, "FAILED")
         raise
     close_killed_stages(client, experiment.experiment_id, run.info.run_id)

@@ -157,6 +157,9 @@ def test_failing_stage_fails_the_flow_and_the_parent_run(prefect_server, toy: Pa
                                    filter_string="tags.pipeline = 'finetune'")
     assert parent.info.status == "FAILED"
     assert "stage 'second' failed" in parent.data.tags["error"]
+    # one line: the stage's error, without its log lines (flows/parent_run.py error_line)
+    tag = parent.data.tags["error"]
+    assert tag.endswith("params.yaml: second.fail is set") and "\n" not in tag, tag
     assert not (toy / "first.out").exists()  # later stages did not run
 
 
