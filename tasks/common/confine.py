@@ -10,7 +10,10 @@ as a child of this process under its stripped environment, logging to a throw-aw
 (SQLite, artifacts beside it); this process, which holds the credentials and runs no stage code,
 checks the server before the child starts (nothing runs without a record) and copies the child's
 run to the server after it ends: tags (the flow's parent run included), params, every metric's
-history, artifacts, status and times. The run id on the server is a new one.
+history, artifacts, status and times. The run id on the server is a new one. The artifacts copied
+are the run's own folder of the child's store, never the folder its `artifact_uri` names, plain
+files only, capped (tasks/common/relay_artifacts.py); a refusal is said in one line and tagged
+`relay.refused` on the server's run.
 """
 from __future__ import annotations
 
@@ -23,12 +26,15 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from tasks.common import relay_artifacts
 from tasks.common.credentials import MLFLOW, allowed, stage_environ
 from tasks.common.errors import UserError
 from tasks.common.stop_signals import relay
 from tasks.common.tracking import experiment_name, tracking_uri, wait_for_server
 
 BATCH = 100  # MLflow's cap on params per log_batch; metrics go 1000 at a time
+#: the relayed run's tag saying why its artifacts (or its artifact_uri) were refused
+RELAY_REFUSED_TAG = "relay.refused"
 
 
 def confine(stage: str) -> None:
@@ -59,7 +65,7 @@ def run_relayed(stage: str, argv: list[str], env: dict[str, str]) -> int:
     relay(proc, {})
     code = proc.wait()
     try:
-        copied = copy_runs(MlflowClient(local), MlflowClient(server))
+        copied = copy_runs(MlflowClient(local), MlflowClient(server), store)
     except Exception as err:
         raise UserError(
             f"stage '{stage}' ended (exit {code}) but its MLflow run could not be copied to {server}: "
@@ -71,19 +77,21 @@ def run_relayed(stage: str, argv: list[str], env: dict[str, str]) -> int:
     return 128 + signal.Signals(-code).value if code < 0 else code
 
 
-def copy_runs(src: Any, dst: Any) -> list[str]:
-    """Copy every run of `src`'s experiment into `dst`'s experiment of the same name; the new ids."""
+def copy_runs(src: Any, dst: Any, store: Path) -> list[str]:
+    """Copy every run of `src`'s experiment into `dst`'s experiment of the same name; the new ids.
+    `store`: the child's store folder, where each run's artifacts are read (relay_artifacts.py)."""
     name = experiment_name()
     source = src.get_experiment_by_name(name)
     target = dst.get_experiment_by_name(name)
     target_id = target.experiment_id if target is not None else dst.create_experiment(name)
     runs = src.search_runs([source.experiment_id], order_by=["attributes.start_time ASC"])
-    return [copy_run(src, dst, run, target_id) for run in runs]
+    limit = relay_artifacts.max_bytes()
+    return [copy_run(src, dst, run, target_id, store, limit) for run in runs]
 
 
-def copy_run(src: Any, dst: Any, run: Any, experiment_id: str) -> str:
+def copy_run(src: Any, dst: Any, run: Any, experiment_id: str, store: Path,
+             limit: int = relay_artifacts.DEFAULT_MAX_BYTES) -> str:
     from mlflow.entities import Metric, Param
-    from mlflow.utils.file_utils import local_file_uri_to_path
 
     new = dst.create_run(experiment_id, start_time=run.info.start_time, tags=run.data.tags,
                          run_name=run.info.run_name)
@@ -95,10 +103,32 @@ def copy_run(src: Any, dst: Any, run: Any, experiment_id: str) -> str:
                for key in run.data.metrics for m in src.get_metric_history(run.info.run_id, key)]
     for i in range(0, len(metrics), 10 * BATCH):
         dst.log_batch(new_id, metrics=metrics[i : i + 10 * BATCH])
-    artifacts = Path(local_file_uri_to_path(run.info.artifact_uri))
-    if artifacts.is_dir() and any(artifacts.iterdir()):
-        dst.log_artifacts(new_id, str(artifacts))
+    copy_artifacts(dst, run, new_id, store, limit)
     # a run still RUNNING was cut short (the child killed): it ends KILLED on the server
     status = "KILLED" if run.info.status == "RUNNING" else run.info.status
     dst.set_terminated(new_id, status=status, end_time=run.info.end_time)
     return new_id
+
+
+def copy_artifacts(dst: Any, run: Any, new_id: str, store: Path, limit: int) -> None:
+    """Upload run's own artifacts folder of `store` (never the folder its `artifact_uri` names) to
+    run `new_id`; a refusal is said in one line on stderr and in the new run's tag RELAY_REFUSED_TAG."""
+    run_id = run.info.run_id
+    own = relay_artifacts.own_folder(store, run_id)
+    if run.info.artifact_uri.rstrip("/") != own.as_uri():
+        _refused(dst, new_id, f"run {run_id}'s artifact_uri names {run.info.artifact_uri}, not its own folder "
+                              f"{own}: ignored, only {own} is copied")
+    with tempfile.TemporaryDirectory(prefix="finetune-relay-") as staged:
+        try:
+            if not relay_artifacts.stage(store, run_id, Path(staged), limit):
+                return
+        except relay_artifacts.Refused as err:
+            _refused(dst, new_id, str(err))
+            return
+        if any(Path(staged).iterdir()):
+            dst.log_artifacts(new_id, staged)
+
+
+def _refused(dst: Any, new_id: str, reason: str) -> None:
+    print(f"relay: {reason}", file=sys.stderr, flush=True)
+    dst.set_tag(new_id, RELAY_REFUSED_TAG, reason[:5000])
