@@ -119,36 +119,45 @@ class QwenImage(FlowMatchingFamily):
     def build_tiny(cls, seed: int) -> Any:
         """A 2-layer Qwen2.5-VL 16 wide (a 1-block vision tower the pipeline never runs), two
         transformer blocks, a 16-wide 3D VAE with 4 latent channels (x4), Qwen-Image's scheduler."""
-        from diffusers import (
-            AutoencoderKLQwenImage,
-            FlowMatchEulerDiscreteScheduler,
-            QwenImagePipeline,
-            QwenImageTransformer2DModel,
-        )
-        from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+        from diffusers import AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImagePipeline
 
         tokenizer = qwen_tokenizer(max_length=1024 + _DROP, extra_words=_SYSTEM_WORDS)
-        transformer = seeded(seed, lambda: QwenImageTransformer2DModel(
-            patch_size=2, in_channels=16, out_channels=4, num_layers=2, attention_head_dim=16, num_attention_heads=2,
-            joint_attention_dim=16, axes_dims_rope=(8, 4, 4)))
+        transformer = tiny_transformer(seed)
         vae = seeded(seed + 1, lambda: AutoencoderKLQwenImage(
             base_dim=16, z_dim=4, dim_mult=[1, 2, 4], num_res_blocks=1, temperal_downsample=[False, True],
             **_latent_statistics(seed + 1, 4)))
-        config = Qwen2_5_VLConfig(
-            text_config=dict(vocab_size=len(tokenizer), hidden_size=16, intermediate_size=32, num_hidden_layers=2,
-                             num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=2048,
-                             rope_parameters={"rope_type": "default", "mrope_section": [1, 1, 2],
-                                              "rope_theta": 1000000.0},
-                             pad_token_id=tokenizer.pad_token_id, bos_token_id=None,
-                             eos_token_id=tokenizer.eos_token_id, use_cache=False),
-            vision_config=dict(depth=1, hidden_size=16, intermediate_size=16, num_heads=2, out_hidden_size=16,
-                               fullatt_block_indexes=[0]))
-        text_encoder = seeded(seed + 2, lambda: Qwen2_5_VLForConditionalGeneration(config))
+        text_encoder = tiny_qwen25vl(seed + 2, tokenizer, 2048)
         scheduler = FlowMatchEulerDiscreteScheduler(  # Qwen/Qwen-Image's scheduler config
             shift=1.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=0.9, base_image_seq_len=256,
             max_image_seq_len=8192, shift_terminal=0.02, time_shift_type="exponential")
         return QwenImagePipeline(scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer,
                                  transformer=transformer)
+
+
+def tiny_transformer(seed: int) -> Any:
+    """Two QwenImageTransformer2DModel blocks 32 wide over 4 latent channels (x4 packed)."""
+    from diffusers import QwenImageTransformer2DModel
+
+    return seeded(seed, lambda: QwenImageTransformer2DModel(
+        patch_size=2, in_channels=16, out_channels=4, num_layers=2, attention_head_dim=16, num_attention_heads=2,
+        joint_attention_dim=16, axes_dims_rope=(8, 4, 4)))
+
+
+def tiny_qwen25vl(seed: int, tokenizer: Any, max_positions: int, **token_ids: int) -> Any:
+    """A 2-layer Qwen2.5-VL 16 wide with a 1-block vision tower; `token_ids`: its vision tokens' ids."""
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    config = Qwen2_5_VLConfig(
+        text_config=dict(vocab_size=len(tokenizer), hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=max_positions,
+                         rope_parameters={"rope_type": "default", "mrope_section": [1, 1, 2],
+                                          "rope_theta": 1000000.0},
+                         pad_token_id=tokenizer.pad_token_id, bos_token_id=None,
+                         eos_token_id=tokenizer.eos_token_id, use_cache=False),
+        vision_config=dict(depth=1, hidden_size=16, intermediate_size=16, num_heads=2, out_hidden_size=16,
+                           fullatt_block_indexes=[0]),
+        **token_ids)
+    return seeded(seed, lambda: Qwen2_5_VLForConditionalGeneration(config))
 
 
 def _latent_statistics(seed: int, channels: int) -> dict[str, list[float]]:

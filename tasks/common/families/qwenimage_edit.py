@@ -36,7 +36,7 @@ from typing import Any
 
 from finetune_runtime.convention import CallConvention
 from tasks.common.families.base import PredictInputs
-from tasks.common.families.qwenimage import QwenImage, _latent_statistics
+from tasks.common.families.qwenimage import QwenImage, _latent_statistics, tiny_qwen25vl, tiny_transformer
 from tasks.common.families.tiny import qwen_tokenizer, seeded
 
 #: QwenImageEditPlusPipeline's prompt_template_encode, its start index, and the per-image prefix
@@ -179,14 +179,9 @@ class QwenImageEdit(QwenImage):
         """Qwen-Image's tiny transformer; a 16-wide 3D VAE downsampling 8x (as the real one: a
         megapixel input image is 4096 tokens); a 2-layer Qwen2.5-VL 16 wide whose 1-block vision tower
         runs here; Qwen2VLProcessor over the tiny tokenizer with the vision tokens."""
-        from diffusers import (
-            AutoencoderKLQwenImage,
-            FlowMatchEulerDiscreteScheduler,
-            QwenImageEditPlusPipeline,
-            QwenImageTransformer2DModel,
-        )
+        from diffusers import AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImageEditPlusPipeline
         from tokenizers import AddedToken
-        from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2VLImageProcessorPil
+        from transformers import Qwen2VLImageProcessorPil
 
         from finetune_runtime.vl_processor import ImageQwen2VLProcessor
 
@@ -194,25 +189,13 @@ class QwenImageEdit(QwenImage):
         tokenizer.add_tokens([AddedToken(t, special=True) for t in _VISION_TOKENS], special_tokens=True)
         processor = ImageQwen2VLProcessor(image_processor=Qwen2VLImageProcessorPil(), tokenizer=tokenizer,
                                           chat_template=tokenizer.chat_template)
-        transformer = seeded(seed, lambda: QwenImageTransformer2DModel(
-            patch_size=2, in_channels=16, out_channels=4, num_layers=2, attention_head_dim=16, num_attention_heads=2,
-            joint_attention_dim=16, axes_dims_rope=(8, 4, 4)))
+        transformer = tiny_transformer(seed)
         vae = seeded(seed + 1, lambda: AutoencoderKLQwenImage(
             base_dim=16, z_dim=4, dim_mult=[1, 2, 2, 4], num_res_blocks=1, temperal_downsample=[False, True, True],
             **_latent_statistics(seed + 1, 4)))
         ids = dict(zip(("vision_start_token_id", "image_token_id", "vision_end_token_id"),
                        tokenizer.convert_tokens_to_ids(list(_VISION_TOKENS))))
-        config = Qwen2_5_VLConfig(
-            text_config=dict(vocab_size=len(tokenizer), hidden_size=16, intermediate_size=32, num_hidden_layers=2,
-                             num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=4096,
-                             rope_parameters={"rope_type": "default", "mrope_section": [1, 1, 2],
-                                              "rope_theta": 1000000.0},
-                             pad_token_id=tokenizer.pad_token_id, bos_token_id=None,
-                             eos_token_id=tokenizer.eos_token_id, use_cache=False),
-            vision_config=dict(depth=1, hidden_size=16, intermediate_size=16, num_heads=2, out_hidden_size=16,
-                               fullatt_block_indexes=[0]),
-            **ids)
-        text_encoder = seeded(seed + 2, lambda: Qwen2_5_VLForConditionalGeneration(config))
+        text_encoder = tiny_qwen25vl(seed + 2, tokenizer, 4096, **ids)
         scheduler = FlowMatchEulerDiscreteScheduler(  # Qwen/Qwen-Image-Edit-2511's scheduler config
             shift=1.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=0.9, base_image_seq_len=256,
             max_image_seq_len=8192, shift_terminal=0.02, time_shift_type="exponential")
