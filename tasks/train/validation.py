@@ -27,8 +27,8 @@ def generate(pipe: Any, prompts: list[str], cfg: TrainConfig, autocast: Any = No
     """`cfg.num_validation_images` images per prompt at the training resolution.
 
     `autocast` makes a fresh context per prompt (accelerate's `accelerator.autocast`), or None.
-    `references`: the first target's reference files, the input images of a family that cannot make
-    an image without one (Qwen-Image-Edit); other families make theirs from the prompt alone.
+    `references`: the first target's reference files, which an edit model's validation images edit
+    (FLUX.2 [klein], Kontext, Qwen-Image-Edit on an edit dataset); other images come from the prompt alone.
     """
     if cfg.num_validation_images <= 0 or not prompts:
         return {}
@@ -49,11 +49,11 @@ def generate(pipe: Any, prompts: list[str], cfg: TrainConfig, autocast: Any = No
 
 
 def _input_images(family: Any, references: list[Path] | None) -> list[Image.Image] | None:
-    """The validation call's input images: the references, for a family that needs one (train refuses
-    such a family on data without references before any load: references.refuse_references)."""
-    if not family.call_convention().min_input_images:
+    """The validation call's input images: an edit model trained on an edit dataset edits the first
+    target's references (train refuses a family that needs them on data without: refuse_references)."""
+    if not family.takes_references or not references:
         return None
-    return [Image.open(path).convert("RGB") for path in references or ()]
+    return [Image.open(path).convert("RGB") for path in references]
 
 
 def live_validator(method: TrainingMethod, base: Path, cfg: TrainConfig, accelerator: Any,
