@@ -4,8 +4,10 @@ both ways (FINETUNE_CPU_FLAGS, finetune_runtime/cpu_formats.py)."""
 from __future__ import annotations
 
 import pytest
+import yaml
 
 from finetune_runtime import cpu_formats as C
+from tasks.common.config import parse_section
 from tasks.common.errors import UserError
 from tasks.train.config import TrainConfig
 from tasks.train.core import train
@@ -46,17 +48,27 @@ def test_refused_before_the_base_loads(tmp_path, tiny_sd, instance_dir, monkeypa
     assert not (tmp_path / "out").exists() and not (tmp_path / "ckpt").exists()
 
 
-@pytest.mark.parametrize("flags, ran", [("avx avx2 fma", "no"), (None, None)])
+@pytest.mark.parametrize("flags, ran", [("avx avx2 fma", "no"), (None, None)], ids=["avx2-faked", "this-cpu"])
 def test_the_report_says_which_precision_ran_and_why(tmp_path, tiny_sd, instance_dir, monkeypatch, caplog,
                                                      flags, ran) -> None:
-    """A real tiny LoRA run with auto: on a faked AVX2-only CPU it trains in fp32; on this CPU, as it is."""
+    """A real tiny LoRA run with auto, its section read as params.yaml's is: on a faked AVX2-only CPU
+    it trains in fp32; on this CPU, in bf16 where it has native bf16 (AMX here), else fp32."""
     if flags is None:
         monkeypatch.delenv(C.FLAGS_ENV, raising=False)
         ran = "bf16" if C.detect().bf16 else "no"
     else:
         monkeypatch.setenv(C.FLAGS_ENV, flags)
-    cfg = TrainConfig(method="lora", max_train_steps=1, train_batch_size=1, resolution=32, num_validation_images=0,
-                      with_prior_preservation=False, mixed_precision="auto", checkpoints_dir=tmp_path / "ckpt")
+    section = yaml.safe_load(f"""
+        method: lora
+        mixed_precision: auto
+        max_train_steps: 1
+        train_batch_size: 1
+        resolution: 32
+        num_validation_images: 0
+        with_prior_preservation: false
+        checkpoints_dir: {tmp_path / "ckpt"}
+    """)
+    cfg = parse_section("train", section, TrainConfig)
     with caplog.at_level("INFO", logger="tasks.train.core"):
         report = train(cfg, tiny_sd, instance_dir, None, tmp_path / "out").report()
     assert report["mixed_precision"] == ran
