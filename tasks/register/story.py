@@ -8,8 +8,10 @@ it, before the version exists:
   `gate.passed` 1/0), linked to the logged model, so the registry's compare view and the logged
   model's page list them;
 - the images, under `story/`: the evaluate stage's grids (`grid.png` the fine-tune's, `grid_base.png`,
-  `grid_export.png`, `grid_edits.png`, those it wrote) and `loss.png`, the loss curve drawn from the
-  train stage's `train_loss.csv`;
+  `grid_export.png`, `grid_edits.png`, those it wrote), `loss.png`, the loss curve drawn from the
+  train stage's `train_loss.csv`, and `validation_grid.png`, the train stage's validation images,
+  copied from its run when it ran as a child of the version's run (the flow's; a train stage DVC
+  skipped made none in this run);
 - tags: `family`, `task`, `method`, `adapter` (the LoRA type, `embedding`, or `none (full weights)`),
   `steps`, `data` (the md5 of data/processed) and `cpu` (lscpu's model name and the vector units
   that set the speed: `Intel(R) Xeon(R) Processor (avx512f, avx512_bf16, amx_tile)`).
@@ -39,6 +41,8 @@ FOLDER = "story"
 #: The evaluate stage's grids (tasks/evaluate/__main__.py write_plots), in the order they are shown.
 GRIDS = ("grid.png", "grid_base.png", "grid_export.png", "grid_edits.png")
 LOSS = "loss.png"
+#: The train stage's validation images, one grid (tasks/train/stage.py logs it into its run).
+VALIDATION = "validation_grid.png"
 #: lscpu flags that say which vector units a CPU has (the speed of training and serving turns on them).
 CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16", "amx_int8", "asimd", "sve")
 
@@ -131,13 +135,26 @@ def log_story(client: Any, run_id: str, evaluation: Evaluation, shown: dict[str,
     for i in range(0, len(metrics), 1000):  # MLflow's batch limit
         client.log_batch(run_id, metrics=metrics[i:i + 1000])
     client.log_batch(run_id, tags=[RunTag(k, v[:5000]) for k, v in tags.items()])
-    if shown:
-        import tempfile
+    import tempfile
 
-        with tempfile.TemporaryDirectory(prefix="story-") as tmp:
-            for name, path in shown.items():
-                shutil.copyfile(path, Path(tmp) / name)
+    with tempfile.TemporaryDirectory(prefix="story-") as tmp:
+        for name, path in shown.items():
+            shutil.copyfile(path, Path(tmp) / name)
+        validation = _validation_grid(client, run_id, Path(tmp))
+        if shown or validation:
             client.log_artifacts(run_id, tmp, FOLDER)
+
+
+def _validation_grid(client: Any, run_id: str, work: Path) -> bool:
+    """Copy the train stage's `validation_grid.png` into `work` from the newest train run that is a
+    child of `run_id` (tasks/common/tracking.py stage_run tags it); False when there is none."""
+    experiment = client.get_run(run_id).info.experiment_id
+    children = client.search_runs([experiment], max_results=1, order_by=["attributes.start_time DESC"],
+                                  filter_string=f"tags.mlflow.parentRunId = '{run_id}' and tags.stage = 'train'")
+    if not children or VALIDATION not in {f.path for f in client.list_artifacts(children[0].info.run_id)}:
+        return False
+    client.download_artifacts(children[0].info.run_id, VALIDATION, str(work))
+    return True
 
 
 def markdown(run_id: str, shown: dict[str, Path]) -> str:

@@ -502,3 +502,25 @@ def test_loading_and_predicting_a_version_prints_nothing_quiet(registered: Path,
     assert any(line.startswith("Downloading artifacts") for line in verbose), "\n".join(verbose)
     # as the libraries left them where nothing quieted them
     assert states["openvino"] == json.loads((tmp_path / "verbose.json").read_text())
+
+
+def test_the_flows_run_shows_the_train_stages_validation_grid(project: Path) -> None:
+    """Registered into the flow's parent run: the train stage's validation grid, logged in its child
+    run, is copied beside the evaluation grids (tasks/register/story.py)."""
+    client = mlflow.MlflowClient()
+    experiment = client.create_experiment("story")
+    parent = client.create_run(experiment, run_name="finetune").info.run_id
+    train = client.create_run(experiment, run_name="train", tags={"mlflow.parentRunId": parent, "stage": "train"})
+    grid = Image.new("RGB", (96, 32), (10, 200, 10))
+    client.log_image(train.info.run_id, grid, "validation_grid.png")
+    result = register(project / "models/finetuned", project / "models/openvino", project / "reports/evaluate.json",
+                      project / "dvc.lock", project / "params.yaml", run_id=parent,
+                      train_report=project / "reports/train.json", grids=project / "reports/evaluate",
+                      loss_table=project / "reports/train_loss.csv")
+    assert client.get_model_version("sd-test", result.version).run_id == parent
+    shown = {Path(f.path).name for f in client.list_artifacts(parent, "story")}
+    assert shown == {"grid.png", "grid_base.png", "loss.png", "validation_grid.png"}, shown
+    path = mlflow.artifacts.download_artifacts(run_id=parent, artifact_path="story/validation_grid.png")
+    with Image.open(path) as copied:
+        assert copied.size == (96, 32) and copied.getpixel((0, 0)) == (10, 200, 10)
+    assert client.get_run(parent).data.metrics["dino"] == 0.4
