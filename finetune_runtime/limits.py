@@ -92,7 +92,9 @@ def signature() -> Any:
         outputs=Schema([ColSpec("string", "prompt"), ColSpec("long", "seed"), ColSpec("string", "image")]),
         params=ParamSchema([ParamSpec(n, s.type, s.default) for n, s in SETTINGS.items()]
                            + [ParamSpec(ADAPTER_PARAM, "string", ""),
-                              ParamSpec(images.IMAGE_PARAM, "string", [], (-1,))]),  # an edit's input images
+                              # an edit's input images: one string (a base64 file or a JSON list of them), not
+                              # a list param, which MLflow would turn into a fixed-width array (images.py)
+                              ParamSpec(images.IMAGE_PARAM, "string", "")]),
     )
 
 
@@ -202,8 +204,9 @@ def check_request(model_input: Any, params: dict[str, Any] | None, shape: Shape,
     """(prompts, settings) of a valid request; a bad_request before any work otherwise.
 
     settings[`height`], [`width`]: the size the request is made at (size.output_size: the pipeline's
-    `shape`, what was asked, the first input image's size); settings[`image`]: the decoded input
-    images, at most the convention's `input_images` ([] without)."""
+    `shape`, what was asked, the first input image's size); settings[`image`]: the input images, their
+    headers checked, pixels not yet decoded (images.decoded, in the request's turn), at most the
+    convention's `input_images` ([] without)."""
     prompts = prompts_from(model_input)
     settings = check_settings(params, shape.multiple)
     count = len(prompts) * settings["num_images_per_prompt"]
@@ -219,7 +222,8 @@ def check_request(model_input: Any, params: dict[str, Any] | None, shape: Shape,
     except SizeError as err:
         raise bad_request(str(err)) from None
     if budget is not None:
-        budget.check(len(prompts), settings, images.encoded_pixels(inputs, convention.edit_pixels, convention.input_pixels))
+        budget.check(len(prompts), settings,
+                     images.encoded_pixels(inputs, convention.edit_pixels, convention.input_pixels))
     settings[images.IMAGE_PARAM] = inputs
     return prompts, settings
 

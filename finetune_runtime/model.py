@@ -8,7 +8,7 @@ which serves.
 Input: a list of prompts, or a DataFrame with a `prompt` column. Params (all optional): `seed`,
 `num_inference_steps`, `guidance_scale`, `height`, `width`, `num_images_per_prompt`, for a
 base export's endpoint `adapter`, and for a model that edits (its call convention's
-`input_images`) `image`, the input images as a list of base64 files (images.py). limits.py holds
+`input_images`) `image`, the input images: one base64 file or a JSON list of them (images.py). limits.py holds
 their types, defaults and ranges, refuses anything outside them with HTTP 400, and bounds a
 request's cost, queue and time; size.py decides the size of every image. Output: a DataFrame with
 `prompt`, `seed` and `image` (a base64-encoded PNG), one row per image, which `mlflow models serve`
@@ -27,7 +27,7 @@ from typing import Any
 import mlflow
 import pandas as pd
 
-from finetune_runtime import limits, pipeline_call
+from finetune_runtime import images, limits, pipeline_call
 from finetune_runtime.convention import CallConvention
 from finetune_runtime.load import Loaded, load
 from finetune_runtime.quiet import libraries_quiet
@@ -84,9 +84,11 @@ class DiffusionImageModel(mlflow.pyfunc.PythonModel):
         spec = self._adapter_spec(settings.pop(limits.ADAPTER_PARAM), settings)
         seed, per_prompt = settings["seed"], settings["num_images_per_prompt"]
         rows: list[dict[str, Any]] = []
-        # adapters are looked up, downloaded and compiled in the model's turn, under the deadline
+        # adapters are looked up, downloaded and compiled, input images decoded, in the model's turn,
+        # under the deadline: a waiting request holds its images' files, not their pixels
         with self.turns.turn(deadline):
             try:
+                settings["image"] = images.decoded(settings["image"])
                 settings["adapters"] = self._adapters(spec, deadline)
                 for k in range(len(prompts) * per_prompt):
                     rows.append(self._generate(prompts[k // per_prompt], seed + k, settings, deadline))

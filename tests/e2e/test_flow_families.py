@@ -249,8 +249,8 @@ def test_mlflow_models_serve_answers(pipeline, tmp_path) -> None:
     bad, says = {"inputs": ["a"], "params": {"num_inference_steps": -3}}, "num_inference_steps: -3 is out of range"
     if name in EDITS:  # an edit: the input image as a base64 file, every prompt of the request edits it
         reference = base64.b64encode((root / "data/demo/edits/control/edit_00.png").read_bytes()).decode()
-        good = {"inputs": ["make it blue"], "params": {"num_inference_steps": 2, "image": [reference]}}
-        bad, says = {"inputs": ["a"], "params": {"image": ["bm90IGFuIGltYWdl"]}}, "image[0]: not an image (a PNG"
+        good = {"inputs": ["make it blue"], "params": {"num_inference_steps": 2, "image": reference}}
+        bad, says = {"inputs": ["a"], "params": {"image": "bm90IGFuIGltYWdl"}}, "image[0]: not an image (a PNG"
     if name in SERVED_OVER_HTTP:
         from tests.register.http_serve import models_serve, post
 
@@ -275,7 +275,7 @@ def test_mlflow_models_serve_answers(pipeline, tmp_path) -> None:
             status, body = post(url, bad)
             assert status == 400 and says in body["message"], body
             if name == "kontext":  # one input image, as its pipeline takes
-                status, body = post(url, {"inputs": ["a"], "params": {"image": good["params"]["image"] * 2}})
+                status, body = post(url, {"inputs": ["a"], "params": {"image": json.dumps([reference] * 2)}})
                 assert status == 400 and "image: 2 input images; this model takes at most 1" in body["message"], body
     else:
         import mlflow

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import base64
 import io
+import json
 
 import pandas as pd
 import pytest
 from mlflow.exceptions import MlflowException
 from PIL import Image
 
+from finetune_runtime import images as input_images_mod
 from finetune_runtime import limits
 from finetune_runtime.convention import CallConvention
 from finetune_runtime.limits import MAX_IMAGES, SETTINGS, Budget, signature
@@ -79,7 +81,7 @@ def test_defaults_fill_in_and_good_values_pass() -> None:
 def test_the_signature_declares_every_setting_with_its_type_and_default() -> None:
     params = {p.name: (p.dtype.name, p.default) for p in signature().params.params}
     assert params == {**{name: (s.type, s.default) for name, s in SETTINGS.items()}, "adapter": ("string", ""),
-                      "image": ("string", [])}
+                      "image": ("string", "")}  # one string, not a list param (images.py)
     assert signature().inputs.input_types()[0].name == "string"
 
 
@@ -91,10 +93,13 @@ def _b64(image: Image.Image, fmt: str = "PNG", **save: object) -> str:
 
 RED = Image.new("RGB", (96, 80), (200, 30, 30))
 BAD_IMAGES = [
-    # (image param, input images the model takes, what the error must say)
+    # (image param, a JSON list unless a string, input images the model takes, what the error must say)
     ([_b64(RED)], 0, r"image: this model takes no input image .*send the prompts alone"),
+    (_b64(RED), 0, r"image: this model takes no input image .*send the prompts alone"),
     ([_b64(RED)] * 5, 4, r"image: 5 input images; this model takes at most 4"),
-    (_b64(RED), 4, r"image: expected a list of base64-encoded images, got str"),
+    ("[" + _b64(RED), 4, r"image: starts with '\[' but is not a JSON list .*send one base64 image, or json.dumps"),
+    ('{"a": 1}', 4, r"image\[0\]: not base64"),  # not a list: one (bad) file
+    ("[" + " " * (4 * (16 * 2**20 + 16)), 4, r"image: 67108929 characters; allowed: at most 4 images of"),
     ([7], 4, r"image\[0\]: expected a base64-encoded PNG, JPEG or WebP file, got int"),
     ([_b64(RED), "not base64!"], 4, r"image\[1\]: not base64"),
     ([base64.b64encode(b"hello, world").decode()], 4, r"^image\[0\]: not an image \(a PNG, JPEG or WebP file, "
@@ -102,7 +107,6 @@ BAD_IMAGES = [
     ([_b64(RED, "GIF")], 4, r"image\[0\]: a GIF file; allowed: PNG, JPEG, WEBP"),
     ([_b64(Image.new("RGB", (32, 80)))], 4, r"image\[0\]: 32x80 px; allowed: each side from 64 to 4096"),
     ([_b64(Image.new("L", (5000, 64)))], 4, r"image\[0\]: 5000x64 px; allowed"),
-    ([_b64(RED)[:-200]], 4, r"image\[0\]: (not base64|the file is damaged)"),
     (["A" * (16 * 2**20 + 4)], 4, r"image\[0\]: 16777220 base64 characters; allowed: at most"),
     ([_b64(Image.new("RGB", (4096, 64)))], 4, r"image\[0\]: 4096x64 px would make an edit of height 16 px; pass "
                                                r"height \(at least 64\)"),
@@ -112,8 +116,26 @@ BAD_IMAGES = [
 @pytest.mark.parametrize(("value", "allowed", "error"), BAD_IMAGES, ids=[e[2][:40] for e in BAD_IMAGES])
 def test_bad_input_images_are_refused_naming_the_image(value, allowed, error) -> None:
     with pytest.raises(MlflowException, match=error) as info:
-        check_request(["make it blue"], {"image": value}, input_images=allowed)
+        check_request(["make it blue"], {"image": value if isinstance(value, str) else json.dumps(value)},
+                      input_images=allowed)
     assert info.value.error_code == "INVALID_PARAMETER_VALUE"  # HTTP 400 from mlflow models serve
+
+
+def test_a_list_param_is_refused_naming_the_shape() -> None:
+    """MLflow refuses a list for the string param before the model; predict() called directly says what to send."""
+    with pytest.raises(MlflowException, match=r"^image: expected one string, a base64-encoded image or a JSON list"):
+        check_request(["make it blue"], {"image": [_b64(RED)]}, input_images=4)
+
+
+def test_pixels_are_decoded_only_when_asked_and_a_damaged_file_is_named_then() -> None:
+    """check_request reads headers only (the request's turn decodes): a truncated PNG passes it and
+    images.decoded names it."""
+    png = base64.b64decode(_b64(RED))
+    truncated = base64.b64encode(png[: len(png) // 2]).decode()
+    _, settings = check_request(["a"], {"image": json.dumps([_b64(RED), truncated])}, input_images=4)
+    assert [im.size for im in settings["image"]] == [(96, 80), (96, 80)]
+    with pytest.raises(MlflowException, match=r"^image\[1\]: the file is damaged"):
+        input_images_mod.decoded(settings["image"])
 
 
 def test_input_images_are_decoded_upright_and_set_the_edit_size() -> None:
@@ -121,19 +143,20 @@ def test_input_images_are_decoded_upright_and_set_the_edit_size() -> None:
     exif = rotated.getexif()
     exif[0x0112] = 6  # stored 80x96, shown turned: 96x80
     images = [_b64(RED), "data:image/jpeg;base64," + _b64(rotated, "JPEG", exif=exif), _b64(RED, "WEBP")]
-    _, settings = check_request(["make it blue"], {"image": images}, size_multiple=8, input_images=4)
-    assert [im.size for im in settings["image"]] == [(96, 80), (96, 80), (96, 80)]
-    assert {im.mode for im in settings["image"]} == {"RGB"}
+    _, settings = check_request(["make it blue"], {"image": json.dumps(images)}, size_multiple=8, input_images=4)
+    assert [im.size for im in settings["image"]] == [(96, 80), (96, 80), (96, 80)], "upright from the header"
+    pixels = input_images_mod.decoded(settings["image"])
+    assert [im.size for im in pixels] == [(96, 80), (96, 80), (96, 80)] and {im.mode for im in pixels} == {"RGB"}
     assert (settings["height"], settings["width"]) == (80, 96), "the first image's size, a multiple of 16"
     big = Image.new("RGB", (2000, 1500))
-    _, settings = check_request(["a"], {"image": [_b64(big)]}, size_multiple=8, input_images=1)
+    _, settings = check_request(["a"], {"image": _b64(big)}, size_multiple=8, input_images=1)
     assert (settings["height"], settings["width"]) == (752, 1024), "at most 1024 px a side and a megapixel"
-    _, asked = check_request(["a"], {"image": [_b64(big)], "height": 256, "width": 512}, input_images=1)
+    _, asked = check_request(["a"], {"image": _b64(big), "height": 256, "width": 512}, input_images=1)
     assert (asked["height"], asked["width"]) == (256, 512), "a size asked for wins"
     wide = _b64(Image.new("RGB", (4096, 64)))  # alone it would make a 16 px high edit: refused, naming height
-    _, one_side = check_request(["a"], {"image": [wide], "height": 512}, input_images=1)
+    _, one_side = check_request(["a"], {"image": wide, "height": 512}, input_images=1)
     assert (one_side["height"], one_side["width"]) == (512, 1024), "the side not asked is the image's"
-    _, static = check_request(["a"], {"image": [_b64(big)]}, input_images=1, size=(64, 64))
+    _, static = check_request(["a"], {"image": _b64(big)}, input_images=1, size=(64, 64))
     assert (static["height"], static["width"]) == (64, 64), "a static export makes its own size"
     assert check_request(["a"], {}, input_images=4)[1]["image"] == []
 
@@ -145,11 +168,11 @@ def test_an_edit_models_budget_counts_edits_with_their_input_images() -> None:
     budget = Budget(4, 64, 64, input_images=4)
     assert budget.pixel_steps == 4 * 20 * 64 * 64 * 5 and Budget(4, 64, 64).pixel_steps == 4 * 20 * 64 * 64
     reference = _b64(Image.new("RGB", (128, 128)))
-    _, settings = check_request(["turn it blue"], {"image": [reference]}, budget=budget, input_images=4,
+    _, settings = check_request(["turn it blue"], {"image": reference}, budget=budget, input_images=4,
                                 default=(64, 64))
     assert (settings["height"], settings["width"]) == (128, 128)
     with pytest.raises(MlflowException) as info:  # 3 x 20 x (128x128 + 128x128) = 4.8 default edits
-        check_request(["turn it blue"], {"image": [reference], "num_images_per_prompt": 3}, budget=budget,
+        check_request(["turn it blue"], {"image": reference, "num_images_per_prompt": 3}, budget=budget,
                       input_images=4, default=(64, 64))
     assert "= 1966080 pixel-steps (4.8 default edits) is over this model's budget of 1638400 (4 edits of 64x64 px " \
            "at 20 steps, each with 4 input images of that size; model_config budget_images)" in info.value.message
@@ -159,10 +182,10 @@ def test_input_images_count_towards_the_cost() -> None:
     budget = Budget(1.0, 96, 96, steps=20)
     check_request(["a"], {"num_inference_steps": 10, "height": 96, "width": 96}, budget=budget)
     image = _b64(Image.new("RGB", (96, 96)))
-    check_request(["a"], {"num_inference_steps": 10, "height": 96, "width": 96, "image": [image]},
+    check_request(["a"], {"num_inference_steps": 10, "height": 96, "width": 96, "image": image},
                   budget=budget, input_images=4)  # 10 x (96x96 + 96x96) = the budget
     with pytest.raises(MlflowException, match=r"x \(height 96 x width 96 \+ image 18432 px\) = 276480 pixel-steps"):
-        check_request(["a"], {"num_inference_steps": 10, "height": 96, "width": 96, "image": [image] * 2},
+        check_request(["a"], {"num_inference_steps": 10, "height": 96, "width": 96, "image": json.dumps([image] * 2)},
                       budget=budget, input_images=4)
 
 
@@ -178,9 +201,32 @@ def test_an_edit_only_model_needs_an_input_image_and_pays_its_megapixel() -> Non
         limits.check_request(["make it blue"], {}, shape, convention, budget)
     assert info.value.error_code == "INVALID_PARAMETER_VALUE"
     small = _b64(Image.new("RGB", (64, 64)))
-    _, settings = limits.check_request(["make it blue"], {"image": [small]}, shape, convention, budget)
+    _, settings = limits.check_request(["make it blue"], {"image": small}, shape, convention, budget)
     assert (settings["height"], settings["width"]) == (64, 64), "made at the input image's size"
     with pytest.raises(MlflowException, match=r"x \(height 64 x width 64 \+ image 4194304 px\) = .* over this model's "
                                               r"budget of .* \(4 edits of 64x64 px at 20 steps, each with 4 input "
                                               r"images of 1 megapixel;"):
-        limits.check_request(["a"] * 4, {"image": [small] * 4, "num_images_per_prompt": 2}, shape, convention, budget)
+        limits.check_request(["a"] * 4, {"image": json.dumps([small] * 4), "num_images_per_prompt": 2}, shape,
+                             convention, budget)
+
+
+def test_mlflow_checks_the_image_param_within_a_small_multiple_of_its_size() -> None:
+    """What MLflow does with `image` before the model (the params check PyFuncModel.predict and `mlflow models
+    serve` run): the issue's 4 MB request, a list for the string param, is refused (HTTP 400) having
+    allocated a few copies of it, not count x longest x 4 bytes (1.2 GB as a list param's array)."""
+    import tracemalloc
+
+    from mlflow.models.utils import _enforce_params_schema
+
+    request = {"image": ["A" * 4_000_000] + ["x"] * 300}
+    tracemalloc.start()
+    try:
+        with pytest.raises(MlflowException, match="image") as info:
+            _enforce_params_schema(request, signature().params)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert info.value.error_code == "INVALID_PARAMETER_VALUE"
+    assert peak < 10 * 4_000_000, f"{peak / 1e6:.0f} MB to refuse a 4 MB param"
+    one = json.dumps(["A" * 4_000_000])  # the same bytes as one string: accepted as is, then checked by the model
+    assert _enforce_params_schema({"image": one}, signature().params)["image"] == one
