@@ -20,6 +20,7 @@ from typing import Any, ClassVar
 from finetune_runtime.convention import CallConvention
 from tasks.common.families.base import PredictInputs
 from tasks.common.families.flow import FlowMatchingFamily, flow_scheduler
+from tasks.common.families.qwen3_chat import Qwen3Chat
 from tasks.common.families.tiny import qwen3_config, qwen_tokenizer, seeded
 
 #: LoRA targets of diffusers' klein script: the double-stream blocks' attention projections, the
@@ -77,8 +78,9 @@ class Flux2Klein(FlowMatchingFamily):
     takes_references = True  # Flux2KleinPipeline's `image` inputs: reference tokens beside the noisy ones
     default_weighting_scheme = "none"  # train_dreambooth_lora_flux2_klein.py's default
     default_max_sequence_length = 512  # Flux2KleinPipeline's
-    #: Qwen3 hidden states that make the conditioning (Flux2KleinPipeline's text_encoder_out_layers)
-    text_encoder_out_layers: ClassVar[tuple[int, ...]] = (9, 18, 27)
+    #: Qwen3 with thinking off, its hidden states 9, 18 and 27 side by side (Flux2KleinPipeline's
+    #: text_encoder_out_layers)
+    conditioner: ClassVar[Qwen3Chat] = Qwen3Chat(thinking=False, layers=(9, 18, 27))
     # ComfyUI's FLUX.2 has BFL's module names (comfyui_layers), kohya-style; LoKr and LoHa keep
     # diffusers' under `lycoris_` (a Kronecker or Hadamard product does not fuse)
     comfyui_lora_prefixes = {"transformer": "lora_unet_"}
@@ -115,22 +117,18 @@ class Flux2Klein(FlowMatchingFamily):
     @classmethod
     def tokenize(cls, components: Any, prompts: list[str], max_sequence_length: int | None = None) -> list[Any]:
         """Each prompt as a chat turn (Qwen3's template, thinking off), padded to `max_sequence_length`."""
-        tok = components.tokenizers[0]
-        texts = [tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True,
-                                         enable_thinking=False) for p in prompts]
         length = max_sequence_length or cls.default_max_sequence_length
-        return [tok(texts, padding="max_length", max_length=length, truncation=True, return_tensors="pt").input_ids]
+        return cls.conditioner.tokenize(components.tokenizers[0], prompts, length)
 
     @classmethod
     def encode_prompt(cls, components: Any, input_ids: list[Any], text_encoders: list[Any] | None = None
                       ) -> tuple[Any, Any]:
+        """(the chosen hidden states side by side per token, None)."""
         import torch
 
         (qwen,) = text_encoders or components.text_encoders
-        ids = input_ids[0].to(next(qwen.parameters()).device)
-        mask = (ids != components.tokenizers[0].pad_token_id).long()  # the template never holds the pad token
-        out = qwen(input_ids=ids, attention_mask=mask, output_hidden_states=True, use_cache=False)
-        hidden = torch.stack([out.hidden_states[k] for k in cls.text_encoder_out_layers], dim=1)
+        layers, _ = cls.conditioner.hidden_states(qwen, input_ids[0], components.tokenizers[0].pad_token_id)
+        hidden = torch.stack(layers, dim=1)
         b, n, length, width = hidden.shape
         return hidden.permute(0, 2, 1, 3).reshape(b, length, n * width), None
 

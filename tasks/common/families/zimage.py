@@ -17,10 +17,11 @@ No text-encoder training and no textual inversion, as diffusers' train_dreamboot
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 from tasks.common.families.base import PredictInputs
 from tasks.common.families.flow import FlowMatchingFamily, flow_scheduler
+from tasks.common.families.qwen3_chat import Qwen3Chat
 from tasks.common.families.tiny import qwen3_config, qwen_tokenizer, seeded, tiny_vae
 
 
@@ -33,6 +34,8 @@ class ZImage(FlowMatchingFamily):
     trainable_text_encoders = ()
     default_weighting_scheme = "none"
     default_max_sequence_length = 512  # ZImagePipeline's
+    #: Qwen3 with thinking on, its second-to-last hidden states (ZImagePipeline's)
+    conditioner: ClassVar[Qwen3Chat] = Qwen3Chat(thinking=True, layers=(-2,))
     default_sample_size = 128  # the pipeline's 1024 px over the real VAE's factor 8
 
     @classmethod
@@ -43,20 +46,15 @@ class ZImage(FlowMatchingFamily):
     @classmethod
     def tokenize(cls, components: Any, prompts: list[str], max_sequence_length: int | None = None) -> list[Any]:
         """Each prompt as a chat turn (Qwen3's template, thinking on), padded to `max_sequence_length`."""
-        tok = components.tokenizers[0]
-        texts = [tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True,
-                                         enable_thinking=True) for p in prompts]
         length = max_sequence_length or cls.default_max_sequence_length
-        return [tok(texts, padding="max_length", max_length=length, truncation=True, return_tensors="pt").input_ids]
+        return cls.conditioner.tokenize(components.tokenizers[0], prompts, length)
 
     @classmethod
     def encode_prompt(cls, components: Any, input_ids: list[Any], text_encoders: list[Any] | None = None
                       ) -> tuple[Any, Any]:
         """(the second-to-last hidden states with the padding zeroed, the float attention mask)."""
         (qwen,) = text_encoders or components.text_encoders
-        ids = input_ids[0].to(next(qwen.parameters()).device)
-        mask = ids != components.tokenizers[0].pad_token_id  # the template never holds the pad token
-        hidden = qwen(input_ids=ids, attention_mask=mask, output_hidden_states=True).hidden_states[-2]
+        (hidden,), mask = cls.conditioner.hidden_states(qwen, input_ids[0], components.tokenizers[0].pad_token_id)
         return hidden * mask.unsqueeze(-1).to(hidden.dtype), mask.float()
 
     @classmethod
