@@ -233,7 +233,8 @@ figures: $(STAMP)
 # A registered version over HTTP (README "The registry"): MODEL (a models:/ URI), PORT, SERVE_ARGS
 # (more `mlflow models serve` options, e.g. --timeout 120 --workers 2). This environment's bin goes
 # on PATH: mlflow starts its scoring server by execing `uvicorn` by name. MLflow's CLI runs through
-# tasks.register.verified: the version's files are checked against its registered manifest first.
+# tasks.register.verified: the version's files are checked against its registered manifest first, and
+# a request body over FINETUNE_SERVE_MAX_BODY_BYTES (65 MiB) is answered 413 (tasks/register/serve_app.py).
 # MODEL unset: the champion of the model this workspace registers under (register.model_name, or the
 # name that follows what was trained: sd-dreambooth for the demo; tasks/register/naming.py).
 MODEL ?=

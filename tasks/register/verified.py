@@ -11,7 +11,8 @@ MLmodel or runs any of the model's code. It reaches MLflow in three ways:
   `mlflow.artifacts.download_artifacts`, `mlflow models serve` on a `models:/` URI;
 - `use()`, which registers it in this process, whatever is installed;
 - `python -m tasks.register.verified <mlflow arguments>`: MLflow's CLI with it registered
-  (`make serve-model` runs `models serve` this way), and `download()` (the re-scoring flow).
+  (`make serve-model` runs `models serve` this way, its server behind a request body limit:
+  tasks/register/serve_app.py), and `download()` (the re-scoring flow).
 
 Not covered: a process without this project installed (a plain MLflow install loads any file);
 URIs that bypass `models:/` (`runs:/...`, the artifact store's own `mlflow-artifacts:/`, `s3://`
@@ -108,8 +109,16 @@ def main(argv: list[str] | None = None) -> None:
 
     use()
     args = list(sys.argv[1:] if argv is None else argv)
-    if args[:2] == ["models", "serve"] and os.environ.get("LOG_LEVEL", "").strip().upper() != "DEBUG":
-        logging.getLogger("mlflow").setLevel(logging.WARNING)
+    if args[:2] == ["models", "serve"]:
+        from tasks.register import serve_app
+
+        try:
+            serve_app.serve_here()  # the request body's limit (FINETUNE_SERVE_MAX_BODY_BYTES)
+        except ValueError as err:
+            print(f"error: {err}", file=sys.stderr)
+            sys.exit(2)
+        if os.environ.get("LOG_LEVEL", "").strip().upper() != "DEBUG":
+            logging.getLogger("mlflow").setLevel(logging.WARNING)
     try:
         cli.main(args=args, prog_name="mlflow")
     except manifest.ManifestMismatch as err:

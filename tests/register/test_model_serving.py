@@ -116,6 +116,15 @@ def test_models_serve_answers_with_png_images(project: Path, tmp_path: Path) -> 
         assert "stopped a request at image" in log, log[-2000:]
 
 
+def _post_raw(url: str, body: bytes) -> tuple[int, bytes]:
+    request = urllib.request.Request(f"{url}/invocations", data=body, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=60) as resp:
+            return resp.status, resp.read()
+    except urllib.error.HTTPError as err:
+        return err.code, err.read()
+
+
 @pytest.mark.e2e
 @pytest.mark.timeout(900)
 def test_the_readmes_serve_command_runs_as_written(project: Path, tmp_path: Path) -> None:
@@ -135,7 +144,7 @@ def test_the_readmes_serve_command_runs_as_written(project: Path, tmp_path: Path
              project / "dvc.lock", project / "params.yaml")
     venv_bin = str(Path(sys.executable).parent)
     path = os.pathsep.join(p for p in os.environ["PATH"].split(os.pathsep) if p.rstrip("/") != venv_bin)
-    env = {**os.environ, "PATH": path}
+    env = {**os.environ, "PATH": path, "FINETUNE_SERVE_MAX_BODY_BYTES": "4096"}  # serve_app.py's limit, low
     port = free_port()
     log = tmp_path / "serve.log"
     with open(log, "wb") as sink:
@@ -149,6 +158,9 @@ def test_the_readmes_serve_command_runs_as_written(project: Path, tmp_path: Path
         status, answer = post(url, {"inputs": ["a photo of sks toy"], "params": {"num_inference_steps": 1}})
         assert status == 200, answer
         assert len(answer["predictions"]) == 1
+        # a body over FINETUNE_SERVE_MAX_BODY_BYTES: 413 before MLflow reads it (tasks/register/serve_app.py)
+        status, answer = _post_raw(url, json.dumps({"inputs": ["a" * 8000]}).encode())
+        assert status == 413 and answer == b"Content Too Large", (status, answer[:300])
         # uvicorn's own lines only (where it listens, each request): no MLflow INFO, download bars or
         # library warnings as the model loads and predicts (finetune_runtime/quiet.py)
         printed = [line for line in log.read_text().splitlines() if line.strip()]

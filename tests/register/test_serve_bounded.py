@@ -99,3 +99,21 @@ def test_a_4mb_image_request_is_refused_within_256mb(project: Path, tmp_path: Pa
         assert status in (400, 413), (status, answer[:500])
         assert b"image" in answer[:2000]
         assert grew_mb < LIMIT_MB, f"the server grew {grew_mb:.0f} MB for a {len(body) / 1e6:.1f} MB request"
+
+
+def test_make_serve_models_uvicorn_runs_the_limited_app(monkeypatch) -> None:
+    """`python -m tasks.register.verified models serve` has MLflow start uvicorn on serve_app's app; a
+    bad limit is named before anything is downloaded (the 413 itself: tests/register/test_model_serving.py)."""
+    from mlflow.pyfunc import scoring_server
+
+    from tasks.register import serve_app
+
+    monkeypatch.setattr(scoring_server, "get_cmd", scoring_server.get_cmd)  # restored after the test
+    serve_app.serve_here()
+    command, _ = scoring_server.get_cmd("/tmp/model", 5001, "127.0.0.1", 60, 1)
+    assert command.endswith(" tasks.register.serve_app:app") and "mlflow.pyfunc.scoring_server.app" not in command
+    monkeypatch.setenv(serve_app.MAX_BODY_ENV, "64MB")
+    with pytest.raises(ValueError, match=r"FINETUNE_SERVE_MAX_BODY_BYTES='64MB' is not a number of bytes"):
+        serve_app.serve_here()
+    monkeypatch.delenv(serve_app.MAX_BODY_ENV)
+    assert serve_app.max_body() == 4 * 16 * 2**20 + 2**20  # four 12 MB images, base64, and 1 MiB for the rest
