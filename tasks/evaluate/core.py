@@ -70,7 +70,8 @@ def evaluate(model: Path, base: Path | None, instance_data: Path, cfg: EvaluateC
     triples = _edit_set(instance_data, cfg)
     if triples:  # refused before any pipeline loads (the export's fidelity images come first)
         E.refuse_family(_family_of(model, base), triples)
-    E.refuse_no_input(_family_of(model, base), triples, instance_data)
+    if not triples and (base is not None or (Path(model) / "model_index.json").is_file()):  # (adapters without
+        E.refuse_no_input(_family_of(model, base), triples, instance_data)  # a base are refused as they load)
     held = quantized(cfg)
     if held is not None and (problem := held.problem("cpu", key="base_model_precision", section="evaluate")):
         raise UserError(problem)

@@ -170,7 +170,7 @@ def register_model(
                                 record, hub=hub_base if fits(finetuned, hub_base) else None,
                                 base_copy_max_gb=base_copy_max_gb)
         log_story(client, run_id, evaluation, shown or {},  # its run shows scores, images, what trained (story.py)
-                  run_tags(lineage, trained, steps, lock.hashes.get("data/processed")), model_id)
+                  run_tags(lineage, trained, finetuned, steps, lock.hashes.get("data/processed")), model_id)
     champion = resume.champion_to_beat(client, model_name, current_champion(client, model_name, primary_metric),
                                        unfinished, primary_metric)
     # another family's or task's champion is never re-scored or ranked against

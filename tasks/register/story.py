@@ -31,6 +31,7 @@ import urllib.parse
 from pathlib import Path
 from typing import Any
 
+from finetune_runtime import layout
 from tasks.register.lineage import Evaluation
 from tasks.register.naming import Lineage
 
@@ -64,19 +65,22 @@ def cpu_kind() -> str:
     return f"{model} ({', '.join(units)})" if units else model
 
 
-def adapter_type(trained: dict[str, Any] | None, method: str | None) -> str:
-    """What the fine-tune adds to its base: the LoRA type, an embedding, or full weights."""
+def adapter_type(trained: dict[str, Any] | None, finetuned: Path) -> str:
+    """What the fine-tune adds to its base: the LoRA type, an embedding, or full weights (from what
+    the train output holds: finetune_runtime/layout.py)."""
     if trained and trained.get("lora_type"):
         return str(trained["lora_type"])
-    if method == "textual_inversion":
-        return "embedding"
-    return "none (full weights)" if method else "unknown"
+    held = layout.contents(finetuned)
+    if held.full_pipeline:
+        return "none (full weights)"
+    return "embedding" if held.embeds is not None else "unknown"
 
 
-def run_tags(lineage: Lineage, trained: dict[str, Any] | None, steps: Any, data: str | None) -> dict[str, str]:
+def run_tags(lineage: Lineage, trained: dict[str, Any] | None, finetuned: Path, steps: Any, data: str | None
+             ) -> dict[str, str]:
     """The version's run's tags: family, task, method, adapter type, steps, data hash, CPU kind."""
     return {"family": lineage.family or "unknown", "task": lineage.task or "unknown",
-            "method": lineage.method or "unknown", "adapter": adapter_type(trained, lineage.method),
+            "method": lineage.method or "unknown", "adapter": adapter_type(trained, finetuned),
             "steps": str(steps if steps is not None else "unknown"), "data": data or "unknown",
             "cpu": cpu_kind()}
 
