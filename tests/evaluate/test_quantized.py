@@ -11,7 +11,7 @@ from tasks.common.psnr import psnr_db
 from tasks.common.quantize import following_train
 from tasks.evaluate.config import EvaluateConfig
 from tests.export.adapters import write_adapters
-from tests.export.tiny_ov import tiny_pipeline, write_subject_images
+from tests.export.tiny_ov import bf16_unet_pipeline, tiny_pipeline, write_subject_images
 
 #: The lowest per-image PSNR of int8 images against the fp32 ones of the same seeds: measured 63.2-63.8 dB
 #: on the tiny SD (2 steps, 64 px), fine-tune and base alike; identical images would score 100 (the cap).
@@ -139,18 +139,11 @@ def test_a_bf16_stored_base_is_generated_in_bf16_only_on_a_cpu_that_computes_it(
     """With a quantized denoiser the rest of the pipeline computes in bf16 where the base is stored in
     bf16 and the CPU has native bf16, in fp32 on an AVX2-only one (flags faked both ways); the
     precision is part of the protocol and the base cache's key."""
-    import shutil
-
     import torch
-    from diffusers import UNet2DConditionModel
 
     from tasks.evaluate.phases import Precision
 
-    src = tmp_path / "bf16-base"
-    shutil.copytree(tiny_pipeline(tmp_path_factory, "builtin:tiny-sd"), src)
-    unet = UNet2DConditionModel.from_pretrained(src / "unet")
-    shutil.rmtree(src / "unet")
-    unet.to(torch.bfloat16).save_pretrained(src / "unet")
+    src = bf16_unet_pipeline(tmp_path_factory, tmp_path / "bf16-base")
     monkeypatch.setenv("FINETUNE_CPU_FLAGS", "avx2 avx512f avx512_bf16 amx_bf16")
     native = Precision.of(_config(base_model_precision="int8"), src, None)
     assert native.dtype == torch.bfloat16 and native.describe() == {"all": "bf16", "denoiser": "int8-torchao"}

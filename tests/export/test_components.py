@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 from tasks.common.psnr import psnr_db
-from tests.export.tiny_ov import PARITY_FAST, exported, tiny_pipeline
+from tests.export.tiny_ov import PARITY_FAST, bf16_unet_pipeline, exported, tiny_pipeline
 
 ONE = {"components": "one_at_a_time", "parity": PARITY_FAST}
 
@@ -303,19 +303,12 @@ def test_a_skipped_export_writes_only_its_note_and_nothing_downstream_reads_it_a
 def test_a_bf16_component_loads_in_float32_where_the_cpu_would_emulate_bf16(tmp_path_factory, tmp_path, monkeypatch):
     """A component stored in bf16 loads, and its PyTorch reference runs, in bf16 on a CPU with native
     bf16 and in float32 on an AVX2-only one (flags faked both ways), whose preflight counts it twice."""
-    import shutil
-
     import torch
-    from diffusers import UNet2DConditionModel
 
     from tasks.common.errors import UserError
     from tasks.export import components
 
-    src = tmp_path / "bf16-base"
-    shutil.copytree(tiny_pipeline(tmp_path_factory, "builtin:tiny-sd"), src)
-    unet = UNet2DConditionModel.from_pretrained(src / "unet")
-    shutil.rmtree(src / "unet")
-    unet.to(torch.bfloat16).save_pretrained(src / "unet")
+    src = bf16_unet_pipeline(tmp_path_factory, tmp_path / "bf16-base")
     monkeypatch.setenv("FINETUNE_CPU_FLAGS", "avx2 avx512f avx512_bf16 amx_bf16")
     assert components.load_dtypes(src) == {"unet": torch.bfloat16, "text_encoder": torch.float32,
                                            "vae": torch.float32}

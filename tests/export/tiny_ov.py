@@ -26,6 +26,20 @@ def tiny_pipeline(tmp_path_factory: pytest.TempPathFactory, kind: str, seed: int
     return path
 
 
+def bf16_unet_pipeline(tmp_path_factory: pytest.TempPathFactory, dst: Path) -> Path:
+    """builtin:tiny-sd copied to `dst` with its UNet stored in bf16 (a base stored in 16 bits)."""
+    import shutil
+
+    import torch
+    from diffusers import UNet2DConditionModel
+
+    shutil.copytree(tiny_pipeline(tmp_path_factory, "builtin:tiny-sd"), dst)
+    unet = UNet2DConditionModel.from_pretrained(dst / "unet")
+    shutil.rmtree(dst / "unet")
+    unet.to(torch.bfloat16).save_pretrained(dst / "unet")
+    return dst
+
+
 def exported(
     tmp_path_factory: pytest.TempPathFactory, kind: str, **shape: Any
 ) -> tuple[Path, Path, dict[str, Any]]:
