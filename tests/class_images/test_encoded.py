@@ -21,17 +21,21 @@ CFG = dict(prompt="a photo of a toy", negative_prompt="blurry", resolution=64, n
            num_inference_steps=2, guidance_scale=4.0, seed=5)
 
 
+#: the built-ins that make an image from a prompt alone (an edit-only model makes no class images)
+TEXT_TO_IMAGE = sorted(kind for kind, family in BUILTINS.items() if not family.call_convention().min_input_images)
+
+
 @pytest.fixture(scope="module")
 def bases(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("bases")
-    return {kind: build_tiny_pipeline(kind, 0, root / kind.removeprefix("builtin:tiny-")) for kind in BUILTINS}
+    return {kind: build_tiny_pipeline(kind, 0, root / kind.removeprefix("builtin:tiny-")) for kind in TEXT_TO_IMAGE}
 
 
 def _pixels(folder: Path) -> list[np.ndarray]:
     return [np.asarray(Image.open(p).convert("RGB")) for p in sorted(folder.glob("*.png"))]
 
 
-@pytest.mark.parametrize("kind", sorted(BUILTINS))
+@pytest.mark.parametrize("kind", TEXT_TO_IMAGE)
 def test_released_text_encoders_make_the_whole_pipelines_images(tmp_path: Path, bases, kind: str) -> None:
     takes_negative = "negative_prompt" in inspect.signature(BUILTINS[kind].pipeline_class().__call__).parameters
     cfg = ClassImagesConfig(**{**CFG, "negative_prompt": CFG["negative_prompt"] if takes_negative else None})
@@ -76,3 +80,17 @@ def test_the_encoders_weights_are_freed_before_the_denoiser_loads(bases) -> None
     assert all(isinstance(getattr(pipe, n), Replay) for n in family.text_encoder_names)
     with pytest.raises(RuntimeError, match="released after encoding the class prompt"):
         family.generate(pipe, ["another prompt"], height=64, width=64, steps=1, guidance=4.0)
+
+
+def test_an_edit_only_base_is_refused_before_it_loads(tmp_path: Path) -> None:
+    """Qwen-Image-Edit makes no image from a prompt alone: class images are refused, naming the key to
+    turn off, before the model loads or the folder is touched."""
+    from tasks.common.errors import UserError
+
+    edit_only = [kind for kind in BUILTINS if kind not in TEXT_TO_IMAGE]
+    assert edit_only == ["builtin:tiny-qwenimage-edit"]
+    base = build_tiny_pipeline(edit_only[0], 0, tmp_path / "base")
+    with pytest.raises(UserError, match=r"Qwen-Image-Edit makes no image from a prompt alone.*"
+                                        r"train.with_prior_preservation: false"):
+        run(ClassImagesConfig(**CFG), base, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
