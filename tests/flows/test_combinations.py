@@ -35,6 +35,9 @@ REFUSED = [
      ["train does not fit the base model (Sana)", "train.lora_format: comfyui", "diffusers"]),
     ({"base.model": "builtin:tiny-flux-kontext", "train.method": "lora"},
      ["export.enabled: optimum-intel has no OpenVINO pipeline for FLUX.1 Kontext", "set export.enabled: false"]),
+    ({"base.model": "builtin:tiny-qwenimage-edit", "train.method": "lora", "export.enabled": False},
+     ["train.with_prior_preservation: Qwen-Image-Edit makes no image from a prompt alone",
+      "set train.with_prior_preservation: false"]),
     # an edit dataset: no class images beside it, a base that takes references
     ({**EDITS, "base.model": "builtin:tiny-flux2"},
      ["train.with_prior_preservation: true beside an edit dataset (ingest.sources[0].control_dir",
