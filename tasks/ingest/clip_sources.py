@@ -51,26 +51,28 @@ def iter_clips(src: ClipsSource, label: str, key: str) -> Iterator[Item]:
         subfolders = {p.name for p in here.iterdir() if p.is_dir() and not p.is_symlink()} if names else set()
         captions = {c.name for n in names if is_video(n) and (c := _sidecar(here, Path(n).stem, src))}
         for name in names:
-            rel = (here / name).relative_to(root).as_posix()
-            suffix = Path(name).suffix.lower()
             if is_video(name):
                 yield _item(src, root, here / name, label, _sidecar(here, Path(name).stem, src), (), listed)
-            elif name in captions or (suffix in src.caption_extensions and Path(name).stem in subfolders):
-                continue  # a clip's caption (a folder's: read with its folder)
-            elif suffix in src.caption_extensions:
-                yield Item.rejected(label, rel, Reject("orphan_caption", "no clip or folder of frames with this stem"))
-            elif suffix in IMAGE_EXTENSIONS:
-                if not frame_folder:
-                    yield Item.rejected(label, rel, Reject(
-                        "unsupported_extension", "an image beside the clips: put a clip's frames in a folder "
-                        "of their own (one folder per clip)"))
-            else:
-                what = suffix or "no extension"
-                yield Item.rejected(label, rel, Reject(
-                    "unsupported_extension", f"{what} is not a clip type ({', '.join(sorted(VIDEO_EXTENSIONS))})"))
+            elif name not in captions and (reject := _not_a_clip(src, name, subfolders, bool(frame_folder))):
+                yield Item.rejected(label, (here / name).relative_to(root).as_posix(), reject)
     for rel in sorted(listed):  # metadata rows naming no clip on disk
         reject = Reject("missing_image", "listed in the metadata, no clip or frame folder there")
         yield Item.rejected(label, rel, reject)
+
+
+def _not_a_clip(src: ClipsSource, name: str, subfolders: set[str], frame_folder: bool) -> Reject | None:
+    """Why a file that is not a clip is rejected; None for a folder's caption or a frame of a frame folder."""
+    suffix = Path(name).suffix.lower()
+    if suffix in src.caption_extensions:
+        if Path(name).stem in subfolders:
+            return None  # a frame folder's caption, read with its folder
+        return Reject("orphan_caption", "no clip or folder of frames with this stem")
+    if suffix in IMAGE_EXTENSIONS:
+        return None if frame_folder else Reject(
+            "unsupported_extension", "an image beside the clips: put a clip's frames in a folder of their own "
+            "(one folder per clip)")
+    return Reject("unsupported_extension",
+                  f"{suffix or 'no extension'} is not a clip type ({', '.join(sorted(VIDEO_EXTENSIONS))})")
 
 
 def _sidecar(folder: Path, stem: str, src: ClipsSource) -> Path | None:

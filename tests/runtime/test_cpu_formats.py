@@ -67,7 +67,8 @@ def test_the_environment_fakes_the_flags(monkeypatch, tmp_path) -> None:
     assert C.read_flags(tmp_path / "missing") == frozenset()
 
 
-@pytest.mark.skipif(not C.CPUINFO.is_file(), reason="no /proc/cpuinfo")
+@pytest.mark.skipif(not C.CPUINFO.is_file(),
+                    reason="no /proc/cpuinfo (not Linux): the real read is untested, the faked flags still are")
 def test_this_cpu_as_read(monkeypatch) -> None:
     """The real read: the flags' vector ISA is the one torch dispatches to (torch's own CPU probe)."""
     monkeypatch.delenv(C.FLAGS_ENV, raising=False)

@@ -46,8 +46,7 @@ class DataAssembly:
             self.cfg = self.cfg.model_copy(update={"caption_column": "text"})
             self.caption_column = "text"
         self.sample_captions = [r.text for r in instances[:4]]
-        #: the first target's reference files: the input images of a family that cannot make an image
-        #: without one (its validation images edit them, with the first caption)
+        #: the first target's reference files, which an edit model's validation images edit (validation.py)
         self.sample_references = list(instances[0].references) if instances and instances[0].references else []
         self.concept_prompts = concept_validation_prompts(self.cfg, instances)
         self.instance_texts = {r.text for r in instances}
@@ -55,18 +54,7 @@ class DataAssembly:
         if self.cfg.concepts:  # several concepts: each its prompts, class images, repeats and weight
             layout, classes, self.class_files = concept_layout(self.cfg, instances, data_dir, class_dir, self.captions)
         elif self.cfg.with_prior_preservation:
-            if class_dir is None or not Path(class_dir).is_dir():
-                raise UserError(f"prior preservation is on but the class images folder {class_dir} does not exist. "
-                                f"{CLASS_FIX}")
-            classes = read_imagefolder(class_dir, "class images", CLASS_FIX)
-            made_with = {r.text for r in classes} - {""}
-            if made_with and made_with != {self.cfg.class_prompt}:
-                log.warning("train.class_prompt %r differs from the prompt the class images were made with (%s); "
-                            "set them equal (class_images.prompt)", self.cfg.class_prompt,
-                            ", ".join(sorted(map(repr, made_with))))
-            if len(classes) < len(instances):
-                log.warning("only %d class images for %d instance images; the DreamBooth paper uses ~200",
-                            len(classes), len(instances))
+            classes = self._class_images(class_dir, len(instances))
         prompts = (f"each target's instruction, column {self.caption_column!r}: an edit dataset, train.caption_column "
                    "null" if edits else f"column {self.caption_column!r}" if self.caption_column
                    else repr(self.cfg.instance_prompt))
@@ -81,6 +69,22 @@ class DataAssembly:
                      ", ".join(f"{k}: {v}" for k, v in dataset.bucket_counts().items()))
         dataset.masked, dataset.unmasked_probability = check_masks(self.cfg, instances)
         return dataset
+
+    def _class_images(self, class_dir: Path | None, instances: int) -> list[Record]:
+        """Prior preservation's class images (one concept), with a warning where they do not match."""
+        if class_dir is None or not Path(class_dir).is_dir():
+            raise UserError(f"prior preservation is on but the class images folder {class_dir} does not exist. "
+                            f"{CLASS_FIX}")
+        classes = read_imagefolder(class_dir, "class images", CLASS_FIX)
+        made_with = {r.text for r in classes} - {""}
+        if made_with and made_with != {self.cfg.class_prompt}:
+            log.warning("train.class_prompt %r differs from the prompt the class images were made with (%s); "
+                        "set them equal (class_images.prompt)", self.cfg.class_prompt,
+                        ", ".join(sorted(map(repr, made_with))))
+        if len(classes) < instances:
+            log.warning("only %d class images for %d instance images; the DreamBooth paper uses ~200",
+                        len(classes), instances)
+        return classes
 
     def collate(self, examples: list[dict[str, Any]]) -> Batch:
         batch = collate(examples)
