@@ -3,7 +3,7 @@
     .venv/bin/python benchmarks/ingest/video_decoders.py [--extra-path DIR] [--repeat 20]
 
 The clip: 48 frames of 256 x 256 H.264 at 24 fps (2 s, about 20 KB), encoded with PyAV. Each row
-is the median of `--repeat` runs after one warm-up: every frame decoded to RGB24 numpy arrays, and
+is the median (with min and max) of `--repeat` runs after one warm-up: every frame decoded to RGB24 numpy arrays, and
 the header alone (what ingest reads before anything else: size, codec, fps, duration). imageio-ffmpeg
 is not a project dependency: install it anywhere (`pip install --target DIR imageio-ffmpeg`) and
 pass `--extra-path DIR`; without it its rows are skipped. torchvision is not installed here (it
@@ -38,14 +38,14 @@ def make_clip(path: Path, n: int = 48, size: int = 256, fps: int = 24) -> None:
         out.mux(stream.encode())
 
 
-def median_ms(fn: Callable[[], object], repeat: int) -> float:
+def spread_ms(fn: Callable[[], object], repeat: int) -> tuple[float, float, float]:
     fn()
     times = []
     for _ in range(repeat):
         start = time.perf_counter()
         fn()
         times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1000
+    return min(times) * 1000, statistics.median(times) * 1000, max(times) * 1000
 
 
 def main() -> int:
@@ -89,7 +89,8 @@ def main() -> int:
             rows += [(f"imageio-ffmpeg {imageio_ffmpeg.__version__}, every frame", iio_frames),
                      ("imageio-ffmpeg, header only", iio_header)]
         for name, fn in rows:
-            print(f"{name}: {median_ms(fn, args.repeat):.1f} ms (median of {args.repeat})")
+            low, mid, high = spread_ms(fn, args.repeat)
+            print(f"{name}: {mid:.1f} ms (median of {args.repeat}; min {low:.1f}, max {high:.1f})")
     return 0
 
 
