@@ -85,10 +85,6 @@ class QwenImageEdit(QwenImage):
     trains_embeddings = False
 
     @classmethod
-    def matches(cls, index: dict[str, Any]) -> bool:
-        return index.get("_class_name") in cls.pipeline_class_names
-
-    @classmethod
     def call_convention(cls) -> CallConvention:
         return replace(super().call_convention(), min_input_images=1, input_pixels=REFERENCE_PIXELS)
 
