@@ -10,7 +10,12 @@ optimum-intel's OpenVINO pipeline or OpenVINO GenAI's Text2ImagePipeline with th
 registered MLflow pyfunc by its alias: over HTTP with `mlflow models serve` for SD3's run-time
 adapters and the edit models, loaded by `mlflow.pyfunc.load_model` for the others, whose served
 path differs only in the family's call).
-Small settings: the point is the chain, not the images."""
+Small settings: the point is the chain, not the images.
+
+The chain's set-up and tests, shared by the modules that run them on some of the families each
+(tests/e2e/test_flow_families_*.py: `make test` runs each module whole on one worker, --dist
+loadfile, so the families of different modules run on different workers): a module names its
+families with `chain_fixtures` and imports the tests, which pytest collects there."""
 from __future__ import annotations
 
 import base64
@@ -18,6 +23,7 @@ import io
 import json
 import subprocess
 import sys
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
@@ -28,8 +34,6 @@ from safetensors.torch import load_file
 
 from tests.e2e_util import copy_repo, e2e_env
 from tests.readme_blocks import recipe, settings
-
-pytestmark = pytest.mark.e2e
 
 
 def nested(dotted: dict) -> dict:
@@ -105,6 +109,11 @@ def small_params(root: Path, name: str) -> None:
 
 
 FAMILIES = ["sd3", "flux", "flux2", "zimage", "qwenimage", "sana", "kontext", "qwenimage-edit"]
+#: the module of tests/e2e/ that runs each family (test_flow_families_<part>.py), each family in one:
+#: SD3 and Z-Image, the two longest chains, in different ones; the edit families together
+PARTS = {"sd3_flux_sana": ["sd3", "flux", "sana"], "zimage_qwenimage": ["zimage", "qwenimage"],
+         "edits": ["flux2", "kontext", "qwenimage-edit"]}
+assert sorted(sum(PARTS.values(), [])) == sorted(FAMILIES), "every family runs in exactly one module"
 #: served by `mlflow models serve` (30 s to start each); the registered versions of the others are
 #: loaded and called in this process, through the same model code
 SERVED_OVER_HTTP = {"sd3", "flux2", "kontext", "qwenimage-edit"}
@@ -134,27 +143,33 @@ def reproduce(root: Path, name: str) -> str | None:
     return None
 
 
-@pytest.fixture(scope="module")
-def reproduced_families(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
-                        ) -> dict[str, tuple[Path, Future]]:
-    """The selected families' pipelines (those whose tests were collected: `-k flux2` runs one), run
-    side by side: each is a chain of single-threaded stage processes in its own copy, so two cores
-    run them in about half the time one after another."""
-    collected = {item.callspec.params.get("pipeline") for item in request.session.items
-                 if item.module is request.module and hasattr(item, "callspec")}
-    names = [name for name in FAMILIES if name in collected]
-    roots = {name: copy_repo(tmp_path_factory.mktemp(f"{name}-e2e")) for name in names}
-    pool = ThreadPoolExecutor(max_workers=max(1, min(3, len(names))))  # more would only share two cores
-    yield {name: (root, pool.submit(reproduce, root, name)) for name, root in roots.items()}
-    pool.shutdown(wait=True)
+def chain_fixtures(part: str) -> tuple[Callable, Callable]:
+    """The `reproduced_families` and `pipeline` fixtures of the module that runs PARTS[part]: assign
+    them to those names in the module, beside the tests imported from here."""
+    families = PARTS[part]
 
+    @pytest.fixture(scope="module")
+    def reproduced_families(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+                            ) -> Iterator[dict[str, tuple[Path, Future]]]:
+        """The module's selected families' pipelines (those whose tests were collected: `-k kontext`, or
+        the node ids ending `[sana]`, run one), run side by side: each is a chain of single-threaded
+        stage processes in its own copy, so two cores run them in about half the time one after another."""
+        collected = {item.callspec.params.get("pipeline") for item in request.session.items
+                     if item.module is request.module and hasattr(item, "callspec")}
+        names = [name for name in families if name in collected]
+        roots = {name: copy_repo(tmp_path_factory.mktemp(f"{name}-e2e")) for name in names}
+        pool = ThreadPoolExecutor(max_workers=max(1, min(3, len(names))))  # more would only share two cores
+        yield {name: (root, pool.submit(reproduce, root, name)) for name, root in roots.items()}
+        pool.shutdown(wait=True)
 
-@pytest.fixture(scope="module", params=FAMILIES)
-def pipeline(request, reproduced_families) -> tuple[str, Path]:
-    root, running = reproduced_families[request.param]
-    failure = running.result()
-    assert failure is None, failure
-    return request.param, root
+    @pytest.fixture(scope="module", params=families)
+    def pipeline(request: pytest.FixtureRequest, reproduced_families) -> tuple[str, Path]:
+        root, running = reproduced_families[request.param]
+        failure = running.result()
+        assert failure is None, failure
+        return request.param, root
+
+    return reproduced_families, pipeline
 
 
 def test_the_lora_loads_with_the_family_pipeline(pipeline) -> None:
