@@ -37,7 +37,9 @@ class CallConvention:
     - input_pixels: the pixels every input image is scaled to, up or down, before it is encoded
       (Qwen-Image-Edit's megapixel), what each one costs a call; None: `edit_pixels` says;
     - one_prompt_per_call: the pipeline takes a single prompt (QwenImageEditPlusPipeline): a call of
-      several is made one prompt at a time.
+      several is made one prompt at a time;
+    - frames: a video pipeline's clip length where the caller gives none (`num_frames`; LTX-Video), its
+      output the clips (`.frames`, each a list of frames); 0: an image pipeline.
     """
 
     guidance_argument: str = "guidance_scale"
@@ -51,6 +53,7 @@ class CallConvention:
     min_input_images: int = 0
     input_pixels: int | None = None
     one_prompt_per_call: bool = False
+    frames: int = 0
 
     def as_config(self) -> dict[str, Any]:
         """The record as model_config stores it (plain JSON types)."""

@@ -22,10 +22,11 @@ from finetune_runtime.size import output_size, shape_of
 def call_arguments(prompts: list[str] | str, convention: CallConvention, *, steps: int, height: int | None = None,
                    width: int | None = None, guidance: float | None = None, negative: list[str] | str | None = None,
                    generator: Any = None, images_per_prompt: int | None = None, output_type: str | None = None,
-                   callback: Any = None, image: Any = None) -> dict[str, Any]:
+                   callback: Any = None, image: Any = None, frames: int | None = None) -> dict[str, Any]:
     """The keyword arguments of one pipeline call (the prompt by name: FLUX.2 klein's first
     positional argument is an input image). `image`: an edit's input (reference) images, a list of
-    PIL images that every prompt of the call sees (FLUX.2 klein's `image`)."""
+    PIL images that every prompt of the call sees (FLUX.2 klein's `image`). `frames`: a video
+    pipeline's clip length (the convention's where None; an image pipeline takes none)."""
     if negative is None and convention.negative_when_guided is not None and guidance is not None and guidance > 1:
         guided = convention.negative_when_guided
         negative = guided if isinstance(prompts, str) else [guided] * len(prompts)
@@ -39,6 +40,7 @@ def call_arguments(prompts: list[str] | str, convention: CallConvention, *, step
         "output_type": output_type,
         "callback_on_step_end": callback,
         "image": image,
+        "num_frames": (frames or convention.frames or None) if convention.frames else None,
     }
     if convention.area_argument is not None and height is not None and width is not None:
         optional[convention.area_argument] = height * width
@@ -49,7 +51,8 @@ def call_arguments(prompts: list[str] | str, convention: CallConvention, *, step
 def generate(pipe: Any, prompts: list[str] | str, convention: CallConvention, *, latents: Any = None,
              extra: dict[str, Any] | None = None, height: int | None = None, width: int | None = None,
              exported: tuple[int, int] | None = None, **settings: Any) -> list[Any]:
-    """`pipe`'s images for `prompts` (see call_arguments for `settings`), at the size size.py decides
+    """`pipe`'s images (a video pipeline's clips, each a list of frames) for `prompts` (see call_arguments
+    for `settings`), at the size size.py decides
     from `height`, `width`, the first input image and the pipeline (`exported`: the size a dynamic
     OpenVINO export was saved at). `latents` (a tensor or array) is passed as given; `extra`:
     arguments only some pipelines take (GenAI's `adapters`)."""
@@ -65,7 +68,8 @@ def generate(pipe: Any, prompts: list[str] | str, convention: CallConvention, *,
     kwargs = call_arguments(prompts, convention, height=height, width=width, **settings)
     if latents is not None:
         kwargs["latents"] = latents
-    return pipe(**kwargs, **(extra or {})).images
+    output = pipe(**kwargs, **(extra or {}))
+    return output.frames if convention.frames else output.images
 
 
 def _row(value: Any, i: int, prompts: int) -> Any:

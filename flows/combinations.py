@@ -79,8 +79,8 @@ def runtime_adapters(configs: Mapping[str, Any], root: Path) -> list[str]:
 
 def family_fits(configs: Mapping[str, Any], root: Path) -> list[str]:
     """What the base's family refuses, when it is known before the base stage runs: train.* settings it
-    has not (the train stage's own `check_family`: method, adapter file format, options), prior
-    preservation for a family that makes no image from a prompt alone (Qwen-Image-Edit: the class_images
+    has not (the train stage's own `check_family`: method, adapter file format, options, prior
+    preservation for a family that cannot make class images: Qwen-Image-Edit, LTX-Video; the class_images
     stage refuses it too) and an export optimum-intel has no pipeline for (FLUX.1 Kontext)."""
     train, export, base = configs.get("train"), configs.get("export"), configs.get("base")
     family = base_family(base, root) if base is not None else None
@@ -92,10 +92,6 @@ def family_fits(configs: Mapping[str, Any], root: Path) -> list[str]:
             train.check_family(family)
         except UserError as err:
             found.append(str(err))
-    if train is not None and train.with_prior_preservation and family.call_convention().min_input_images:
-        found.append(f"train.with_prior_preservation: {family.title} makes no image from a prompt alone, so it "
-                     "cannot make class images; set train.with_prior_preservation: false (it trains on an edit "
-                     "dataset, without class images)")
     if export is not None and export.enabled and family.ov_pipeline_class_name is None:
         found.append(f"export.enabled: optimum-intel has no OpenVINO pipeline for {family.title} (base.model: "
                      f"{getattr(base, 'model', '')}): set export.enabled: false (evaluate and the registered "

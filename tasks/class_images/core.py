@@ -341,10 +341,8 @@ def run(cfg: ClassImagesConfig, base: Path, out_dir: Path, pipe: Any = None, ran
     if not base.is_dir():
         raise UserError(f"base model folder {base} not found: run the `base` stage first (dvc repro base)")
     family = families.detect(base)
-    if family.call_convention().min_input_images:
-        raise UserError(f"class images: {family.title} makes no image from a prompt alone, so it cannot make class "
-                        "images for prior preservation; set train.with_prior_preservation: false (it trains on an "
-                        "edit dataset, without class images)")
+    if why := family.class_images_refusal():
+        raise UserError(f"class images: {why} for prior preservation; set train.with_prior_preservation: false")
     fingerprint = folder_fingerprint(base)
     _, precision = pipeline_choice(base, _device(device), cfg.precision)  # an emulated bf16: refused here
     log.info("class images: %s", precision.line("class_images.precision"))

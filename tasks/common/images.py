@@ -34,6 +34,14 @@ def make_grid(images: list[Image.Image], cols: int | None = None) -> Image.Image
     return grid
 
 
+def filmstrip(frames: list[Image.Image], most: int) -> Image.Image:
+    """A clip as one image: at most `most` of its frames, evenly spaced from the first to the last, in a row."""
+    if len(frames) > most > 1:
+        step = (len(frames) - 1) / (most - 1)
+        frames = [frames[round(i * step)] for i in range(most)]
+    return make_grid(frames, cols=len(frames))
+
+
 def to_rgb(image: Image.Image, background: tuple[int, int, int] = WHITE) -> Image.Image:
     """Convert any PIL mode to 8-bit RGB; transparency is composited onto `background`.
 

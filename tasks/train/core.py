@@ -25,6 +25,7 @@ from tasks.common.outputs import atomic_dir, atomic_file, check_replaceable
 from tasks.common.quantize import BasePrecision, is_quantized
 from tasks.train.backend import caches_on_host
 from tasks.train.checkpoints import CheckpointManager, run_key
+from tasks.train.clips import CLIPS_METADATA
 from tasks.train.concepts import examples_report
 from tasks.train.config import TrainConfig
 from tasks.train.data import METADATA
@@ -148,11 +149,12 @@ def train(
     accelerator = make_accelerator(cfg)
     set_seed(cfg.seed)
     method = cfg.spec.trainer_class()(cfg)
-    dataset, cfg = method.dataset(Path(data_dir), Path(class_dir) if class_dir else None), method.cfg  # fails fast
+    dataset, cfg = (method.dataset(Path(data_dir), Path(class_dir) if class_dir else None, family.video),
+                    method.cfg)  # fails fast
     _refuse_data_no_ops(cfg, method, dataset)
     refuse_references(family, dataset.instances)  # edit datasets: a family that takes references,
     refuse_reference_settings(cfg, dataset.instances)  # and no class images beside them
-    data_files = [Path(data_dir) / METADATA]
+    data_files = [Path(data_dir) / (CLIPS_METADATA if family.video else METADATA)]
     if cfg.with_prior_preservation and class_dir is not None:
         data_files += method.class_files or [Path(class_dir) / METADATA]  # train.concepts: one per concept
     key, info = run_key(cfg, base, data_files, accelerator.num_processes)

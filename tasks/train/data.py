@@ -30,6 +30,7 @@ from torch.utils.data import Dataset, Sampler
 from tasks.common.errors import UserError
 from tasks.common.images import apply_exif_orientation, cover_size, follow_geometry, to_rgb
 from tasks.train.batch import Batch
+from tasks.train.clips import clip_digest, clip_pixels
 from tasks.train.layout import Layout
 from tasks.train.references import load_references, stack_references
 
@@ -52,6 +53,7 @@ class Record:
     repeats: int = 1  # times an epoch shows it (ingest's; train.concepts may override)
     mask: Path | None = None  # the subject mask (`mask_file_name`, from the ingest stage)
     references: tuple[Path, ...] = ()  # reference images of an edit triple (`reference_file_names`, ingest)
+    frames: tuple[Path, ...] = ()  # a clip's frames (a video model's data: `path` is the clip's folder, clips.py)
 
     def image_size(self) -> tuple[int, int]:
         """(height, width) of the upright image: the metadata's, else read from the file's header."""
@@ -222,19 +224,24 @@ class TrainDataset(Dataset):
         self.bucket_of = assign([r.image_size() for r in self.instances], self.buckets) if self.buckets else []
 
     def target(self, index: int) -> tuple[int, int]:
-        """(height, width) the example at `index` trains at."""
+        """(height, width) the example at `index` trains at (a clip: its own, ingest's bucket)."""
+        record = self.instances[self.layout.instance(index)]
+        if record.frames:
+            return record.size
         if not self.buckets:
             return (self.resolution, self.resolution)
         return self.buckets[self.bucket_of[self.layout.instance(index)]]
 
     def batch_groups(self) -> list[tuple[int, int]] | None:
         """What each example's batch must share, per example index (for the batch sampler): its bucket (one
-        size) and its number of reference images (an edit's; one token sequence length). None when every
-        example shares both (no buckets, one reference count): batches are then drawn from all of them."""
+        size) and its number of reference images (an edit's; one token sequence length); a clip its size
+        and frame count. None when every example shares them (no buckets, one reference count, clips of
+        one bucket): batches are then drawn from all of them."""
         counts = [len(r.references) for r in self.instances]
-        if not self.buckets and len(set(counts)) <= 1:
+        clips = [(r.size, len(r.frames)) if r.frames else None for r in self.instances]
+        if not self.buckets and len(set(counts)) <= 1 and len(set(clips)) <= 1:
             return None
-        return [(self.bucket_of[j] if self.buckets else 0, counts[j])
+        return [(self.bucket_of[j] if self.buckets else 0, counts[j], clips[j])
                 for j in map(self.layout.instance, range(len(self)))]
 
     def bucket_counts(self) -> dict[str, int]:
@@ -286,7 +293,8 @@ class TrainDataset(Dataset):
 
     def _cached(self, record: Record, target: tuple[int, int], flip: bool) -> dict[str, Any] | None:
         digest = self.latent_store.hashes.digest
-        key = latent_key(digest(record.path), target, flip, self.mask_digest(record, digest))
+        content = clip_digest(record.frames, digest) if record.frames else digest(record.path)
+        key = latent_key(content, target, flip, self.mask_digest(record, digest))
         entry = self.latent_store.get(key)
         if entry is None or (self.masks(record) and "mask" not in entry):
             return None
@@ -309,6 +317,10 @@ class TrainDataset(Dataset):
             cached = self._cached(record, target, flip)
             if cached is not None:
                 return cached
+        if record.frames:  # a clip: ingest sampled and sized it, so no crop (clips.py)
+            return {"pixels": clip_pixels(record.frames, target, flip), "original_size": target,
+                    "crop_top_left": (0, 0), "target_size": target, "mask": None,
+                    "latent_key": latent_key(clip_digest(record.frames), target, flip)}
         data = record.path.read_bytes()
         with Image.open(io.BytesIO(data)) as im:
             pixels, original, crop = prepare_image(im, target, self.center_crop, flip, rng)
@@ -377,7 +389,7 @@ def collate(examples: list[dict[str, Any]]) -> Batch:
     decoded = [p["pixels"] for p in parts if p["pixels"] is not None]
     height, width = parts[0]["target_size"]
     return Batch(
-        pixels=torch.stack(decoded) if decoded else torch.empty(0, 3, height, width),
+        pixels=torch.stack(decoded) if decoded else torch.empty(0, 3, height, width),  # (clips: the same, stacked)
         cached_latents=[p.get("latent") for p in parts] if len(decoded) < len(parts) else None,
         prompts=prompts,
         latent_keys=[p["latent_key"] for p in parts],

@@ -22,7 +22,7 @@ CFG = dict(prompt="a photo of a toy", negative_prompt="blurry", resolution=64, n
 
 
 #: the built-ins that make an image from a prompt alone (an edit-only model makes no class images)
-TEXT_TO_IMAGE = sorted(kind for kind, family in BUILTINS.items() if not family.call_convention().min_input_images)
+TEXT_TO_IMAGE = sorted(kind for kind, family in BUILTINS.items() if not family.class_images_refusal())
 
 
 @pytest.fixture(scope="module")
@@ -87,9 +87,9 @@ def test_an_edit_only_base_is_refused_before_it_loads(tmp_path: Path) -> None:
     turn off, before the model loads or the folder is touched."""
     from tasks.common.errors import UserError
 
-    edit_only = [kind for kind in BUILTINS if kind not in TEXT_TO_IMAGE]
-    assert edit_only == ["builtin:tiny-qwenimage-edit"]
-    base = build_tiny_pipeline(edit_only[0], 0, tmp_path / "base")
+    assert sorted(kind for kind in BUILTINS if kind not in TEXT_TO_IMAGE) == ["builtin:tiny-ltx",
+                                                                              "builtin:tiny-qwenimage-edit"]
+    base = build_tiny_pipeline("builtin:tiny-qwenimage-edit", 0, tmp_path / "base")
     with pytest.raises(UserError, match=r"Qwen-Image-Edit makes no image from a prompt alone.*"
                                         r"train.with_prior_preservation: false"):
         run(ClassImagesConfig(**CFG), base, tmp_path / "out")

@@ -13,7 +13,8 @@ pytestmark = pytest.mark.quick  # make test-fast
 
 @pytest.mark.parametrize("kind, latent_channels", [("builtin:tiny-sd3", 16), ("builtin:tiny-flux", 16),
                                                     ("builtin:tiny-flux2", 8), ("builtin:tiny-zimage", 16),
-                                                    ("builtin:tiny-qwenimage", 4), ("builtin:tiny-sana", 4)])
+                                                    ("builtin:tiny-qwenimage", 4), ("builtin:tiny-sana", 4),
+                                                    ("builtin:tiny-ltx", 8)])
 def test_builtins_are_recognised(tmp_path, kind, latent_channels) -> None:
     """(Same seed, same bytes: tests/base/test_base.py, for every built-in.)"""
     family = families.BUILTINS[kind]

@@ -38,6 +38,8 @@ REFUSED = [
     ({"base.model": "builtin:tiny-qwenimage-edit", "train.method": "lora", "export.enabled": False},
      ["train.with_prior_preservation: Qwen-Image-Edit makes no image from a prompt alone",
       "set train.with_prior_preservation: false"]),
+    ({"base.model": "builtin:tiny-ltx", "train.method": "lora"},
+     ["train.with_prior_preservation: LTX-Video trains on clips", "set train.with_prior_preservation: false"]),
     # an edit dataset: no class images beside it, a base that takes references
     ({**EDITS, "base.model": "builtin:tiny-flux2"},
      ["train.with_prior_preservation: true beside an edit dataset (ingest.sources[0].control_dir",

@@ -154,3 +154,8 @@ def edit_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
         row["reference_file_names"] = names
     (folder / "metadata.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     return folder
+
+
+@pytest.fixture(scope="session")
+def tiny_ltx(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _builtin(tmp_path_factory, "ltx")

@@ -17,6 +17,7 @@ from tasks.common.families.base import Components, ModelFamily, PredictInputs
 from tasks.common.families.flux import Flux
 from tasks.common.families.flux2 import Flux2Klein
 from tasks.common.families.kontext import FluxKontext
+from tasks.common.families.ltx import LTXVideo
 from tasks.common.families.qwenimage import QwenImage
 from tasks.common.families.qwenimage_edit import QwenImageEdit
 from tasks.common.families.sana import Sana
@@ -27,7 +28,7 @@ from tasks.common.families.zimage import ZImage
 
 #: Every family, in the order detection tries them (the more specific first).
 FAMILIES: tuple[type[ModelFamily], ...] = (StableDiffusionXL, StableDiffusion3, StableDiffusion, Flux, Flux2Klein,
-                                           ZImage, QwenImage, Sana, FluxKontext, QwenImageEdit)
+                                           ZImage, QwenImage, Sana, FluxKontext, QwenImageEdit, LTXVideo)
 #: `base.model` values of the built-in tiny models.
 BUILTINS: dict[str, type[ModelFamily]] = {f.builtin: f for f in FAMILIES}
 

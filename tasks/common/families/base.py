@@ -118,6 +118,8 @@ class ModelFamily:
     #: its text encoder sees the reference images too (Qwen-Image-Edit): `encode_batch_text` takes them,
     #: and training does not cache text embeddings (a target's conditioning is its prompt and its references)
     text_sees_references: ClassVar[bool] = False
+    #: a video model: trains on clips (ingest's clips.jsonl, pixels (3, F, H, W)), its pipeline makes clips
+    video: ClassVar[bool] = False
     #: a new text embedding trains here (what textual inversion needs; tasks/train/methods/spec.py asks)
     trains_embeddings: ClassVar[bool] = True
     #: peft target modules of the denoiser's and the text encoders' attention projections
@@ -352,6 +354,13 @@ class ModelFamily:
         return CallConvention(guidance_argument=cls.guidance_argument, default_sample_size=cls.default_sample_size,
                                input_images=MAX_INPUT_IMAGES if cls.takes_references else 0,
                                latent_patch=max(1, cls.pixel_multiple // 8))
+
+    @classmethod
+    def class_images_refusal(cls) -> str | None:
+        """Why prior preservation's class images cannot be made with this family (None: they can)."""
+        if cls.call_convention().min_input_images:
+            return f"{cls.title} makes no image from a prompt alone, so it cannot make class images"
+        return None
 
     @classmethod
     def latent_shape(cls, pipe: Any, height: int, width: int) -> tuple[int, ...]:

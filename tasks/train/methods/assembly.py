@@ -10,6 +10,7 @@ import numpy as np
 
 from tasks.common.errors import UserError
 from tasks.train.batch import Batch
+from tasks.train.clips import read_clips
 from tasks.train.concepts import concept_layout, concept_validation_prompts, log_concepts
 from tasks.train.data import Record, TrainDataset, collate, read_imagefolder
 from tasks.train.masks import check_masks
@@ -36,11 +37,14 @@ class DataAssembly:
         captioned = self.caption_column is not None or any(c.instance_prompt is None for c in self.cfg.concepts)
         return captioned and self.captions.varies
 
-    def dataset(self, data_dir: Path, class_dir: Path | None) -> TrainDataset:
+    def dataset(self, data_dir: Path, class_dir: Path | None, video: bool = False) -> TrainDataset:
         """Instance images (and class images with prior preservation); UserError when inputs are missing.
         An edit dataset with train.caption_column null sets `cfg.caption_column` to 'text' (its instructions):
-        the caller reads `self.cfg` after this, so the run key and the report follow what trains."""
-        instances = read_imagefolder(data_dir, "instance images", INGEST_FIX, self.caption_column or "text")
+        the caller reads `self.cfg` after this, so the run key and the report follow what trains.
+        `video`: the base is a video model, whose instances are ingest's clips (tasks/train/clips.py)."""
+        column = self.caption_column or "text"
+        instances = (read_clips(data_dir, "instance clips", INGEST_FIX, column, Record) if video
+                     else read_imagefolder(data_dir, "instance images", INGEST_FIX, column))
         edits = self.caption_column is None and self.cfg.spec.reads_captions and any(r.references for r in instances)
         if edits:  # an edit dataset: each target trains on its instruction (its caption), not the instance prompt
             self.cfg = self.cfg.model_copy(update={"caption_column": "text"})
@@ -58,8 +62,8 @@ class DataAssembly:
         prompts = (f"each target's instruction, column {self.caption_column!r}: an edit dataset, train.caption_column "
                    "null" if edits else f"column {self.caption_column!r}" if self.caption_column
                    else repr(self.cfg.instance_prompt))
-        log.info("%s data: %d instance images (prompts: %s)%s", self.name, len(instances), prompts,
-                 f", {len(classes)} class images" if classes else "")
+        log.info("%s data: %d instance %s (prompts: %s)%s", self.name, len(instances), "clips" if video else "images",
+                 prompts, f", {len(classes)} class images" if classes else "")
         dataset = TrainDataset(instances, classes, self.prompt, self.cfg.class_prompt, self.cfg.resolution,
                                self.cfg.center_crop, self.cfg.random_flip, self.cfg.seed,
                                self.cfg.buckets() if self.cfg.enable_bucket else None, layout)

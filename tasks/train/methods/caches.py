@@ -13,6 +13,7 @@ from PIL import Image
 from tqdm import tqdm
 
 from tasks.common.memory import release_memory
+from tasks.train.clips import clip_digest, clip_pixels
 from tasks.train.concepts import concept_prompts
 from tasks.train.data import latent_key, prepare_image
 from tasks.train.diffusion import LatentCache, PromptCache
@@ -100,6 +101,12 @@ class Caches:
         bar = tqdm(todo, desc="latent cache", unit="image", disable=None if accelerator.is_local_main_process else True)
         with torch.no_grad(), accelerator.autocast():
             for record, target, flip in bar:
+                if record.frames:  # a clip (tasks/train/clips.py): its own size, no crop, mask or references
+                    key = latent_key(clip_digest(record.frames, hashes.digest if hashes is not None else None),
+                                     target, flip)
+                    if key not in cache.store:
+                        cache.encode(vae, key, clip_pixels(record.frames, target, flip)[None], target, (0, 0))
+                    continue
                 data = None if hashes is not None else record.path.read_bytes()
                 digest = hashes.digest(record.path) if hashes is not None else hashlib.sha256(data).hexdigest()
                 mask_digest = dataset.mask_digest(record, hashes.digest if hashes is not None else None)

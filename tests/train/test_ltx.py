@@ -1,0 +1,94 @@
+"""LTX-Video: trained on ingest's clips, conditioned and called as LTXPipeline does."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from tasks.common import families
+from tasks.common.errors import UserError
+from tasks.common.families.base import PredictInputs
+from tests.conftest import REPO
+from tests.train.test_references import _config
+
+
+@pytest.fixture(scope="module")
+def clips_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The demo clips (data/demo/clips, `make data`) through the ingest stage at 64 px: two of 17 frames, one of 9."""
+    from tests.ingest.util import config, run
+
+    out = tmp_path_factory.mktemp("ltx") / "processed"
+    run(config([{"type": "clips", "path": str(REPO / "data" / "demo" / "clips")}], video={"resolution": 64}), out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def ltx_pipe(tiny_ltx):
+    from diffusers import LTXPipeline
+
+    return LTXPipeline.from_pretrained(tiny_ltx)
+
+
+def test_the_family_encodes_and_predicts_what_the_pipeline_computes(tiny_ltx, ltx_pipe) -> None:
+    """The first step of LTXPipeline (17 frames, 64 px, no guidance), the transformer's call seen by a hook: the
+    family's conditioning equals the pipeline's, its prediction from the unpacked latents is the
+    transformer's output unpacked, and its generation is a filmstrip of the clip's frames."""
+    from diffusers import LTXPipeline as Pipe
+
+    family = families.detect(tiny_ltx)
+    assert family.name == "ltx" and family.video
+    seen = []
+    hook = ltx_pipe.transformer.register_forward_hook(lambda m, a, kw, out: seen.append((kw, out[0])), with_kwargs=True)
+    with torch.no_grad():
+        clips = family.generate_clips(ltx_pipe, ["a toy robot waving"], steps=2, height=64, width=64, frames=17,
+                                      guidance=1.0, generator=torch.Generator().manual_seed(0))
+    hook.remove()
+    assert len(clips[0]) == 17 and clips[0][0].size == (64, 64)
+    kwargs, output = seen[0]
+    components = family.load_components(tiny_ltx)
+    ids = family.tokenize(components, ["a toy robot waving"])
+    with torch.no_grad():
+        hidden, mask = family.encode_prompt(components, ids)
+    assert torch.equal(hidden, kwargs["encoder_hidden_states"])
+    assert torch.equal(mask.bool(), kwargs["encoder_attention_mask"])
+    assert (kwargs["num_frames"], kwargs["height"], kwargs["width"]) == (3, 2, 2)  # 17 frames / 8, 64 px / 32
+    noisy = Pipe._unpack_latents(kwargs["hidden_states"], 3, 2, 2)
+    inputs = PredictInputs(resolution=64, guidance_scale=1.0)
+    with torch.no_grad():
+        pred = family.predict(ltx_pipe.transformer, noisy, kwargs["timestep"], hidden, mask, inputs)
+    assert torch.equal(pred, Pipe._unpack_latents(output, 3, 2, 2))
+    strip = family.generate(ltx_pipe, ["a toy"], steps=2, height=64, width=64, frames=17)[0]
+    assert strip.size == (9 * 64, 64)  # nine frames of the 17, side by side
+
+
+def test_ltx_trains_a_lora_on_the_demo_clips(tmp_path, tiny_ltx, clips_dir) -> None:
+    """Two LoRA steps on the demo clips (batches of one bucket: 64x64 with 17 or 9 frames), latents cached
+    before the first step, a validation filmstrip; the adapter loads into LTXPipeline."""
+    from diffusers import LTXPipeline
+
+    from tasks.train.core import train
+
+    rows = [json.loads(line) for line in (clips_dir / "clips.jsonl").read_text().splitlines()]
+    assert sorted(r["bucket"] for r in rows) == ["64x64x17", "64x64x17", "64x64x9"]
+    cfg = _config(tmp_path, method="lora", resolution=64, train_batch_size=2, caption_column="text",
+                  num_validation_images=1, validation_inference_steps=2)
+    outcome = train(cfg, tiny_ltx, clips_dir, None, tmp_path / "out")
+    losses = [h.loss for h in outcome.history]
+    assert outcome.family == "ltx" and len(losses) == 2 and all(np.isfinite(losses)), losses
+    pipe = LTXPipeline.from_pretrained(tiny_ltx)
+    pipe.load_lora_weights(tmp_path / "out")
+    assert any("lora" in n for n, _ in pipe.transformer.named_parameters())
+
+
+def test_ltx_refuses_data_without_clips_and_prior_preservation(tmp_path, tiny_ltx, instance_dir) -> None:
+    from tasks.train.core import train
+
+    with pytest.raises(UserError, match=r"clips.jsonl not found: a video model trains on clips"):
+        train(_config(tmp_path, method="lora"), tiny_ltx, instance_dir, None, tmp_path / "out")
+    with pytest.raises(UserError, match=r"with_prior_preservation: LTX-Video trains on clips.*set "
+                                        r"train.with_prior_preservation: false"):
+        train(_config(tmp_path, method="lora", with_prior_preservation=True), tiny_ltx, instance_dir, None,
+              tmp_path / "out")
