@@ -28,11 +28,12 @@ def _images(folder: Path) -> None:
     (folder / "toy.txt").write_text("a photo of sks toy\n")
 
 
-@pytest.fixture
-def project(tmp_path: Path) -> Path:
+@pytest.fixture(scope="module")
+def project_template(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The project's dvc.yaml, params.yaml and .gitignore in a fresh git + DVC repository, with
-    a tiny subject folder where params.yaml's ingest.data_dir points, and a second one."""
-    root = tmp_path / "project"
+    a tiny subject folder where params.yaml's ingest.data_dir points, and a second one (made once
+    per module: `dvc init` is a process of its own)."""
+    root = tmp_path_factory.mktemp("template") / "project"
     root.mkdir()
     for name in ("dvc.yaml", "params.yaml", ".gitignore"):
         shutil.copy(REPO / name, root / name)
@@ -47,6 +48,12 @@ def project(tmp_path: Path) -> Path:
     _git(root, "-c", "user.name=t", "-c", "user.email=t@example.com", "commit", "-q", "-m", "init")
     assert _git(root, "ls-files", data_dir, "data/mine") == ""  # git ignores both: only a copy brings them
     return root
+
+
+@pytest.fixture
+def project(project_template: Path, tmp_path: Path) -> Path:
+    """A copy of the project repository for this test alone."""
+    return shutil.copytree(project_template, tmp_path / "project", symlinks=True)
 
 
 def test_pipeline_paths_are_read_as_dvc_interpolates_them(project: Path) -> None:

@@ -6,6 +6,7 @@ flow runs it) runs the stage instead of restoring either. Plain DVC and git, no 
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -34,23 +35,34 @@ def dvc(root: Path, *args: str) -> str:
     return sh(root, sys.executable, "-m", "dvc", *args)
 
 
-@pytest.fixture
-def team(tmp_path: Path) -> tuple[Path, Path]:
-    """The team's repository (its evaluate run, dvc.lock committed, pushed) and its remote."""
-    origin, remote = tmp_path / "origin", tmp_path / "remote"
+@pytest.fixture(scope="module")
+def team_template(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The team's repository (its evaluate run, dvc.lock committed, pushed) in origin/ and its remote
+    in remote/ beside it, made once per module (a dozen `dvc` processes): origin names the remote by
+    a relative path, so each copy of the folder is a team of its own."""
+    base = tmp_path_factory.mktemp("team")
+    origin = base / "origin"
     origin.mkdir()
     sh(origin, "git", "init", "-q")
     dvc(origin, "init", "-q")
     (origin / "dvc.yaml").write_text(yaml.safe_dump({"stages": {"evaluate": {
         "cmd": f'python -c "{GATE}"', "deps": ["in.txt"], "outs": ["gate.json"]}}}, width=1000))
     (origin / "in.txt").write_text("one")
-    dvc(origin, "remote", "add", "-d", "team", str(remote))
+    dvc(origin, "remote", "add", "-d", "team", "../remote")
     dvc(origin, "remote", "modify", "team", "verify", "true")
     dvc(origin, "repro", "-q")
     dvc(origin, "push", "--run-cache", "-q")
     sh(origin, "git", "add", "-A")
     sh(origin, *GIT, "commit", "-q", "-m", "evaluate ran")
-    return origin, remote
+    return base
+
+
+@pytest.fixture
+def team(team_template: Path, tmp_path: Path) -> tuple[Path, Path]:
+    """A copy of the team's repository and its remote, for this test alone."""
+    for name in ("origin", "remote"):
+        shutil.copytree(team_template / name, tmp_path / name, symlinks=True)
+    return tmp_path / "origin", tmp_path / "remote"
 
 
 def machine(origin: Path, name: str, data: str) -> Path:
