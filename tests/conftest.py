@@ -34,12 +34,24 @@ def disk_syncs(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, ...]]:
 
 
 @pytest.fixture(scope="session")
-def migrated_mlflow_db(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """An empty MLflow SQLite store with its schema created once (migrations take seconds)."""
+def migrated_mlflow_db(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """An empty MLflow SQLite store with its schema created once: its migrations take 5 s of a core (20 s
+    on a busy 2-core machine), which every xdist worker paid before its first test. Kept in pytest's
+    cache (.pytest_cache/d/mlflow-schema) per MLflow version, the schema's only source, so later
+    workers and runs copy it; each test still gets its own copy (isolated_mlflow)."""
+    import mlflow
     from mlflow.tracking import MlflowClient
 
+    cache = getattr(request.config, "cache", None)  # None under -p no:cacheprovider
+    cached = cache.mkdir("mlflow-schema") / f"mlflow-{mlflow.__version__}.db" if cache else None
+    if cached is not None and cached.is_file():
+        return cached
     path = tmp_path_factory.mktemp("mlflow-template") / "mlflow.db"
     MlflowClient(tracking_uri=f"sqlite:///{path}").search_experiments()
+    if cached is not None:  # whole or not at all: workers may write it at once
+        partial = cached.with_name(f"{cached.name}.{os.getpid()}.partial")
+        shutil.copy(path, partial)
+        os.replace(partial, cached)
     return path
 
 
