@@ -39,7 +39,8 @@ class CallConvention:
     - one_prompt_per_call: the pipeline takes a single prompt (QwenImageEditPlusPipeline): a call of
       several is made one prompt at a time;
     - frames: a video pipeline's clip length where the caller gives none (`num_frames`; LTX-Video), its
-      output the clips (`.frames`, each a list of frames); 0: an image pipeline.
+      output the clips (`.frames`, each a list of frames); 0: an image pipeline;
+    - count_argument: the keyword of the outputs per prompt (LTX-Video's `num_videos_per_prompt`).
     """
 
     guidance_argument: str = "guidance_scale"
@@ -54,6 +55,7 @@ class CallConvention:
     input_pixels: int | None = None
     one_prompt_per_call: bool = False
     frames: int = 0
+    count_argument: str = "num_images_per_prompt"
 
     def as_config(self) -> dict[str, Any]:
         """The record as model_config stores it (plain JSON types)."""

@@ -32,7 +32,7 @@ def call_arguments(prompts: list[str] | str, convention: CallConvention, *, step
         negative = guided if isinstance(prompts, str) else [guided] * len(prompts)
     optional = {
         "negative_prompt": negative,
-        "num_images_per_prompt": images_per_prompt,
+        convention.count_argument: images_per_prompt,
         "height": height,
         "width": width,
         convention.guidance_argument: guidance,

@@ -122,15 +122,20 @@ class LTXVideo(FlowMatchingFamily):
         """Clips of `frames` frames (DEFAULT_FRAMES where the caller gives none) at the frame rate training's
         rotary positions used."""
         return replace(super().call_convention(), arguments={"frame_rate": FRAME_RATE}, latent_patch=1,
-                       frames=DEFAULT_FRAMES)
+                       frames=DEFAULT_FRAMES, count_argument="num_videos_per_prompt")
 
     @classmethod
     def generate(cls, pipe: Any, prompts: list[str] | str, *, steps: int, latents: Any = None,
                  extra: dict[str, Any] | None = None, **settings: Any) -> list[Any]:
-        """One filmstrip image per clip (`generate_clips` gives the frames)."""
+        """One image per clip (`generate_clips` gives the frames): a filmstrip of PIL frames, or with
+        `output_type` "np" every frame side by side as one (H, F x W, C) array (what parity compares)."""
+        import numpy as np
+
         from tasks.common.images import filmstrip
 
         clips = cls.generate_clips(pipe, prompts, steps=steps, latents=latents, extra=extra, **settings)
+        if isinstance(clips, np.ndarray) or (clips and isinstance(clips[0], np.ndarray)):
+            return [np.concatenate(list(frames), axis=1) for frames in clips]
         return [filmstrip(frames, FILMSTRIP_FRAMES) for frames in clips]
 
     @classmethod
