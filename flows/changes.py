@@ -4,12 +4,16 @@ The nightly deployment runs the flow with `only_if_changed=True`; with nothing n
 seconds and register nothing. "Changed" is decided from what DVC and the registry already record,
 never from timestamps:
 
-1. `dvc status`: any stage whose code, data (new, edited or deleted files in a dependency folder,
-   e.g. an ingest source folder), parameters or outputs differ from dvc.lock. With a DVC remote
+1. `dvc status`: any stage whose code, data (new, edited or deleted files in a dependency folder),
+   parameters or outputs differ from dvc.lock. With a DVC remote
    (flows/remote.py), outputs and deps that are only missing here (a new clone, an empty cache)
    are not changes: the run pulls them, as `dvc repro --allow-missing` would skip them.
-2. Every local folder source in `ingest.sources` must be a dependency of a stage in dvc.yaml;
-   otherwise DVC cannot see its new files, so it counts as changed (and says why).
+   The data folder (`ingest.data_dir`) is versioned through its manifest (tasks/ingest/manifest.py,
+   dvc.yaml's `data_manifest` stage, whose status is always "always changed"): the manifest is
+   built here, opening nothing but regular files, and compared with the one dvc.lock records.
+2. Every local folder source in `ingest.sources` must be a dependency of a stage in dvc.yaml (or
+   inside the folder of a manifest one depends on); otherwise DVC cannot see its new files, so it
+   counts as changed (and says why).
 3. dvc.lock against the last registered version's lineage: the `inputs` (output hashes and stage
    params tasks/register reads from the same dvc.lock) of the version's lineage document, read
    from its own run (tasks/register/registry.py `read_lineage`), never its editable
@@ -34,7 +38,7 @@ from typing import Any
 import yaml
 
 from flows.dvc_stage import MISSING, dvc_status
-from tasks.ingest.deps import interpolate
+from tasks.ingest.deps import interpolate, manifest_stages
 from tasks.register.resume import INCOMPLETE, REGISTRATION_TAG, is_incomplete
 
 #: The model version tag naming the DVC experiment a version was built in (flows/finetune.py).
@@ -90,6 +94,9 @@ def unwatched_sources(root: Path) -> list[str]:
             dep = interpolate(str(dep), params)  # `${ingest.data_dir}` as DVC fills it in
             if dep is not None:
                 deps.add(Path(dep).as_posix().rstrip("/"))
+    # A dependency on a data manifest (tasks/ingest/manifest.py) watches the folder it lists.
+    deps |= {Path(m.data).as_posix().rstrip("/") for m in manifest_stages(stages, params)
+             if Path(m.out).as_posix() in deps}
     missing = []
     ingest = params.get("ingest") or {}
     for source in ingest.get("sources") or []:
@@ -101,6 +108,31 @@ def unwatched_sources(root: Path) -> list[str]:
         if not any(norm == d or norm.startswith(d + "/") for d in deps):
             missing.append(norm)
     return missing
+
+
+def manifest_changes(root: Path) -> tuple[set[str], list[str]]:
+    """The data manifest stages of dvc.yaml (their `dvc status` is always "always changed"), and
+    a reason for each whose folder differs now from the manifest dvc.lock records: the manifest
+    is built here as its stage would build it (lstat only, regular files hashed), never by DVC."""
+    import hashlib
+
+    from tasks.ingest import manifest
+
+    params = yaml.safe_load((root / "params.yaml").read_text()) or {}
+    stages = (yaml.safe_load((root / "dvc.yaml").read_text()) or {}).get("stages") or {}
+    lock_path = root / "dvc.lock"
+    lock = (yaml.safe_load(lock_path.read_text()) or {}).get("stages") or {} if lock_path.is_file() else {}
+    names, reasons = set(), []
+    for found in manifest_stages(stages, params):
+        names.add(found.name)
+        outs = {str(o.get("path")): o.get("md5") for o in (lock.get(found.name) or {}).get("outs") or []}
+        state = manifest.read_state(root / found.state) if found.state else None
+        now = hashlib.md5(manifest.dumps(manifest.build(root / found.data, state, warn=lambda _: None)))
+        # DVC hashes text files with CRLF turned into LF; the manifest has no CR, so md5 is the same.
+        if outs.get(found.out) != now.hexdigest():
+            reasons.append(f"stage '{found.name}': the data folder {found.data} differs from the manifest "
+                           f"dvc.lock records ({found.out}): new, edited or removed files")
+    return names, reasons
 
 
 def lineage_of_workspace(root: Path) -> dict[str, str] | None:
@@ -157,7 +189,10 @@ def detect_changes(root: Path, model_name: str | None, tracking_uri: str,
     """Compare the workspace (dvc status, dvc.lock, sources) with the last registered version
     (with `include_experiments`, one registered from a DVC experiment counts too; with
     `allow_missing`, data only missing here is no change)."""
-    reasons = _status_reasons(dvc_status(root), allow_missing)
+    manifests, reasons = manifest_changes(root)
+    status = {stage: [e for e in entries if not (stage in manifests and e == "always changed")]
+              for stage, entries in dvc_status(root).items()}
+    reasons += _status_reasons(status, allow_missing)
     reasons += [f"source folder {p} is not a dependency of any stage in dvc.yaml, so DVC cannot "
                 "tell whether it has new files (add it to the ingest stage's deps)"
                 for p in unwatched_sources(root)]

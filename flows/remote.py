@@ -109,7 +109,22 @@ def pipeline_inputs(root: Path) -> Inputs:
                     deps.append(os.path.relpath(dep.fs_path, top))
                 else:
                     outside.append(dep.fs_path)
+    for folder in _manifest_folders(root, outs):
+        (outside if os.path.isabs(folder) else deps).append(folder)
     return Inputs(sorted(set(deps)), sorted(set(outside)), sorted(set(outs)), sorted(sources))
+
+
+def _manifest_folders(root: Path, outs: list[str]) -> list[str]:
+    """The data folders dvc.yaml's data manifest stages list (tasks/ingest/manifest.py): inputs of
+    the pipeline as much as a folder dependency, though DVC only sees their manifest."""
+    import yaml
+
+    from tasks.ingest.deps import manifest_stages
+
+    params = yaml.safe_load((root / "params.yaml").read_text()) if (root / "params.yaml").is_file() else {}
+    stages = (yaml.safe_load((root / "dvc.yaml").read_text()) or {}).get("stages") or {}
+    return [os.path.normpath(m.data) for m in manifest_stages(stages, params or {})
+            if os.path.normpath(m.out) in outs]
 
 
 def _git_tracks(root: Path, path: str) -> bool:
