@@ -24,6 +24,7 @@ from prefect.states import Completed, State
 from flows import dvc_stage, experiment, report
 from flows import remote as dvc_remote
 from flows.changes import detect_changes
+from flows.data_check import check_tracked_folders
 from flows.params import check_params, stage_output, validate_overrides
 from flows.parent_run import ParentRun, parent_run
 from flows.sections import stage_names
@@ -199,10 +200,13 @@ def check_overrides(root: Path, overrides: dict[str, Any] | None) -> dict[str, A
     its stage's typed config: docs/parameters.md), every section validates as its config, no
     combination a later stage refuses is set (flows/params.py `check_params`); and, when there are
     any, the git repository they run in as a DVC experiment.
-    A UserError naming the key otherwise. Reads files only (and asks git): the CLI calls it before
-    Prefect starts a server, the flow again for runs started by a deployment."""
+    A UserError naming the key otherwise; and one naming each FIFO, socket or device in a folder
+    tracked with `dvc add`, which DVC would block on (flows/data_check.py). Reads files only (and
+    asks git): the CLI calls it before Prefect starts a server, the flow again for runs started by
+    a deployment."""
     applied = validate_overrides(root / "params.yaml", overrides)
     check_params(root / "params.yaml", applied)  # every section, and what a later stage would refuse
+    check_tracked_folders(root)  # no FIFO where DVC hashes a folder itself (flows/data_check.py)
     if applied:
         experiment.require_git(root)
     return applied

@@ -129,6 +129,21 @@ def build(root: Path, state: dict[str, Any] | None = None,
     return {"version": VERSION, "entries": dict(sorted(entries.items()))}
 
 
+def special_files(root: Path) -> list[tuple[Path, str]]:
+    """(path, what it is) of every FIFO, socket or device below `root`, and every link to one, by
+    `lstat`/`stat` only: what DVC would block on or never finish reading if it hashed `root`."""
+    found = []
+    for rel, info in _walk(Path(root), {}):
+        path = Path(root) / rel
+        try:
+            mode = os.stat(path).st_mode if stat.S_ISLNK(info.st_mode) else info.st_mode
+        except OSError:
+            continue  # a broken link: DVC fails on it at once, it does not block
+        if special := special_kind(mode):
+            found.append((path, ("a link to " if stat.S_ISLNK(info.st_mode) else "") + special[1]))
+    return found
+
+
 def dumps(manifest: Mapping[str, Any]) -> bytes:
     """The manifest's bytes: the same folder always gives the same bytes (what DVC hashes)."""
     return (json.dumps(manifest, indent=1, sort_keys=True) + "\n").encode()
