@@ -34,11 +34,8 @@ def make_grid(images: list[Image.Image], cols: int | None = None) -> Image.Image
     return grid
 
 
-def filmstrip(frames: list[Image.Image], most: int) -> Image.Image:
-    """A clip as one image: at most `most` of its frames, evenly spaced from the first to the last, in a row."""
-    if len(frames) > most > 1:
-        step = (len(frames) - 1) / (most - 1)
-        frames = [frames[round(i * step)] for i in range(most)]
+def filmstrip(frames: list[Image.Image]) -> Image.Image:
+    """A clip as one image: its frames side by side, in order (tasks/common/scoring.py's split_frames cuts it back)."""
     return make_grid(frames, cols=len(frames))
 
 

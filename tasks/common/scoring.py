@@ -5,6 +5,11 @@
 - CLIP-I and DINO (subject fidelity): cosine of each generated image's CLIP resp. DINO image
   embedding with every real instance image, averaged.
 
+A video model's clip (`frames` > 1: each generated image is a filmstrip of that many frames side by
+side, as the family's `generate` makes it) is scored frame by frame and averaged per clip, against
+the instance clips' frames (`load_instance_images`); it also gets `temporal_consistency`, the mean
+cosine of consecutive frames' DINO embeddings (1: the frames do not change).
+
 `evaluate` scores the fine-tune and the base with this; `train` scores the validation images of
 each checkpoint with it to keep the best one. Embeddings are L2-normalised (N, D) arrays.
 """
@@ -26,6 +31,10 @@ from tasks.common.tiny_encoders import LoadedEncoder, load_clip, load_dino
 #: The metrics a set of generated images gets without a second model (base or export): what
 #: `Scorer.scores` returns, evaluate reports (and the export's deltas) and checkpoints are ranked by.
 IMAGE_METRICS = ("clip_t", "clip_i", "dino")
+#: a clip's extra metric (video models): how alike its consecutive frames are
+TEMPORAL = "temporal_consistency"
+#: frames of each instance clip that are its subject images (evenly spaced, the first and last among them)
+FRAMES_PER_CLIP = 4
 IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".webp", ".bmp"}
 
 
@@ -62,7 +71,8 @@ def clip_t_text(prompt: str, identifier: str | None) -> str:
 
 
 def load_instance_images(folder: Path) -> list[Image.Image]:
-    """The processed instance images: those listed in metadata.jsonl, else every image file."""
+    """The processed instance images: those listed in metadata.jsonl, else every image file; where
+    there are none but clips (clips.jsonl), FRAMES_PER_CLIP frames of each clip."""
     folder = Path(folder)
     if not folder.is_dir():
         raise UserError(f"{folder} does not exist: run the ingest stage first (dvc repro ingest)")
@@ -72,6 +82,8 @@ def load_instance_images(folder: Path) -> list[Image.Image]:
         paths = [folder / json.loads(line)["file_name"] for line in lines]
     else:
         paths = sorted(p for p in folder.iterdir() if p.suffix.lower() in IMAGE_SUFFIXES)
+    if not paths and (folder / "clips.jsonl").is_file():
+        paths = _clip_frames(folder)
     if not paths:
         raise UserError(f"{folder} holds no instance images; check the ingest stage's report")
     images = []
@@ -79,6 +91,24 @@ def load_instance_images(folder: Path) -> list[Image.Image]:
         with Image.open(path) as im:
             images.append(to_rgb(im).copy())
     return images
+
+
+def _clip_frames(folder: Path) -> list[Path]:
+    """FRAMES_PER_CLIP evenly spaced frames of each clip clips.jsonl lists."""
+    paths = []
+    for line in (folder / "clips.jsonl").read_text().splitlines():
+        if line.strip():
+            row = json.loads(line)
+            names = row["frame_files"]
+            picks = np.linspace(0, len(names) - 1, min(FRAMES_PER_CLIP, len(names))).round().astype(int)
+            paths += [folder / row["file_name"] / names[i] for i in dict.fromkeys(picks.tolist())]
+    return paths
+
+
+def split_frames(strip: Image.Image, frames: int) -> list[Image.Image]:
+    """A filmstrip of `frames` equal frames side by side, as its frames."""
+    width = strip.width // frames
+    return [strip.crop((k * width, 0, (k + 1) * width, strip.height)) for k in range(frames)]
 
 
 @dataclass
@@ -95,22 +125,29 @@ class Encoders:
 
 
 class Scorer:
-    """CLIP-T / CLIP-I / DINO of generated images against prompt texts and the instance images."""
+    """CLIP-T / CLIP-I / DINO of generated images against prompt texts and the instance images;
+    `frames` > 1: each image is a clip's filmstrip, scored per frame (module docstring)."""
 
-    def __init__(self, clip: LoadedEncoder, dino: LoadedEncoder, texts: np.ndarray, real: list[Any]) -> None:
-        self.clip, self.dino, self.texts = clip, dino, texts
+    def __init__(self, clip: LoadedEncoder, dino: LoadedEncoder, texts: np.ndarray, real: list[Any],
+                 frames: int = 1) -> None:
+        self.clip, self.dino, self.texts, self.frames = clip, dino, texts, frames
         self.real_clip, self.real_dino = clip.embed_images(real), dino.embed_images(real)
 
     def scores(self, images: list[list[Any]]) -> tuple[dict[str, float], list[dict[str, float]]]:
-        """Overall and per-prompt scores of images[p][j] (prompt p's j-th image)."""
-        flat = [im for row in images for im in row]
-        prompt_of = [p for p, row in enumerate(images) for _ in row]
+        """Overall and per-prompt scores of images[p][j] (prompt p's j-th image or clip)."""
+        f = self.frames
+        flat = [frame for row in images for im in row for frame in (split_frames(im, f) if f > 1 else [im])]
+        prompt_of = [p for p, row in enumerate(images) for _ in row for _ in range(f)]
         clip_emb, dino_emb = self.clip.embed_images(flat), self.dino.embed_images(flat)
         clip_t = clip_t_scores(self.texts[: len(images)], clip_emb, prompt_of)
         clip_i = cosine_matrix(clip_emb, self.real_clip).mean(axis=1)  # per image, over the real images
         dino = cosine_matrix(dino_emb, self.real_dino).mean(axis=1)
-        idx = np.asarray(prompt_of)
-        per_image = dict(zip(IMAGE_METRICS, (clip_t, clip_i, dino), strict=True))
+        per_image = {name: value.reshape(-1, f).mean(axis=1)  # per clip: the mean of its frames
+                     for name, value in zip(IMAGE_METRICS, (clip_t, clip_i, dino), strict=True)}
+        if f > 1:
+            clips = unit_rows(dino_emb).reshape(-1, f, dino_emb.shape[1])
+            per_image[TEMPORAL] = (clips[:, 1:] * clips[:, :-1]).sum(axis=2).mean(axis=1)
+        idx = np.asarray(prompt_of[::f])
         per_prompt = [{k: float(v[idx == p].mean()) for k, v in per_image.items()} for p in range(len(images))]
         overall = {k: float(v.mean()) for k, v in per_image.items()}
         return overall, per_prompt

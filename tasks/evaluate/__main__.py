@@ -32,16 +32,19 @@ from tasks.common.images import make_grid
 from tasks.common.openvino_model import export_or_none
 from tasks.common.outputs import atomic_dir, check_replaceable, write_json
 from tasks.common.quantize import following_train
+from tasks.common.scoring import split_frames
 from tasks.common.tracking import stage_run
 from tasks.evaluate.config import EvaluateConfig
 from tasks.evaluate.core import Result, evaluate
 
 log = logging.getLogger("tasks.evaluate")
+#: preview.gif's frame time (8 fps: ingest.video.fps's default, what the demo clips train at)
+PREVIEW_MS_PER_FRAME = 125
 
 
 def write_plots(result: Result, out: Path, images_per_prompt: int) -> dict[str, Path]:
     """grid.png (one row per prompt), grid_base.png, per_prompt.csv (and for an edit set
-    grid_edits.png, per_edit.csv) into `out`."""
+    grid_edits.png, per_edit.csv; for a video model preview.gif, the fine-tune's first clip) into `out`."""
     paths = {"grid": out / "grid.png", "csv": out / "per_prompt.csv"}
     flat = [im for row in result.images for im in row]
     make_grid(flat, cols=images_per_prompt).save(paths["grid"])
@@ -57,6 +60,10 @@ def write_plots(result: Result, out: Path, images_per_prompt: int) -> dict[str, 
             paths["grid_export"]
         )
     _write_csv(paths["csv"], result.rows)
+    if (frames := result.extra.get("frames", 1)) > 1:  # a video model: its images are filmstrips
+        paths["preview"] = out / "preview.gif"
+        first, *rest = split_frames(result.images[0][0], frames)
+        first.save(paths["preview"], save_all=True, append_images=rest, duration=PREVIEW_MS_PER_FRAME, loop=0)
     edit_grid = result.extra.get("edit_grid")
     if edit_grid:  # an edit dataset: a row per triple (references, target, fine-tune's, base's edit)
         paths["grid_edits"], paths["edits_csv"] = out / "grid_edits.png", out / "per_edit.csv"

@@ -67,6 +67,7 @@ def evaluate(model: Path, base: Path | None, instance_data: Path, cfg: EvaluateC
         raise UserError("evaluate.heldout.enabled needs --heldout-data (held-out captioned images)")
     prompts, clip_texts = render_prompts(cfg)
     real_images = load_instance_images(instance_data)
+    frames = _family_of(model, base).call_convention().frames or 1  # a video model's clips: scored per frame
     triples = _edit_set(instance_data, cfg)
     if triples:  # refused before any pipeline loads (the export's fidelity images come first)
         E.refuse_family(_family_of(model, base), triples)
@@ -82,7 +83,7 @@ def evaluate(model: Path, base: Path | None, instance_data: Path, cfg: EvaluateC
                         triples, peaks)
     with peaks.phase("score"):  # the encoders load once every pipeline is gone
         start = time.perf_counter()
-        scores = _score(cfg, made, triples, prompts, clip_texts, real_images)
+        scores = _score(cfg, made, triples, prompts, clip_texts, real_images, frames)
         made.seconds["score"] = round(time.perf_counter() - start, 3)
         release_memory()
     report = _gate_and_report(cfg, scores, made, prompts, clip_texts, real_images)
@@ -92,7 +93,7 @@ def evaluate(model: Path, base: Path | None, instance_data: Path, cfg: EvaluateC
                  if triples else None)
     return Result(report, scores.rows, made.tuned["main"][0], made.based["main"][0] if made.based else None,
                   {"export_images": made.exported["images"] if made.exported else None,
-                   "edit_grid": edit_grid}, scores.edit_rows)
+                   "edit_grid": edit_grid, "frames": frames}, scores.edit_rows)
 
 
 @dataclass
@@ -105,11 +106,12 @@ class _Scores:
 
 
 def _score(cfg: EvaluateConfig, made: Generated, triples: list[E.Triple], prompts: list[str],
-           clip_texts: list[str], real_images: list[Image.Image]) -> _Scores:
-    """Every score of `made`, with the encoders loaded for it (and dropped on return)."""
+           clip_texts: list[str], real_images: list[Image.Image], frames: int = 1) -> _Scores:
+    """Every score of `made`, with the encoders loaded for it (and dropped on return); `frames` > 1:
+    each image is a clip's filmstrip (tasks/common/scoring.py)."""
     encoders = Encoders.load(cfg.clip_model, cfg.dino_model, cfg.encoder_seed, cfg.clip_revision,
                              cfg.dino_revision, key="evaluate")
-    scorer = Scorer(encoders.clip, encoders.dino, encoders.clip.embed_texts(clip_texts), real_images)
+    scorer = Scorer(encoders.clip, encoders.dino, encoders.clip.embed_texts(clip_texts), real_images, frames)
     metrics, rows = _fine_tuning_metrics(scorer, prompts, clip_texts, made.tuned, made.based, made.heldout)
     edit_metrics, edit_rows = _edit_scores(encoders, triples, made, cfg.identifier)
     metrics.update(edit_metrics)

@@ -166,7 +166,8 @@ def train(
     components, base_info = _load_parts(cfg, base, method, accelerator, peaks)
     prompts = cfg.validation_prompts or method.validation_prompts()
     validate = live_validator(method, base, cfg, accelerator, prompts)
-    judge = (CheckpointJudge(cfg.checkpoint_scoring, prompts, Path(data_dir), accelerator.is_main_process)
+    judge = (CheckpointJudge(cfg.checkpoint_scoring, prompts, Path(data_dir), accelerator.is_main_process,
+                             family.call_convention().frames or 1)
              if cfg.scores_checkpoints else None)  # rank 0 scores; the others receive its records
     with peaks.phase("steps"):  # the latent cache's fill included
         result = run_loop(method, dataset, cfg, accelerator, checkpoints, resume_from, callbacks, validate, judge)

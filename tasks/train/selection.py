@@ -74,7 +74,7 @@ class CheckpointJudge:
     """
 
     def __init__(self, scoring: CheckpointScoringConfig, prompts: list[str], instance_dir: Path,
-                 scores: bool = True) -> None:
+                 scores: bool = True, frames: int = 1) -> None:
         self.metric, self.goal = scoring.scored_metric(), str(scoring.goal)
         self.prompts = list(prompts)
         self.scorer: Scorer | None = None
@@ -84,7 +84,7 @@ class CheckpointJudge:
             encoders = Encoders.load(str(scoring.clip_model), str(scoring.dino_model), int(scoring.encoder_seed or 0),
                                      scoring.clip_revision, scoring.dino_revision, key="train.checkpoint_scoring")
         texts = encoders.clip.embed_texts([clip_t_text(p, scoring.identifier) for p in self.prompts])
-        self.scorer = Scorer(encoders.clip, encoders.dino, texts, load_instance_images(instance_dir))
+        self.scorer = Scorer(encoders.clip, encoders.dino, texts, load_instance_images(instance_dir), frames)
 
     def score(self, step: int, images: dict[str, list[Image.Image]], loss: float) -> dict[str, Any]:
         """The report's record of one checkpoint: step, loss, scores and whether it collapsed."""

@@ -11,6 +11,7 @@ import torch
 from tasks.common import families
 from tasks.common.errors import UserError
 from tasks.common.families.base import PredictInputs
+from tasks.common.scoring import split_frames
 from tests.conftest import REPO
 from tests.train.test_references import _config
 
@@ -60,8 +61,12 @@ def test_the_family_encodes_and_predicts_what_the_pipeline_computes(tiny_ltx, lt
     with torch.no_grad():
         pred = family.predict(ltx_pipe.transformer, noisy, kwargs["timestep"], hidden, mask, inputs)
     assert torch.equal(pred, Pipe._unpack_latents(output, 3, 2, 2))
-    strip = family.generate(ltx_pipe, ["a toy"], steps=2, height=64, width=64, frames=17)[0]
-    assert strip.size == (9 * 64, 64)  # nine frames of the 17, side by side
+    seed = torch.Generator().manual_seed(0)
+    strip = family.generate(ltx_pipe, ["a toy"], steps=2, height=64, width=64, frames=17, generator=seed)[0]
+    clip = family.generate_clips(ltx_pipe, ["a toy"], steps=2, height=64, width=64, frames=17,
+                                 generator=torch.Generator().manual_seed(0))[0]
+    assert strip.size == (17 * 64, 64)  # every frame, side by side; the scorer cuts them back
+    assert [np.asarray(f).tolist() for f in split_frames(strip, 17)] == [np.asarray(f).tolist() for f in clip]
 
 
 def test_ltx_trains_a_lora_on_the_demo_clips(tmp_path, tiny_ltx, clips_dir) -> None:

@@ -26,7 +26,8 @@ at (ingest.video.fps), and every generation passes it (the call convention), so 
 generation see the same positions. The clips a fine-tune makes play at the sampled fps.
 
 Generation returns clips (`LTXPipelineOutput.frames`); `generate` gives each as a filmstrip image
-(evenly chosen frames side by side), which the image consumers (validation grids) show.
+(every frame side by side), which the image consumers show (validation, evaluate's grids, the
+export's parity) and evaluate's scorer cuts back into frames (tasks/common/scoring.py).
 
 LoRA on the attention's q/k/v/out (the targets of the LTX-Video LoRAs that SimpleTuner and
 diffusion-pipe train); the T5 encoder never trains. No ComfyUI file (its LTXV key map is unchecked
@@ -46,8 +47,6 @@ from tasks.common.families.tiny import seeded, t5_config, t5_tokenizer
 FRAME_RATE = 25
 #: frames a generation makes when its caller gives none (9: the shortest clip the 8x VAE takes beyond one frame)
 DEFAULT_FRAMES = 9
-#: frames a filmstrip shows at most (evenly chosen, the first and last among them)
-FILMSTRIP_FRAMES = 9
 
 
 class LTXVideo(FlowMatchingFamily):
@@ -127,7 +126,7 @@ class LTXVideo(FlowMatchingFamily):
     @classmethod
     def generate(cls, pipe: Any, prompts: list[str] | str, *, steps: int, latents: Any = None,
                  extra: dict[str, Any] | None = None, **settings: Any) -> list[Any]:
-        """One image per clip (`generate_clips` gives the frames): a filmstrip of PIL frames, or with
+        """One image per clip (`generate_clips` gives the frames): a filmstrip of every PIL frame, or with
         `output_type` "np" every frame side by side as one (H, F x W, C) array (what parity compares)."""
         import numpy as np
 
@@ -136,7 +135,7 @@ class LTXVideo(FlowMatchingFamily):
         clips = cls.generate_clips(pipe, prompts, steps=steps, latents=latents, extra=extra, **settings)
         if isinstance(clips, np.ndarray) or (clips and isinstance(clips[0], np.ndarray)):
             return [np.concatenate(list(frames), axis=1) for frames in clips]
-        return [filmstrip(frames, FILMSTRIP_FRAMES) for frames in clips]
+        return [filmstrip(frames) for frames in clips]
 
     @classmethod
     def generate_clips(cls, pipe: Any, prompts: list[str] | str, *, steps: int, latents: Any = None,
