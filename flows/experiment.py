@@ -12,7 +12,7 @@ This module does what `--temp` does, with those inputs carried over:
    not ignore are carried over; the overrides are written into the experiment's params.yaml only;
    then every dep and out of dvc.yaml that git does not track, as DVC reads dvc.yaml there (its
    `${...}` filled in from that params.yaml, overrides included: `${ingest.data_dir}`, the
-   folder of your images), is carried over: copied,
+   folder of your images, which its manifest stage lists), is carried over: copied,
    except the files of cached outputs, which are hard-linked when possible (before a stage runs,
    DVC deletes its outputs, or for a `persist: true` one copies every hard-linked file back into
    a file of its own, and stages write outputs to a new folder, so a link is never written
@@ -148,12 +148,24 @@ def _pipeline_paths(dest: Path) -> tuple[list[str], set[str]]:
                     if not isinstance(d, ParamsDependency)]
             outs = [(_repo_path(o, repo.root_dir), o.use_cache and not (o.metric or o.plot))
                     for s in stages for o in s.outs]
+            deps += _manifest_folders(stages, repo.root_dir)
     except DvcException as err:
         raise UserError(f"DVC cannot read the pipeline in {dest}: {err}. Fix dvc.yaml or "
                         "params.yaml (or the overrides), then run again; `dvc stage list` shows "
                         "the same error") from err
     paths = [p for p in [*deps, *(path for path, _ in outs)] if p is not None]
     return list(dict.fromkeys(paths)), {path for path, link in outs if link and path is not None}
+
+
+def _manifest_folders(stages: Any, root_dir: str) -> list[str]:
+    """The data folders the stages' data manifests list (tasks/ingest/manifest.py): the pipeline
+    reads them as much as a folder dependency, though its deps name only their manifest."""
+    from tasks.ingest.deps import manifest_stages
+
+    by_name = {s.name: s for s in stages}
+    found = manifest_stages({name: {"cmd": s.cmd} for name, s in by_name.items()}, {})  # cmd: resolved
+    return [m.data if os.path.isabs(m.data)
+            else os.path.relpath(os.path.join(by_name[m.name].wdir, m.data), root_dir) for m in found]
 
 
 def _untracked_by_git(root: Path, paths: list[str]) -> list[str]:
