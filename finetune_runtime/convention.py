@@ -40,7 +40,8 @@ class CallConvention:
       several is made one prompt at a time;
     - frames: a video pipeline's clip length where the caller gives none (`num_frames`; LTX-Video), its
       output the clips (`.frames`, each a list of frames); 0: an image pipeline;
-    - count_argument: the keyword of the outputs per prompt (LTX-Video's `num_videos_per_prompt`).
+    - count_argument: the keyword of the outputs per prompt (LTX-Video's `num_videos_per_prompt`);
+    - fps: a video pipeline's clips play at this rate (the served MP4's, evaluate's preview).
     """
 
     guidance_argument: str = "guidance_scale"
@@ -56,6 +57,7 @@ class CallConvention:
     one_prompt_per_call: bool = False
     frames: int = 0
     count_argument: str = "num_images_per_prompt"
+    fps: float = 0.0
 
     def as_config(self) -> dict[str, Any]:
         """The record as model_config stores it (plain JSON types)."""

@@ -82,14 +82,16 @@ SERVING_DEFAULTS: dict[str, Any] = {"budget_images": 4.0, "max_waiting": 4, "ada
 TIMEOUT_ENV = "MLFLOW_SCORING_SERVER_REQUEST_TIMEOUT"  # what `mlflow models serve --timeout` sets
 
 
-def signature() -> Any:
-    """Prompts in (a string column), base64 PNGs out, SETTINGS as typed optional params."""
+def signature(video: bool = False) -> Any:
+    """Prompts in (a string column), base64 PNGs out (a video model's: base64 MP4s, column `video`),
+    SETTINGS as typed optional params."""
     from mlflow.models import ModelSignature
     from mlflow.types.schema import ColSpec, ParamSchema, ParamSpec, Schema
 
     return ModelSignature(
         inputs=Schema([ColSpec("string")]),  # unnamed: a plain list of prompts validates
-        outputs=Schema([ColSpec("string", "prompt"), ColSpec("long", "seed"), ColSpec("string", "image")]),
+        outputs=Schema([ColSpec("string", "prompt"), ColSpec("long", "seed"),
+                        ColSpec("string", "video" if video else "image")]),
         params=ParamSchema([ParamSpec(n, s.type, s.default) for n, s in SETTINGS.items()]
                            + [ParamSpec(ADAPTER_PARAM, "string", ""),
                               # an edit's input images: one string (a base64 file or a JSON list of them), not
@@ -146,7 +148,9 @@ class Budget:
     that size join every step beside it, so each of the `images` counts them: a budget of 4 holds 4
     edits at the default size with every input image a call may take (else one default edit with 4
     inputs, 5 images' pixels, would be over the default budget of 4, and an edit of an input image
-    twice the default side, made at that size, would be refused at the default settings)."""
+    twice the default side, made at that size, would be refused at the default settings).
+
+    A video model's output is a clip of `frames` frames: each frame's pixels count (frames x steps x pixels)."""
 
     images: float
     height: int
@@ -156,11 +160,14 @@ class Budget:
     #: the pixels each input image is encoded at whatever its size (CallConvention.input_pixels), or None:
     #: at the default size
     input_pixels: int | None = None
+    #: the frames of a video model's clip (1: an image)
+    frames: int = 1
 
     @property
     def default_image(self) -> int:
-        """The pixel-steps of one image (an edit model's: one edit, its input images included) at the defaults."""
-        return self.steps * (self.height * self.width + self.input_images * self._input_size())
+        """The pixel-steps of one image (an edit model's: one edit, its input images included; a video model's:
+        one clip) at the defaults."""
+        return self.steps * (self.height * self.width * self.frames + self.input_images * self._input_size())
 
     def _input_size(self) -> int:
         return self.input_pixels or self.height * self.width
@@ -168,6 +175,9 @@ class Budget:
     def describe(self) -> str:
         """'4 images of 64x64 px at 20 steps'; an edit model's: '4 edits of ..., each with 4 input images of
         that size'."""
+        if self.frames > 1:
+            return (f"{self.images:g} clips of {self.frames} frames of {self.height}x{self.width} px at "
+                    f"{self.steps} steps")
         if not self.input_images:
             return f"{self.images:g} images of {self.height}x{self.width} px at {self.steps} steps"
         mp = (self.input_pixels or 0) / 2**20
@@ -186,16 +196,16 @@ class Budget:
         edit's input images, as encoded (their tokens join every step)."""
         height, width = settings["height"], settings["width"]
         per_prompt, steps = settings["num_images_per_prompt"], settings["num_inference_steps"]
-        cost = prompts * per_prompt * steps * (height * width + input_pixels)
+        cost = prompts * per_prompt * steps * (height * width * self.frames + input_pixels)
         if cost <= self.pixel_steps:
             return
         pixels = f"(height {height} x width {width} + {images.IMAGE_PARAM} {input_pixels} px)" if input_pixels \
-            else f"height {height} x width {width}"
+            else f"height {height} x width {width}" + (f" x {self.frames} frames" if self.frames > 1 else "")
         raise bad_request(
             f"request cost {prompts} prompts x num_images_per_prompt {per_prompt} x num_inference_steps "
             f"{steps} x {pixels} = {cost} pixel-steps ({cost / self.default_image:.3g} "
-            f"default {'edits' if self.input_images else 'images'}) is over this model's budget of "
-            f"{self.pixel_steps} ({self.describe()}; model_config budget_images): lower "
+            f"default {'edits' if self.input_images else 'clips' if self.frames > 1 else 'images'}) is over this "
+            f"model's budget of {self.pixel_steps} ({self.describe()}; model_config budget_images): lower "
             "num_images_per_prompt, num_inference_steps, height or width, or split the request")
 
 

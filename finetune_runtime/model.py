@@ -12,9 +12,11 @@ base export's endpoint `adapter`, and for a model that edits (its call conventio
 their types, defaults and ranges, refuses anything outside them with HTTP 400, and bounds a
 request's cost, queue and time; size.py decides the size of every image. Output: a DataFrame with
 `prompt`, `seed` and `image` (a base64-encoded PNG), one row per image, which `mlflow models serve`
-returns as JSON. Image k of the request (prompt by prompt, then image by image) is generated with
-seed `seed + k`, one image per pipeline call, so results do not depend on the batch and
-static-shape OpenVINO exports (batch 1) accept any number of prompts.
+returns as JSON; a video model's (its call convention's `frames`) has `video` instead, a base64 MP4
+(H.264) of the clip at the convention's `fps`, and its budget counts every frame. Image k of the
+request (prompt by prompt, then image by image) is generated with seed `seed + k`, one image per
+pipeline call, so results do not depend on the batch and static-shape OpenVINO exports (batch 1)
+accept any number of prompts.
 """
 from __future__ import annotations
 
@@ -42,6 +44,24 @@ def to_png_base64(image: Any) -> str:
     return base64.b64encode(buf.getvalue()).decode("ascii")
 
 
+def to_mp4_base64(frames: list[Any], fps: float) -> str:
+    """A clip's PIL frames as a base64 MP4 (H.264, yuv420p, PyAV's bundled FFmpeg)."""
+    from fractions import Fraction
+
+    import av
+    import numpy as np
+
+    buf = io.BytesIO()
+    with av.open(buf, "w", format="mp4") as out:
+        stream = out.add_stream("libx264", rate=Fraction(fps).limit_denominator(1001))
+        stream.width, stream.height = frames[0].size
+        stream.pix_fmt = "yuv420p"
+        for frame in frames:
+            out.mux(stream.encode(av.VideoFrame.from_ndarray(np.asarray(frame.convert("RGB")), format="rgb24")))
+        out.mux(stream.encode())
+    return base64.b64encode(buf.getvalue()).decode("ascii")
+
+
 class DiffusionImageModel(mlflow.pyfunc.PythonModel):
     """Prompts in, base64 PNGs out; the pipeline is loaded once per process."""
 
@@ -64,7 +84,8 @@ class DiffusionImageModel(mlflow.pyfunc.PythonModel):
         self.shape = shape_of(self.pipe, self.convention, loaded.exported)
         self.budget = limits.Budget(config["budget_images"], *self.shape.default,
                                     input_images=self.convention.input_images,
-                                    input_pixels=self.convention.input_pixels)
+                                    input_pixels=self.convention.input_pixels, frames=self.convention.frames or 1)
+        self.output = "video" if self.convention.frames else "image"
         # `mlflow models serve` runs each request in a thread of its worker: a pipeline (its
         # scheduler's step state, OpenVINO's infer requests) must not run two calls at once.
         self.turns = limits.Turns(config["max_waiting"])
@@ -98,7 +119,7 @@ class DiffusionImageModel(mlflow.pyfunc.PythonModel):
                 raise limits.timed_out(
                     f"stopped after {self.timeout_s:g} s ({limits.TIMEOUT_ENV}), at image {len(rows) + 1} of "
                     f"{len(prompts) * per_prompt}, {stop}: lower the cost or raise the server's --timeout") from None
-        return pd.DataFrame(rows, columns=["prompt", "seed", "image"])
+        return pd.DataFrame(rows, columns=["prompt", "seed", self.output])
 
     def _adapter_spec(self, spec: str, settings: dict[str, Any]) -> str | None:
         """The `adapter` param checked before the queue (no look-up): None where the endpoint
@@ -145,5 +166,7 @@ class DiffusionImageModel(mlflow.pyfunc.PythonModel):
             guidance=settings["guidance_scale"], height=settings["height"], width=settings["width"],
             generator=torch.Generator("cpu").manual_seed(seed), extra=settings["adapters"],
             callback=None if deadline is None else limits.stop_at(deadline), image=settings["image"] or None)[0]
+        if self.output == "video":  # a clip: its frames
+            return {"prompt": prompt, "seed": seed, "video": to_mp4_base64(image, self.convention.fps)}
         return {"prompt": prompt, "seed": seed, "image": to_png_base64(image)}
 

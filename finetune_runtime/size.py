@@ -57,7 +57,7 @@ def _default_side(pipe: Any, convention: CallConvention) -> int:
 def shape_of(pipe: Any, convention: CallConvention, exported: tuple[int, int] | None = None) -> Shape:
     """What `pipe` makes. `exported`: the size a dynamic-shape OpenVINO export was saved at, its
     default (optimum-intel's dynamic load forgets it and would use the denoiser's sample size)."""
-    multiple = int(getattr(pipe, "vae_scale_factor", 8))
+    multiple = int(getattr(pipe, "vae_scale_factor", None) or getattr(pipe, "vae_spatial_compression_ratio", 8))
     height, width = getattr(pipe, "height", -1), getattr(pipe, "width", -1)
     if isinstance(height, int) and isinstance(width, int) and height > 0 and width > 0:
         return Shape((height, width), True, multiple)

@@ -282,8 +282,9 @@ class IngestConfig(StageConfig):
 
     data_dir: Path | None = Field(
         Path("data/demo/subject"),
-        description="the folder of your images: DVC's dependency of the stage (dvc.yaml deps "
-        "${ingest.data_dir}); a local source without `path` reads it, and every local source "
+        description="the folder of your images: DVC's dependency of the stage, through its manifest "
+        "(dvc.yaml's data_manifest stage is given ${ingest.data_dir}); a local source without `path` "
+        "reads it, and every local source "
         "must lie inside it. null: each local source names its own path (no DVC check)",
     )
     sources: list[Source] = Field(

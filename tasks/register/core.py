@@ -14,6 +14,7 @@ from typing import Any
 
 import finetune_runtime
 from finetune_runtime import base_reference
+from finetune_runtime.convention import CONFIG_KEY
 from finetune_runtime.limits import SETTINGS, serving_config, signature
 from tasks.common import families
 from tasks.common.config import load_config, read_params
@@ -82,7 +83,7 @@ def log_model(run_id: str, artifacts: dict[str, str], serving: dict[str, Any] | 
         run_id=run_id,
         python_model=str(MODEL_CODE),
         artifacts=artifacts,
-        signature=signature(),
+        signature=signature(video=bool(convention[CONFIG_KEY]["frames"])),
         pip_requirements=pip_requirements(),
         # every key logged (MLflow overrides only logged keys); the family's call convention beside the limits
         model_config={**serving_config(serving), **convention},

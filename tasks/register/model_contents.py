@@ -23,6 +23,7 @@ from tasks.common.openvino_model import export_or_none
 _RUNTIME_PACKAGES = (
     "mlflow", "torch", "diffusers", "transformers", "accelerate", "peft", "safetensors", "pillow",
     "pandas", "numpy", "optimum", "optimum-intel", "openvino", "openvino-tokenizers", "openvino-genai",
+    "av",  # a video model's MP4 (finetune_runtime/model.py)
 )
 
 

@@ -69,8 +69,9 @@ def test_every_marked_command_runs_as_written_in_order(walkthrough) -> None:
     assert len(walkthrough) == len(ran)
     (demo, status, load, serve) = (proc.stdout for _, proc, _ in walkthrough)
     assert "pipeline took" in demo and "Registered model   sd-dreambooth (latest v1" in demo, demo[-3000:]
-    assert "Data and pipelines are up to date." in status
-    assert status.count("didn't change, skipping") == 6, status
+    # only the data folder's manifest, rewritten by every `dvc repro` (tasks/ingest/manifest.py)
+    assert status.startswith("data_manifest:\n\talways changed\n"), status
+    assert status.count("didn't change, skipping") == 6 and status.count("Running stage") == 1, status
     assert "Traceback" not in load, load[-3000:]
     answer, _ = json.JSONDecoder().raw_decode(serve[serve.index('{"predictions"'):])  # curl ends no line
     assert len(answer["predictions"]) == 1 and answer["predictions"][0]["image"], serve[-2000:]

@@ -97,3 +97,35 @@ def test_ltx_refuses_data_without_clips_and_prior_preservation(tmp_path, tiny_lt
                                         r"train.with_prior_preservation: false"):
         train(_config(tmp_path, method="lora", with_prior_preservation=True), tiny_ltx, instance_dir, None,
               tmp_path / "out")
+
+
+def test_the_served_model_answers_a_playable_mp4_and_counts_every_frame(ltx_pipe) -> None:
+    """The registered model's predict on LTX-Video (diffusers back end): one row per clip with a base64
+    MP4 of the convention's frames, decoded here with PyAV; the budget counts frames x steps x pixels,
+    and a request over it is a 400 naming the frames."""
+    import base64
+    import io
+
+    import av
+    from mlflow.exceptions import MlflowException
+
+    from finetune_runtime.limits import Budget
+    from finetune_runtime.load import Loaded
+    from finetune_runtime.model import DiffusionImageModel
+
+    family = families.of_pipeline(ltx_pipe)
+    model = DiffusionImageModel()
+    model.serve(Loaded(ltx_pipe, "diffusers", "tiny-ltx"), {"pipeline_call": family.call_convention().as_config(),
+                                                            "budget_images": 1})
+    frames = family.call_convention().frames
+    assert model.budget == Budget(1.0, 512, 512, frames=frames) and model.shape.multiple == 32
+    out = model.predict(None, ["a toy robot waving"], {"height": 64, "width": 64, "num_inference_steps": 2})
+    assert list(out.columns) == ["prompt", "seed", "video"] and len(out) == 1
+    with av.open(io.BytesIO(base64.b64decode(out["video"][0]))) as clip:
+        stream = clip.streams.video[0]
+        decoded = [f.to_ndarray(format="rgb24") for f in clip.decode(stream)]
+        assert stream.codec_context.name == "h264" and float(stream.average_rate) == family.call_convention().fps
+    assert len(decoded) == frames and decoded[0].shape == (64, 64, 3)
+    with pytest.raises(MlflowException, match=r"height 512 x width 512 x 9 frames = .* over this model's budget .*"
+                                              r"1 clips of 9 frames of 512x512 px"):
+        model.predict(None, ["a", "b"], {"num_inference_steps": 20})

@@ -119,9 +119,9 @@ class LTXVideo(FlowMatchingFamily):
     @classmethod
     def call_convention(cls) -> CallConvention:
         """Clips of `frames` frames (DEFAULT_FRAMES where the caller gives none) at the frame rate training's
-        rotary positions used."""
+        rotary positions used, played at that rate."""
         return replace(super().call_convention(), arguments={"frame_rate": FRAME_RATE}, latent_patch=1,
-                       frames=DEFAULT_FRAMES, count_argument="num_videos_per_prompt")
+                       frames=DEFAULT_FRAMES, count_argument="num_videos_per_prompt", fps=FRAME_RATE)
 
     @classmethod
     def generate(cls, pipe: Any, prompts: list[str] | str, *, steps: int, latents: Any = None,
