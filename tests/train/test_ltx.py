@@ -69,23 +69,31 @@ def test_the_family_encodes_and_predicts_what_the_pipeline_computes(tiny_ltx, lt
     assert [np.asarray(f).tolist() for f in split_frames(strip, 17)] == [np.asarray(f).tolist() for f in clip]
 
 
-def test_ltx_trains_a_lora_on_the_demo_clips(tmp_path, tiny_ltx, clips_dir) -> None:
-    """Two LoRA steps on the demo clips (batches of one bucket: 64x64 with 17 or 9 frames), latents cached
-    before the first step, a validation filmstrip; the adapter loads into LTXPipeline."""
+@pytest.mark.parametrize("method", ["lora", "full"])
+def test_ltx_trains_on_the_demo_clips(tmp_path, tiny_ltx, clips_dir, method) -> None:
+    """Two steps on the demo clips (batches of one bucket: 64x64 with 17 or 9 frames), latents cached
+    before the first step, a validation filmstrip; the LoRA loads into LTXPipeline, the full fine-tune
+    is an LTXPipeline folder whose transformer moved."""
     from diffusers import LTXPipeline
 
     from tasks.train.core import train
 
     rows = [json.loads(line) for line in (clips_dir / "clips.jsonl").read_text().splitlines()]
     assert sorted(r["bucket"] for r in rows) == ["64x64x17", "64x64x17", "64x64x9"]
-    cfg = _config(tmp_path, method="lora", resolution=64, train_batch_size=2, caption_column="text",
+    cfg = _config(tmp_path, method=method, resolution=64, train_batch_size=2, caption_column="text",
                   num_validation_images=1, validation_inference_steps=2)
     outcome = train(cfg, tiny_ltx, clips_dir, None, tmp_path / "out")
     losses = [h.loss for h in outcome.history]
     assert outcome.family == "ltx" and len(losses) == 2 and all(np.isfinite(losses)), losses
-    pipe = LTXPipeline.from_pretrained(tiny_ltx)
-    pipe.load_lora_weights(tmp_path / "out")
-    assert any("lora" in n for n, _ in pipe.transformer.named_parameters())
+    assert next(iter(outcome.validation.values()))[0].size == (9 * 64, 64)  # a filmstrip of 9 frames
+    base = LTXPipeline.from_pretrained(tiny_ltx)
+    if method == "lora":
+        base.load_lora_weights(tmp_path / "out")
+        assert any("lora" in n for n, _ in base.transformer.named_parameters())
+        return
+    tuned = LTXPipeline.from_pretrained(tmp_path / "out")
+    before, after = base.transformer.state_dict(), tuned.transformer.state_dict()
+    assert any(not torch.equal(before[k], after[k]) for k in before)
 
 
 def test_ltx_refuses_data_without_clips_and_prior_preservation(tmp_path, tiny_ltx, instance_dir) -> None:
