@@ -120,6 +120,27 @@ def edit_dataset(configs: Mapping[str, Any], root: Path) -> list[str]:
     return found
 
 
+def video_data(configs: Mapping[str, Any], root: Path) -> list[str]:
+    """Clips (an ingest source of `type: clips`) train a video base only, and a video base trains on
+    clips only, when the family is known before the base stage runs (the train stage refuses
+    the other data after ingest)."""
+    ingest, base = configs.get("ingest"), configs.get("base")
+    family = base_family(base, root) if base is not None else None
+    if ingest is None or family is None:
+        return []
+    clips = [f"ingest.sources[{i}]" for i, source in enumerate(ingest.sources) if source.type == "clips"]
+    model = getattr(base, "model", "")
+    if family.video and len(clips) < len(ingest.sources):
+        others = [f"ingest.sources[{i}] (type: {s.type})" for i, s in enumerate(ingest.sources) if s.type != "clips"]
+        return [f"base.model: {family.title} ({model}) trains on clips; {', '.join(others)} ingests images: use "
+                "sources of type clips (the README's video recipe) or an image base"]
+    if clips and not family.video:
+        videos = ", ".join(f"{f.title}: {f.builtin}" for f in families.FAMILIES if f.video)
+        return [f"{clips[0]} (type: clips) ingests video clips, but {family.title} ({model}) trains on images; use a "
+                f"video base ({videos}) or image sources"]
+    return []
+
+
 #: The keys whose explicit bf16 the stage refuses on a CPU that would emulate it: (section, key, fix).
 EXPLICIT_BF16 = (("train", "mixed_precision", "train.mixed_precision: auto or no (fp32)"),
                  ("class_images", "precision", "class_images.precision: auto or fp32"))
@@ -142,7 +163,7 @@ def emulated_bf16(configs: Mapping[str, Any], root: Path) -> list[str]:
 
 #: Every rule: (the loaded sections by name, the repository root) -> problems.
 RULES: tuple[Callable[[Mapping[str, Any], Path], list[str]], ...] = (runtime_adapters, family_fits, edit_dataset,
-                                                                     emulated_bf16)
+                                                                     video_data, emulated_bf16)
 
 
 def problems(configs: Mapping[str, Any], root: Path) -> list[str]:

@@ -49,6 +49,11 @@ REFUSED = [
       "or ingest without control_dir"]),
     ({"ingest.sources": [{"type": "imagefolder", "cond_image_column": "ref"}], "base.model": "builtin:tiny-flux2"},
      ["beside an edit dataset (ingest.sources[0].cond_image_column"]),
+    # clips for a video base, images for the others
+    ({"base.model": "builtin:tiny-ltx", "train.with_prior_preservation": False},
+     ["base.model: LTX-Video (builtin:tiny-ltx) trains on clips; ingest.sources[0] (type: folder) ingests images"]),
+    ({"ingest.data_dir": "data/demo/clips", "ingest.sources": [{"type": "clips"}]},
+     ["ingest.sources[0] (type: clips) ingests video clips, but Stable Diffusion", "builtin:tiny-ltx"]),
 ]
 
 
@@ -77,6 +82,14 @@ def test_the_readme_edit_recipe_loads_as_written(params: Path) -> None:
     apply_overrides(params, written)
     configs = check_params(params)
     assert configs["train"].train_batch_size > 1 and configs["train"].caption_column is None
+
+
+def test_the_readme_video_recipe_loads_as_written(params: Path) -> None:
+    from tests.readme_blocks import recipe, settings
+
+    apply_overrides(params, settings(recipe("video")))
+    configs = check_params(params)
+    assert configs["ingest"].sources[0].type == "clips" and not configs["train"].with_prior_preservation
 
 
 def test_what_the_export_takes_loads(params: Path) -> None:
