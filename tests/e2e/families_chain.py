@@ -4,7 +4,9 @@ an int8 base; SD3: exported as run-time adapters over a shared base export), the
 FLUX.2 klein trains on the demo's edit triples (data/demo/edits: references, target, instruction) as
 the README's edit recipe writes them, edits an input image at every stage after and answers the
 README's edit request at its default settings; FLUX.1 Kontext, which takes one input image, on the
-triples with one reference, without an export (optimum-intel has none for it).
+triples with one reference, without an export (optimum-intel has none for it); LTX-Video on the demo
+clips (data/demo/clips: `make data`'s three clips and a truncated one, which ingest rejects), exported
+with OVLTXPipeline and served as an MP4.
 Every output is loaded by the family's own classes (diffusers' pipeline with `load_lora_weights`,
 optimum-intel's OpenVINO pipeline or OpenVINO GenAI's Text2ImagePipeline with the adapter, the
 registered MLflow pyfunc by its alias: over HTTP with `mlflow models serve` for SD3's run-time
@@ -37,11 +39,15 @@ from tests.readme_blocks import recipe, settings
 
 
 def nested(dotted: dict) -> dict:
-    """{"train.a": 1} -> {"train": {"a": 1}} (params.yaml sections)."""
+    """{"train.a": 1, "ingest.video.fps": 8} -> {"train": {"a": 1}, "ingest": {"video": {"fps": 8}}} (params.yaml
+    sections)."""
     out: dict = {}
     for key, value in dotted.items():
-        section, rest = key.split(".", 1)
-        out.setdefault(section, {})[rest] = value
+        *parents, last = key.split(".")
+        node = out
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[last] = value
     return out
 
 SMALL = {
@@ -56,7 +62,7 @@ SMALL = {
 #: FLUX.1 (12B), Z-Image (6B), Qwen-Image (20B) and Sana train DoRA on a quantized base (torchao int8 here),
 #: as a 24 GB user of the real models would
 QUANTIZED = {name: {"base_model_precision": "int8", "lora_type": "dora"}
-             for name in ("flux", "zimage", "qwenimage", "sana")}
+             for name in ("flux", "zimage", "qwenimage", "sana", "ltx")}
 #: SD3's LoRA is exported for OpenVINO GenAI to apply at run time (export.adapters: runtime), as a
 #: team with many fine-tunes of one base would; GenAI applies SD3's transformer layers only
 RUNTIME = {"sd3": {"train": {"train_text_encoder": False}, "export": {"adapters": "runtime"}}}
@@ -76,6 +82,8 @@ EDITS = {"flux2": nested(settings(recipe("edits"))),
                             "train": {"with_prior_preservation": False},
                             "export": {"enabled": False},
                             "evaluate": {"resolution": 64, "edits": {"max_pairs": 1}}}}
+#: LTX-Video: the README's video recipe (the demo clips at 64 px, no class clips)
+VIDEO = {"ltx": nested(settings(recipe("video")))}  # the README's recipe as written
 #: the triples each edit family trains on, and those it is scored on
 EDIT_PAIRS = {"flux2": 4, "kontext": 3, "qwenimage-edit": 3}
 SCORED_PAIRS = {**EDIT_PAIRS, "qwenimage-edit": 1}
@@ -91,7 +99,7 @@ def small_params(root: Path, name: str) -> None:
     params = yaml.safe_load((root / "params.yaml").read_text())
     params["base"]["model"] = by_name(name).builtin
     with_text = bool(by_name(name).trainable_text_encoders)  # FLUX.2 klein trains no text encoder
-    runtime, edits = RUNTIME.get(name, {}), EDITS.get(name, {})
+    runtime, edits = RUNTIME.get(name, {}), EDITS.get(name, VIDEO.get(name, {}))
     small = {**SMALL, "train": {**SMALL["train"], "train_text_encoder": with_text, **QUANTIZED.get(name, {}),
                                 **runtime.get("train", {}), **edits.get("train", {})},
              "export": {**SMALL["export"], **runtime.get("export", {}), **edits.get("export", {})},
@@ -108,15 +116,15 @@ def small_params(root: Path, name: str) -> None:
     (root / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
 
 
-FAMILIES = ["sd3", "flux", "flux2", "zimage", "qwenimage", "sana", "kontext", "qwenimage-edit"]
+FAMILIES = ["sd3", "flux", "flux2", "zimage", "qwenimage", "sana", "kontext", "qwenimage-edit", "ltx"]
 #: the module of tests/e2e/ that runs each family (test_flow_families_<part>.py), each family in one:
 #: SD3 and Z-Image, the two longest chains, in different ones; the edit families together
 PARTS = {"sd3_flux_sana": ["sd3", "flux", "sana"], "zimage_qwenimage": ["zimage", "qwenimage"],
-         "edits": ["flux2", "kontext", "qwenimage-edit"]}
+         "edits": ["flux2", "kontext", "qwenimage-edit"], "video": ["ltx"]}
 assert sorted(sum(PARTS.values(), [])) == sorted(FAMILIES), "every family runs in exactly one module"
 #: served by `mlflow models serve` (30 s to start each); the registered versions of the others are
 #: loaded and called in this process, through the same model code
-SERVED_OVER_HTTP = {"sd3", "flux2", "kontext", "qwenimage-edit"}
+SERVED_OVER_HTTP = {"sd3", "flux2", "kontext", "qwenimage-edit", "ltx"}
 
 
 def one_reference(root: Path) -> None:
@@ -132,6 +140,9 @@ def reproduce(root: Path, name: str) -> str | None:
     small_params(root, name)
     if name in ("kontext", "qwenimage-edit"):
         one_reference(root)
+    if name in VIDEO:
+        subprocess.run([sys.executable, "data/demo/clips.py", "--out", "data/demo/clips"], cwd=root, check=True,
+                       capture_output=True)
     env = e2e_env(root, MLFLOW_TRACKING_URI=f"sqlite:///{root / 'mlflow.db'}")
     for cmd, timeout in ((["dvc", "repro"], 1800),
                          ([sys.executable, "-m", "tasks.register", "--finetuned", "models/finetuned",
@@ -193,6 +204,10 @@ def test_the_lora_loads_with_the_family_pipeline(pipeline) -> None:
     assert (report.get("quantized_layers", 0) > 0) == (name in QUANTIZED)
     assert report.get("edit_pairs") == EDIT_PAIRS.get(name), "the demo's triples trained as edits"
     assert report["caption_column"] == ("text" if name in EDITS else None), "edits train on their instructions"
+    if name in VIDEO:  # the three good demo clips trained, the truncated one rejected with its reason
+        rejected = [json.loads(line) for line in (root / "reports/ingest_rejected.jsonl").read_text().splitlines()]
+        assert [(r["path"], r["reason"]) for r in rejected] == [("broken.mp4", "corrupt")], rejected
+        assert len((root / "data/processed/clips.jsonl").read_text().splitlines()) == 3
 
 
 def test_the_export_loads_and_generates(pipeline) -> None:
@@ -216,6 +231,10 @@ def test_the_export_loads_and_generates(pipeline) -> None:
     cls = by_name(name).ov_pipeline_class()
     assert report["pipeline_class"] == cls.__name__ == f"OV{by_name(name).pipeline_class_names[0]}"
     pipe = cls.from_pretrained(root / "models/openvino", dynamic_shapes=False)
+    if name in VIDEO:  # a clip of the frames asked for
+        frames = pipe(prompt="a photo of sks toy", num_inference_steps=2, height=64, width=64, num_frames=9).frames[0]
+        assert len(frames) == 9 and frames[0].size == (64, 64)
+        return
     image = pipe(prompt="a photo of sks toy", num_inference_steps=2, height=64, width=64).images[0]
     assert image.size == (64, 64)
     if name == "flux2":  # the static export takes input images of any size: their tokens stay free
@@ -223,6 +242,16 @@ def test_the_export_loads_and_generates(pipeline) -> None:
         edited = pipe(prompt="make it blue", image=[reference, reference], num_inference_steps=2,
                       height=64, width=64).images[0]
         assert edited.size == (64, 64)
+
+
+def _mp4_frames(encoded: str) -> int:
+    """The frames of a base64 MP4, decoded with PyAV (each 64x64 RGB)."""
+    import av
+
+    with av.open(io.BytesIO(base64.b64decode(encoded))) as clip:
+        frames = [f.to_ndarray(format="rgb24") for f in clip.decode(video=0)]
+    assert all(f.shape == (64, 64, 3) for f in frames)
+    return len(frames)
 
 
 def _registered_with_its_story(family: str, root: Path, uri: str) -> str:
@@ -278,7 +307,10 @@ def test_mlflow_models_serve_answers(pipeline, tmp_path) -> None:
                 status = 200 if sent.returncode == 0 and "predictions" in body else sent.returncode or 400
             else:
                 status, body = post(url, good)
-            assert status == 200 and body["predictions"][0]["image"].startswith("iVBORw0K"), body
+            if name in VIDEO:  # a playable MP4 of the convention's frames
+                assert status == 200 and _mp4_frames(body["predictions"][0]["video"]) == 9, body
+            else:
+                assert status == 200 and body["predictions"][0]["image"].startswith("iVBORw0K"), body
             if name in EDITS:  # the edit is at the input image's size; the same seed without it differs
                 edited = Image.open(io.BytesIO(base64.b64decode(body["predictions"][0]["image"])))
                 assert edited.size == Image.open(root / "data/demo/edits/control/edit_00.png").size
