@@ -41,7 +41,8 @@ class CallConvention:
     - frames: a video pipeline's clip length where the caller gives none (`num_frames`; LTX-Video), its
       output the clips (`.frames`, each a list of frames); 0: an image pipeline;
     - count_argument: the keyword of the outputs per prompt (LTX-Video's `num_videos_per_prompt`);
-    - fps: a video pipeline's clips play at this rate (the served MP4's, evaluate's preview).
+    - fps: a video pipeline's clips play at this rate (the served MP4's, evaluate's preview);
+    - frame_step: a video pipeline's clip lengths are frame_step x k + 1 (its VAE's temporal factor).
     """
 
     guidance_argument: str = "guidance_scale"
@@ -58,6 +59,7 @@ class CallConvention:
     frames: int = 0
     count_argument: str = "num_images_per_prompt"
     fps: float = 0.0
+    frame_step: int = 0
 
     def as_config(self) -> dict[str, Any]:
         """The record as model_config stores it (plain JSON types)."""

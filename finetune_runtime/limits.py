@@ -70,6 +70,9 @@ SETTINGS: dict[str, Setting] = {
 }
 #: The one text param: the registered adapters a base export's endpoint applies (genai_serving.py).
 ADAPTER_PARAM = "adapter"
+#: A video model's param (its signature has it, an image model's not): the clip's frames, frame_step x k + 1
+FRAMES_PARAM = "num_frames"
+FRAMES = Setting("long", None, 1, 257)
 MAX_PROMPTS = 8
 MAX_PROMPT_CHARS = 1000
 MAX_IMAGES = 16  # prompts x num_images_per_prompt in one request: bounds its time and memory
@@ -93,6 +96,7 @@ def signature(video: bool = False) -> Any:
         outputs=Schema([ColSpec("string", "prompt"), ColSpec("long", "seed"),
                         ColSpec("string", "video" if video else "image")]),
         params=ParamSchema([ParamSpec(n, s.type, s.default) for n, s in SETTINGS.items()]
+                           + ([ParamSpec(FRAMES_PARAM, FRAMES.type, FRAMES.default)] if video else [])
                            + [ParamSpec(ADAPTER_PARAM, "string", ""),
                               # an edit's input images: one string (a base64 file or a JSON list of them), not
                               # a list param, which MLflow would turn into a fixed-width array (images.py)
@@ -196,11 +200,12 @@ class Budget:
         edit's input images, as encoded (their tokens join every step)."""
         height, width = settings["height"], settings["width"]
         per_prompt, steps = settings["num_images_per_prompt"], settings["num_inference_steps"]
-        cost = prompts * per_prompt * steps * (height * width * self.frames + input_pixels)
+        frames = settings.get(FRAMES_PARAM) or 1
+        cost = prompts * per_prompt * steps * (height * width * frames + input_pixels)
         if cost <= self.pixel_steps:
             return
         pixels = f"(height {height} x width {width} + {images.IMAGE_PARAM} {input_pixels} px)" if input_pixels \
-            else f"height {height} x width {width}" + (f" x {self.frames} frames" if self.frames > 1 else "")
+            else f"height {height} x width {width}" + (f" x {FRAMES_PARAM} {frames}" if self.frames > 1 else "")
         raise bad_request(
             f"request cost {prompts} prompts x num_images_per_prompt {per_prompt} x num_inference_steps "
             f"{steps} x {pixels} = {cost} pixel-steps ({cost / self.default_image:.3g} "
@@ -218,7 +223,11 @@ def check_request(model_input: Any, params: dict[str, Any] | None, shape: Shape,
     headers checked, pixels not yet decoded (images.decoded, in the request's turn), at most the
     convention's `input_images` ([] without)."""
     prompts = prompts_from(model_input)
-    settings = check_settings(params, shape.multiple)
+    frames = _frames((params or {}).get(FRAMES_PARAM), convention)
+    settings = check_settings({k: v for k, v in (params or {}).items() if k != FRAMES_PARAM or not convention.frames},
+                              shape.multiple)
+    if frames is not None:  # a video model's
+        settings[FRAMES_PARAM] = frames
     count = len(prompts) * settings["num_images_per_prompt"]
     if count > MAX_IMAGES:
         raise bad_request(f"{len(prompts)} prompts x num_images_per_prompt {settings['num_images_per_prompt']} = "
@@ -236,6 +245,21 @@ def check_request(model_input: Any, params: dict[str, Any] | None, shape: Shape,
                      images.encoded_pixels(inputs, convention.edit_pixels, convention.input_pixels))
     settings[images.IMAGE_PARAM] = inputs
     return prompts, settings
+
+
+def _frames(value: Any, convention: CallConvention) -> int | None:
+    """A video model's clip length: `value` checked (FRAMES' range, frame_step x k + 1), or the convention's
+    default; None for an image model (which has no such param: check_settings refuses it by name)."""
+    if not convention.frames:
+        return None
+    if value is None:
+        return convention.frames
+    frames = _number(FRAMES_PARAM, value, FRAMES)
+    if (step := convention.frame_step) and (frames - 1) % step:
+        good = ", ".join(str(step * k + 1) for k in range(1, 4))
+        raise bad_request(f"{FRAMES_PARAM}: {frames} is not {step}k+1 frames, which this model's VAE takes; "
+                          f"allowed: {good}, ... up to {int(FRAMES.high)}")
+    return frames
 
 
 def serving_config(model_config: dict[str, Any] | None) -> dict[str, Any]:

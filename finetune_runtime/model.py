@@ -13,7 +13,8 @@ their types, defaults and ranges, refuses anything outside them with HTTP 400, a
 request's cost, queue and time; size.py decides the size of every image. Output: a DataFrame with
 `prompt`, `seed` and `image` (a base64-encoded PNG), one row per image, which `mlflow models serve`
 returns as JSON; a video model's (its call convention's `frames`) has `video` instead, a base64 MP4
-(H.264) of the clip at the convention's `fps`, and its budget counts every frame. Image k of the
+(H.264) of the clip at the convention's `fps`, takes `num_frames` (frame_step x k + 1; default the
+convention's), and its budget counts every frame. Image k of the
 request (prompt by prompt, then image by image) is generated with seed `seed + k`, one image per
 pipeline call, so results do not depend on the batch and static-shape OpenVINO exports (batch 1)
 accept any number of prompts.
@@ -165,7 +166,8 @@ class DiffusionImageModel(mlflow.pyfunc.PythonModel):
             self.pipe, prompt, self.convention, steps=settings["num_inference_steps"],
             guidance=settings["guidance_scale"], height=settings["height"], width=settings["width"],
             generator=torch.Generator("cpu").manual_seed(seed), extra=settings["adapters"],
-            callback=None if deadline is None else limits.stop_at(deadline), image=settings["image"] or None)[0]
+            callback=None if deadline is None else limits.stop_at(deadline), image=settings["image"] or None,
+            frames=settings.get(limits.FRAMES_PARAM))[0]
         if self.output == "video":  # a clip: its frames
             return {"prompt": prompt, "seed": seed, "video": to_mp4_base64(image, self.convention.fps)}
         return {"prompt": prompt, "seed": seed, "image": to_png_base64(image)}

@@ -117,7 +117,7 @@ def test_the_served_model_answers_a_playable_mp4_and_counts_every_frame(ltx_pipe
     import av
     from mlflow.exceptions import MlflowException
 
-    from finetune_runtime.limits import Budget
+    from finetune_runtime.limits import Budget, signature
     from finetune_runtime.load import Loaded
     from finetune_runtime.model import DiffusionImageModel
 
@@ -134,6 +134,14 @@ def test_the_served_model_answers_a_playable_mp4_and_counts_every_frame(ltx_pipe
         decoded = [f.to_ndarray(format="rgb24") for f in clip.decode(stream)]
         assert stream.codec_context.name == "h264" and float(stream.average_rate) == family.call_convention().fps
     assert len(decoded) == frames and decoded[0].shape == (64, 64, 3)
-    with pytest.raises(MlflowException, match=r"height 512 x width 512 x 9 frames = .* over this model's budget .*"
+    out = model.predict(None, ["a"], {"height": 64, "width": 64, "num_inference_steps": 2, "num_frames": 17})
+    with av.open(io.BytesIO(base64.b64decode(out["video"][0]))) as clip:
+        assert sum(1 for _ in clip.decode(video=0)) == 17
+    with pytest.raises(MlflowException, match=r"height 512 x width 512 x num_frames 9 = .* over this model's budget .*"
                                               r"1 clips of 9 frames of 512x512 px"):
         model.predict(None, ["a", "b"], {"num_inference_steps": 20})
+    with pytest.raises(MlflowException, match=r"num_frames: 16 is not 8k\+1 frames, which this model's VAE takes; "
+                                              r"allowed: 9, 17, 25"):
+        model.predict(None, ["a"], {"num_frames": 16})
+    assert "num_frames" in [p.name for p in signature(video=True).params.params]
+    assert "num_frames" not in [p.name for p in signature().params.params]

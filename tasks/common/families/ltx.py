@@ -121,7 +121,8 @@ class LTXVideo(FlowMatchingFamily):
         """Clips of `frames` frames (DEFAULT_FRAMES where the caller gives none) at the frame rate training's
         rotary positions used, played at that rate."""
         return replace(super().call_convention(), arguments={"frame_rate": FRAME_RATE}, latent_patch=1,
-                       frames=DEFAULT_FRAMES, count_argument="num_videos_per_prompt", fps=FRAME_RATE)
+                       frames=DEFAULT_FRAMES, count_argument="num_videos_per_prompt", fps=FRAME_RATE,
+                       frame_step=cls.temporal_compression)
 
     @classmethod
     def generate(cls, pipe: Any, prompts: list[str] | str, *, steps: int, latents: Any = None,
