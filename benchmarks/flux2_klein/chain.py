@@ -198,6 +198,8 @@ def _stage_figures(stage: str, work: Path) -> dict:
 def command(stage: str, serve_size: int | None = None) -> list[str]:
     """The command that runs `stage` in the work clone; `serve_size`: the px predict and serve ask for
     (None: the registered model's default size)."""
+    if stage == "ingest":  # with the data_manifest stage it depends on (rewritten by every repro)
+        return ["dvc", "repro", stage]
     if stage in STAGES:
         return ["dvc", "repro", "-s", stage]
     size = {"height": serve_size, "width": serve_size} if serve_size else {}
