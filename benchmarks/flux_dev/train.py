@@ -1,4 +1,4 @@
-"""FLUX.1-dev (11.9B), FLUX.2 [klein] 4B, Z-Image (6B), Qwen-Image (20B) or Sana (1.6B) LoRA steps, 24 GB.
+"""FLUX.1-dev (11.9B), FLUX.2 [klein] 4B, Z-Image (6B), Qwen-Image (20B), Sana (1.6B), LTX-Video (2B) LoRA steps, 24 GB.
 
     .venv/bin/python -m benchmarks.flux_dev.build                                  # once: 32 GB folder
     .venv/bin/python -m benchmarks.flux_dev.train --precision int8 --steps 5       # appends to results.json
@@ -11,6 +11,8 @@
     .venv/bin/python -m benchmarks.flux_dev.train --model qwen-image --precision nf4 --text-precision int8
     .venv/bin/python -m benchmarks.sana.build                                      # once: 8.4 GB (GiB) folder
     .venv/bin/python -m benchmarks.flux_dev.train --model sana-1600m --precision int8
+    .venv/bin/python -m benchmarks.ltx.build                                       # once: 13.2 GiB folder
+    .venv/bin/python -m benchmarks.flux_dev.train --model ltx-2b --precision int8 --frames 25
 
 One process runs `python -m tasks.train` (the DVC stage's command) on 4 images of 512 px trained at
 256 px: LoRA rank 16 on the attention projections, `base_model_precision` (int8 = torchao weight-only),
@@ -19,11 +21,14 @@ cached, `fuse_lora: false` (the adapters and the pinned base reference are the o
 `--text-precision`: the text encoders quantized as they load for the text cache. The step
 timer (benchmarks/steptimer.py) gives s/step after the warm-up and the peak RSS at the last step and
 at exit; the memory log (`flux-memory.log` in the work folder) has the RSS at every log record, so
-each phase's peak is in it. Afterwards the saved LoRA file is loaded into the model's transformer
+each phase's peak is in it. A video model (LTX-Video) trains on clips instead: synthetic mp4s
+(--clips of them, 4 s at 24 fps and 256 px) through the ingest stage (`python -m tasks.ingest`,
+`type: clips`, sampled at 8 fps to --frames frames at --resolution), captions from their sidecars.
+Afterwards the saved LoRA file is loaded into the model's transformer
 (its base weights allocated, never written, so they take no memory) with diffusers' own loader,
 and its tensors compared with the file's. Results go to the model's own folder
 (benchmarks/flux_dev/results.json, benchmarks/flux2_klein/results.json, benchmarks/zimage/results.json,
-benchmarks/qwenimage/results.json, benchmarks/sana/results.json).
+benchmarks/qwenimage/results.json, benchmarks/sana/results.json, benchmarks/ltx/results.json).
 """
 from __future__ import annotations
 
@@ -33,6 +38,8 @@ import math
 import os
 import platform
 import shutil
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -56,6 +63,8 @@ MODELS = {
                        benchmark=HERE.parent / "sana", script="train_dreambooth_lora_sana.py"),
     "qwen-image": dict(pipeline="QwenImagePipeline", transformer="QwenImageTransformer2DModel", folder="qwen-image",
                        benchmark=HERE.parent / "qwenimage"),
+    "ltx-2b": dict(pipeline="LTXPipeline", transformer="LTXVideoTransformer3DModel", folder="ltx-2b",
+                   benchmark=HERE.parent / "ltx", clips=True),
 }
 
 
@@ -74,7 +83,41 @@ def theirs_command(base: Path, work: Path, data: Path, args: argparse.Namespace,
             "--seed", "0", "--report_to", "mlflow"]
 
 
-def ours_command(base: Path, work: Path, data: Path, args: argparse.Namespace) -> list[str]:
+def make_clips(work: Path, n: int, args: argparse.Namespace) -> Path:
+    """`n` synthetic mp4s (H.264, 4 s at 24 fps, --resolution square: a seeded 8x8 grid of coloured blocks
+    scrolling diagonally, a caption beside each) through the ingest stage as a user runs it, sampled at 8 fps to
+    --frames frames; the stage's output folder (clips.jsonl and the frame folders)."""
+    import av
+    import numpy as np
+
+    raw = work / "raw-clips"
+    raw.mkdir()
+    size, fps, seconds = args.resolution, 24, 4
+    for i in range(n):
+        rng = np.random.default_rng(i)
+        blocks = rng.integers(0, 256, (8, 8, 3), dtype=np.uint8).repeat(size // 8, 0).repeat(size // 8, 1)
+        with av.open(str(raw / f"clip{i}.mp4"), "w") as out:
+            stream = out.add_stream("libx264", rate=fps)
+            stream.width = stream.height = size
+            stream.pix_fmt = "yuv420p"
+            for t in range(fps * seconds):
+                frame = np.roll(blocks, shift=(2 * t, 3 * t), axis=(0, 1))
+                out.mux(stream.encode(av.VideoFrame.from_ndarray(np.ascontiguousarray(frame), format="rgb24")))
+            out.mux(stream.encode())
+        (raw / f"clip{i}.txt").write_text(f"{PROMPT}, clip {i}")
+    ingest = dict(data_dir=str(raw), sources=[{"type": "clips"}],
+                  video={"frames": [args.frames], "fps": 8.0, "resolution": args.resolution})
+    params = work / "ingest-params.yaml"
+    params.write_text(yaml.safe_dump({"ingest": ingest}))
+    processed = work / "processed"
+    env = {**os.environ, "MLFLOW_TRACKING_URI": f"sqlite:///{work / 'mlflow.db'}", "PYTHONPATH": str(ROOT)}
+    subprocess.run([sys.executable, "-m", "tasks.ingest", "--out", str(processed), "--report",
+                    str(work / "ingest.json"), "--rejected", str(work / "ingest_rejected.jsonl"), "--params",
+                    str(params)], cwd=work, env=env, check=True)
+    return processed
+
+
+def ours_command(base: Path, work: Path, data: Path, args: argparse.Namespace, clips: bool = False) -> list[str]:
     train = dict(
         method="lora", instance_prompt=PROMPT, with_prior_preservation=False, resolution=args.resolution,
         train_batch_size=1, max_train_steps=args.steps, learning_rate=1e-4, mixed_precision="bf16", rank=args.rank,
@@ -83,6 +126,8 @@ def ours_command(base: Path, work: Path, data: Path, args: argparse.Namespace) -
         fuse_lora=False, checkpointing_steps=10 ** 6, validation_prompts=[], num_validation_images=0,
         validation_steps=0, checkpoints_dir=str(work / "checkpoints"), resume="none", seed=0,
     )
+    if clips:
+        train["caption_column"] = "text"  # the clips' sidecar captions, as clips.jsonl holds them
     params = work / "params.yaml"
     params.write_text(yaml.safe_dump({"train": train}))
     (work / "empty-class").mkdir(exist_ok=True)
@@ -139,6 +184,8 @@ def main() -> None:
     parser.add_argument("--resolution", type=int, default=256)
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--max-sequence-length", type=int, default=128)
+    parser.add_argument("--frames", type=int, default=25, help="frames per clip (a video model)")
+    parser.add_argument("--clips", type=int, default=3, help="synthetic clips (a video model)")
     add_run_arguments(parser, None)
     parser.add_argument("--loop", choices=("ours", "theirs"), default="ours",
                         help="theirs: diffusers' script for the model (where MODELS names one), bf16 base")
@@ -161,17 +208,21 @@ def main() -> None:
     else:
         shutil.rmtree(args.work, ignore_errors=True)
         args.work.mkdir(parents=True)
-        data, images = make_images(args.work, 4)  # an imagefolder for ours, the images alone for theirs
+        if model.get("clips"):
+            data = images = make_clips(args.work, args.clips, args)
+        else:
+            data, images = make_images(args.work, 4)  # an imagefolder for ours, the images alone for theirs
         env = {"MLFLOW_TRACKING_URI": f"sqlite:///{args.work / 'mlflow.db'}", "PYTHONPATH": str(ROOT),
                "STEPTIMER_MEMORY_LOG": str(args.work / "flux-memory.log")}
         command = (theirs_command(args.base, args.work, images, args, model) if args.loop == "theirs"
-                   else ours_command(args.base, args.work, data, args))
+                   else ours_command(args.base, args.work, data, args, bool(model.get("clips"))))
         timing = timed(args.loop, command, args.work, args.warmup, env)
     results = json.loads(args.results.read_text()) if args.results.is_file() else []
     precision = args.precision if args.loop == "ours" else "none"  # diffusers' scripts hold a bf16 base
     row = {"model": args.model, "method": "lora", "precision": precision,
            "text_precision": args.text_precision, "resolution": args.resolution,
            "rank": args.rank, "max_sequence_length": args.max_sequence_length, "gradient_checkpointing": True,
+           **({"frames": args.frames, "clips": args.clips} if model.get("clips") else {}),
            "batch": 1, "date": time.strftime("%Y-%m-%d"), "cpu": _cpu(), "threads": os.cpu_count(), **timing}
     if args.loop == "ours":
         row.update(_stage_report(args.work))
