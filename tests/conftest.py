@@ -120,7 +120,7 @@ def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None):
     the stages' release_memory and Python's own full collections ran some 25 per worker in the quick
     tier. What a test makes is never frozen while it runs, so it is collected as before."""
     result = yield
-    if nextitem is None or nextitem.module is not item.module:
+    if nextitem is None or getattr(nextitem, "module", None) is not getattr(item, "module", None):
         gc.collect()
         gc.freeze()
     return result
