@@ -14,9 +14,12 @@ from tasks.evaluate.core import evaluate, render_prompts
 from tasks.evaluate.prompts import LIVE_PROMPTS, OBJECT_PROMPTS
 from tests.export.tiny_ov import tiny_pipeline, write_subject_images
 
-pytestmark = pytest.mark.quick  # make test-fast
+#: make test-fast runs every test here but the two that run the evaluate stage on a tiny pipeline
+#: (generation, the base's images, the scoring encoders: 10 to 15 s each), which make test runs
+quick = pytest.mark.quick
 
 
+@quick
 def test_paper_prompt_sets():
     assert len(OBJECT_PROMPTS) == len(set(OBJECT_PROMPTS)) == 25
     assert len(LIVE_PROMPTS) == len(set(LIVE_PROMPTS)) == 25
@@ -30,6 +33,7 @@ def test_paper_prompt_sets():
                                         "a sks toy on the beach"]
 
 
+@quick
 def test_config_rules():
     with pytest.raises(UserError, match="prompt_set custom needs prompts"):
         parse_section("evaluate", {}, EvaluateConfig)
@@ -43,6 +47,7 @@ def test_config_rules():
                       EvaluateConfig)
 
 
+@quick
 def test_frechet_distance_and_paired_cosine_known_values():
     rng = np.random.default_rng(0)
     a = rng.normal(size=(200, 4))
@@ -91,6 +96,7 @@ def _protocol(**changes):
     return describe(cfg, **{**args, **changes})
 
 
+@quick
 def test_the_protocol_id_changes_with_everything_that_changes_a_score():
     same = _protocol()
     assert _protocol()["id"] == same["id"]
@@ -106,6 +112,7 @@ def test_the_protocol_id_changes_with_everything_that_changes_a_score():
         assert _protocol(**change)["id"] != same["id"], change
 
 
+@quick
 def test_backend_is_gone_with_a_clear_error():
     with pytest.raises(UserError, match="evaluate.backend was removed"):
         parse_section("evaluate", {"prompt_set": "object", "backend": "openvino"}, EvaluateConfig)
@@ -114,6 +121,7 @@ def test_backend_is_gone_with_a_clear_error():
                                    "gate": {"min_export_psnr": 30}}, EvaluateConfig)
 
 
+@quick
 def test_only_trained_encoders_are_calibrated():
     assert _protocol()["calibrated"] is False
     assert "builtin:tiny-clip and builtin:tiny-dino" in _protocol()["uncalibrated_reason"]

@@ -333,8 +333,7 @@ def test_the_train_stage_writes_the_comfyui_file_beside_its_outputs(tmp_path, ti
 COMFYUI_FAMILIES = [name for name, model in comfyui_keymap.COMFYUI_MODELS.items() if model is not None]
 
 
-@pytest.mark.quick
-@pytest.mark.parametrize("name", COMFYUI_FAMILIES)
+@pytest.mark.parametrize("name", COMFYUI_FAMILIES)  # not quick: every family's tiny model, five adapters each
 def test_comfyui_maps_and_reads_every_key_of_the_file(name) -> None:
     """Every key the writer produces (the state dict `write_comfyui_lora` saves), for each adapter type
     (LoKr with whole and with low-rank factors) and with the family's trainable text encoders, is one
