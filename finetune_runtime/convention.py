@@ -42,7 +42,10 @@ class CallConvention:
       output the clips (`.frames`, each a list of frames); 0: an image pipeline;
     - count_argument: the keyword of the outputs per prompt (LTX-Video's `num_videos_per_prompt`);
     - fps: a video pipeline's clips play at this rate (the served MP4's, evaluate's preview);
-    - frame_step: a video pipeline's clip lengths are frame_step x k + 1 (its VAE's temporal factor).
+    - frame_step: a video pipeline's clip lengths are frame_step x k + 1 (its VAE's temporal factor);
+    - first_frame_pipeline: a video pipeline's diffusers class that starts a clip from an input image
+      (its first frame; optimum-intel's is "OV" + it), built from the same model: a served request
+      with `image` runs it (LTX-Video's LTXImageToVideoPipeline).
     """
 
     guidance_argument: str = "guidance_scale"
@@ -60,6 +63,7 @@ class CallConvention:
     count_argument: str = "num_images_per_prompt"
     fps: float = 0.0
     frame_step: int = 0
+    first_frame_pipeline: str | None = None
 
     def as_config(self) -> dict[str, Any]:
         """The record as model_config stores it (plain JSON types)."""

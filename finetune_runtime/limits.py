@@ -240,8 +240,8 @@ def check_request(model_input: Any, params: dict[str, Any] | None, shape: Shape,
             int(SETTINGS["height"].high))
     except SizeError as err:
         raise bad_request(str(err)) from None
-    if budget is not None:
-        budget.check(len(prompts), settings,
+    if budget is not None:  # (a video's first frame takes its first latent frame's place: no extra pixels)
+        budget.check(len(prompts), settings, 0 if convention.first_frame_pipeline else
                      images.encoded_pixels(inputs, convention.edit_pixels, convention.input_pixels))
     settings[images.IMAGE_PARAM] = inputs
     return prompts, settings

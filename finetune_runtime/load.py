@@ -46,20 +46,33 @@ def want_openvino() -> bool:
     return True
 
 
-def openvino_pipeline(path: str) -> tuple[Any, tuple[int, int] | None]:
+def openvino_pipeline(path: str, class_name: str | None = None) -> tuple[Any, tuple[int, int] | None]:
     """(the export with dynamic shapes, the (height, width) it was exported at; None if dynamic).
 
     Served dynamic, so an edit is made at its input image's size; the exported size is the default,
     which optimum-intel's dynamic load forgets (a 256 px FLUX.2 export would make 1024 px images,
-    the denoiser's sample size, at 16x the cost). Read from the saved shapes, then made dynamic."""
-    from optimum.intel import OVDiffusionPipeline
+    the denoiser's sample size, at 16x the cost). Read from the saved shapes, then made dynamic.
+    `class_name`: optimum-intel's pipeline class to load the folder as (default: the one it names)."""
+    import optimum.intel
 
-    pipe = OVDiffusionPipeline.from_pretrained(path, ov_config=layout.runtime_config(path), dynamic_shapes=False,
-                                               compile=False)
+    cls = getattr(optimum.intel, class_name or "OVDiffusionPipeline")
+    pipe = cls.from_pretrained(path, ov_config=layout.runtime_config(path), dynamic_shapes=False, compile=False)
     height, width = pipe.height, pipe.width
     pipe.reshape(batch_size=-1, height=-1, width=-1, num_images_per_prompt=-1)
     pipe.compile()
     return pipe, ((height, width) if height > 0 and width > 0 else None)
+
+
+def first_frame_pipeline(loaded: Loaded, class_name: str) -> Any:
+    """The pipeline of `loaded`'s model that starts a clip from its first frame (the call convention's
+    `first_frame_pipeline`): diffusers' on the same modules, or optimum-intel's "OV" one on the same export."""
+    if loaded.backend == "openvino":
+        return openvino_pipeline(loaded.path, f"OV{class_name}")[0]
+    if loaded.backend != "diffusers":
+        raise ValueError(f"the {loaded.backend} back end cannot start a clip from an image")
+    import diffusers
+
+    return getattr(diffusers, class_name).from_pipe(loaded.pipe)
 
 
 def diffusers_pipeline(artifacts: dict[str, str], precision: dict[str, str] | None = None) -> Any:

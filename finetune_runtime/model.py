@@ -32,7 +32,7 @@ import pandas as pd
 
 from finetune_runtime import images, limits, pipeline_call
 from finetune_runtime.convention import CallConvention
-from finetune_runtime.load import Loaded, load
+from finetune_runtime.load import Loaded, first_frame_pipeline, load
 from finetune_runtime.quiet import libraries_quiet
 from finetune_runtime.size import shape_of
 
@@ -81,10 +81,12 @@ class DiffusionImageModel(mlflow.pyfunc.PythonModel):
         config = limits.serving_config(model_config)
         self.convention = CallConvention.from_config(model_config)
         self.pipe, self.backend, self.path = loaded.pipe, loaded.backend, loaded.path
+        self.loaded, self.first_frame = loaded, None  # a video model's image-to-video pipeline, made at first use
         self.pipe.set_progress_bar_config(disable=True)
         self.shape = shape_of(self.pipe, self.convention, loaded.exported)
+        first_frame = self.convention.first_frame_pipeline is not None  # takes a latent frame's place: no extra
         self.budget = limits.Budget(config["budget_images"], *self.shape.default,
-                                    input_images=self.convention.input_images,
+                                    input_images=0 if first_frame else self.convention.input_images,
                                     input_pixels=self.convention.input_pixels, frames=self.convention.frames or 1)
         self.output = "video" if self.convention.frames else "image"
         # `mlflow models serve` runs each request in a thread of its worker: a pipeline (its
@@ -157,13 +159,27 @@ class DiffusionImageModel(mlflow.pyfunc.PythonModel):
         except ValueError as err:
             raise limits.bad_request(str(err)) from None
 
+    def _pipe_for(self, inputs: list[Any]) -> Any:
+        """The pipeline of a call: a video model's first-frame pipeline where the request gave one (made at
+        its first use, in the request's turn), else the model's."""
+        name = self.convention.first_frame_pipeline
+        if not inputs or name is None:
+            return self.pipe
+        if self.first_frame is None:
+            try:
+                self.first_frame = first_frame_pipeline(self.loaded, name)
+            except ValueError as err:
+                raise limits.bad_request(f"{images.IMAGE_PARAM}: {err}") from None
+            self.first_frame.set_progress_bar_config(disable=True)
+        return self.first_frame
+
     def _generate(self, prompt: str, seed: int, settings: dict[str, Any], deadline: float | None) -> dict[str, Any]:
         import torch
 
         if deadline is not None and time.monotonic() > deadline:
             raise limits.PastDeadline("before its first step")
         image = pipeline_call.generate(
-            self.pipe, prompt, self.convention, steps=settings["num_inference_steps"],
+            self._pipe_for(settings["image"]), prompt, self.convention, steps=settings["num_inference_steps"],
             guidance=settings["guidance_scale"], height=settings["height"], width=settings["width"],
             generator=torch.Generator("cpu").manual_seed(seed), extra=settings["adapters"],
             callback=None if deadline is None else limits.stop_at(deadline), image=settings["image"] or None,

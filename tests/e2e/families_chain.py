@@ -307,7 +307,11 @@ def test_mlflow_models_serve_answers(pipeline, tmp_path) -> None:
                 status = 200 if sent.returncode == 0 and "predictions" in body else sent.returncode or 400
             else:
                 status, body = post(url, good)
-            if name in VIDEO:  # a playable MP4 of the convention's frames
+            if name in VIDEO:  # a playable MP4 of the convention's frames, from text or from text and a first frame
+                assert status == 200 and _mp4_frames(body["predictions"][0]["video"]) == 9, body
+                first = sorted((root / "data/processed/clips").glob("*/0000.png"))[0]
+                status, body = post(url, {"inputs": ["a photo of sks toy"], "params": {
+                    "num_inference_steps": 2, "image": base64.b64encode(first.read_bytes()).decode()}})
                 assert status == 200 and _mp4_frames(body["predictions"][0]["video"]) == 9, body
             else:
                 assert status == 200 and body["predictions"][0]["image"].startswith("iVBORw0K"), body

@@ -7,6 +7,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from PIL import Image
 
 from tasks.common import families
 from tasks.common.errors import UserError
@@ -109,8 +110,9 @@ def test_ltx_refuses_data_without_clips_and_prior_preservation(tmp_path, tiny_lt
 
 def test_the_served_model_answers_a_playable_mp4_and_counts_every_frame(ltx_pipe) -> None:
     """The registered model's predict on LTX-Video (diffusers back end): one row per clip with a base64
-    MP4 of the convention's frames, decoded here with PyAV; the budget counts frames x steps x pixels,
-    and a request over it is a 400 naming the frames."""
+    MP4 of the convention's frames (or num_frames), decoded here with PyAV, from text or from text and
+    a first image; the budget counts frames x steps x pixels, and a request over it is a 400 naming
+    the frames, as is a length the VAE does not take."""
     import base64
     import io
 
@@ -137,6 +139,16 @@ def test_the_served_model_answers_a_playable_mp4_and_counts_every_frame(ltx_pipe
     out = model.predict(None, ["a"], {"height": 64, "width": 64, "num_inference_steps": 2, "num_frames": 17})
     with av.open(io.BytesIO(base64.b64decode(out["video"][0]))) as clip:
         assert sum(1 for _ in clip.decode(video=0)) == 17
+    # text and a first image: LTXImageToVideoPipeline on the same model, the clip at the image's size
+    first = io.BytesIO()
+    Image.new("RGB", (96, 64), (220, 40, 40)).save(first, format="PNG")
+    params = {"num_inference_steps": 2, "image": base64.b64encode(first.getvalue()).decode()}
+    started = model.predict(None, ["a toy robot waving"], params)
+    with av.open(io.BytesIO(base64.b64decode(started["video"][0]))) as clip:
+        frames = [f.to_ndarray(format="rgb24") for f in clip.decode(video=0)]
+    assert len(frames) == 9 and frames[0].shape == (64, 96, 3)
+    assert type(model.first_frame).__name__ == "LTXImageToVideoPipeline"
+    assert model.first_frame.transformer is ltx_pipe.transformer  # the same modules, not a second copy
     with pytest.raises(MlflowException, match=r"height 512 x width 512 x num_frames 9 = .* over this model's budget .*"
                                               r"1 clips of 9 frames of 512x512 px"):
         model.predict(None, ["a", "b"], {"num_inference_steps": 20})

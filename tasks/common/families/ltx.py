@@ -119,10 +119,12 @@ class LTXVideo(FlowMatchingFamily):
     @classmethod
     def call_convention(cls) -> CallConvention:
         """Clips of `frames` frames (DEFAULT_FRAMES where the caller gives none) at the frame rate training's
-        rotary positions used, played at that rate."""
+        rotary positions used, played at that rate; a served request may give the first frame (`image`),
+        which LTXImageToVideoPipeline on the same model starts the clip from."""
         return replace(super().call_convention(), arguments={"frame_rate": FRAME_RATE}, latent_patch=1,
                        frames=DEFAULT_FRAMES, count_argument="num_videos_per_prompt", fps=FRAME_RATE,
-                       frame_step=cls.temporal_compression)
+                       frame_step=cls.temporal_compression, input_images=1,
+                       first_frame_pipeline="LTXImageToVideoPipeline")
 
     @classmethod
     def generate(cls, pipe: Any, prompts: list[str] | str, *, steps: int, latents: Any = None,
