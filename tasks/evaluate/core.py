@@ -67,7 +67,6 @@ def evaluate(model: Path, base: Path | None, instance_data: Path, cfg: EvaluateC
         raise UserError("evaluate.heldout.enabled needs --heldout-data (held-out captioned images)")
     prompts, clip_texts = render_prompts(cfg)
     real_images = load_instance_images(instance_data)
-    frames = _family_of(model, base).call_convention().frames or 1  # a video model's clips: scored per frame
     triples = _edit_set(instance_data, cfg)
     if triples:  # refused before any pipeline loads (the export's fidelity images come first)
         E.refuse_family(_family_of(model, base), triples)
@@ -81,6 +80,7 @@ def evaluate(model: Path, base: Path | None, instance_data: Path, cfg: EvaluateC
     peaks = PhasePeaks()
     made = generate_all(model, base, cfg.compare_base and base is not None, prompts, cfg, heldout, export,
                         triples, peaks)
+    frames = _family_of(model, base).call_convention().frames or 1  # a video model's clips: scored per frame
     with peaks.phase("score"):  # the encoders load once every pipeline is gone
         start = time.perf_counter()
         scores = _score(cfg, made, triples, prompts, clip_texts, real_images, frames)

@@ -241,7 +241,7 @@ class TrainDataset(Dataset):
         clips = [(r.size, len(r.frames)) if r.frames else None for r in self.instances]
         if not self.buckets and len(set(counts)) <= 1 and len(set(clips)) <= 1:
             return None
-        return [(self.bucket_of[j] if self.buckets else 0, counts[j], clips[j])
+        return [(clips[j] or (self.bucket_of[j] if self.buckets else 0), counts[j])
                 for j in map(self.layout.instance, range(len(self)))]
 
     def bucket_counts(self) -> dict[str, int]:
