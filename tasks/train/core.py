@@ -121,6 +121,26 @@ def _settings(cfg: TrainConfig) -> None:
         torch.backends.cudnn.allow_tf32 = True
 
 
+def _data_files(cfg: TrainConfig, method: TrainingMethod, family: Any, data_dir: Path,
+                class_dir: Path | None) -> list[Path]:
+    """The metadata files the run key hashes: the instance images' (a video family's clips'), and the
+    class images' with prior preservation (train.concepts: one per concept)."""
+    files = [Path(data_dir) / (CLIPS_METADATA if family.video else METADATA)]
+    if cfg.with_prior_preservation and class_dir is not None:
+        files += method.class_files or [Path(class_dir) / METADATA]
+    return files
+
+
+def _judge(cfg: TrainConfig, prompts: list[str], data_dir: Path, accelerator: Any, family: Any
+           ) -> CheckpointJudge | None:
+    """What scores the checkpoints (train.checkpoint_scoring), or None: rank 0 scores, the others
+    receive its records; a video family's validation clips are scored frame by frame."""
+    if not cfg.scores_checkpoints:
+        return None
+    return CheckpointJudge(cfg.checkpoint_scoring, prompts, data_dir, accelerator.is_main_process,
+                           family.call_convention().frames or 1)
+
+
 def train(
     cfg: TrainConfig,
     base: Path,
@@ -154,10 +174,7 @@ def train(
     _refuse_data_no_ops(cfg, method, dataset)
     refuse_references(family, dataset.instances)  # edit datasets: a family that takes references,
     refuse_reference_settings(cfg, dataset.instances)  # and no class images beside them
-    data_files = [Path(data_dir) / (CLIPS_METADATA if family.video else METADATA)]
-    if cfg.with_prior_preservation and class_dir is not None:
-        data_files += method.class_files or [Path(class_dir) / METADATA]  # train.concepts: one per concept
-    key, info = run_key(cfg, base, data_files, accelerator.num_processes)
+    key, info = run_key(cfg, base, _data_files(cfg, method, family, data_dir, class_dir), accelerator.num_processes)
     checkpoints = CheckpointManager(Path(cfg.checkpoints_dir) / key, cfg.checkpoints_total_limit, accelerator, info,
                                     cfg.keep_checkpoints_every_steps)
     checkpoints.remove_abandoned()  # .partial folders of saves a crash interrupted
@@ -166,9 +183,7 @@ def train(
     components, base_info = _load_parts(cfg, base, method, accelerator, peaks)
     prompts = cfg.validation_prompts or method.validation_prompts()
     validate = live_validator(method, base, cfg, accelerator, prompts)
-    judge = (CheckpointJudge(cfg.checkpoint_scoring, prompts, Path(data_dir), accelerator.is_main_process,
-                             family.call_convention().frames or 1)
-             if cfg.scores_checkpoints else None)  # rank 0 scores; the others receive its records
+    judge = _judge(cfg, prompts, Path(data_dir), accelerator, family)
     with peaks.phase("steps"):  # the latent cache's fill included
         result = run_loop(method, dataset, cfg, accelerator, checkpoints, resume_from, callbacks, validate, judge)
     selected = _select_output(cfg, result, checkpoints)
