@@ -8,10 +8,10 @@ it, before the version exists:
   `gate.passed` 1/0), linked to the logged model, so the registry's compare view and the logged
   model's page list them;
 - the images, under `story/`: the evaluate stage's grids (`grid.png` the fine-tune's, `grid_base.png`,
-  `grid_export.png`, `grid_edits.png`, those it wrote), `loss.png`, the loss curve drawn from the
-  train stage's `train_loss.csv`, and `validation_grid.png`, the train stage's validation images,
-  copied from its run when it ran as a child of the version's run (the flow's; a train stage DVC
-  skipped made none in this run);
+  `grid_export.png`, `grid_edits.png`, a video model's `preview.gif`, those it wrote), `loss.png`, the
+  loss curve drawn from the train stage's `train_loss.csv`, and `validation_grid.png`, the train
+  stage's validation images, copied from its run when it ran as a child of the version's run (the
+  flow's; a train stage DVC skipped made none in this run);
 - tags: `family`, `task`, `method`, `adapter` (the LoRA type, `embedding`, or `none (full weights)`),
   `steps`, `data` (the md5 of data/processed) and `cpu` (lscpu's model name and the vector units
   that set the speed: `Intel(R) Xeon(R) Processor (avx512f, avx512_bf16, amx_tile)`).
@@ -39,8 +39,9 @@ log = logging.getLogger(__name__)
 
 #: Where the images go in the version's run.
 FOLDER = "story"
-#: The evaluate stage's grids (tasks/evaluate/__main__.py write_plots), in the order they are shown.
-GRIDS = ("grid.png", "grid_base.png", "grid_export.png", "grid_edits.png")
+#: The evaluate stage's grids (tasks/evaluate/__main__.py write_plots), in the order they are shown, and a
+#: video model's preview of its first clip.
+GRIDS = ("grid.png", "grid_base.png", "grid_export.png", "grid_edits.png", "preview.gif")
 LOSS = "loss.png"
 #: The train stage's validation images, one grid (tasks/train/stage.py logs it into its run).
 VALIDATION = "validation_grid.png"

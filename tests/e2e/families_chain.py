@@ -272,6 +272,7 @@ def _registered_with_its_story(family: str, root: Path, uri: str) -> str:
     assert run.data.tags["family"] == family
     shown = {Path(f.path).name for f in client.list_artifacts(run.info.run_id, "story")}
     assert "loss.png" in shown and shown & {"grid.png", "grid_edits.png"}, shown
+    assert ("preview.gif" in shown) == (family in VIDEO), shown  # a video model's first clip plays there
     return name
 
 
