@@ -16,14 +16,12 @@ is built as a module in bf16 (7.5 GiB resident while it is saved).
 """
 from __future__ import annotations
 
-import argparse
-import json
 import logging
 from pathlib import Path
 from typing import Any
 
 from benchmarks.flux_dev.build import save_transformer
-from benchmarks.sd35.build import _save, finish
+from benchmarks.sd35.build import _save, build_command, finish
 
 log = logging.getLogger("benchmarks.flux2_klein")
 
@@ -61,15 +59,7 @@ def build_klein_4b(out: Path, seed: int = 0) -> dict[str, int]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=Path, default=Path(".cache/bench/flux2-klein-4b"))
-    parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args()
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
-    if (args.out / "parameters.json").is_file():
-        log.info("%s is built already", args.out)
-        return
-    print(json.dumps(build_klein_4b(args.out, args.seed), indent=2))
+    build_command(__doc__, ".cache/bench/flux2-klein-4b", build_klein_4b)
 
 
 if __name__ == "__main__":

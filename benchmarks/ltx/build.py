@@ -23,13 +23,11 @@ largest, is 9.5 GB resident while it is saved; 10.6 GB peak RSS, 8 min 46 s here
 """
 from __future__ import annotations
 
-import argparse
-import json
 import logging
 from pathlib import Path
 from typing import Any
 
-from benchmarks.sd35.build import T5_XXL, _save, finish
+from benchmarks.sd35.build import T5_XXL, _save, build_command, finish
 
 log = logging.getLogger("benchmarks.ltx")
 
@@ -70,15 +68,7 @@ def build_ltx(out: Path, seed: int = 0) -> dict[str, int]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=Path, default=Path(".cache/bench/ltx-2b"))
-    parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args()
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
-    if (args.out / "parameters.json").is_file():
-        log.info("%s is built already", args.out)
-        return
-    print(json.dumps(build_ltx(args.out, args.seed), indent=2))
+    build_command(__doc__, ".cache/bench/ltx-2b", build_ltx)
 
 
 if __name__ == "__main__":

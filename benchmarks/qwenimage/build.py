@@ -19,14 +19,12 @@ The transformer is written tensor by tensor in 2 GB shards (benchmarks/flux_dev/
 """
 from __future__ import annotations
 
-import argparse
-import json
 import logging
 from pathlib import Path
 from typing import Any
 
 from benchmarks.flux_dev.build import save_transformer
-from benchmarks.sd35.build import _save, finish
+from benchmarks.sd35.build import _save, build_command, finish
 
 log = logging.getLogger("benchmarks.qwenimage")
 
@@ -70,15 +68,7 @@ def build_qwen_image(out: Path, seed: int = 0) -> dict[str, int]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=Path, default=Path(".cache/bench/qwen-image"))
-    parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args()
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
-    if (args.out / "parameters.json").is_file():
-        log.info("%s is built already", args.out)
-        return
-    print(json.dumps(build_qwen_image(args.out, args.seed), indent=2))
+    build_command(__doc__, ".cache/bench/qwen-image", build_qwen_image)
 
 
 if __name__ == "__main__":

@@ -20,13 +20,11 @@ largest, is 5.2 GB resident while it is saved).
 """
 from __future__ import annotations
 
-import argparse
-import json
 import logging
 from pathlib import Path
 from typing import Any
 
-from benchmarks.sd35.build import _save, finish
+from benchmarks.sd35.build import _save, build_command, finish
 
 log = logging.getLogger("benchmarks.sana")
 
@@ -88,15 +86,7 @@ def build_sana(out: Path, seed: int = 0) -> dict[str, int]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=Path, default=Path(".cache/bench/sana-1600m"))
-    parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args()
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
-    if (args.out / "parameters.json").is_file():
-        log.info("%s is built already", args.out)
-        return
-    print(json.dumps(build_sana(args.out, args.seed), indent=2))
+    build_command(__doc__, ".cache/bench/sana-1600m", build_sana)
 
 
 if __name__ == "__main__":

@@ -125,6 +125,20 @@ def finish(out: Path, index: dict[str, Any], tokenizers: dict[str, Any], schedul
     return params
 
 
+def build_command(description: str, default_out: str, build: Any) -> None:
+    """The command line of a real-size build script (`--out`, `--seed`): `build(out, seed)`'s parameter
+    counts printed, or nothing done where the folder is built already (its parameters.json)."""
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, default=Path(default_out))
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    if (args.out / "parameters.json").is_file():
+        log.info("%s is built already", args.out)
+        return
+    print(json.dumps(build(args.out, args.seed), indent=2))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=Path(".cache/bench/sd35-medium"))

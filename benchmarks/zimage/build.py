@@ -16,15 +16,13 @@ is built as a module in bf16.
 """
 from __future__ import annotations
 
-import argparse
-import json
 import logging
 from pathlib import Path
 from typing import Any
 
 from benchmarks.flux2_klein.build import QWEN3_4B
 from benchmarks.flux_dev.build import FLUX_VAE, save_transformer
-from benchmarks.sd35.build import _save, finish
+from benchmarks.sd35.build import _save, build_command, finish
 
 log = logging.getLogger("benchmarks.zimage")
 
@@ -56,15 +54,7 @@ def build_z_image(out: Path, seed: int = 0) -> dict[str, int]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=Path, default=Path(".cache/bench/z-image-6b"))
-    parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args()
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
-    if (args.out / "parameters.json").is_file():
-        log.info("%s is built already", args.out)
-        return
-    print(json.dumps(build_z_image(args.out, args.seed), indent=2))
+    build_command(__doc__, ".cache/bench/z-image-6b", build_z_image)
 
 
 if __name__ == "__main__":
