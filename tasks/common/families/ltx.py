@@ -29,8 +29,9 @@ Generation returns clips (`LTXPipelineOutput.frames`); `generate` gives each as 
 (every frame side by side), which the image consumers show (validation, evaluate's grids, the
 export's parity) and evaluate's scorer cuts back into frames (tasks/common/scoring.py).
 
-LoRA on the attention's q/k/v/out (the targets of the LTX-Video LoRAs that SimpleTuner and
-diffusion-pipe train); the T5 encoder never trains. No ComfyUI file (its LTXV key map is unchecked
+LoRA on the attention's q/k/v/out of every block, self- and cross-attention (finetrainers' targets
+for LTX-Video: benchmarks/ltx/README.md compares its trainable-parameter count); the T5 encoder
+never trains. No ComfyUI file (its LTXV key map is unchecked
 here) and no run-time GenAI adapter.
 """
 from __future__ import annotations
