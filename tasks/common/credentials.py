@@ -40,6 +40,8 @@ DVC_REMOTE = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN")
 #: stage -> the credential variables its process may hold. Everything else secret-looking is removed.
 STAGE_CREDENTIALS: dict[str, tuple[str, ...]] = {
     "base": (*MLFLOW, *HUB),     # logs its run; downloads the base model (gated ones need the token)
+    "data_manifest": (),         # lists the data folder (tasks/ingest/manifest.py); logs no run. Not confined yet:
+                                 # it keeps what `dvc` was given
     "ingest": (),                # parses untrusted files: its run is relayed (tasks.common.confine)
     "class_images": (),          # its run is relayed, as ingest's
     "train": MLFLOW,             # rank 0 logs the run; every rank gets the same environment
