@@ -39,7 +39,6 @@ from tasks.common.tracking import (
     wait_for_server,
 )
 from tasks.register.config import RegisterConfig
-from tasks.register.oneline import one_line
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -291,7 +290,8 @@ def _run_pipeline(root: Path, workdir: Path, stages: list[str], applied: dict[st
 def _rescore_champion(root: Path, workdir: Path, parent: ParentRun) -> dict[str, Any] | None:
     """When the champion was scored under another evaluation protocol (or its score cannot be
     read), score it again under the current one (flows/rescore.py), so promotion compares like
-    with like; a failed re-score is handed on, and the champion holds."""
+    with like; a re-score that fails, however, is handed on with its reason in one line: the
+    candidate is still registered and the champion holds."""
     from mlflow.exceptions import MlflowException
 
     from flows import rescore
@@ -313,15 +313,15 @@ def _rescore_champion(root: Path, workdir: Path, parent: ParentRun) -> dict[str,
                 champion.version, champion.protocol or "unknown", report["protocol"]["id"])
     env = {PARENT_ENV: parent.run_id, "MLFLOW_TRACKING_URI": tracking_uri(root),
            "MLFLOW_EXPERIMENT_NAME": experiment_name()}
-    try:
-        result = rescore.rescore(workdir, f"models:/{name}/{champion.version}", env)
-    except UserError as err:
-        logger.warning("could not re-score the champion v%s, so it holds: %s", champion.version, err)
-        parent.set_tags({"champion.rescore_error": one_line(str(err))})
-        return {"version": str(champion.version), "error": str(err)}  # promotion fails closed
-    parent.set_tags({"champion.rescored_seconds": result["seconds_total"]})
-    logger.info("champion v%s re-scored in %s s", champion.version, result["seconds_total"])
-    return {"version": str(champion.version), "report": result}
+    timeout = cfg.rescore_timeout_min * 60 if cfg.rescore_timeout_min is not None else None
+    result = rescore.attempt(workdir, champion.version, f"models:/{name}/{champion.version}", env, timeout)
+    if "error" in result:  # promotion fails closed: the champion holds
+        logger.warning("could not re-score the champion v%s, so it holds: %s", champion.version, result["error"])
+        parent.set_tags({"champion.rescore_error": result["error"]})
+        return result
+    parent.set_tags({"champion.rescored_seconds": result["report"]["seconds_total"]})
+    logger.info("champion v%s re-scored in %s s", champion.version, result["report"]["seconds_total"])
+    return result
 
 
 def planned_name(workdir: Path) -> str | None:

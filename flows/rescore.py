@@ -16,12 +16,22 @@ run computed it and hands the report to tasks/register in-process; the `rescore.
 it leaves on the champion (and the new version's `champion.rescored`) are display only: nothing
 reads them back, so a forged one changes no decision. A later registration under the same new
 protocol re-scores the champion again rather than trust a tag.
+
+A re-score that fails, for whatever reason (the champion's files missing or not matching its
+manifest, a model the evaluate command cannot load, the command crashing or killed, no report,
+running past `register.rescore_timeout_min`), never stops the flow: `attempt` returns the reason
+in one short line (tasks/register/oneline.py; the command's whole output goes to the flow's log),
+the candidate is still registered, `champion` holds, and the candidate's tag
+`champion.rescore_error` and its description say why (tasks/register/registry.py, `rescored`).
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+import os
 import shlex
+import signal
 import subprocess
 import sys
 import tempfile
@@ -36,7 +46,7 @@ from finetune_runtime.genai_serving import ADAPTER_ARTIFACT
 from tasks.common.errors import UserError
 from tasks.register.base_export import runtime_export_of
 from tasks.register.naming import Lineage
-from tasks.register.oneline import last_error
+from tasks.register.oneline import last_error, reason
 from tasks.register.promotion import Champion, other_lineage
 
 log = logging.getLogger(__name__)
@@ -79,8 +89,24 @@ def evaluate_command(workdir: Path, artifacts: Mapping[str, Path], out: Path) ->
     return argv
 
 
-def rescore(workdir: Path, model_uri: str, env: Mapping[str, str]) -> dict[str, Any]:
-    """Run the evaluate stage on the registered model `model_uri`; its report and seconds."""
+def attempt(workdir: Path, version: str, model_uri: str, env: Mapping[str, str],
+            timeout_s: float | None = None) -> dict[str, Any]:
+    """Re-score version `version` (`model_uri`) and hand the result on: {"version", "report"}, or,
+    whatever went wrong, {"version", "error"} with the reason in one short line. Never raises an
+    Exception: a champion that cannot be re-scored holds, and the candidate is still registered."""
+    try:
+        return {"version": str(version), "report": rescore(workdir, model_uri, env, timeout_s)}
+    except Exception as err:  # any failure holds the champion, with its reason
+        why = reason(err)
+        log.warning("could not re-score %s, so the champion holds: %s", model_uri, why,
+                    exc_info=not isinstance(err, UserError))
+        return {"version": str(version), "error": why}
+
+
+def rescore(workdir: Path, model_uri: str, env: Mapping[str, str],
+            timeout_s: float | None = None) -> dict[str, Any]:
+    """Run the evaluate stage on the registered model `model_uri`; its report and seconds. The
+    command is stopped (its whole process group) after `timeout_s` seconds (None: no limit)."""
     import time
 
     from flows.dvc_stage import stage_env
@@ -88,35 +114,69 @@ def rescore(workdir: Path, model_uri: str, env: Mapping[str, str]) -> dict[str, 
 
     with tempfile.TemporaryDirectory(prefix="rescore-") as tmp:
         local = Path(download(model_uri, str(Path(tmp) / "m")))  # checked against its manifest
-        artifacts = {name: local / "artifacts" / name for name in _INPUT_ARGS.values()
-                     if (local / "artifacts" / name).is_dir()}
-        if "finetuned" not in artifacts:
-            raise UserError(f"{model_uri} has no fine-tuned model to re-score (artifacts/finetuned)")
-        reference = local / "artifacts" / base_reference.ARTIFACT
-        if reference.is_dir():  # a big base, registered by reference: its own folder, never the workspace's
-            try:
-                found = base_reference.local_folder(reference)
-            except ValueError as err:
-                raise UserError(f"re-scoring {model_uri}: {err}") from None
-            if found is None:
-                raise UserError(f"re-scoring {model_uri}: its base is registered by reference and not on this "
-                                f"machine: set {base_reference.BASE_DIR_ENV} to a copy of it")
-            artifacts["base"] = Path(found)
-        adapter = local / "artifacts" / ADAPTER_ARTIFACT
-        if adapter.is_dir() and "openvino" not in artifacts:  # run-time adapters: the export is rebuilt
-            artifacts["openvino"], artifacts["base"] = runtime_export_of(adapter, Path(tmp) / "export")
+        artifacts = _inputs(local, model_uri, Path(tmp))
         out = Path(tmp) / "out"
         out.mkdir()
         cmd = evaluate_command(workdir, artifacts, out)
         if "--report" not in cmd[:-1]:
             raise UserError(f"{workdir / 'dvc.yaml'}: the evaluate command has no --report to read the scores from")
         start = time.monotonic()
-        proc = subprocess.run(cmd, cwd=workdir, env=stage_env(env), capture_output=True, text=True)
-        if proc.returncode != 0:  # its whole output in the flow's log, its error in one line for the tags
-            log.warning("re-scoring %s: the evaluate command's output:\n%s", model_uri,
-                        (proc.stdout + proc.stderr)[-6000:])
-            raise UserError(f"re-scoring {model_uri} failed (exit {proc.returncode}): "
-                            f"{last_error(proc.stdout + proc.stderr)}")
-        report = json.loads(Path(cmd[cmd.index("--report") + 1]).read_text())
+        _run(cmd, workdir, stage_env(env), model_uri, timeout_s)
+        report_path = Path(cmd[cmd.index("--report") + 1])
+        if not report_path.is_file():
+            raise UserError(f"re-scoring {model_uri}: the evaluate command succeeded but wrote no report "
+                            f"({report_path.name})")
+        try:
+            report = json.loads(report_path.read_text())
+        except ValueError as err:
+            raise UserError(f"re-scoring {model_uri}: its report {report_path.name} is not JSON ({err})") from None
+    if not isinstance(report, dict):
+        raise UserError(f"re-scoring {model_uri}: its report is not a JSON object")
     report["seconds_total"] = round(time.monotonic() - start, 2)
     return report
+
+
+def _inputs(local: Path, model_uri: str, tmp: Path) -> dict[str, Path]:
+    """The evaluate command's inputs from the downloaded version `local` (_INPUT_ARGS' folders; a
+    base registered by reference found on this machine; an export rebuilt from run-time adapters)."""
+    artifacts = {name: local / "artifacts" / name for name in _INPUT_ARGS.values()
+                 if (local / "artifacts" / name).is_dir()}
+    if "finetuned" not in artifacts:
+        raise UserError(f"{model_uri} has no fine-tuned model to re-score (artifacts/finetuned)")
+    reference = local / "artifacts" / base_reference.ARTIFACT
+    if reference.is_dir():  # a big base, registered by reference: its own folder, never the workspace's
+        try:
+            found = base_reference.local_folder(reference)
+        except ValueError as err:
+            raise UserError(f"re-scoring {model_uri}: {err}") from None
+        if found is None:
+            raise UserError(f"re-scoring {model_uri}: its base is registered by reference and not on this "
+                            f"machine: set {base_reference.BASE_DIR_ENV} to a copy of it")
+        artifacts["base"] = Path(found)
+    adapter = local / "artifacts" / ADAPTER_ARTIFACT
+    if adapter.is_dir() and "openvino" not in artifacts:  # run-time adapters: the export is rebuilt
+        artifacts["openvino"], artifacts["base"] = runtime_export_of(adapter, tmp / "export")
+    return artifacts
+
+
+def _run(cmd: list[str], workdir: Path, env: dict[str, str], model_uri: str, timeout_s: float | None) -> None:
+    """Run the evaluate command in its own process group; its whole output in the flow's log when it
+    fails, its error in one line for the tags. Past `timeout_s` the group is killed."""
+    proc = subprocess.Popen(cmd, cwd=workdir, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+    try:
+        output, _ = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)  # the command and whatever it started
+        output, _ = proc.communicate()
+        log.warning("re-scoring %s: the evaluate command's output before it was stopped:\n%s", model_uri,
+                    (output or "")[-6000:])
+        raise UserError(f"re-scoring {model_uri} stopped after {timeout_s:.0f} s "
+                        "(register.rescore_timeout_min)") from None
+    if proc.returncode != 0:
+        log.warning("re-scoring %s: the evaluate command's output:\n%s", model_uri, (output or "")[-6000:])
+        if proc.returncode < 0:  # what it printed last is not why: a signal stopped it
+            raise UserError(f"re-scoring {model_uri} failed: the evaluate command was killed by "
+                            f"{signal.Signals(-proc.returncode).name} (out of memory?); the flow's log has its output")
+        raise UserError(f"re-scoring {model_uri} failed (exit {proc.returncode}): {last_error(output or '')}")

@@ -69,6 +69,15 @@ class RegisterConfig(StageConfig):
                     "registered by reference (its name, revision, DVC hash, path and file sizes; "
                     "finetune_runtime/base_reference.py); null: always copied",
     )
+    rescore_timeout_min: float | None = Field(
+        240.0,
+        gt=0,
+        allow_inf_nan=False,
+        description="the most minutes the flow gives the re-score of a champion scored under another "
+                    "evaluation protocol (flows/rescore.py); past it the evaluate command is stopped and, as "
+                    "for any failed re-score, the candidate is registered, the champion holds and the "
+                    "candidate's champion.rescore_error says why; null: no limit",
+    )
     promote_uncalibrated: bool = Field(
         False,
         description="let `champion` move on uncalibrated scores (random-weight built-in "

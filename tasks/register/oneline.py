@@ -35,3 +35,18 @@ def last_error(output: str) -> str:
     if errors:
         return errors[-1]
     return lines[-1] if lines else "no output"
+
+
+#: How long a failure's reason may be in a tag or a description: what failed and the fix, not a log.
+REASON_CHARS = 300
+
+
+def reason(err: BaseException, limit: int = REASON_CHARS) -> str:
+    """Why `err` happened, in one short line: a UserError's own message (it names what and the fix);
+    any other exception's type first (`OSError: ...`), as it would otherwise only show in a traceback."""
+    from tasks.common.errors import UserError
+
+    text = one_line(str(err), limit=limit)
+    if isinstance(err, UserError):
+        return text or type(err).__name__
+    return one_line(f"{type(err).__name__}: {text}" if text else type(err).__name__, limit=limit)

@@ -47,7 +47,7 @@ from typing import Any
 from tasks.common.errors import UserError
 from tasks.register.manifest import check_lineage
 from tasks.register.naming import Lineage, of_record
-from tasks.register.oneline import one_line
+from tasks.register.oneline import REASON_CHARS, one_line, reason
 from tasks.register.promotion import (
     METRIC_TAG,
     Champion,
@@ -98,10 +98,15 @@ def read_lineage(client: Any, version: Any) -> tuple[dict[str, Any] | None, str]
     run_id = getattr(version, "run_id", None)
     if not run_id:
         return None, "registered without a run, so without a lineage document"
-    if LINEAGE_ARTIFACT not in {Path(f.path).name for f in client.list_artifacts(run_id)}:
-        return None, f"registered without a lineage document ({LINEAGE_ARTIFACT} is not in run {run_id})"
+    from mlflow.exceptions import MlflowException
+
     with tempfile.TemporaryDirectory(prefix="lineage-") as tmp:
-        path = client.download_artifacts(run_id, LINEAGE_ARTIFACT, tmp)
+        try:  # a document that cannot be fetched is one that cannot be read: no score (fail closed)
+            if LINEAGE_ARTIFACT not in {Path(f.path).name for f in client.list_artifacts(run_id)}:
+                return None, f"registered without a lineage document ({LINEAGE_ARTIFACT} is not in run {run_id})"
+            path = client.download_artifacts(run_id, LINEAGE_ARTIFACT, tmp)
+        except (OSError, MlflowException) as err:
+            return None, f"its lineage document (run {run_id}) cannot be fetched: {reason(err)}"
         rewritten = check_lineage(client, version, Path(path))  # tasks/register/manifest.py
         if rewritten:
             return None, rewritten
@@ -244,25 +249,42 @@ def rescored(client: Any, model_name: str, champion: Champion | None,
               rescore: dict[str, Any] | None, metric: str) -> tuple[Champion | None, dict[str, str]]:
     """The champion with its score under the current protocol, when the flow re-scored it
     (`rescore`: {"version", "report"}; the new score is also tagged on the champion's version),
-    or with why it could not (`rescore`: {"version", "error"}); the new version's tags saying so."""
+    or with why it could not (`rescore`: {"version", "error"}, or a report without a finite score
+    or a protocol): then the champion keeps what it had, and the new version's tag
+    `champion.rescore_error` says why in one line. A re-score of a version that no longer holds
+    `champion` is not used: the holder is compared by what its own lineage document says."""
     if champion is None or not rescore or str(rescore.get("version")) != champion.version:
         return champion, {}
-    if rescore.get("error"):  # the flow tried and failed: the champion keeps what it had
-        error = one_line(rescore["error"])
+    error = _rescore_problem(rescore, metric)
+    if error:  # the flow tried and failed: the champion keeps what it had
         log.warning("%s v%s could not be re-scored: %s", model_name, champion.version, error)
         note = "; ".join(filter(None, [champion.note, f"re-scoring it failed: {error}"]))
         return (Champion(champion.version, champion.score, champion.protocol, note=note, lineage=champion.lineage),
                 {"champion.rescore_error": error})
     report = rescore["report"]
-    score = report.get("metrics", {}).get(metric)
-    protocol = (report.get("protocol") or {}).get("id")
-    if not isinstance(score, (int, float)) or not protocol:
-        return champion, {}
+    score = float(report["metrics"][metric])
+    protocol = str(report["protocol"]["id"])
     text = (f"v{champion.version} re-scored under protocol {protocol}: {metric}={score:.6g} "
             f"(was {champion.score if champion.score is not None else 'none'} under "
             f"{champion.protocol or 'unknown'}; {report.get('seconds_total', '?')} s)")
     client.set_model_version_tag(model_name, champion.version, f"rescore.{protocol}",
                                  f"{metric}={score:.6g}")
     log.info("%s", text)
-    return (Champion(champion.version, float(score), protocol, note=champion.note, lineage=champion.lineage),
+    return (Champion(champion.version, score, protocol, note=champion.note, lineage=champion.lineage),
             {"champion.rescored": text})
+
+
+def _rescore_problem(rescore: dict[str, Any], metric: str) -> str:
+    """Why the flow's re-score gives the champion no score, in one short line ("": it does)."""
+    if rescore.get("error"):
+        return one_line(str(rescore["error"]), limit=REASON_CHARS)
+    report = rescore.get("report")
+    if not isinstance(report, dict):
+        return "the re-score gave no report"
+    metrics, protocol = report.get("metrics"), report.get("protocol")
+    score = metrics.get(metric) if isinstance(metrics, dict) else None
+    if _finite(score) is None:
+        return one_line(f"the re-score's report has no finite {metric} ({score!r})", limit=REASON_CHARS)
+    if not isinstance(protocol, dict) or not protocol.get("id"):
+        return "the re-score's report names no evaluation protocol"
+    return ""
