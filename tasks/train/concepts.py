@@ -26,7 +26,7 @@ from tasks.common.concepts import ConceptName
 from tasks.common.config import StageConfig
 from tasks.common.errors import UserError
 from tasks.train.layout import Group, Layout, repeated
-from tasks.train.methods.spec import method_spec
+from tasks.train.method_specs import method_spec
 
 log = logging.getLogger(__name__)
 

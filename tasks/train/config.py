@@ -19,21 +19,20 @@ from tasks.common.config import StageConfig
 from tasks.common.errors import UserError
 from tasks.common.safe_remove import own_folder
 from tasks.train.concepts import concepts_problem
-from tasks.train.config_sections import (
-    CheckpointScoringConfig,
-    XlaConfig,
-    base_precision_problem,
-    text_precision_problem,
-)
-from tasks.train.methods.spec import MethodSpec, family_refusal, method_spec
-from tasks.train.methods.spec import names as method_names
+from tasks.train.method_specs import MethodSpec, family_refusal, method_spec
+from tasks.train.method_specs import names as method_names
 from tasks.train.no_ops import config_no_ops, family_no_ops
 from tasks.train.sections.adapters import AdaptersSection
 from tasks.train.sections.data import DataSection
-from tasks.train.sections.launch import LaunchSection
+from tasks.train.sections.launch import LaunchSection, XlaConfig
 from tasks.train.sections.optimizer import OptimizerSection
-from tasks.train.sections.outputs import OutputsSection
-from tasks.train.sections.precision import PrecisionSection, cxx_compiler
+from tasks.train.sections.outputs import CheckpointScoringConfig, OutputsSection
+from tasks.train.sections.precision import (
+    PrecisionSection,
+    base_precision_problem,
+    cxx_compiler,
+    text_precision_problem,
+)
 from tasks.train.sections.schedule import LR_SCHEDULERS, ScheduleSection
 
 #: Keys that do not change what a step computes: a run resumed with other values of these is the
@@ -57,9 +56,9 @@ NOT_IN_RUN_KEY = frozenset({
 
 
 class MethodSection(StageConfig):
-    """What is trained and saved: one of the registered methods (tasks/train/methods/spec.py)."""
+    """What is trained and saved: one of the registered methods (tasks/train/method_specs/)."""
 
-    method: str = Field("dreambooth", description=" | ".join(method_names()) + " (tasks/train/methods/specs/)")
+    method: str = Field("dreambooth", description=" | ".join(method_names()) + " (tasks/train/method_specs/)")
 
     @field_validator("method")
     @classmethod
@@ -69,7 +68,7 @@ class MethodSection(StageConfig):
 
     @property
     def spec(self) -> MethodSpec:
-        """What `method` is (tasks/train/methods/spec.py)."""
+        """What `method` is (tasks/train/method_specs/)."""
         return method_spec(self.method)
 
     def _method_problem(self) -> str | None:

@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from tasks.train.methods.spec import option_rules
+from tasks.train.method_specs import option_rules
 
 #: key -> (does it matter for this config?, what makes it matter). Checked when the key is set
 #: away from its default.

@@ -5,7 +5,7 @@ version says DoRA, not only `method: lora`, and how many of its images trained m
 
 - `lora_type`, `rank`, `lora_alpha` (null in params.yaml: the rank, as peft uses it), `lora_format`
   (comfyui: the output also has comfyui_lora.safetensors): for a method that reads them
-  (tasks/train/methods/specs/);
+  (tasks/train/method_specs/);
 - `optimizer`: what make_optimizer built (tasks/train/optim.py `optimizer_name`);
 - `instance_images`: the instance images of the data; `edit_pairs`, on an edit dataset: the targets
   trained with reference images; `caption_column`: the metadata column the prompts came from (an

@@ -120,7 +120,7 @@ def test_every_method_output_has_registrable_artifacts(tmp_path: Path, method: s
 def test_the_method_table_covers_every_method() -> None:
     """A new train method must be added to the table (and, if it saves another layout, to
     tasks/register/model_contents.py model_artifacts)."""
-    from tasks.train.methods.spec import names
+    from tasks.train.method_specs import names
 
     methods = set(names())
     assert {m.split(",")[0] for m in METHOD_OUTPUTS} == methods

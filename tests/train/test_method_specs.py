@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tasks.train.methods import spec as methods
+from tasks.train import method_specs as methods
 
 ROOT = Path(__file__).resolve().parents[2]
 METHODS_DIR = ROOT / "tasks" / "train" / "methods"
@@ -38,7 +38,7 @@ def test_no_method_name_is_compared_outside_its_own_module() -> None:
                 for top in ("tasks", "flows") for path in sorted((ROOT / top).rglob("*.py"))
                 if METHODS_DIR not in path.parents
                 for line, name in name_comparisons(path.read_text(), names)]
-    assert not problems, "method names compared as strings (ask tasks/train/methods/spec.py):\n" + "\n".join(problems)
+    assert not problems, "method names compared as strings (ask tasks/train/method_specs/):\n" + "\n".join(problems)
     assert name_comparisons('if cfg.method == "lora" or m in ("full", "x"):\n    pass\n', names) == \
         [(1, "lora"), (1, "full")]
 

@@ -3,8 +3,8 @@ denoiser's bias terms only, saved as a full pipeline. Its spec and its trainer a
 registered at test time (`spec.register(SPEC)`), and no other file of the project knows it."""
 from __future__ import annotations
 
+from tasks.train.method_specs import MethodSpec
 from tasks.train.methods.base import TrainingMethod
-from tasks.train.methods.spec import MethodSpec
 
 
 class BitFit(TrainingMethod):

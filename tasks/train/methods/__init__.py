@@ -1,4 +1,4 @@
-"""Training methods. Each is a spec (tasks/train/methods/spec.py; the built-in ones in specs/) that
+"""Training methods. Each is a spec (tasks/train/method_specs/, outside this folder) that
 names its `TrainingMethod` subclass, which says only what differs: what is trainable, the prompts,
 the output. The loop in tasks/train/loop.py is shared by all.
 
@@ -12,7 +12,7 @@ from typing import Any
 
 def __getattr__(name: str) -> Any:
     if name == "METHODS":  # train.method -> its TrainingMethod subclass
-        from tasks.train.methods.spec import method_spec, names
+        from tasks.train.method_specs import method_spec, names
 
         return {n: method_spec(n).trainer_class() for n in names()}
     if name == "TrainingMethod":

@@ -1,6 +1,6 @@
 """What trains beside (or instead of) the denoiser's weights: the text encoders, textual
 inversion's new token, LoRA and its adapter types. Each key here is read by one method only
-(tasks/train/methods/specs/: set for another, it is refused as a no-op)."""
+(tasks/train/method_specs/: set for another, it is refused as a no-op)."""
 from __future__ import annotations
 
 from typing import Literal

@@ -1,14 +1,32 @@
 """Where and how it runs (tasks/common/launch.py; README "Launchers"): the launcher and its
-topology, the CPU back end, torch.compile, PyTorch/XLA's options."""
+topology, the CPU back end, torch.compile, PyTorch/XLA's options (`train.xla`)."""
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Literal
 
 from pydantic import Field
 
 from tasks.common.config import StageConfig
 from tasks.common.launch import LAUNCHERS, LaunchConfig, launch_problem
-from tasks.train.config_sections import XlaConfig
+
+
+class XlaConfig(StageConfig):
+    """`train.xla`: PyTorch/XLA (TPU, or CPU with PJRT_DEVICE=CPU) options, after diffusers' SDXL-on-TPU script."""
+
+    mesh_shape: list[int] | None = Field(
+        None, min_length=1, max_length=2,
+        description="SPMD device mesh (data[, model]); the batch is sharded over its first axis. "
+                    "null: every device on one data axis (data parallel)",
+    )
+    compile_cache_dir: Path | None = Field(
+        Path(".cache/xla"), description="persistent XLA compile cache (its CACHE_DIR); null: none"
+    )
+    profile_dir: Path | None = Field(None, description="write an XLA profile trace here (its PROFILE_DIR); null: off")
+    profile_start_step: int = Field(10, ge=1, description="first optimizer step inside the profile window")
+    profile_steps: int = Field(5, ge=1, description="optimizer steps the profile window covers")
+    loader_prefetch_size: int = Field(1, ge=1, description="batches the host loader keeps ready")
+    device_prefetch_size: int = Field(1, ge=1, description="batches already sent to the devices")
 
 
 class LaunchSection(StageConfig):

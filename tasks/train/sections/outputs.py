@@ -1,5 +1,6 @@
 """What a run leaves and shows: checkpoints (never lose progress), resuming, which checkpoint
-becomes the output, validation images, metrics."""
+becomes the output and how checkpoints are scored (`train.checkpoint_scoring`), validation
+images, metrics."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -8,7 +9,69 @@ from typing import Any, Literal
 from pydantic import Field
 
 from tasks.common.config import StageConfig
-from tasks.train.config_sections import CheckpointScoringConfig
+from tasks.common.errors import UserError
+from tasks.common.scoring import IMAGE_METRICS
+
+#: What `train.checkpoint_scoring` follows when a key is null: (section, key, default when absent).
+#: The train stage reads its own section; these keys are read from params.yaml as well (and
+#: dvc.yaml lists them among the train stage's params), so the evaluation protocol and the
+#: registry's metric are stated once.
+SCORING_FOLLOWS = {
+    "metric": ("register", "primary_metric", "dino"),
+    "goal": ("register", "primary_metric_goal", "maximize"),
+    "identifier": ("evaluate", "identifier", "sks"),
+    "clip_model": ("evaluate", "clip_model", "builtin:tiny-clip"),
+    "clip_revision": ("evaluate", "clip_revision", None),
+    "dino_model": ("evaluate", "dino_model", "builtin:tiny-dino"),
+    "dino_revision": ("evaluate", "dino_revision", None),
+    "encoder_seed": ("evaluate", "encoder_seed", 0),
+}
+
+
+class CheckpointScoringConfig(StageConfig):
+    """`train.checkpoint_scoring`: the validation images of every checkpoint scored as `evaluate` scores.
+
+    A null key follows its owner in params.yaml (SCORING_FOLLOWS): the metric and its goal are
+    `register.primary_metric` / `primary_metric_goal`, the encoders and the identifier (left out
+    of CLIP-T's text) are `evaluate`'s. `resolved()` fills them in.
+    """
+
+    enabled: bool | None = Field(None, description="score each checkpoint; null: when select_checkpoint is best")
+    metric: str | None = Field(None, min_length=1, description="clip_t | clip_i | dino (gain_<m>: <m>); "
+                                                                "null: register.primary_metric")
+    goal: Literal["maximize", "minimize"] | None = Field(None, description="null: register.primary_metric_goal")
+    identifier: str | None = Field(None, min_length=1, description="null: evaluate.identifier")
+    clip_model: str | None = Field(None, min_length=1, description="null: evaluate.clip_model")
+    clip_revision: str | None = Field(None, description="null: evaluate.clip_revision")
+    dino_model: str | None = Field(None, min_length=1, description="null: evaluate.dino_model")
+    dino_revision: str | None = Field(None, description="null: evaluate.dino_revision")
+    encoder_seed: int | None = Field(None, ge=0, description="null: evaluate.encoder_seed")
+
+    def resolved(self, params: dict[str, Any] | None = None) -> CheckpointScoringConfig:
+        """Every null key filled from its owner in `params` (the whole params.yaml), else its default."""
+        values = self.model_dump()
+        sources = {}
+        for key, (section, owner_key, default) in SCORING_FOLLOWS.items():
+            if values[key] is None:
+                owner = (params or {}).get(section) or {}
+                values[key] = owner.get(owner_key, default) if isinstance(owner, dict) else default
+                sources[key] = f"{section}.{owner_key}"
+        try:
+            return CheckpointScoringConfig.model_validate(values)
+        except ValueError as err:
+            raise UserError(f"params.yaml: train.checkpoint_scoring (null keys follow {', '.join(sources.values())})"
+                            f": {err}") from None
+
+    def scored_metric(self) -> str:
+        """The image metric checkpoints are ranked by (call on a resolved config)."""
+        metric = str(self.metric)
+        name = metric.removeprefix("gain_")  # ranks like <m>: the base's score is the same for every checkpoint
+        if name not in IMAGE_METRICS:  # what a checkpoint's validation images can be scored on
+            raise UserError(
+                f"train.checkpoint_scoring.metric is {metric!r} (null follows register.primary_metric), which a "
+                f"checkpoint's validation images cannot be scored on; set train.checkpoint_scoring.metric to one of "
+                f"{', '.join(IMAGE_METRICS)}")
+        return name
 
 
 class OutputsSection(StageConfig):

@@ -12,7 +12,8 @@ from pydantic import Field
 from finetune_runtime.cpu_formats import Choice, CpuFormats, auto_bf16, detect, emulated_bf16_problem
 from tasks.common.config import StageConfig
 from tasks.common.errors import UserError
-from tasks.train.methods.spec import method_spec, names_training
+from tasks.common.quantize import BasePrecision
+from tasks.train.method_specs import method_spec, names_training
 
 
 def cxx_compiler() -> str | None:
@@ -124,3 +125,51 @@ class PrecisionSection(StageConfig):
         return (device_type == "cpu" and self.mixed_precision == "bf16" and not method_spec(self.method).frozen_base
                 and self.optimizer_choice == "adamw" and not (self.use_ema or self.cpu_backend == "ipex")
                 and bool(cxx_compiler()))
+
+
+def base_precision_problem(cfg: Any) -> str | None:
+    """Why `train.base_model_precision` cannot go with this config (value, package, method, adapter,
+    launcher), or None. The device is checked again once it is known (tasks/train/core.py)."""
+    try:
+        precision = BasePrecision.parse(cfg.base_model_precision)
+    except ValueError as err:
+        return str(err)
+    if precision is None:
+        return None
+    key = f"base_model_precision: {cfg.base_model_precision}"
+    spec = method_spec(cfg.method)
+    if not spec.frozen_base:
+        return (f"{key}: method {cfg.method} updates the base's own weights, which a quantized base cannot train "
+                f"(8- and 4-bit weights have no gradient step); use method: {' or '.join(names_training('adapters'))}, "
+                "or base_model_precision: none")
+    if cfg.launcher == "xla":
+        return f"{key}: XLA has none of the quantized kernels; use launcher local, accelerate or mpirun"
+    return precision.problem(adapter=cfg.lora_type if spec.trains == "adapters" else None)
+
+
+def text_precision_problem(cfg: Any) -> str | None:
+    """Why `train.text_encoder_precision` cannot go with this config, or None: the encoders must stay
+    frozen (textual inversion and train_text_encoder train through them)."""
+    try:
+        precision = BasePrecision.parse(cfg.text_encoder_precision, "text_encoder_precision")
+    except ValueError as err:
+        return str(err)
+    if precision is None:
+        return None
+    key = f"text_encoder_precision: {cfg.text_encoder_precision}"
+    spec = method_spec(cfg.method)
+    if spec.through_text_encoder or cfg.train_text_encoder:
+        trains = f"{cfg.method} trains an {spec.trains}" if spec.through_text_encoder else \
+            "train_text_encoder: true trains"
+        return (f"{key}: {trains} through the text encoder, which a quantized one cannot give gradients to; "
+                "set text_encoder_precision: none")
+    if cfg.cache_text_encoder_outputs_to_disk:
+        return (f"{key}: the disk text cache is keyed by the encoders' weights, which quantized ones do not "
+                "expose as bytes; set cache_text_encoder_outputs_to_disk: false (the cache stays in memory) "
+                "or text_encoder_precision: none")
+    if precision.name != "int8-torchao":
+        return (f"{key}: the text encoders take torchao's int8 only (the one run here: FLUX.1's and SD3.5's "
+                "CLIP and T5); use text_encoder_precision: int8")
+    if cfg.launcher == "xla":
+        return f"{key}: XLA has none of the quantized kernels; use launcher local, accelerate or mpirun"
+    return precision.problem(key="text_encoder_precision")

@@ -1,5 +1,5 @@
 """What a training method is (`MethodSpec`), declared without torch; the registry that every check
-asks is tasks/train/methods/spec.py."""
+asks is tasks/train/method_specs/__init__.py."""
 from __future__ import annotations
 
 import importlib

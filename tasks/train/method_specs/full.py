@@ -1,6 +1,6 @@
 """Full fine-tune on a captioned dataset (diffusers' train_text_to_image.py): every denoiser weight on
 each image's own caption; a full pipeline."""
-from tasks.train.methods.specs.base import MethodSpec
+from tasks.train.method_specs.base import MethodSpec
 
 SPEC = MethodSpec(
     name="full",

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from tasks.train.methods.specs.base import MethodSpec
+from tasks.train.method_specs.base import MethodSpec
 
 
 def _problem(cfg: Any) -> str | None:

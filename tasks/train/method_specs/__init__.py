@@ -1,24 +1,30 @@
 """What a training method is, declared without torch: the registry every check asks.
 
-Each method is a `MethodSpec` (tasks/train/methods/specs/<name>.py for the built-in ones): its
+Each method is a `MethodSpec` (tasks/train/method_specs/<name>.py for the built-in ones): its
 name, what it trains, the train.* options only it reads, what it refuses (per family, per base
-precision) and what it writes. The config checks (tasks/train/config.py, config_sections.py,
-no_ops.py, concepts.py), the data checks and the families ask the spec; none compares a method's
-name. The spec names its `TrainingMethod` subclass (`trainer`), which is imported, with torch,
-only when training starts.
+precision) and what it writes. The config checks (tasks/train/config.py, sections/, no_ops.py,
+concepts.py), the data checks and the families ask the spec; none compares a method's name. The
+spec names its `TrainingMethod` subclass (`trainer`, in tasks/train/methods/), which is imported,
+with torch, only when training starts.
+
+Imports go one way: the trainers (tasks/train/methods/) import the config and this registry;
+nothing here, nor the config, imports a trainer (tests/train/test_method_specs.py).
 
     spec = method_spec(cfg.method)
     spec.frozen_base, spec.options, family_refusal(spec, family), spec.trainer_class()(cfg)
 
 A new method is one module with a `SPEC` (and its trainer class, there or named by path), listed
-in specs/__init__.py's BUILTIN or added with `register(SPEC)` (tasks/train/methods/README.md).
+in BUILTIN below or added with `register(SPEC)` (tasks/train/methods/README.md).
 """
 from __future__ import annotations
 
 from typing import Any
 
-from tasks.train.methods.specs import BUILTIN
-from tasks.train.methods.specs.base import MethodSpec, OptionRule, Trains
+from tasks.train.method_specs import dreambooth, full, lora, textual_inversion
+from tasks.train.method_specs.base import MethodSpec, OptionRule, Trains
+
+#: the built-in methods, in the order they are documented in
+BUILTIN = (dreambooth.SPEC, textual_inversion.SPEC, lora.SPEC, full.SPEC)
 
 _SPECS: dict[str, MethodSpec] = {spec.name: spec for spec in BUILTIN}
 
