@@ -11,20 +11,18 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import field_validator, model_validator
 
 from tasks.common import families
 from tasks.common.adapter_formats import format_refusal
-from tasks.common.config import StageConfig
 from tasks.common.errors import UserError
 from tasks.common.safe_remove import own_folder
 from tasks.train.concepts import concepts_problem
-from tasks.train.method_specs import MethodSpec, family_refusal, method_spec
-from tasks.train.method_specs import names as method_names
+from tasks.train.method_specs import family_refusal, not_in_run_key, options_models
 from tasks.train.no_ops import config_no_ops, family_no_ops
-from tasks.train.sections.adapters import AdaptersSection
 from tasks.train.sections.data import DataSection
 from tasks.train.sections.launch import LaunchSection, XlaConfig
+from tasks.train.sections.method import MethodSection
 from tasks.train.sections.optimizer import OptimizerSection
 from tasks.train.sections.outputs import CheckpointScoringConfig, OutputsSection
 from tasks.train.sections.precision import (
@@ -44,7 +42,7 @@ NOT_IN_RUN_KEY = frozenset({
     "validation_prompts", "num_validation_images", "validation_steps", "validation_inference_steps",
     "log_every_steps", "system_metrics_interval", "dataloader_num_workers", "cache_latents",
     "cache_latents_to_disk", "cache_text_encoder_outputs_to_disk", "disk_cache_dir",
-    "cache_text_encoder_outputs", "fuse_lora", "lora_format", "xla",
+    "cache_text_encoder_outputs", "xla",
     # How the processes were started does not change a step; how many there are does (the global
     # batch, the data each rank reads, one RNG file per rank in a checkpoint), so the run key
     # holds the number of processes actually training instead (checkpoints.run_key): a resume
@@ -52,35 +50,21 @@ NOT_IN_RUN_KEY = frozenset({
     "launcher", "launch",
     # Which checkpoint becomes the output, and how checkpoints are scored, do not change a step.
     "select_checkpoint", "checkpoint_scoring",
-})
+}) | not_in_run_key()  # + the methods' own (e.g. lora's fuse_lora, lora_format: what is written)
 
 
-class MethodSection(StageConfig):
-    """What is trained and saved: one of the registered methods (tasks/train/method_specs/)."""
-
-    method: str = Field("dreambooth", description=" | ".join(method_names()) + " (tasks/train/method_specs/)")
-
-    @field_validator("method")
-    @classmethod
-    def _known_method(cls, v: str) -> str:
-        method_spec(v)  # a ValueError naming the known methods
-        return v
-
-    @property
-    def spec(self) -> MethodSpec:
-        """What `method` is (tasks/train/method_specs/)."""
-        return method_spec(self.method)
-
-    def _method_problem(self) -> str | None:
-        return self.spec.check(self) if self.spec.check else None
+#: every registered method's own keys, one options model per method that has any (tasks/train/method_specs/)
+METHOD_OPTIONS = options_models()
 
 
-# The sections in the reverse of their order in docs/parameters.md (pydantic lists the last base's keys first).
+# The sections in the reverse of their order in docs/parameters.md (pydantic lists the last base's keys
+# first): the keys every method reads, by concern, with the methods' own after the data's.
 class TrainConfig(LaunchSection, OutputsSection, PrecisionSection, OptimizerSection, ScheduleSection,
-                  AdaptersSection, DataSection, MethodSection):
-    """`train` section: `method` picks what is trained and saved; the other keys are defined and
-    checked by concern in tasks/train/sections/ (data, adapters, schedule, optimizer, precision and
-    memory, outputs, launch), and read flat (`cfg.rank`), as params.yaml writes them."""
+                  *reversed(METHOD_OPTIONS), DataSection, MethodSection):  # type: ignore[misc]
+    """`train` section: `method` picks what is trained and saved. The keys every method reads are
+    defined and checked by concern in tasks/train/sections/ (method, data, schedule, optimizer,
+    precision and memory, outputs, launch); the keys one method reads, in that method's options
+    model (tasks/train/method_specs/). All are read flat (`cfg.rank`), as params.yaml writes them."""
 
     @field_validator("checkpoints_dir", "disk_cache_dir")
     @classmethod
@@ -121,5 +105,15 @@ class TrainConfig(LaunchSection, OutputsSection, PrecisionSection, OptimizerSect
         if problems:
             raise UserError(f"params.yaml: train does not fit the base model ({family.title}): " + "; ".join(problems))
 
+
+def _refuse_shared_keys() -> None:
+    """A method's options model may not redefine a key of the shared sections."""
+    shared = {key for base in TrainConfig.__bases__ if base not in METHOD_OPTIONS for key in base.model_fields}
+    for model in METHOD_OPTIONS:
+        if clash := sorted(shared & set(model.model_fields)):
+            raise ValueError(f"{model.__name__} redefines the shared train.* keys {', '.join(clash)}")
+
+
+_refuse_shared_keys()
 
 __all__ = ["LR_SCHEDULERS", "NOT_IN_RUN_KEY", "CheckpointScoringConfig", "TrainConfig", "XlaConfig", "cxx_compiler"]

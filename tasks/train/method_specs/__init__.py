@@ -1,8 +1,9 @@
 """What a training method is, declared without torch: the registry every check asks.
 
 Each method is a `MethodSpec` (tasks/train/method_specs/<name>.py for the built-in ones): its
-name, what it trains, the train.* options only it reads, what it refuses (per family, per base
-precision) and what it writes. The config checks (tasks/train/config.py, sections/, no_ops.py,
+name, what it trains, the train.* options only it reads (its options model, with their defaults
+and validators: TrainConfig holds them flat beside the shared sections), what it refuses (per
+family, per base precision) and what it writes. The config checks (tasks/train/config.py, sections/, no_ops.py,
 concepts.py), the data checks and the families ask the spec; none compares a method's name. The
 spec names its `TrainingMethod` subclass (`trainer`, in tasks/train/methods/), which is imported,
 with torch, only when training starts.
@@ -20,6 +21,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from pydantic import BaseModel
+
 from tasks.train.method_specs import dreambooth, full, lora, textual_inversion
 from tasks.train.method_specs.base import MethodSpec, OptionRule, Trains
 
@@ -27,10 +30,17 @@ from tasks.train.method_specs.base import MethodSpec, OptionRule, Trains
 BUILTIN = (dreambooth.SPEC, textual_inversion.SPEC, lora.SPEC, full.SPEC)
 
 _SPECS: dict[str, MethodSpec] = {spec.name: spec for spec in BUILTIN}
+#: the options models TrainConfig was built from (`options_models()`); None: not built yet
+_BUILT: tuple[type[BaseModel], ...] | None = None
 
 
 def register(spec: MethodSpec) -> None:
-    """Add (or replace) a method; train.method then accepts its name."""
+    """Add (or replace) a method; train.method then accepts its name. A method with options of its
+    own is registered before tasks.train.config is imported: its keys become TrainConfig's then."""
+    if _BUILT is not None and spec.options_model is not None and spec.options_model not in _BUILT:
+        raise ValueError(f"method {spec.name}: its options ({', '.join(spec.options)}) are train.* keys, which "
+                         "TrainConfig fixed when tasks.train.config was imported; register the method before "
+                         "that import (or list it in BUILTIN)")
     _SPECS[spec.name] = spec
 
 
@@ -65,6 +75,28 @@ def method_spec(name: str) -> MethodSpec:
     if name not in _SPECS:
         raise ValueError(f"unknown method {name!r}; choose one of {', '.join(_SPECS)}")
     return _SPECS[name]
+
+
+def options_models() -> tuple[type[BaseModel], ...]:
+    """Every registered method's options model, once each, in the methods' order: TrainConfig
+    holds their keys flat beside the shared sections' (tasks/train/config.py). Two models may not
+    declare the same key (two methods reading one key share one model)."""
+    global _BUILT
+    models = tuple(dict.fromkeys(s.options_model for s in _SPECS.values() if s.options_model is not None))
+    owners: dict[str, str] = {}
+    for model in models:
+        for key in model.model_fields:
+            if key in owners:
+                raise ValueError(f"train.{key} is declared by both {owners[key]} and {model.__name__}; "
+                                 "methods that read one key share one options model")
+            owners[key] = model.__name__
+    _BUILT = models
+    return models
+
+
+def not_in_run_key() -> frozenset[str]:
+    """The methods' options that change what is written, not a step (left out of the run key)."""
+    return frozenset().union(*(s.not_in_run_key for s in _SPECS.values()))
 
 
 def option_rules() -> dict[str, OptionRule]:

@@ -7,6 +7,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from pydantic import BaseModel
+
 #: what a method trains: the base's own weights, adapters beside frozen weights, a new embedding
 Trains = Literal["weights", "adapters", "embedding"]
 #: what it writes: a full pipeline folder, adapter files, an embedding file
@@ -22,10 +24,15 @@ class MethodSpec:
     output: Output
     #: "module:Class" of its TrainingMethod subclass, or the class itself
     trainer: str | type
-    #: train.* keys only this method reads (set for another method, they are refused as no-ops)
-    options: tuple[str, ...] = ()
+    #: the train.* keys only this method reads: a pydantic model (a StageConfig) of them with their
+    #: defaults and validators. TrainConfig holds every registered method's keys flat, beside the
+    #: shared sections (tasks/train/sections/); set for another method, they are refused as no-ops.
+    options_model: type[BaseModel] | None = None
     #: finer rules on its own options (e.g. lora_dropout only with some lora_type values)
     option_rules: dict[str, OptionRule] = field(default_factory=dict)
+    #: those of its options that change what is written, not what a step computes: left out of the
+    #: run key, so a resume with other values of them continues the same run
+    not_in_run_key: frozenset[str] = frozenset()
     #: its prompts may be the images' captions (textual inversion writes its own from templates)
     reads_captions: bool = True
     #: several concepts in one run (textual inversion learns one token)
@@ -38,6 +45,11 @@ class MethodSpec:
     default_caption_column: str | None = None
     #: its own config problems (the train config in, a message or None out)
     check: Callable[[Any], str | None] | None = None
+
+    @property
+    def options(self) -> tuple[str, ...]:
+        """The train.* keys only this method reads (its options model's fields)."""
+        return tuple(self.options_model.model_fields) if self.options_model else ()
 
     @property
     def frozen_base(self) -> bool:

@@ -2,9 +2,21 @@
 encoders on diffusers' prompt templates; an embedding file."""
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
+from pydantic import Field
+
+from tasks.common.config import StageConfig
 from tasks.train.method_specs.base import MethodSpec
+
+
+class TextualInversionOptions(StageConfig):
+    """The keys method textual_inversion reads: the new token, where it starts, its prompts."""
+
+    placeholder_token: str | None = Field(None, min_length=1, description="new token, e.g. <sks-toy>")
+    initializer_token: str | None = Field(None, min_length=1, description="one existing token to start from")
+    num_vectors: int = Field(1, ge=1, le=64, description="embedding vectors learned for the placeholder")
+    learnable_property: Literal["object", "style"] = Field("object", description="prompt templates to train with")
 
 
 def _problem(cfg: Any) -> str | None:
@@ -24,7 +36,7 @@ SPEC = MethodSpec(
     trains="embedding",
     output="embedding",
     trainer="tasks.train.methods.textual_inversion:TextualInversion",
-    options=("placeholder_token", "initializer_token", "num_vectors", "learnable_property"),
+    options_model=TextualInversionOptions,
     reads_captions=False,
     concepts=False,
     through_text_encoder=True,
