@@ -30,10 +30,6 @@ from tasks.train.concepts import examples_report
 from tasks.train.config import TrainConfig
 from tasks.train.data import METADATA
 from tasks.train.loop import LoopResult, device_type, make_accelerator, run_loop
-
-# The built-in methods' trainers, which their specs name by path (spec.trainer_class() imports
-# them): imported here too so that the train stage's code deps in dvc.yaml follow them.
-from tasks.train.methods import dreambooth, full, lora, textual_inversion  # noqa: F401
 from tasks.train.methods.base import TrainingMethod
 from tasks.train.models import load_components
 from tasks.train.no_ops import data_no_ops

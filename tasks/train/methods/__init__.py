@@ -7,7 +7,13 @@ Importing this package imports no torch: the trainer classes load when asked for
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    # The built-in trainers, which their specs (tasks/train/method_specs/) name by path and
+    # `spec.trainer_class()` imports when training starts: named here, in their own package, so
+    # that the import graph (the train stage's code deps in dvc.yaml) reaches them.
+    from tasks.train.methods import dreambooth, full, lora, textual_inversion  # noqa: F401
 
 
 def __getattr__(name: str) -> Any:
