@@ -55,7 +55,7 @@ def _runtime_family(train: Any, family: type[families.ModelFamily] | None, model
     """The base's family must have its LoRA keys checked against GenAI, text encoders included."""
     if family is None or train.spec.output != "adapters":
         return []
-    prefixes = family.genai_lora_prefixes
+    prefixes = family.export.genai_lora_prefixes
     if prefixes is None:
         return [f"export.adapters: runtime is not available for {family.title} (base.model: {model}; its LoRA "
                 f"keys have not been checked against OpenVINO GenAI): set export.adapters: fused"]
@@ -92,7 +92,7 @@ def family_fits(configs: Mapping[str, Any], root: Path) -> list[str]:
             train.check_family(family)
         except UserError as err:
             found.append(str(err))
-    if export is not None and export.enabled and family.ov_pipeline_class_name is None:
+    if export is not None and export.enabled and family.export.ov_pipeline is None:
         found.append(f"export.enabled: optimum-intel has no OpenVINO pipeline for {family.title} (base.model: "
                      f"{getattr(base, 'model', '')}): set export.enabled: false (evaluate and the registered "
                      "version then run the PyTorch fine-tune)")

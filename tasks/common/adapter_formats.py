@@ -12,7 +12,7 @@ the formats that work:
 - `diffusers`: the adapter files every method writes anyway (diffusers' LoRA file for LoRA and
   DoRA, peft's folders for LoKr and LoHa; tasks/common/adapters.py); every family.
 - `comfyui` (SimpleTuner's name): also one file under ComfyUI's LoRA keys (tasks/common/comfyui_lora.py),
-  for a family that has ComfyUI key prefixes (`ModelFamily.comfyui_lora_prefixes` is not None:
+  for a family that has ComfyUI key prefixes (`ModelFamily.export.comfyui_lora_prefixes` is not None:
   Sana's is None, ComfyUI has no Sana model to map the keys to).
 
 A new format is one `AdapterFormat` added with `register` (the train config then accepts its name).
@@ -52,7 +52,7 @@ COMFYUI = AdapterFormat(
                 "family ComfyUI has no model for; tasks/train/README.md)",
     file=comfyui_lora.COMFYUI_LORA_NAME,
     writer=comfyui_lora.write_comfyui_lora,
-    supports=lambda family: family.comfyui_lora_prefixes is not None,
+    supports=lambda family: family.export.comfyui_lora_prefixes is not None,
     unsupported="ComfyUI has no {title} model, so its LoRA loader would map none of the file's keys")
 
 _FORMATS: dict[str, AdapterFormat] = {f.name: f for f in (DIFFUSERS, COMFYUI)}

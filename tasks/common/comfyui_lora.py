@@ -11,11 +11,11 @@ reads the adapter type from the suffixes under that stem:
   scale by alpha / rank only when a factor is low-rank (otherwise by 1), so peft's scale is folded
   into `lokr_w1` there (and alpha written as the rank).
 
-The stem is the family's prefix (ModelFamily.comfyui_lora_prefixes, comfyui_lycoris_prefixes) and
+The stem is the family's prefix (the family's ExportProfile: comfyui_lora_prefixes, comfyui_lycoris_prefixes) and
 the module path: kohya's `lora_unet_<path with _>` for SD/SDXL's UNet, `lora_te_`/`lora_te1_`/
 `lora_te2_` for the CLIP encoders, OneTrainer's `lora_transformer_` (SD3, FLUX.1), `diffusion_model.`
 with the dotted path (Z-Image, Qwen-Image), kohya's `lora_unet_` with BFL's module names for
-FLUX.2 (its q, k and v fused, ModelFamily.comfyui_layers) and LyCORIS' `lycoris_` for LoKr and LoHa
+FLUX.2 (its q, k and v fused, ExportProfile.comfyui_layers) and LyCORIS' `lycoris_` for LoKr and LoHa
 on the DiT families. A family whose prefixes are None (Sana: ComfyUI has no such model) has no
 ComfyUI file; the format's spec (tasks/common/adapter_formats.py) refuses it before training.
 tasks/train/README.md ("ComfyUI adapter file") says what loads where, and from which ComfyUI build.
@@ -49,11 +49,10 @@ def stem(prefix: str, path: str) -> str:
 
 def prefixes(family: Any, lora_type: str) -> dict[str, str]:
     """Each component's key prefix for `lora_type` in `family`'s ComfyUI file."""
-    if family.comfyui_lora_prefixes is None:
+    if (found := family.export.comfyui_prefixes(lora_type)) is None:
         raise ValueError(f"{family.title}: no ComfyUI key prefixes (ComfyUI has no {family.title} model); "
                          "set train.lora_format: diffusers")
-    lycoris = lora_type in ("lokr", "loha") and family.comfyui_lycoris_prefixes is not None
-    return family.comfyui_lycoris_prefixes if lycoris else family.comfyui_lora_prefixes
+    return found
 
 
 def split_key(key: str) -> tuple[str, str]:
@@ -94,7 +93,7 @@ def comfyui_state(family: Any, modules: dict[str, Any], lora_type: str) -> dict[
         raise ValueError(f"{family.title}: no ComfyUI key prefix for {', '.join(missing)}")
     state: dict[str, Any] = {}
     for name, module in modules.items():
-        layers = family.comfyui_layers(name, peft_layers(module))
+        layers = family.export.comfyui_layers(name, peft_layers(module))
         state.update({f"{stem(names[name], path)}.{suffix}": t for path, tensors in layers.items()
                       for suffix, t in tensors.items()})
     return state

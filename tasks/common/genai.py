@@ -57,10 +57,10 @@ def kohya_lora_state(pipe: Any) -> dict[str, Any]:
     from peft.tuners.lora import LoraLayer
 
     family = families.of_pipeline(pipe)
-    if family.genai_lora_prefixes is None:
+    if family.export.genai_lora_prefixes is None:
         raise ValueError(f"{family.title}: OpenVINO GenAI's adapters are not supported for it here")
     state: dict[str, Any] = {}
-    for component, prefix in family.genai_lora_prefixes.items():
+    for component, prefix in family.export.genai_lora_prefixes.items():
         model = getattr(pipe, component, None)
         if model is None:
             continue

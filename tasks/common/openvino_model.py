@@ -65,7 +65,7 @@ def write_runtime_config(path: Path, precision: str) -> None:
 def compiled_precisions(pipe: Any) -> dict[str, str]:
     """The precision each compiled model of an OpenVINO pipeline really runs at ('bf16', 'f32')."""
     out = {}
-    for name in families.of_pipeline(pipe).ov_component_names():
+    for name in families.ov_component_names(families.of_pipeline(pipe)):
         part = getattr(pipe, name, None)
         request = getattr(part, "request", None)
         if request is not None:
@@ -115,7 +115,7 @@ def load_ov_pipeline(
             f"{' or '.join(n + '/openvino_model.xml' for n in families.denoiser_names())}). Run the "
             "export stage first (dvc repro export)"
         )
-    cls = families.detect(path).ov_pipeline_class()
+    cls = families.detect(path).export.ov_pipeline_class()
     base = runtime_config(path) if precision is None else precision_config(precision)
     kind = "static" if static else "dynamic"
     log.info("loading %s from %s (%s shapes)", cls.__name__, path, kind)

@@ -161,7 +161,7 @@ def export_images(export: Path, prompts: list[str], cfg: EvaluateConfig) -> dict
         pipe, prompts[:n], shape, cfg.images_per_prompt, cfg.seed, cfg.num_inference_steps,
         cfg.guidance_scale, desc=f"fine-tuned ({backend}, export fidelity)")
     # what the export's openvino_runtime.json made OpenVINO compute in
-    precision = ({n: "f32" for n in families.of_pipeline(pipe).ov_component_names()}
+    precision = ({n: "f32" for n in families.ov_component_names(families.of_pipeline(pipe))}
                  if backend == "openvino-genai-adapter" else compiled_precisions(pipe))
     return {"images": images, "seconds": seconds, "shape": shape, "backend": backend,
             "precision": precision}

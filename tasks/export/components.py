@@ -322,7 +322,7 @@ def export_components(src: Path, dst: Path, cfg: ExportConfig, base: Path | None
         failed = [name for name, entry in parts.items() if entry.get("passed") is False]
         report: dict[str, Any] = {
             "source": str(src), "source_kind": source_info, "family": family.name,
-            "pipeline_class": family.ov_pipeline_class().__name__, "components_mode": "one_at_a_time",
+            "pipeline_class": family.export.ov_pipeline_class().__name__, "components_mode": "one_at_a_time",
             "static_shape": wanted.as_dict(), "seconds": {"export": round(time.perf_counter() - start, 3)},
             "size_mb": {"source": folder_size_mb(source)},
             "parity": {"enabled": cfg.parity.enabled, "passed": not failed, "failed_components": failed,
@@ -349,7 +349,7 @@ def _reshape_save(stage: Path, dst: Path, wanted: StaticShape, report: dict[str,
     """Load the converted folder with the family's OV*Pipeline (nothing compiled), fix the static
     shape as the default path does, save to `dst`."""
     start = time.perf_counter()
-    cls = families.detect(stage).ov_pipeline_class()
+    cls = families.detect(stage).export.ov_pipeline_class()
     pipe = cls.from_pretrained(stage, compile=False)
     fix_static_shape(pipe, wanted)
     pipe.save_pretrained(dst)

@@ -88,7 +88,7 @@ def compress(fp32_dir: Path, dst: Path, shape: StaticShape, cfg: CompressionConf
     The fp32 folder is loaded with dynamic shapes: hybrid calibration runs the pipeline at the
     UNet's native size, whatever the static shape.
     """
-    cls = families.detect(fp32_dir).ov_pipeline_class()
+    cls = families.detect(fp32_dir).export.ov_pipeline_class()
     qcfg = quantization_config(cfg)
     log.info("compressing %s (%s) with NNCF", fp32_dir, cfg.mode)
     start = time.perf_counter()

@@ -95,14 +95,14 @@ def fix_static_shape(pipe: Any, shape: StaticShape) -> None:
     )
     fix_vae_decoder_batch(pipe, shape.images_per_call)
     free_text_encoder_batch(pipe)
-    families.of_pipeline(pipe).free_reference_axes(pipe)  # an edit's input images: any size
+    families.of_pipeline(pipe).export.free_reference_axes(pipe)  # an edit's input images: any size
 
 
 def convert(src: Path, dst: Path, shape: StaticShape | None) -> dict[str, Any]:
     """Convert `src` into `dst` (an empty folder) at `shape` (None: dynamic shapes, with OpenVINO
     tokenizers for GenAI); returns timings and the class used."""
     family = check_source(src)
-    cls = family.ov_pipeline_class()
+    cls = family.export.ov_pipeline_class()
     log.info("exporting %s (%s) to OpenVINO with %s", src, family.title, cls.__name__)
     start = time.perf_counter()
     # optimum-intel runs gc.collect() after each model it converts; with torch, diffusers and

@@ -65,17 +65,17 @@ def _check_source(src: Path, base: Path | None) -> tuple[Path, type[families.Mod
     if base is None:
         raise UserError("export.adapters: runtime needs --base, the pipeline the LoRA was trained on")
     family = check_source(Path(base))
-    if family.genai_lora_prefixes is None:
+    if family.export.genai_lora_prefixes is None:
         raise UserError(f"export.adapters: runtime is not available for {family.title} (its LoRA "
                         f"keys have not been checked against OpenVINO GenAI): {fix}")
     from safetensors import safe_open
 
     with safe_open(kind.lora, "pt") as fh:
         parts = {key.split(".")[0] for key in fh.keys()}  # noqa: SIM118 (safe_open is not a dict)
-    if extra := sorted(parts - set(family.genai_lora_prefixes)):
+    if extra := sorted(parts - set(family.export.genai_lora_prefixes)):
         raise UserError(f"{kind.lora} has LoRA layers for {', '.join(extra)}, which OpenVINO GenAI "
                         f"does not apply to {family.title} at run time (it takes "
-                        f"{', '.join(family.genai_lora_prefixes)}): train without train_text_encoder, {fix}")
+                        f"{', '.join(family.export.genai_lora_prefixes)}): train without train_text_encoder, {fix}")
     return kind.lora, family
 
 

@@ -147,14 +147,14 @@ def _replace_start(key: str, renames: dict[str, str]) -> str:
 
 def check_layout_supported(index: dict[str, Any]) -> None:
     """Refuse, from its model_index.json and before any export work, a pipeline with no layout."""
-    why = families.from_index(index).single_file_refusal(index)
+    why = families.from_index(index).export.single_file_refusal(index)
     if why is not None:
         raise UserError(f"export.single_file: {why}")
 
 
 def layout(pipe: Any) -> str:
     """'sd1', 'sd2' or 'sdxl': which original layout `pipe` is written in (its family says)."""
-    return families.of_pipeline(pipe).single_file_layout(pipe)
+    return families.of_pipeline(pipe).export.single_file_layout(pipe)
 
 
 def _open_clip(state: dict[str, Any]) -> dict[str, Any]:
@@ -199,7 +199,7 @@ def _transformers_clip_keys(state: dict[str, Any]) -> dict[str, Any]:
 def original_state_dict(pipe: Any) -> dict[str, Any]:
     """The pipeline's UNet, VAE and text encoder weights under the original key names."""
     family = families.of_pipeline(pipe)
-    kind = family.single_file_layout(pipe)
+    kind = family.export.single_file_layout(pipe)
     out: dict[str, Any] = {}
     denoiser = getattr(pipe, family.denoiser_name)  # a UNet: every family with a layout has one
     unet_blocks = _unet_blocks(denoiser.config)

@@ -39,11 +39,11 @@ def test_every_family_says_what_the_stages_ask() -> None:
     for family in families.FAMILIES:
         assert family.builtin in families.BUILTINS and families.by_name(family.name) is family
         assert family.pipeline_class().__name__ in family.pipeline_class_names
-        if family.ov_pipeline_class_name is None:  # optimum-intel has none: the export says what to set
+        if family.export.ov_pipeline is None:  # optimum-intel has none: the export says what to set
             with pytest.raises(UserError, match=f"no OpenVINO pipeline for {family.title}.*export.enabled: false"):
-                family.ov_pipeline_class()
+                family.export.ov_pipeline_class()
         else:
-            assert family.ov_pipeline_class().__name__ == family.ov_pipeline_class_name
+            assert family.export.ov_pipeline_class().__name__ == family.export.ov_pipeline
         assert family.objective in ("ddpm", "flow_matching")
         assert len(family.text_encoder_names) == len(family.tokenizer_names)
         assert family.matches({"_class_name": family.pipeline_class_names[0]})

@@ -71,7 +71,7 @@ def _forbidden() -> dict[str, frozenset[str]]:
     parts = [{*f.text_encoder_names, *(set(f.tokenizer_names) - roles), f.denoiser_name} for f in FAMILIES]
     return {
         "family class": frozenset(c.__name__ for c in classes),
-        "pipeline class": frozenset(n for f in FAMILIES for n in (*f.pipeline_class_names, f.ov_pipeline_class_name)
+        "pipeline class": frozenset(n for f in FAMILIES for n in (*f.pipeline_class_names, f.export.ov_pipeline)
                                     if n is not None),
         "component": frozenset(set.union(*parts) - set.intersection(*parts)),
         "family-only attribute": frozenset(k for c in classes for k in vars(c)

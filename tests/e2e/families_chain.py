@@ -215,7 +215,7 @@ def test_the_export_loads_and_generates(pipeline) -> None:
 
     name, root = pipeline
     report = json.loads((root / "reports/export.json").read_text())
-    if by_name(name).ov_pipeline_class_name is None:  # no export: the stage wrote its note, loaded nothing
+    if by_name(name).export.ov_pipeline is None:  # no export: the stage wrote its note, loaded nothing
         assert report["skipped"] and report["reason"] == "export.enabled: false", report
         return
     assert report["parity"]["passed"]
@@ -228,7 +228,7 @@ def test_the_export_loads_and_generates(pipeline) -> None:
                                      adapters=adapter_config(runner.adapters))
         assert tuple(image.shape) == (1, 64, 64, 3)
         return
-    cls = by_name(name).ov_pipeline_class()
+    cls = by_name(name).export.ov_pipeline_class()
     assert report["pipeline_class"] == cls.__name__ == f"OV{by_name(name).pipeline_class_names[0]}"
     pipe = cls.from_pretrained(root / "models/openvino", dynamic_shapes=False)
     if name in VIDEO:  # a clip of the frames asked for

@@ -66,11 +66,12 @@ def _check_parity_section(report, names, max_rel):
 
 def test_sd_one_at_a_time_matches_the_whole_export(sd_components, tmp_path_factory):
     """Same images as the default path's export, per-component parity and peaks in the report."""
+    from tasks.common import families
     from tasks.common.families.sd import StableDiffusion
 
     src, out, report = sd_components
     assert report["components_mode"] == "one_at_a_time" and report["pipeline_class"] == "OVStableDiffusionPipeline"
-    names = [*StableDiffusion.ov_component_names(), "vae_encoder"]
+    names = [*families.ov_component_names(StableDiffusion), "vae_encoder"]
     _check_parity_section(report, names, max_rel=1e-4)  # fp32: ~1e-6
     assert report["parity"]["image_psnr_db"] >= 30.0
     assert set(report["memory_peak_mb"]) >= {"text_encoder", "unet", "vae", "reshape_save"}
@@ -103,11 +104,12 @@ def test_openvino_genai_loads_a_one_at_a_time_export_and_makes_its_images(sd_com
 def test_flux2_int8_per_component(flux2_int8):
     """A transformer family: loads in OVFlux2KleinPipeline, each model's weights compressed as it
     was written (smaller files), the compressed error recorded beside the conversion's."""
+    from tasks.common import families
     from tasks.common.families.flux2 import Flux2Klein
 
     src, out, report = flux2_int8
     assert report["pipeline_class"] == "OVFlux2KleinPipeline"
-    names = [*Flux2Klein.ov_component_names(), "vae_encoder"]
+    names = [*families.ov_component_names(Flux2Klein), "vae_encoder"]
     _check_parity_section(report, names, max_rel=1e-4)
     for name in names:
         comp = report["parity"]["components"][name]["compression"]

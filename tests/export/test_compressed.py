@@ -126,7 +126,7 @@ def test_hybrid_quantizes_after_releasing_the_calibration_models(tmp_path_factor
 
     _, fp32_dir, _ = exported(tmp_path_factory, "builtin:tiny-sd", batch_size=2, height=64,
                               width=64, num_images_per_prompt=1)
-    pipe = StableDiffusion.ov_pipeline_class().from_pretrained(fp32_dir, compile=False)
+    pipe = StableDiffusion.export.ov_pipeline_class().from_pretrained(fp32_dir, compile=False)
     compiled_when_quantizing = []
     real_quantize = nncf.quantize
 

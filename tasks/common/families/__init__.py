@@ -1,7 +1,7 @@
 """Model families: everything family-specific, one module each; every stage reads them here.
 
     family = families.detect(Path("models/base"))      # from model_index.json
-    family.ov_pipeline_class(), family.objective, family.trains_embeddings, family.build_tiny(seed) ...
+    family.export.ov_pipeline_class(), family.objective, family.trains_embeddings, family.build_tiny(seed) ...
 
 Adding a family is adding a module with a `ModelFamily` subclass and listing it in FAMILIES
 (tasks/common/families/README.md says what it must define).
@@ -56,6 +56,12 @@ def supported() -> str:
 def denoiser_names() -> tuple[str, ...]:
     """Every family's denoiser folder ("unet", "transformer"), for recognising a folder before its family."""
     return tuple(dict.fromkeys(f.denoiser_name for f in FAMILIES))
+
+
+def ov_component_names(family: type[ModelFamily]) -> tuple[str, ...]:
+    """The compiled models of `family`'s OpenVINO pipeline that run per call: text encoders, denoiser,
+    VAE decoder (optimum-intel names them as the diffusers folders, `vae_decoder` aside)."""
+    return (*family.text_encoder_names, family.denoiser_name, "vae_decoder")
 
 
 def by_name(name: str) -> type[ModelFamily]:
@@ -129,5 +135,5 @@ def build_tiny_pipeline(kind: str, seed: int, out: Path) -> Path:
 
 __all__ = ["BUILTINS", "FAMILIES", "Components", "ModelFamily", "PredictInputs", "StableDiffusion", "StableDiffusionXL",
            "StableDiffusion3", "Flux", "Flux2Klein", "ZImage", "QwenImage", "Sana", "build_tiny_pipeline",
-           "by_name", "denoiser_names", "detect", "from_index", "of_pipeline", "read_index", "register",
-           "stored_dtypes", "supported", "unregister"]
+           "by_name", "denoiser_names", "detect", "from_index", "of_pipeline", "ov_component_names", "read_index",
+           "register", "stored_dtypes", "supported", "unregister"]

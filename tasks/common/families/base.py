@@ -12,12 +12,13 @@ know a family's name or classes (base, export, evaluate) pay for nothing else.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, ClassVar
 
 from finetune_runtime import pipeline_call
 from finetune_runtime.convention import MAX_INPUT_IMAGES, CallConvention
+from tasks.common.families.export_profile import ExportProfile
 
 log = logging.getLogger(__name__)
 
@@ -100,8 +101,6 @@ class ModelFamily:
     builtin: ClassVar[str]
     #: diffusers pipeline class names (model_index.json `_class_name`) this family loads
     pipeline_class_names: ClassVar[tuple[str, ...]]
-    #: optimum-intel's pipeline class for the OpenVINO export (None: it has none for this family)
-    ov_pipeline_class_name: ClassVar[str | None]
     #: the denoiser's folder in the pipeline ("unet" or "transformer")
     denoiser_name: ClassVar[str] = "unet"
     #: text encoder folders, in the order conditioning uses them; tokenizers follow the same order
@@ -134,27 +133,19 @@ class ModelFamily:
     #: keys of a textual-inversion embedding file per text encoder, in `text_encoder_names` order
     #: (None: one {token: rows} entry)
     embedding_keys: ClassVar[tuple[str, ...] | None] = None
-    #: kohya key prefix of each component's LoRA in the adapter file OpenVINO GenAI applies at run
-    #: time (export.adapters: runtime); None: not checked against GenAI, the export refuses it
-    genai_lora_prefixes: ClassVar[dict[str, str] | None] = None
-    #: key prefix of each component's layers in the ComfyUI adapter file (`train.lora_format: comfyui`,
-    #: tasks/common/comfyui_lora.py): one ending in "_" takes the module path with "_" for "." (kohya's
-    #: `lora_unet_down_blocks_0_...`), one ending in "." the dotted path (`diffusion_model.layers.0...`);
-    #: None: ComfyUI cannot load this family (it has no such model), and `lora_format: comfyui` is refused
-    comfyui_lora_prefixes: ClassVar[dict[str, str] | None] = {"unet": "lora_unet_", "text_encoder": "lora_te_"}
-    #: the same for LoKr and LoHa where they differ (LyCORIS' and SimpleTuner's `lycoris_`); None: as LoRA
-    comfyui_lycoris_prefixes: ClassVar[dict[str, str] | None] = None
     #: the pipeline call's keyword for the guidance value (Qwen-Image's true CFG: "true_cfg_scale")
     guidance_argument: ClassVar[str] = "guidance_scale"
     #: the latent side the pipeline generates when given no size, where neither it nor its denoiser's
     #: config says (Z-Image's pipeline hard-codes 1024 px); None: the pipeline knows
     default_sample_size: ClassVar[int | None] = None
+    #: how a fine-tune leaves training: OpenVINO pipeline, GenAI and ComfyUI adapter keys, single file
+    export: ClassVar[ExportProfile] = ExportProfile(ov_pipeline=None)
 
-    @classmethod
-    def comfyui_layers(cls, component: str, layers: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
-        """A component's adapter layers ({module path: {ComfyUI suffix: tensor}}, alpha included) under
-        the module paths ComfyUI's model has, where they differ from diffusers' (FLUX.2's)."""
-        return layers
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        """The family's title in its roles' messages."""
+        super().__init_subclass__(**kwargs)
+        if "title" in vars(cls) or "export" in vars(cls):
+            cls.export = replace(cls.export, title=getattr(cls, "title", cls.export.title))
 
     # --- recognising a folder -------------------------------------------------------------------
     @classmethod
@@ -168,17 +159,6 @@ class ModelFamily:
         import diffusers
 
         return getattr(diffusers, cls.pipeline_class_names[0])
-
-    @classmethod
-    def ov_pipeline_class(cls) -> type:
-        import optimum.intel
-
-        if cls.ov_pipeline_class_name is None:
-            from tasks.common.errors import UserError
-
-            raise UserError(f"export: optimum-intel has no OpenVINO pipeline for {cls.title}; set export.enabled: "
-                            "false (evaluate and the registered version then run the PyTorch fine-tune)")
-        return getattr(optimum.intel, cls.ov_pipeline_class_name)
 
     # --- the built-in tiny model -----------------------------------------------------------------
     @classmethod
@@ -320,17 +300,6 @@ class ModelFamily:
         raise NotImplementedError
 
     @classmethod
-    def ov_component_names(cls) -> tuple[str, ...]:
-        """The compiled models of the family's OpenVINO pipeline that run per call: text encoders,
-        denoiser, VAE decoder (optimum-intel names them as the diffusers folders, `vae_decoder` aside)."""
-        return (*cls.text_encoder_names, cls.denoiser_name, "vae_decoder")
-
-    @classmethod
-    def free_reference_axes(cls, ov_pipe: Any) -> None:
-        """Free the axes of a statically reshaped OpenVINO pipeline that an edit's input images
-        change (a family that `takes_references`); nothing for a family that does not."""
-
-    @classmethod
     def lora_components(cls, trained: list[str]) -> list[str]:
         """Pipeline components that carry LoRA layers, for `fuse_lora(components=...)`."""
         return [cls.denoiser_name, *(n for n in trained if n.startswith("text_encoder"))]
@@ -368,16 +337,6 @@ class ModelFamily:
         channels = int(getattr(pipe, cls.denoiser_name).config["in_channels"])
         vsf = int(pipe.vae_scale_factor)
         return (channels, height // vsf, width // vsf)
-
-    @classmethod
-    def single_file_refusal(cls, index: dict[str, Any]) -> str | None:
-        """Why a pipeline (its model_index.json) cannot be written as one original-layout file, or None."""
-        return f"{cls.title} has no original single-file layout here; set export.single_file: none"
-
-    @classmethod
-    def single_file_layout(cls, pipe: Any) -> str:
-        """The original single-file checkpoint layout of `pipe` ('sd1', 'sd2', 'sdxl')."""
-        raise NotImplementedError(cls.single_file_refusal({}))
 
 
 def _library_class(entry: list[str]) -> Any:

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from tasks.common.families.base import ModelFamily
+from tasks.common.families.export_profile import ExportProfile
 
 _NOT_FLOW = "is a DDPM option; {title} trains with flow matching (train.weighting_scheme and its logit_* / mode_scale)"
 
@@ -23,8 +24,8 @@ class FlowMatchingFamily(ModelFamily):
     lora_targets = ("to_k", "to_q", "to_v", "to_out.0")
     # ComfyUI: its own key names under `diffusion_model.` (Z-Image, Qwen-Image read diffusers' module
     # paths there); LyCORIS' `lycoris_<path>` for LoKr and LoHa (comfy/lora.py maps both)
-    comfyui_lora_prefixes = {"transformer": "diffusion_model."}
-    comfyui_lycoris_prefixes = {"transformer": "lycoris_"}
+    export = ExportProfile(ov_pipeline=None, comfyui_lora_prefixes={"transformer": "diffusion_model."},
+                           comfyui_lycoris_prefixes={"transformer": "lycoris_"})
     #: train.weighting_scheme when it is null (what diffusers' script for the family defaults to)
     default_weighting_scheme: ClassVar[str] = "none"
     xla_tested = False  # the XLA back end's checkpointing and sharding were built and run for UNets

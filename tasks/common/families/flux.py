@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from tasks.common.families.base import PredictInputs
+from tasks.common.families.export_profile import ExportProfile
 from tasks.common.families.flow import FlowMatchingFamily, flow_scheduler
 from tasks.common.families.tiny import clip_text_config, clip_tokenizer, seeded, t5_config, t5_tokenizer, tiny_vae
 
@@ -19,15 +20,15 @@ class Flux(FlowMatchingFamily):
     title = "FLUX.1"
     builtin = "builtin:tiny-flux"
     pipeline_class_names = ("FluxPipeline",)
-    ov_pipeline_class_name = "OVFluxPipeline"
     text_encoder_names = ("text_encoder", "text_encoder_2")
     tokenizer_names = ("tokenizer", "tokenizer_2")
     t5_tokenizer_name = "tokenizer_2"
     trainable_text_encoders = ("text_encoder",)
     # ComfyUI maps OneTrainer's kohya-style names for FLUX.1 (comfy/lora.py) and diffusers converts them
     # back (its "mixture" kohya layout); CLIP-L as lora_te1_
-    comfyui_lora_prefixes = {"transformer": "lora_transformer_", "text_encoder": "lora_te1_"}
-    comfyui_lycoris_prefixes = {**comfyui_lora_prefixes, "transformer": "lycoris_"}
+    export = ExportProfile(ov_pipeline="OVFluxPipeline",
+                           comfyui_lora_prefixes={"transformer": "lora_transformer_", "text_encoder": "lora_te1_"},
+                           comfyui_lycoris_prefixes={"transformer": "lycoris_", "text_encoder": "lora_te1_"})
     guidance_in_batch = False  # guidance is an input of the distilled transformer
     default_weighting_scheme = "none"  # train_dreambooth_lora_flux.py's default
     default_max_sequence_length = 512

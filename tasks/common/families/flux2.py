@@ -19,6 +19,7 @@ from typing import Any, ClassVar
 
 from finetune_runtime.convention import CallConvention
 from tasks.common.families.base import PredictInputs
+from tasks.common.families.export_profile import ExportProfile
 from tasks.common.families.flow import FlowMatchingFamily, flow_scheduler
 from tasks.common.families.qwen3_chat import Qwen3Chat
 from tasks.common.families.tiny import qwen3_config, qwen_tokenizer, seeded
@@ -66,32 +67,11 @@ def _fused(parts: list[dict[str, Any]]) -> dict[str, Any]:
     return fused
 
 
-class Flux2Klein(FlowMatchingFamily):
-    name = "flux2"
-    title = "FLUX.2 [klein]"
-    builtin = "builtin:tiny-flux2"
-    pipeline_class_names = ("Flux2KleinPipeline",)
-    ov_pipeline_class_name = "OVFlux2KleinPipeline"
-    lora_targets = _LORA_TARGETS
-    trainable_text_encoders = ()
-    guidance_in_batch = False  # the unconditional branch is a separate call
-    takes_references = True  # Flux2KleinPipeline's `image` inputs: reference tokens beside the noisy ones
-    default_weighting_scheme = "none"  # train_dreambooth_lora_flux2_klein.py's default
-    default_max_sequence_length = 512  # Flux2KleinPipeline's
-    #: Qwen3 with thinking off, its hidden states 9, 18 and 27 side by side (Flux2KleinPipeline's
-    #: text_encoder_out_layers)
-    conditioner: ClassVar[Qwen3Chat] = Qwen3Chat(thinking=False, layers=(9, 18, 27))
-    # ComfyUI's FLUX.2 has BFL's module names (comfyui_layers), kohya-style; LoKr and LoHa keep
-    # diffusers' under `lycoris_` (a Kronecker or Hadamard product does not fuse)
-    comfyui_lora_prefixes = {"transformer": "lora_unet_"}
+class _Export(ExportProfile):
+    """ComfyUI's FLUX.2 has BFL's module names (q, k and v fused); an edit's input images change the
+    static OpenVINO pipeline's token axis and VAE encoder size."""
 
-    @classmethod
-    def call_convention(cls) -> CallConvention:
-        """Flux2KleinPipeline encodes an input image larger than a megapixel scaled down to one."""
-        return replace(super().call_convention(), edit_pixels=1024 * 1024)
-
-    @classmethod
-    def comfyui_layers(cls, component: str, layers: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    def comfyui_layers(self, component: str, layers: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
         """LoRA and DoRA layers under BFL's module names, each block's q, k and v fused into its `qkv`."""
         if not all("lora_down.weight" in t for t in layers.values()):
             return layers
@@ -108,6 +88,46 @@ class Flux2Klein(FlowMatchingFamily):
             else:
                 (out[name],) = [t for _, t in parts]
         return out
+
+    def free_reference_axes(self, ov_pipe: Any) -> None:
+        """The transformer's token axis (`hidden_states`, `img_ids`: the references' tokens join the
+        noisy ones, as many as their sizes make) and the VAE encoder's height and width."""
+        model = ov_pipe.transformer.model
+        shapes = {}
+        for port in model.inputs:
+            if port.get_any_name() in ("hidden_states", "img_ids"):
+                shapes[port] = port.get_partial_shape()
+                shapes[port][1] = -1
+        model.reshape(shapes)
+        port = ov_pipe.vae_encoder.model.inputs[0]
+        shape = port.get_partial_shape()
+        shape[2], shape[3] = -1, -1
+        ov_pipe.vae_encoder.model.reshape({port: shape})
+
+
+class Flux2Klein(FlowMatchingFamily):
+    name = "flux2"
+    title = "FLUX.2 [klein]"
+    builtin = "builtin:tiny-flux2"
+    pipeline_class_names = ("Flux2KleinPipeline",)
+    lora_targets = _LORA_TARGETS
+    trainable_text_encoders = ()
+    guidance_in_batch = False  # the unconditional branch is a separate call
+    takes_references = True  # Flux2KleinPipeline's `image` inputs: reference tokens beside the noisy ones
+    default_weighting_scheme = "none"  # train_dreambooth_lora_flux2_klein.py's default
+    default_max_sequence_length = 512  # Flux2KleinPipeline's
+    #: Qwen3 with thinking off, its hidden states 9, 18 and 27 side by side (Flux2KleinPipeline's
+    #: text_encoder_out_layers)
+    conditioner: ClassVar[Qwen3Chat] = Qwen3Chat(thinking=False, layers=(9, 18, 27))
+    # ComfyUI's FLUX.2 has BFL's module names (comfyui_layers), kohya-style; LoKr and LoHa keep
+    # diffusers' under `lycoris_` (a Kronecker or Hadamard product does not fuse)
+    export = _Export(ov_pipeline="OVFlux2KleinPipeline", comfyui_lora_prefixes={"transformer": "lora_unet_"},
+                     comfyui_lycoris_prefixes={"transformer": "lycoris_"})
+
+    @classmethod
+    def call_convention(cls) -> CallConvention:
+        """Flux2KleinPipeline encodes an input image larger than a megapixel scaled down to one."""
+        return replace(super().call_convention(), edit_pixels=1024 * 1024)
 
     @classmethod
     def refused_options(cls) -> dict[str, str]:
@@ -143,22 +163,6 @@ class Flux2Klein(FlowMatchingFamily):
         std = torch.sqrt(vae.bn.running_var.view(1, -1, 1, 1) + vae.config.batch_norm_eps).to(patches.device,
                                                                                               patches.dtype)
         return (patches - mean) / std
-
-    @classmethod
-    def free_reference_axes(cls, ov_pipe: Any) -> None:
-        """The transformer's token axis (`hidden_states`, `img_ids`: the references' tokens join the
-        noisy ones, as many as their sizes make) and the VAE encoder's height and width."""
-        model = ov_pipe.transformer.model
-        shapes = {}
-        for port in model.inputs:
-            if port.get_any_name() in ("hidden_states", "img_ids"):
-                shapes[port] = port.get_partial_shape()
-                shapes[port][1] = -1
-        model.reshape(shapes)
-        port = ov_pipe.vae_encoder.model.inputs[0]
-        shape = port.get_partial_shape()
-        shape[2], shape[3] = -1, -1
-        ov_pipe.vae_encoder.model.reshape({port: shape})
 
     @classmethod
     def predict(cls, denoiser: Any, noisy_latents: Any, timesteps: Any, hidden: Any, pooled: Any,

@@ -30,7 +30,7 @@ class FluxKontext(Flux):
     title = "FLUX.1 Kontext"
     builtin = "builtin:tiny-flux-kontext"
     pipeline_class_names = ("FluxKontextPipeline",)
-    ov_pipeline_class_name = None  # optimum-intel 2.2.0 exports no Kontext pipeline
+    export = replace(Flux.export, ov_pipeline=None)  # optimum-intel 2.2.0 exports no Kontext pipeline
     takes_references = True
     trains_embeddings = False
 

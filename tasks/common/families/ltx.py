@@ -41,6 +41,7 @@ from typing import Any, ClassVar
 
 from finetune_runtime.convention import CallConvention
 from tasks.common.families.base import PredictInputs
+from tasks.common.families.export_profile import ExportProfile
 from tasks.common.families.flow import FlowMatchingFamily
 from tasks.common.families.tiny import seeded, t5_config, t5_tokenizer
 
@@ -55,7 +56,6 @@ class LTXVideo(FlowMatchingFamily):
     title = "LTX-Video"
     builtin = "builtin:tiny-ltx"
     pipeline_class_names = ("LTXPipeline",)
-    ov_pipeline_class_name = "OVLTXPipeline"
     video = True
     tokenizer_names = ("tokenizer",)
     t5_tokenizer_name = "tokenizer"
@@ -66,8 +66,8 @@ class LTXVideo(FlowMatchingFamily):
     spatial_compression: ClassVar[int] = 32
     temporal_compression: ClassVar[int] = 8
     pixel_multiple = 32
-    comfyui_lora_prefixes = None  # not checked against ComfyUI's LTXV key map: `lora_format: comfyui` refused
-    comfyui_lycoris_prefixes = None
+    # not checked against ComfyUI's LTXV key map: `lora_format: comfyui` refused
+    export = ExportProfile(ov_pipeline="OVLTXPipeline", comfyui_lora_prefixes=None)
 
     @classmethod
     def refused_options(cls) -> dict[str, str]:

@@ -46,7 +46,7 @@ class QwenImage(FlowMatchingFamily):
     title = "Qwen-Image"
     builtin = "builtin:tiny-qwenimage"
     pipeline_class_names = ("QwenImagePipeline",)
-    ov_pipeline_class_name = "OVQwenImagePipeline"
+    export = replace(FlowMatchingFamily.export, ov_pipeline="OVQwenImagePipeline")
     trainable_text_encoders = ()
     guidance_in_batch = False  # the negative prompt's pass is a separate call
     guidance_argument = "true_cfg_scale"

@@ -78,7 +78,8 @@ class QwenImageEdit(QwenImage):
     title = "Qwen-Image-Edit"
     builtin = "builtin:tiny-qwenimage-edit"
     pipeline_class_names = ("QwenImageEditPlusPipeline",)
-    ov_pipeline_class_name = None  # optimum-intel 2.2.0 exports Qwen-Image's text-to-image pipeline only
+    # optimum-intel 2.2.0 exports Qwen-Image's text-to-image pipeline only
+    export = replace(QwenImage.export, ov_pipeline=None)
     tokenizer_names = ("processor",)  # Qwen2VLProcessor: the tokenizer and the image processor together
     takes_references = True
     text_sees_references = True

@@ -33,6 +33,7 @@ from typing import Any
 
 from finetune_runtime.convention import CallConvention
 from tasks.common.families.base import PredictInputs
+from tasks.common.families.export_profile import ExportProfile
 from tasks.common.families.flow import FlowMatchingFamily
 from tasks.common.families.tiny import gemma2_config, gemma_tokenizer, seeded
 
@@ -42,7 +43,6 @@ class Sana(FlowMatchingFamily):
     title = "Sana"
     builtin = "builtin:tiny-sana"
     pipeline_class_names = ("SanaPipeline",)
-    ov_pipeline_class_name = "OVSanaPipeline"
     lora_targets = ("to_k", "to_q", "to_v")  # train_dreambooth_lora_sana.py's default
     trainable_text_encoders = ()
     default_weighting_scheme = "none"  # the script's default
@@ -51,8 +51,7 @@ class Sana(FlowMatchingFamily):
     #: everything at run time reads the loaded VAE's factor (`pipe.vae_scale_factor`)
     pixel_multiple = 32
     #: ComfyUI has no Sana model: no key of a ComfyUI adapter file would load (`lora_format: comfyui` is refused)
-    comfyui_lora_prefixes = None
-    comfyui_lycoris_prefixes = None
+    export = ExportProfile(ov_pipeline="OVSanaPipeline", comfyui_lora_prefixes=None)
 
     @classmethod
     def refused_options(cls) -> dict[str, str]:

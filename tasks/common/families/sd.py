@@ -9,7 +9,18 @@ from __future__ import annotations
 from typing import Any
 
 from tasks.common.families.base import Components, ModelFamily, PredictInputs
+from tasks.common.families.export_profile import ExportProfile
 from tasks.common.families.tiny import clip_text_config, clip_tokenizer, ddpm_kwargs, seeded, tiny_vae
+
+
+class _Export(ExportProfile):
+    """SD 1.x and 2.x have an original single-file layout each (told apart by the text width)."""
+
+    def single_file_refusal(self, index: dict[str, Any]) -> str | None:
+        return None
+
+    def single_file_layout(self, pipe: Any) -> str:
+        return "sd2" if pipe.unet.config["cross_attention_dim"] == 1024 else "sd1"
 
 
 class StableDiffusion(ModelFamily):
@@ -17,9 +28,9 @@ class StableDiffusion(ModelFamily):
     title = "Stable Diffusion 1.x/2.x"
     builtin = "builtin:tiny-sd"
     pipeline_class_names = ("StableDiffusionPipeline",)
-    ov_pipeline_class_name = "OVStableDiffusionPipeline"
     embedding_keys = None
-    genai_lora_prefixes = {"unet": "lora_unet", "text_encoder": "lora_te"}
+    export = _Export(ov_pipeline="OVStableDiffusionPipeline",
+                     genai_lora_prefixes={"unet": "lora_unet", "text_encoder": "lora_te"})
 
     @classmethod
     def matches(cls, index: dict[str, Any]) -> bool:
@@ -40,14 +51,6 @@ class StableDiffusion(ModelFamily):
     def predict(cls, denoiser: Any, noisy_latents: Any, timesteps: Any, hidden: Any, pooled: Any,
                 inputs: PredictInputs) -> Any:
         return denoiser(noisy_latents, timesteps, encoder_hidden_states=hidden, return_dict=False)[0]
-
-    @classmethod
-    def single_file_refusal(cls, index: dict[str, Any]) -> str | None:
-        return None
-
-    @classmethod
-    def single_file_layout(cls, pipe: Any) -> str:
-        return "sd2" if pipe.unet.config["cross_attention_dim"] == 1024 else "sd1"
 
     @classmethod
     def build_tiny(cls, seed: int) -> Any:

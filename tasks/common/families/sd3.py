@@ -11,8 +11,12 @@ from __future__ import annotations
 from typing import Any
 
 from tasks.common.families.base import PredictInputs
+from tasks.common.families.export_profile import ExportProfile
 from tasks.common.families.flow import FlowMatchingFamily, flow_scheduler
 from tasks.common.families.tiny import clip_text_config, clip_tokenizer, seeded, t5_config, t5_tokenizer, tiny_vae
+
+#: CLIP-L and CLIP-G in the ComfyUI file, as SDXL's
+_CLIP_COMFYUI = {"text_encoder": "lora_te1_", "text_encoder_2": "lora_te2_"}
 
 
 class StableDiffusion3(FlowMatchingFamily):
@@ -20,7 +24,6 @@ class StableDiffusion3(FlowMatchingFamily):
     title = "Stable Diffusion 3/3.5"
     builtin = "builtin:tiny-sd3"
     pipeline_class_names = ("StableDiffusion3Pipeline",)
-    ov_pipeline_class_name = "OVStableDiffusion3Pipeline"
     text_encoder_names = ("text_encoder", "text_encoder_2", "text_encoder_3")
     tokenizer_names = ("tokenizer", "tokenizer_2", "tokenizer_3")
     t5_tokenizer_name = "tokenizer_3"
@@ -29,11 +32,10 @@ class StableDiffusion3(FlowMatchingFamily):
     default_max_sequence_length = 77
     # GenAI 2026.4.1 applies an SD3 LoRA to the transformer under this prefix; no prefix tried
     # (lora_te1/2, lora_te, te1/2, clip_l/g) reached the CLIP encoders, so those layers are refused.
-    genai_lora_prefixes = {"transformer": "transformer"}
     # ComfyUI maps OneTrainer's kohya-style names for SD3 (comfy/lora.py), CLIP-L/G as SDXL's
-    comfyui_lora_prefixes = {"transformer": "lora_transformer_", "text_encoder": "lora_te1_",
-                             "text_encoder_2": "lora_te2_"}
-    comfyui_lycoris_prefixes = {**comfyui_lora_prefixes, "transformer": "lycoris_"}
+    export = ExportProfile(ov_pipeline="OVStableDiffusion3Pipeline", genai_lora_prefixes={"transformer": "transformer"},
+                           comfyui_lora_prefixes={"transformer": "lora_transformer_", **_CLIP_COMFYUI},
+                           comfyui_lycoris_prefixes={"transformer": "lycoris_", **_CLIP_COMFYUI})
 
     @classmethod
     def refused_options(cls) -> dict[str, str]:

@@ -11,10 +11,23 @@ from typing import Any
 
 from tasks.common.errors import UserError
 from tasks.common.families.base import Components, ModelFamily, PredictInputs
+from tasks.common.families.export_profile import ExportProfile
 from tasks.common.families.tiny import clip_text_config, clip_tokenizer, ddpm_kwargs, seeded, tiny_vae
 
 REFINER = ("an SDXL refiner (one OpenCLIP text encoder) has no supported original single-file layout here; "
            "set export.single_file: none")
+
+
+class _Export(ExportProfile):
+    """SDXL's base has the original single-file layout; a refiner (one text encoder) has none here."""
+
+    def single_file_refusal(self, index: dict[str, Any]) -> str | None:
+        return REFINER if (index.get("text_encoder") or [None])[0] is None else None
+
+    def single_file_layout(self, pipe: Any) -> str:
+        if getattr(pipe, "text_encoder", None) is None:
+            raise UserError("export.single_file: " + REFINER)
+        return "sdxl"
 
 
 class StableDiffusionXL(ModelFamily):
@@ -22,12 +35,14 @@ class StableDiffusionXL(ModelFamily):
     title = "Stable Diffusion XL"
     builtin = "builtin:tiny-sdxl"
     pipeline_class_names = ("StableDiffusionXLPipeline",)
-    ov_pipeline_class_name = "OVStableDiffusionXLPipeline"
     text_encoder_names = ("text_encoder", "text_encoder_2")
     tokenizer_names = ("tokenizer", "tokenizer_2")
     embedding_keys = ("clip_l", "clip_g")
-    genai_lora_prefixes = {"unet": "lora_unet", "text_encoder": "lora_te1", "text_encoder_2": "lora_te2"}
-    comfyui_lora_prefixes = {"unet": "lora_unet_", "text_encoder": "lora_te1_", "text_encoder_2": "lora_te2_"}
+    export = _Export(ov_pipeline="OVStableDiffusionXLPipeline",
+                     genai_lora_prefixes={"unet": "lora_unet", "text_encoder": "lora_te1",
+                                          "text_encoder_2": "lora_te2"},
+                     comfyui_lora_prefixes={"unet": "lora_unet_", "text_encoder": "lora_te1_",
+                                            "text_encoder_2": "lora_te2_"})
 
     @classmethod
     def matches(cls, index: dict[str, Any]) -> bool:
@@ -56,16 +71,6 @@ class StableDiffusionXL(ModelFamily):
         added = {"text_embeds": pooled, "time_ids": time_ids.to(hidden.device, hidden.dtype)}
         return denoiser(noisy_latents, timesteps, encoder_hidden_states=hidden, added_cond_kwargs=added,
                         return_dict=False)[0]
-
-    @classmethod
-    def single_file_refusal(cls, index: dict[str, Any]) -> str | None:
-        return REFINER if (index.get("text_encoder") or [None])[0] is None else None
-
-    @classmethod
-    def single_file_layout(cls, pipe: Any) -> str:
-        if getattr(pipe, "text_encoder", None) is None:
-            raise UserError("export.single_file: " + REFINER)
-        return "sdxl"
 
     @classmethod
     def build_tiny(cls, seed: int, text_2_width: int = 32) -> Any:

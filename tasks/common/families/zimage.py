@@ -17,6 +17,7 @@ No text-encoder training and no textual inversion, as diffusers' train_dreamboot
 """
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any, ClassVar
 
 from tasks.common.families.base import PredictInputs
@@ -30,7 +31,7 @@ class ZImage(FlowMatchingFamily):
     title = "Z-Image"
     builtin = "builtin:tiny-zimage"
     pipeline_class_names = ("ZImagePipeline",)
-    ov_pipeline_class_name = "OVZImagePipeline"
+    export = replace(FlowMatchingFamily.export, ov_pipeline="OVZImagePipeline")
     trainable_text_encoders = ()
     default_weighting_scheme = "none"
     default_max_sequence_length = 512  # ZImagePipeline's
