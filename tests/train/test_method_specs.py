@@ -54,6 +54,94 @@ def test_the_config_check_imports_no_torch() -> None:
     assert out.stdout.strip() == "False"
 
 
+TRAINERS = "tasks.train.methods"
+
+
+def _is_trainer(module: str) -> bool:
+    return module.startswith(f"{TRAINERS}.")
+
+
+@pytest.mark.quick
+def test_imports_go_one_way_from_the_trainers_to_the_specs_and_the_config() -> None:
+    """The specs and the config never import a trainer (a spec names its trainer by path); a trainer
+    never imports a module that imports a trainer (read from the source, imports inside functions
+    included)."""
+    from tasks.common.stage_deps import closure, import_graph
+
+    graph = import_graph(ROOT)
+    starts = ["tasks.train.config", *sorted(m for m in graph if m.startswith("tasks.train.method_specs")),
+              *sorted(m for m in graph if m.startswith("tasks.train.sections"))]
+    reaches = {start: sorted(filter(_is_trainer, closure(graph, start, packages=False))) for start in starts}
+    assert not {k: v for k, v in reaches.items() if v}, "the config or a spec imports a trainer"
+    back = [f"{trainer} -> {module}" for trainer in filter(_is_trainer, graph)
+            for module in closure(graph, trainer, packages=False) - {trainer}
+            if not _is_trainer(module) and any(map(_is_trainer, closure(graph, module, packages=False)))]
+    assert not back, "a trainer imports a module that imports a trainer:\n" + "\n".join(sorted(back))
+    assert set(filter(_is_trainer, graph["tasks.train.core"])) <= {f"{TRAINERS}.base"}, \
+        "core.py gets a method's trainer from its spec, not by importing it"
+
+
+@pytest.mark.quick
+def test_loading_the_config_imports_no_trainer_and_no_torch() -> None:
+    import subprocess
+
+    code = ("import sys; from tasks.train import method_specs; from tasks.train.config import TrainConfig; "
+            "TrainConfig(method='lora', rank=8); "
+            "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('tasks.train.methods')))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+@pytest.mark.quick
+def test_a_method_s_options_live_in_its_own_spec_and_nowhere_else() -> None:
+    """TrainConfig is the shared sections (tasks/train/sections/: keys every method reads) plus one
+    options model per method with options, declared in that method's spec module."""
+    from tasks.train.config import TrainConfig
+
+    lora, ti = methods.method_spec("lora"), methods.method_spec("textual_inversion")
+    assert {"rank", "lora_type", "lora_format", "decompose_factor"} <= set(lora.options)
+    assert {"placeholder_token", "initializer_token", "num_vectors"} <= set(ti.options)
+    assert methods.method_spec("dreambooth").options == ()
+    owners = {spec.options_model: spec for spec in methods.BUILTIN if spec.options_model}
+    owned = {key for spec in owners.values() for key in spec.options}
+    for base in TrainConfig.__bases__:
+        if base in owners:
+            assert base.__module__ == f"tasks.train.method_specs.{owners[base].name}", base
+        else:
+            assert base.__module__.startswith("tasks.train.sections."), base
+            assert not owned & set(base.model_fields), f"{base.__name__} holds a method's option"
+    assert set(owners) <= set(TrainConfig.__bases__)
+
+
+@pytest.mark.quick
+def test_a_method_with_options_registers_before_the_config_and_owns_its_keys(monkeypatch) -> None:
+    from pydantic import Field
+
+    from tasks.common.config import StageConfig
+    from tasks.train.config import TrainConfig  # noqa: F401  (built: its keys are fixed)
+
+    class BitFitOptions(StageConfig):
+        bias_only: bool = Field(True, description="train the biases only")
+
+    late = methods.MethodSpec(name="late", trains="weights", output="pipeline", trainer="x:Y",
+                              options_model=BitFitOptions)
+    with pytest.raises(ValueError, match="register the method before that import"):
+        methods.register(late)
+    assert "late" not in methods.names()
+
+    class RankToo(StageConfig):
+        rank: int = 8
+
+    monkeypatch.setattr(methods, "_BUILT", None)  # as before tasks.train.config is imported
+    methods.register(methods.MethodSpec(name="clash", trains="adapters", output="adapters", trainer="x:Y",
+                                        options_model=RankToo))
+    try:
+        with pytest.raises(ValueError, match="train.rank is declared by both LoRAOptions and RankToo"):
+            methods.options_models()
+    finally:
+        methods.unregister("clash")
+
+
 @pytest.mark.quick
 def test_the_spec_refuses_for_the_family_and_the_precision() -> None:
     from tasks.common import families
