@@ -5,10 +5,19 @@ genai_serving.AdapterServer calls `AdapterCache.get` inside the
 model's turn (limits.Turns), so a look-up, a download and the compile after it wait in the
 same bounded queue and under the same deadline as a generation.
 
-- Which versions apply: the adapter version's lineage document (`lineage.json` in the version's own
-  run, written by the register stage) names the base export it was trained for (`base_export.key`);
-  only a document that describes this version (`model.source`) counts. Tags are editable by anyone
-  allowed to tag, so no tag decides it.
+- Which versions apply: only versions of the registered models the endpoint was registered to
+  apply (model_config `adapter_models`: by default the one model the pipeline registers this base's
+  fine-tunes under, `<model>` of `<model>-base`; params.yaml `register.serve_adapter_models`), checked
+  before anything is looked up; a base export registered without that list applies none. Of those, a
+  version applies when its lineage document (`lineage.json` in the version's own run, written by the
+  register stage) is the one registered (its SHA-256 is the run's param `lineage.<model id>`, which
+  MLflow never lets change), describes this version (`model.source`, `model.name`) and names the
+  base export it was trained for (`base_export.key`): registered.py, `verified_lineage`. Tags are
+  editable by anyone allowed to tag, so no tag decides it.
+- What is read: the lineage document at most `registered.LINEAGE_MAX_BYTES`, refused from its listed
+  size before it is downloaded; the adapter artifact's size is summed from the store's listing
+  (every file's size known, at most `MAX_LISTED` entries and `MAX_DEPTH` folders deep) and checked
+  against the cache's bytes before anything is downloaded, then again on disk after.
 - Where files live: one folder per serving process, `<temp dir>/sd-pyfunc-adapters/<pid>` (TMPDIR
   moves it), holding at most `max_bytes` (model_config `adapter_cache_mb`) and `max_adapters`
   versions; the least recently used version's folder is deleted to make room. A process holds an
@@ -22,6 +31,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import shutil
 import tempfile
 from collections import OrderedDict
@@ -29,7 +39,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from finetune_runtime import layout
+from finetune_runtime import layout, registered
 
 log = logging.getLogger("sd_pyfunc.adapters")
 
@@ -40,6 +50,21 @@ LINEAGE_ARTIFACT = "lineage.json"
 #: A folder the cache made (and so may delete) carries this file.
 MARKER = ".sd-adapter-cache"
 MAX_ADAPTERS = 8  # the compiled pipeline covers every cached adapter's layers: bounds a recompile
+#: model_config key: the registered models whose versions a base export's endpoint applies.
+ADAPTER_MODELS = "adapter_models"
+#: An adapter artifact's listing: at most this many entries, folders at most this deep.
+MAX_LISTED, MAX_DEPTH = 64, 4
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+
+
+def allowed_models(model_config: dict[str, Any] | None) -> tuple[str, ...] | None:
+    """model_config `adapter_models` (None: not recorded); a ValueError naming the key when malformed."""
+    value = (model_config or {}).get(ADAPTER_MODELS)
+    if value is None:
+        return None
+    if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) and _NAME.match(v) for v in value):
+        raise ValueError(f"model_config {ADAPTER_MODELS}: {value!r} is not a list of registered model names")
+    return tuple(value)
 
 
 def confined_file(folder: str, info: dict[str, Any], where: str) -> str:
@@ -71,19 +96,16 @@ def folder_bytes(folder: str) -> int:
 
 
 def trained_for(client: Any, mv: Any, base_key: str, ref: str) -> None:
-    """A ValueError unless `mv`'s lineage document says it was trained for base export `base_key`."""
-    import mlflow
+    """A ValueError unless `mv`'s lineage document is the one registered (registered.verified_lineage,
+    read within its cap) and says it was trained for base export `base_key`."""
     from mlflow.exceptions import MlflowException
 
-    run_id = getattr(mv, "run_id", None)
+    what = f"adapter: {ref} (version {mv.version})"
     try:
-        doc = mlflow.artifacts.load_dict(f"runs:/{run_id}/{LINEAGE_ARTIFACT}") if run_id else None
-    except (MlflowException, OSError, ValueError):  # absent or unreadable: the same answer
-        doc = None
-    if not isinstance(doc, dict) or (doc.get("model") or {}).get("source") != mv.source:
-        raise ValueError(f"adapter: {ref} (version {mv.version}) has no lineage document describing it "
-                         f"({LINEAGE_ARTIFACT} in its run), so nothing says which base export it was trained "
-                         "for: register it again")
+        doc = registered.verified_lineage(client, mv, what)
+    except (MlflowException, OSError) as err:  # the store could not give it: the same answer as absent
+        raise ValueError(f"{what}: its lineage document cannot be read ({type(err).__name__}), so nothing "
+                         "says which base export it was trained for") from None
     theirs = (doc.get("base_export") or {}).get("key")
     if theirs != base_key:
         raise ValueError(f"adapter: {ref} (version {mv.version}) was not registered for this base export (its "
@@ -140,12 +162,14 @@ class AdapterCache:
     """Registered adapter versions for base export `base_key`, downloaded into one folder of at
     most `max_bytes` and `max_adapters` versions, least recently used deleted first."""
 
-    def __init__(self, base_key: str, max_bytes: int, root: str | None = None,
+    def __init__(self, base_key: str, max_bytes: int, allowed: tuple[str, ...] | None = None, root: str | None = None,
                  max_adapters: int = MAX_ADAPTERS) -> None:
+        """`allowed`: the registered models whose versions apply (model_config `adapter_models`; None: none)."""
         import atexit
         import fcntl
 
         self.base_key, self.max_bytes, self.max_adapters = base_key, int(max_bytes), max_adapters
+        self.allowed = allowed
         self.root = root or os.path.join(tempfile.gettempdir(), "sd-pyfunc-adapters")
         os.makedirs(self.root, exist_ok=True)
         clean_stale(self.root)
@@ -175,6 +199,7 @@ class AdapterCache:
         import mlflow
 
         ref = f"{name}@{alias}" if alias else f"{name}/{version}"
+        self._allowed(name, ref)
         check(f"looking up adapter {ref}")
         client = mlflow.MlflowClient()
         mv = _lookup(client, name, alias, version, ref)
@@ -185,10 +210,21 @@ class AdapterCache:
         check(f"reading the lineage of adapter {key}")
         trained_for(client, mv, self.base_key, ref)
         uri = f"models:/{key}/artifacts/{ADAPTER_ARTIFACT}"
-        self._make_room(_listed_bytes(uri), keep, ref)
+        self._make_room(_listed_bytes(uri, ref), keep, ref)  # before any download
         check(f"downloading adapter {key}")
         self.entries[key] = self._download(uri, ref, keep)
         return key, self.entries[key], True
+
+    def _allowed(self, name: str, ref: str) -> None:
+        """A ValueError naming the field unless `name` is one of the models this endpoint applies."""
+        if self.allowed is None:
+            raise ValueError(f"adapter: {ref}: this base export was registered without the list of the models "
+                             f"whose adapters it applies (model_config {ADAPTER_MODELS}), so it applies none: "
+                             f"register it again, or load it with model_config {ADAPTER_MODELS}")
+        if name not in self.allowed:
+            raise ValueError(f"adapter: {ref}: registered model {name!r} is not one whose versions this endpoint "
+                             f"applies ({', '.join(self.allowed) or 'none'}; model_config {ADAPTER_MODELS}, "
+                             "params.yaml register.serve_adapter_models)")
 
     def evict(self, key: str) -> None:
         entry = self.entries.pop(key)
@@ -234,14 +270,27 @@ def _lookup(client: Any, name: str, alias: str | None, version: str | None, ref:
         raise ValueError(f"adapter: {ref} is not a registered model version here") from None
 
 
-def _listed_bytes(uri: str, depth: int = 0) -> int:
-    """The bytes of an artifact folder, as its store lists them (before downloading)."""
+def _listed_bytes(uri: str, ref: str) -> int:
+    """The bytes of an artifact folder as its store lists them, before anything is downloaded: a
+    ValueError naming the field when a file's size is not listed, or the listing is over MAX_LISTED
+    entries or MAX_DEPTH folders deep (what the cache cannot bound before the download)."""
     import mlflow
 
-    total = 0
-    for item in mlflow.artifacts.list_artifacts(artifact_uri=uri):
-        if item.is_dir and depth < 4:
-            total += _listed_bytes(f"{uri}/{os.path.basename(item.path)}", depth + 1)
-        else:
-            total += int(item.file_size or 0)
+    total, seen, todo = 0, 0, [(uri, 0)]
+    while todo:
+        folder, depth = todo.pop()
+        for item in mlflow.artifacts.list_artifacts(artifact_uri=folder):
+            seen += 1
+            if seen > MAX_LISTED:
+                raise ValueError(f"adapter: {ref}: its adapter artifact lists more than {MAX_LISTED} files; "
+                                 "an adapter has a few: register it again")
+            if item.is_dir:
+                if depth >= MAX_DEPTH:
+                    raise ValueError(f"adapter: {ref}: its adapter artifact has folders more than {MAX_DEPTH} deep")
+                todo.append((f"{folder}/{os.path.basename(item.path)}", depth + 1))
+            elif item.file_size is None:
+                raise ValueError(f"adapter: {ref}: the store does not list the size of {item.path}, so it cannot "
+                                 "be checked against the adapter cache before the download")
+            else:
+                total += int(item.file_size)
     return total

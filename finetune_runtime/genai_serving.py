@@ -5,8 +5,10 @@ stage for `export.adapters: runtime`) loads this: its requests name the adapters
 param, e.g. `sks-toy@champion`, `sks-toy/3`, or a blend `sks-toy/3:0.7,other@champion:0.3`.
 
 - A name is resolved through the MLflow registry the endpoint runs against (MLFLOW_TRACKING_URI):
-  an alias or a version of a registered model whose lineage document names this base export
-  (adapter_cache.py); anything else is a ValueError naming the field.
+  an alias or a version of one of the registered models the base export was registered to apply
+  (model_config `adapter_models`: by default the pipeline's own model of this base), whose lineage
+  document is the registered one and names this base export (adapter_cache.py); anything else is a
+  ValueError naming the field (HTTP 400).
 - An adapter's files are downloaded on first use into one cache folder bounded in bytes
   (model_config `adapter_cache_mb`) and in versions, deleted when evicted (adapter_cache.py); the
   pyfunc resolves them inside the model's turn, under the request's deadline (`check`). One
@@ -71,9 +73,10 @@ class AdapterServer:
     `adapters=[(file, weight)]`; `resolve()` turns the `adapter` param into those files."""
 
     def __init__(self, export: str, ov_config: dict[str, str], cache_mb: float = 1024.0,
-                 own: str | None = None) -> None:
+                 own: str | None = None, allowed: tuple[str, ...] | None = None) -> None:
         """`own`: the one adapter file of an adapter version's endpoint (None: the base's endpoint,
-        which downloads the adapters requests name into a cache of `cache_mb` MB)."""
+        which downloads the adapters requests name into a cache of `cache_mb` MB, versions of the
+        registered models `allowed` only: adapter_cache.py)."""
         with open(os.path.join(export, BASE_INFO)) as fh:
             self.info = json.load(fh)
         shape = self.info["static_shape"]
@@ -89,7 +92,7 @@ class AdapterServer:
 
             self.own = genai.Adapter(own)
         else:
-            self.cache = adapter_cache.AdapterCache(self.info["key"], int(cache_mb * 2**20))
+            self.cache = adapter_cache.AdapterCache(self.info["key"], int(cache_mb * 2**20), allowed)
 
     def _compile(self, files: list[str]) -> None:
         import openvino_genai as genai

@@ -110,9 +110,11 @@ def load(artifacts: dict[str, str], model_config: dict[str, Any] | None, cache_m
         artifacts.update({layout.OPENVINO: export, layout.BASE: pipeline})
     path = artifacts.get(layout.OPENVINO)
     if path and want_openvino() and os.path.isfile(os.path.join(path, layout.GENAI_BASE)):
-        from finetune_runtime import genai_serving
+        from finetune_runtime import adapter_cache, genai_serving
 
-        return Loaded(genai_serving.AdapterServer(path, layout.runtime_config(path), cache_mb, own=own), "genai", path)
+        allowed = adapter_cache.allowed_models(model_config)  # the models whose versions it applies
+        return Loaded(genai_serving.AdapterServer(path, layout.runtime_config(path), cache_mb, own=own,
+                                                  allowed=allowed), "genai", path)
     if path and want_openvino():
         pipe, exported = openvino_pipeline(path)
         return Loaded(pipe, "openvino", path, exported)

@@ -1,7 +1,7 @@
 """The `register` section of params.yaml."""
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import Field
 
@@ -59,6 +59,15 @@ class RegisterConfig(StageConfig):
         description="a base export's endpoint (export.adapters: runtime): the most disk, in MB, its "
                     "downloaded adapters take (one cache folder per worker; the least recently used "
                     "version is deleted to make room, at most 8 versions are kept)",
+    )
+    serve_adapter_models: list[Annotated[str, Field(min_length=1, max_length=256,
+                                                    pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")]] | None = Field(
+        None,
+        description="a base export's endpoint (export.adapters: runtime): the registered models whose versions "
+                    "a request may name as `adapter` (any other gets HTTP 400 naming `adapter`); null: the one "
+                    "model this pipeline registers the base's fine-tunes under (`<model>` of `<model>-base`). "
+                    "Recorded in the base export's model_config (`adapter_models`) when it is registered, by the "
+                    "first fine-tune of that base",
     )
     base_copy_max_gb: float | None = Field(
         4.0,

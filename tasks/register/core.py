@@ -14,6 +14,7 @@ from typing import Any
 
 import finetune_runtime
 from finetune_runtime import base_reference
+from finetune_runtime.adapter_cache import ADAPTER_MODELS
 from finetune_runtime.convention import CONFIG_KEY
 from finetune_runtime.limits import SETTINGS, serving_config, signature
 from tasks.common import families
@@ -295,8 +296,10 @@ def _base_export_version(client: Any, model_name: str, openvino: Path, work: Pat
         ensure_registered_model(client, base_name)
         tags = {"base_export.key": info["key"], "base_export.fingerprint": info["base_fingerprint"],
                 "model.artifacts": "base_export"}
-        logged = log_model(run_id, {"openvino": str(base_dir), "finetuned": str(base)}, serving, tags, convention,
-                           name="base_export")
+        # the models whose versions its endpoint applies (finetune_runtime/adapter_cache.py): by default this one
+        allowed = {ADAPTER_MODELS: list((serving or {}).get(ADAPTER_MODELS) or [model_name])}
+        logged = log_model(run_id, {"openvino": str(base_dir), "finetuned": str(base)}, serving, tags,
+                           {**convention, **allowed}, name="base_export")
         version = create_version(client, base_name, logged.model_uri, logged.model_id, run_id, tags,
                                  f"OpenVINO export of the base {info['base_fingerprint'][:12]} ({info['family']}); "
                                  "serves its registered fine-tunes named in the `adapter` param.", final=True)
@@ -401,7 +404,8 @@ def register(
         promote_uncalibrated=cfg.promote_uncalibrated,
         champion_rescore=champion_rescore,
         serving={"budget_images": cfg.serve_budget_images, "max_waiting": cfg.serve_max_waiting,
-                 "adapter_cache_mb": cfg.serve_adapter_cache_mb},
+                 "adapter_cache_mb": cfg.serve_adapter_cache_mb,
+                 ADAPTER_MODELS: cfg.serve_adapter_models or [name]},
         hub_base=hub_reference(read_params(params).get("base") or {}),
         base_copy_max_gb=cfg.base_copy_max_gb,
         trained=trained,

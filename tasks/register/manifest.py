@@ -24,18 +24,24 @@ import hashlib
 import json
 import logging
 import os
-import re
 import tempfile
 from pathlib import Path
 from typing import Any
 
+# the params' names and the capped read are the served model's too (an endpoint checks an adapter's lineage)
+from finetune_runtime.registered import (
+    LINEAGE_PARAM,
+    MANIFEST_MAX_BYTES,
+    MANIFEST_PARAM,
+    TooLarge,
+    fetch_capped,
+    model_key,
+)
 from tasks.common.errors import UserError
 from tasks.common.fingerprint import sha256_file
 
 log = logging.getLogger(__name__)
 
-MANIFEST_PARAM = "manifest.{}"
-LINEAGE_PARAM = "lineage.{}"
 MANIFEST_DIR = "manifests"
 REQUIRE_ENV = "FINETUNE_REQUIRE_MANIFEST"
 #: Written by MLflow itself into a downloaded registered model's root (name and version), every load.
@@ -53,12 +59,6 @@ def digest_tree(root: Path) -> dict[str, str]:
     files = sorted(p for p in root.rglob("*") if p.is_file() or p.is_symlink())
     return {p.relative_to(root).as_posix(): sha256_file(p) for p in files
             if p.relative_to(root).as_posix() != MLFLOW_META}
-
-
-def model_key(source: str) -> str:
-    """The params' suffix for a model: its logged-model id (`models:/m-...`), else a digest of its source."""
-    match = re.fullmatch(r"models:/(m-[0-9a-f]+)/?", source or "")
-    return match.group(1) if match else "src-" + hashlib.sha256(source.encode()).hexdigest()[:32]
 
 
 def _stored_tree(uri: str, work: Path) -> Path:
@@ -130,12 +130,13 @@ def expected(client: Any, run_id: str | None, source: str, what: str) -> dict[st
         _unrecorded(what)
         return None
     name = f"{MANIFEST_DIR}/{key}.json"
-    with tempfile.TemporaryDirectory(prefix="manifest-") as work:
-        try:
-            data = Path(client.download_artifacts(run_id, name, work)).read_bytes()
-        except Exception as err:
-            raise ManifestMismatch(f"{what}: its manifest {name} in run {run_id} cannot be read ({err}); "
-                                   "refusing to load it") from None
+    try:  # within MANIFEST_MAX_BYTES, refused from its listed size before the download
+        data = fetch_capped(client, run_id, name, MANIFEST_MAX_BYTES, what)
+    except TooLarge as err:
+        raise ManifestMismatch(f"{err}; refusing to load it") from None
+    except Exception as err:
+        raise ManifestMismatch(f"{what}: its manifest {name} in run {run_id} cannot be read ({err}); "
+                               "refusing to load it") from None
     if hashlib.sha256(data).hexdigest() != digest:
         raise ManifestMismatch(
             f"{what}: its manifest {name} in run {run_id} was rewritten after registration (its SHA-256 is "

@@ -44,6 +44,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from finetune_runtime.registered import LINEAGE_MAX_BYTES, TooLarge, fetch_capped
 from tasks.common.errors import UserError
 from tasks.register.manifest import check_lineage
 from tasks.register.naming import Lineage, of_record
@@ -101,13 +102,17 @@ def read_lineage(client: Any, version: Any) -> tuple[dict[str, Any] | None, str]
     from mlflow.exceptions import MlflowException
 
     with tempfile.TemporaryDirectory(prefix="lineage-") as tmp:
-        try:  # a document that cannot be fetched is one that cannot be read: no score (fail closed)
-            if LINEAGE_ARTIFACT not in {Path(f.path).name for f in client.list_artifacts(run_id)}:
-                return None, f"registered without a lineage document ({LINEAGE_ARTIFACT} is not in run {run_id})"
-            path = client.download_artifacts(run_id, LINEAGE_ARTIFACT, tmp)
+        try:  # within LINEAGE_MAX_BYTES; one that cannot be fetched cannot be read: no score (fail closed)
+            data = fetch_capped(client, run_id, LINEAGE_ARTIFACT, LINEAGE_MAX_BYTES, "its lineage document")
+        except FileNotFoundError:
+            return None, f"registered without a lineage document ({LINEAGE_ARTIFACT} is not in run {run_id})"
+        except TooLarge as err:
+            return None, str(err)
         except (OSError, MlflowException) as err:
             return None, f"its lineage document (run {run_id}) cannot be fetched: {reason(err)}"
-        rewritten = check_lineage(client, version, Path(path))  # tasks/register/manifest.py
+        path = Path(tmp) / LINEAGE_ARTIFACT
+        path.write_bytes(data)
+        rewritten = check_lineage(client, version, path)  # tasks/register/manifest.py
         if rewritten:
             return None, rewritten
         try:

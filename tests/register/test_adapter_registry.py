@@ -58,6 +58,8 @@ def test_two_fine_tunes_on_one_base_export_served_by_name_and_blended(exports, t
     second = _register(tmp_path / "b", lora_b, export_b, base)
     client = mlflow.MlflowClient()
     assert [str(v.version) for v in client.search_model_versions("name='sd-test-base'")] == ["1"]
+    config = mlflow.models.get_model_info("models:/sd-test-base/1").flavors["python_function"]["config"]
+    assert config["adapter_models"] == ["sd-test"], "its endpoint applies versions of the pipeline's own model only"
     for done in (first, second):
         tags = client.get_model_version("sd-test", done.version).tags
         assert tags["base_export.model"] == "sd-test-base" and tags["base_export.version"] == "1"
@@ -76,7 +78,9 @@ def test_two_fine_tunes_on_one_base_export_served_by_name_and_blended(exports, t
 
         by = {spec: served(spec)[0] for spec in ("sd-test/1", "sd-test@candidate", "sd-test/1:0.5,sd-test/2:0.5", "")}
         assert np.array_equal(by["sd-test@candidate"], served("sd-test/2")[0])  # the alias names version 2
-        for spec, field in (("nope@champion", "not a registered model version"), ("sd-test", "is not <registered"),
+        for spec, field in (("nope@champion", "registered model 'nope' is not one whose versions this endpoint "
+                                              r"applies \(sd-test;"),
+                            ("sd-test/99", "not a registered model version"), ("sd-test", "is not <registered"),
                             ("sd-test/1:9", "out of range")):
             status, answer = post(url, {"inputs": [PROMPT], "params": {**CALL, "adapter": spec}})
             assert status == 400 and re.search(f"adapter: .*{field}", answer["message"]), (spec, status, answer)

@@ -5,6 +5,7 @@ model's turn and under its deadline. Versions here hold a small real safetensors
 GenAI applying them is test_adapter_registry.py's."""
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import signal
@@ -23,6 +24,7 @@ from finetune_runtime.adapter_cache import MARKER, AdapterCache, confined_file, 
 from finetune_runtime.limits import TIMEOUT_ENV
 from finetune_runtime.load import Loaded
 from finetune_runtime.model import DiffusionImageModel
+from finetune_runtime.registered import LINEAGE_PARAM, model_key
 from tests.runtime.test_limits import SlowPipe
 
 pytestmark = pytest.mark.quick  # make test-fast
@@ -36,10 +38,12 @@ def _no_check(_: str) -> None:
 
 
 def register_adapter(root: Path, name: str, kb: int, lineage_key: str | None = KEY,
-                     file: str = "genai_lora.safetensors", tags: dict | None = None) -> str:
+                     file: str = "genai_lora.safetensors", tags: dict | None = None,
+                     lineage: dict | None = None) -> str:
     """A version of `name` laid out as the register stage lays out a run-time adapter version: its
     `adapter` artifact (a LoRA file of about `kb` KB, runtime_adapter.json) and, in its run, a
-    lineage.json naming base export `lineage_key` (None: no lineage document)."""
+    lineage.json naming base export `lineage_key` (None: no lineage document; `lineage`: that
+    document instead) with its SHA-256 as the run's param, as the register stage records it."""
     import mlflow
     from mlflow.exceptions import MlflowException
     from safetensors.numpy import save_file
@@ -55,8 +59,11 @@ def register_adapter(root: Path, name: str, kb: int, lineage_key: str | None = K
     client.log_artifacts(run.info.run_id, str(folder), "model/artifacts/adapter")
     source = f"{run.info.artifact_uri}/model"
     if lineage_key is not None:
-        client.log_dict(run.info.run_id, {"model": {"name": name, "source": source},
-                                          "base_export": {"key": lineage_key}}, "lineage.json")
+        doc = lineage or {"model": {"name": name, "source": source}, "base_export": {"key": lineage_key}}
+        text = json.dumps(doc)
+        client.log_text(run.info.run_id, text, "lineage.json")
+        client.log_param(run.info.run_id, LINEAGE_PARAM.format(model_key(source)),
+                         hashlib.sha256(text.encode()).hexdigest())
     try:
         client.create_registered_model(name)
     except MlflowException:
@@ -68,7 +75,7 @@ def register_adapter(root: Path, name: str, kb: int, lineage_key: str | None = K
 def cache(tmp_path, monkeypatch) -> AdapterCache:
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))  # what MLflow's downloads leave, too
     (tmp_path / "tmp").mkdir()
-    made = AdapterCache(KEY, 1000 * KB)
+    made = AdapterCache(KEY, 1000 * KB, ("style", "big"))
     yield made
     made.close()
 
@@ -101,7 +108,7 @@ def test_a_version_is_applied_only_when_its_lineage_document_names_this_base(cac
     with pytest.raises(ValueError, match=rf"adapter: style/{other} .*not registered for this base export \(its "
                                          r"lineage document names base export cccccccccccc"):
         cache.get("style", None, other, _no_check)
-    with pytest.raises(ValueError, match=rf"adapter: style/{none} .*has no lineage document describing it"):
+    with pytest.raises(ValueError, match=rf"adapter: style/{none} .*has no recorded digest of its lineage document"):
         cache.get("style", None, none, _no_check)
     with pytest.raises(ValueError, match="adapter: style/99 is not a registered model version here"):
         cache.get("style", None, "99", _no_check)
