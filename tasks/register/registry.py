@@ -112,7 +112,10 @@ def read_lineage(client: Any, version: Any) -> tuple[dict[str, Any] | None, str]
             return None, f"its lineage document (run {run_id}) cannot be fetched: {reason(err)}"
         path = Path(tmp) / LINEAGE_ARTIFACT
         path.write_bytes(data)
-        rewritten = check_lineage(client, version, path)  # tasks/register/manifest.py
+        try:
+            rewritten = check_lineage(client, version, path)  # tasks/register/manifest.py
+        except UserError as err:  # its run's params cannot be read: nor can the document be trusted
+            rewritten = one_line(str(err), limit=REASON_CHARS)
         if rewritten:
             return None, rewritten
         try:

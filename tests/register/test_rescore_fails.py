@@ -13,6 +13,7 @@ from urllib.parse import urlparse
 
 import mlflow
 import pytest
+from mlflow.exceptions import MlflowException
 
 from flows.rescore import attempt
 from tasks.register.core import register
@@ -121,16 +122,31 @@ def test_a_rescore_report_without_a_usable_score_holds_the_champion(champion: Pa
 
 def test_a_champion_whose_lineage_cannot_be_fetched_has_no_score(champion: Path,
                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
-    """The store failing while the champion's lineage document is fetched: it holds, named in one line."""
+    """The store failing while the champion's lineage document is fetched, or its run (the document's
+    digest) unreadable: it has no score, so it holds, and the note says why in one line."""
     from tasks.register.registry import current_champion
 
     def broken(self, run_id, path, dst_path=None):
         raise OSError(5, "Input/output error\n  while reading lineage.json")
 
+    client = mlflow.MlflowClient()
+    run_id = client.get_model_version("sd-test", "1").run_id
+    get_run, download = mlflow.MlflowClient.get_run, mlflow.MlflowClient.download_artifacts
     monkeypatch.setattr(mlflow.MlflowClient, "download_artifacts", broken)
-    held = current_champion(mlflow.MlflowClient(), "sd-test", "dino")
+    held = current_champion(client, "sd-test", "dino")
     assert held is not None and held.score is None
     assert held.note.endswith("cannot be fetched: OSError: [Errno 5] Input/output error while reading lineage.json")
+    monkeypatch.setattr(mlflow.MlflowClient, "download_artifacts", download)
+
+    def unreadable(self, wanted):  # the run holding its lineage digest cannot be read
+        if wanted == run_id:
+            raise MlflowException("run gone")
+        return get_run(self, wanted)
+
+    monkeypatch.setattr(mlflow.MlflowClient, "get_run", unreadable)
+    held = current_champion(client, "sd-test", "dino")
+    assert held is not None and held.score is None and "\n" not in held.note
+    assert held.note.startswith(f"sd-test v1: its run {run_id} cannot be read (INTERNAL_ERROR)")
 
 
 def test_the_reason_of_any_exception_is_one_short_line() -> None:
