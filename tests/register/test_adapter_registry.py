@@ -20,6 +20,7 @@ from tests.export.adapters import lora_images
 from tests.export.tiny_ov import runtime_export, tiny_pipeline
 from tests.register.conftest import DVC_LOCK, EVAL_PASS
 from tests.register.http_serve import models_serve, post
+from tests.runtime.test_adapter_cache import register_adapter
 
 PROMPT = "a photo of sks toy"
 CALL = {"num_inference_steps": 2, "seed": 5}
@@ -40,6 +41,11 @@ def _register(root: Path, lora: Path, export: Path, base: Path):
     (root / "dvc.lock").write_text(DVC_LOCK)
     (root / "evaluate.json").write_text(json.dumps(EVAL_PASS))
     return register(lora, export, root / "evaluate.json", root / "dvc.lock", root / "params.yaml", base=base)
+
+
+def config_key(client) -> str:
+    """The key of the base export sd-test-base/1 (its tag `base_export.key`, readable by anyone)."""
+    return client.get_model_version("sd-test-base", "1").tags["base_export.key"]
 
 
 def _images(frame) -> list[np.ndarray]:
@@ -68,6 +74,8 @@ def test_two_fine_tunes_on_one_base_export_served_by_name_and_blended(exports, t
     assert not list(stored.rglob("openvino_model.xml")) and not list(stored.rglob("model_index.json")), (
         "neither the base export nor the base pipeline is stored again per fine-tune")
     assert [p.parent.name for p in stored.rglob("genai_lora.safetensors")] == ["adapter"]
+    # another user's own model, its lineage naming this base export's key (a public tag), digest and all
+    register_adapter(tmp_path / "theirs", "intruder", 4, lineage_key=config_key(client))
 
     # The base export's endpoint over HTTP, as a team serves it: one server, the adapter per request.
     with models_serve("models:/sd-test-base/1", tmp_path / "serve.log") as (url, _):
@@ -78,8 +86,9 @@ def test_two_fine_tunes_on_one_base_export_served_by_name_and_blended(exports, t
 
         by = {spec: served(spec)[0] for spec in ("sd-test/1", "sd-test@candidate", "sd-test/1:0.5,sd-test/2:0.5", "")}
         assert np.array_equal(by["sd-test@candidate"], served("sd-test/2")[0])  # the alias names version 2
-        for spec, field in (("nope@champion", "registered model 'nope' is not one whose versions this endpoint "
-                                              r"applies \(sd-test;"),
+        for spec, field in (("intruder/1", "registered model 'intruder' is not one whose versions this endpoint "
+                                           r"applies \(sd-test;"),
+                            ("nope@champion", "registered model 'nope' is not one"),
                             ("sd-test/99", "not a registered model version"), ("sd-test", "is not <registered"),
                             ("sd-test/1:9", "out of range")):
             status, answer = post(url, {"inputs": [PROMPT], "params": {**CALL, "adapter": spec}})
