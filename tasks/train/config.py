@@ -97,11 +97,11 @@ class TrainConfig(LaunchSection, OutputsSection, PrecisionSection, OptimizerSect
             tested = ", ".join(f.title for f in families.FAMILIES if f.xla_tested)
             problems.append(f"train.launcher: xla has been run for {tested} only, not for "
                             f"{family.title}; use local, accelerate or mpirun")
-        if self.enable_bucket and (odd := [b for b in self.buckets() if b[0] % family.pixel_multiple
-                                           or b[1] % family.pixel_multiple]):
-            problems.append(f"train: buckets {odd[:4]} have sides that are not multiples of {family.pixel_multiple}, "
+        multiple = family.codec.pixel_multiple
+        if self.enable_bucket and (odd := [b for b in self.buckets() if b[0] % multiple or b[1] % multiple]):
+            problems.append(f"train: buckets {odd[:4]} have sides that are not multiples of {multiple}, "
                             f"which {family.title} needs; set bucket_reso_steps (and min/max_bucket_reso) to "
-                            f"multiples of {family.pixel_multiple}, or list such aspect_ratio_buckets")
+                            f"multiples of {multiple}, or list such aspect_ratio_buckets")
         if problems:
             raise UserError(f"params.yaml: train does not fit the base model ({family.title}): " + "; ".join(problems))
 

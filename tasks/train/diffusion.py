@@ -13,15 +13,17 @@ the same RNG stream as without the cache, so caching changes speed, not the trai
 """
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from tasks.common.families.base import ModelFamily
+from tasks.common.families.latent_codec import LatentCodec
 from tasks.train.batch import Batch
+
+#: SD's codec: images as they are, the VAE config's shift and scale
+_DEFAULT_CODEC = LatentCodec()
 
 
 class RowRandom:
@@ -66,19 +68,12 @@ def _distribution(parameters: torch.Tensor) -> Any:
     return DiagonalGaussianDistribution(parameters, deterministic=point)
 
 
-#: (vae, posterior sample) -> the denoiser's latents: the family's `scale_latents`
-Scale = Callable[[torch.nn.Module, torch.Tensor], torch.Tensor]
-#: images (b, c, h, w) -> the VAE encoder's input: the family's `vae_input`
-VaeInput = Callable[[torch.Tensor], torch.Tensor]
-
-
 def encode_latents(vae: torch.nn.Module, pixels: torch.Tensor, rand: RowRandom | None = None,
-                   scale: Scale = ModelFamily.scale_latents, vae_input: VaeInput = ModelFamily.vae_input
-                   ) -> torch.Tensor:
-    """VAE posterior sample, brought into the denoiser's latent space by `scale` (float32)."""
+                   codec: LatentCodec = _DEFAULT_CODEC) -> torch.Tensor:
+    """VAE posterior sample, brought into the denoiser's latent space by the family's `codec` (float32)."""
     param = next(vae.parameters())
-    latents = _sample(_posterior(vae.encode(vae_input(pixels.to(param.device, param.dtype)))), rand)
-    return scale(vae, latents.float())
+    latents = _sample(_posterior(vae.encode(codec.vae_input(pixels.to(param.device, param.dtype)))), rand)
+    return codec.scale_latents(vae, latents.float())
 
 
 class LatentCache:
@@ -89,19 +84,18 @@ class LatentCache:
     an entry holds the parameters and the crop geometry ({"parameters", "original_size",
     "crop_top_left"}). With a disk store the data loader reads the entries it finds itself and
     leaves those images undecoded (`cached_latents` in the batch; `pixels` then holds only the
-    decoded rows, in order). `vae_input`: the family's, images as the VAE's encoder takes them.
+    decoded rows, in order). `codec`: the family's (its VAE input and latent scaling).
     """
 
-    def __init__(self, store: Any = None, vae_input: VaeInput = ModelFamily.vae_input) -> None:
+    def __init__(self, store: Any = None, codec: LatentCodec = _DEFAULT_CODEC) -> None:
         self.store: Any = {} if store is None else store
-        self.vae_input = vae_input
+        self.codec = codec
         self.hits = self.misses = 0
 
-    def latents(self, vae: torch.nn.Module, batch: Batch, rand: RowRandom | None = None,
-                scale: Scale = ModelFamily.scale_latents) -> torch.Tensor:
+    def latents(self, vae: torch.nn.Module, batch: Batch, rand: RowRandom | None = None) -> torch.Tensor:
         keys, pixels = batch.latent_keys, batch.pixels
         if any(k is None for k in keys):
-            return encode_latents(vae, pixels, rand, scale, self.vae_input)
+            return encode_latents(vae, pixels, rand, self.codec)
         param = next(vae.parameters())
         given = batch.cached_latents or [None] * len(keys)
         masks = batch.masks or [None] * len(keys)
@@ -120,7 +114,7 @@ class LatentCache:
                                     batch.crops_top_left[i], masks[i]))
         # (`misses` counts encodings: with a disk store, entries an earlier run wrote are hits)
         stacked = torch.cat([r.to(param.device) for r in rows])
-        return scale(vae, _sample(_distribution(stacked), rand))
+        return self.codec.scale_latents(vae, _sample(_distribution(stacked), rand))
 
     def parameters(self, vae: torch.nn.Module, key: str, pixels: torch.Tensor) -> torch.Tensor:
         """The posterior parameters of one image ([1, C, H, W]) under `key`: stored, else encoded and
@@ -138,7 +132,7 @@ class LatentCache:
         A subject mask ([1, H, W]) is stored beside them at the latent's size (`latent_mask`)."""
         param = next(vae.parameters())
         self.misses += 1
-        dist = _posterior(vae.encode(self.vae_input(pixels.to(param.device, param.dtype))))
+        dist = _posterior(vae.encode(self.codec.vae_input(pixels.to(param.device, param.dtype))))
         entry = {"parameters": dist.parameters.detach().float().cpu(),
                  "original_size": torch.as_tensor(original_size).cpu(),
                  "crop_top_left": torch.as_tensor(crop_top_left).cpu()}

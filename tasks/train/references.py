@@ -96,9 +96,9 @@ def reference_latents(vae: torch.nn.Module, pixels: list[torch.Tensor] | None, k
                 rows.append(cache.parameters(vae, key, one if key in cache.store else family.reference_pixels(one)))
             else:
                 one = family.reference_pixels(one).to(param.device, param.dtype)
-                rows.append(_posterior(vae.encode(family.vae_input(one))).parameters.float())
+                rows.append(_posterior(vae.encode(family.codec.vae_input(one))).parameters.float())
         stacked = torch.cat([r.to(param.device) for r in rows])
-        out.append(family.scale_latents(vae, _distribution(stacked).mode().float()))
+        out.append(family.codec.scale_latents(vae, _distribution(stacked).mode().float()))
     return out
 
 

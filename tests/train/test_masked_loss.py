@@ -84,7 +84,7 @@ def test_the_error_outside_the_mask_does_not_train(request, tmp_path, masked_dir
     assert batch.masks[0] is not None and not batch.mask_off[0]
     vae = components.modules["vae"]
     with torch.no_grad():
-        shape = components.family.scale_latents(vae, vae.encode(batch.pixels).latent_dist.mean).shape
+        shape = components.family.codec.scale_latents(vae, vae.encode(batch.pixels).latent_dist.mean).shape
     mask = latent_mask(dataset.load_mask(dataset.instances[0], (32, 32), (32, 32), (0, 0), False), shape[-2:])
     outside = (mask == 0).float()[None]  # [1, 1, h, w]
     assert 0 < outside.mean() < 1

@@ -61,8 +61,8 @@ def test_the_family_encodes_and_predicts_what_the_pipeline_computes(tiny_qwenima
         for ref, (_, h, w) in zip(refs, shapes[1:]):
             pixels = family.reference_pixels(ref)
             assert pixels.shape[-2:] == (h * 16, w * 16)
-            moments = vae.encode(family.vae_input(pixels)).latent_dist.mode()
-            latents.append(family.scale_latents(vae, moments))
+            moments = vae.encode(family.codec.vae_input(pixels)).latent_dist.mode()
+            latents.append(family.codec.scale_latents(vae, moments))
     tokens = kwargs["hidden_states"]
     first = Pipe._pack_latents(latents[0], 1, 4, 104, 156)
     assert torch.allclose(first, tokens[:, target : target + first.shape[1]], atol=1e-4)

@@ -19,6 +19,7 @@ from typing import Any, ClassVar
 from finetune_runtime import pipeline_call
 from finetune_runtime.convention import MAX_INPUT_IMAGES, CallConvention
 from tasks.common.families.export_profile import ExportProfile
+from tasks.common.families.latent_codec import LatentCodec
 
 log = logging.getLogger(__name__)
 
@@ -109,8 +110,8 @@ class ModelFamily:
     #: "ddpm" (noise or v prediction on a DDPM schedule) or "flow_matching" (rectified flow): the name
     #: of the objective in tasks/train/objectives.py's OBJECTIVES; `objective_options()` says its settings
     objective: ClassVar[str] = "ddpm"
-    #: image sides must be multiples of this (the VAE's factor 8; x2 where latents are cut into 2x2 patches)
-    pixel_multiple: ClassVar[int] = 8
+    #: how pixels become the denoiser's latents: the VAE's input, the latents' scaling, the pixel multiple
+    codec: ClassVar[LatentCodec] = LatentCodec()
     #: trains on (reference images, target, instruction) triples: reference latents join the denoiser's
     #: input sequence (ingest's `reference_file_names`); a family without refuses a dataset that has them
     takes_references: ClassVar[bool] = False
@@ -119,7 +120,7 @@ class ModelFamily:
     text_sees_references: ClassVar[bool] = False
     #: a video model: trains on clips (ingest's clips.jsonl, pixels (3, F, H, W)), its pipeline makes clips
     video: ClassVar[bool] = False
-    #: a new text embedding trains here (what textual inversion needs; tasks/train/methods/spec.py asks)
+    #: a new text embedding trains here (what textual inversion needs; tasks/train/method_specs/ asks)
     trains_embeddings: ClassVar[bool] = True
     #: peft target modules of the denoiser's and the text encoders' attention projections
     lora_targets: ClassVar[tuple[str, ...]] = ("to_k", "to_q", "to_v", "to_out.0")
@@ -133,11 +134,6 @@ class ModelFamily:
     #: keys of a textual-inversion embedding file per text encoder, in `text_encoder_names` order
     #: (None: one {token: rows} entry)
     embedding_keys: ClassVar[tuple[str, ...] | None] = None
-    #: the pipeline call's keyword for the guidance value (Qwen-Image's true CFG: "true_cfg_scale")
-    guidance_argument: ClassVar[str] = "guidance_scale"
-    #: the latent side the pipeline generates when given no size, where neither it nor its denoiser's
-    #: config says (Z-Image's pipeline hard-codes 1024 px); None: the pipeline knows
-    default_sample_size: ClassVar[int | None] = None
     #: how a fine-tune leaves training: OpenVINO pipeline, GenAI and ComfyUI adapter keys, single file
     export: ClassVar[ExportProfile] = ExportProfile(ov_pipeline=None)
 
@@ -246,19 +242,6 @@ class ModelFamily:
         return scheduler
 
     @classmethod
-    def vae_input(cls, pixels: Any) -> Any:
-        """A batch of images (b, c, h, w) as the VAE's encoder takes it: unchanged (Qwen-Image's 3D VAE:
-        one frame, (b, c, 1, h, w))."""
-        return pixels
-
-    @classmethod
-    def scale_latents(cls, vae: Any, latents: Any) -> Any:
-        """A VAE posterior sample in the denoiser's latent space (training's x_0): shifted and scaled
-        by the VAE config's shift_factor and scaling_factor, which the pipeline undoes before decoding."""
-        shift = getattr(vae.config, "shift_factor", None) or 0.0
-        return (latents - shift) * vae.config.scaling_factor
-
-    @classmethod
     def tokenize(cls, components: Components, prompts: list[str], max_sequence_length: int | None = None
                  ) -> list[Any]:
         """Token ids per tokenizer, padded/truncated to each tokenizer's max length (CLIP: 77)."""
@@ -320,9 +303,8 @@ class ModelFamily:
     def call_convention(cls) -> CallConvention:
         """How this family's pipeline is called (recorded with a registered model, whose served code
         cannot import the families)."""
-        return CallConvention(guidance_argument=cls.guidance_argument, default_sample_size=cls.default_sample_size,
-                               input_images=MAX_INPUT_IMAGES if cls.takes_references else 0,
-                               latent_patch=max(1, cls.pixel_multiple // 8))
+        return CallConvention(input_images=MAX_INPUT_IMAGES if cls.takes_references else 0,
+                               latent_patch=max(1, cls.codec.pixel_multiple // 8))
 
     @classmethod
     def class_images_refusal(cls) -> str | None:

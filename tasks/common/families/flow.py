@@ -13,6 +13,7 @@ from typing import Any, ClassVar
 
 from tasks.common.families.base import ModelFamily
 from tasks.common.families.export_profile import ExportProfile
+from tasks.common.families.latent_codec import LatentCodec
 
 _NOT_FLOW = "is a DDPM option; {title} trains with flow matching (train.weighting_scheme and its logit_* / mode_scale)"
 
@@ -29,7 +30,7 @@ class FlowMatchingFamily(ModelFamily):
     #: train.weighting_scheme when it is null (what diffusers' script for the family defaults to)
     default_weighting_scheme: ClassVar[str] = "none"
     xla_tested = False  # the XLA back end's checkpointing and sharding were built and run for UNets
-    pixel_multiple = 16  # SD3's patch size 2, FLUX's 2x2 packing, FLUX.2's 2x2 patches: even latent sides
+    codec = LatentCodec(pixel_multiple=16)  # SD3's patch size 2, FLUX's 2x2 packing: even latent sides
     #: T5 tokens per prompt when train.max_sequence_length is null
     default_max_sequence_length: ClassVar[int] = 77
     #: the T5 tokenizer's folder

@@ -21,6 +21,7 @@ from finetune_runtime.convention import CallConvention
 from tasks.common.families.base import PredictInputs
 from tasks.common.families.export_profile import ExportProfile
 from tasks.common.families.flow import FlowMatchingFamily, flow_scheduler
+from tasks.common.families.latent_codec import LatentCodec
 from tasks.common.families.qwen3_chat import Qwen3Chat
 from tasks.common.families.tiny import qwen3_config, qwen_tokenizer, seeded
 
@@ -105,11 +106,27 @@ class _Export(ExportProfile):
         ov_pipe.vae_encoder.model.reshape({port: shape})
 
 
+class _Codec(LatentCodec):
+    """FLUX.2's latents: 2x2 patches normalised with the VAE's batch-norm statistics."""
+
+    def scale_latents(self, vae: Any, latents: Any) -> Any:
+        """2x2 patches, then the VAE's batch-norm statistics (Flux2KleinPipeline._encode_vae_image's)."""
+        import torch
+        from diffusers import Flux2KleinPipeline
+
+        patches = Flux2KleinPipeline._patchify_latents(latents)
+        mean = vae.bn.running_mean.view(1, -1, 1, 1).to(patches.device, patches.dtype)
+        std = torch.sqrt(vae.bn.running_var.view(1, -1, 1, 1) + vae.config.batch_norm_eps).to(patches.device,
+                                                                                              patches.dtype)
+        return (patches - mean) / std
+
+
 class Flux2Klein(FlowMatchingFamily):
     name = "flux2"
     title = "FLUX.2 [klein]"
     builtin = "builtin:tiny-flux2"
     pipeline_class_names = ("Flux2KleinPipeline",)
+    codec = _Codec(pixel_multiple=16)
     lora_targets = _LORA_TARGETS
     trainable_text_encoders = ()
     guidance_in_batch = False  # the unconditional branch is a separate call
@@ -151,18 +168,6 @@ class Flux2Klein(FlowMatchingFamily):
         hidden = torch.stack(layers, dim=1)
         b, n, length, width = hidden.shape
         return hidden.permute(0, 2, 1, 3).reshape(b, length, n * width), None
-
-    @classmethod
-    def scale_latents(cls, vae: Any, latents: Any) -> Any:
-        """2x2 patches, then the VAE's batch-norm statistics (Flux2KleinPipeline._encode_vae_image's)."""
-        import torch
-        from diffusers import Flux2KleinPipeline
-
-        patches = Flux2KleinPipeline._patchify_latents(latents)
-        mean = vae.bn.running_mean.view(1, -1, 1, 1).to(patches.device, patches.dtype)
-        std = torch.sqrt(vae.bn.running_var.view(1, -1, 1, 1) + vae.config.batch_norm_eps).to(patches.device,
-                                                                                              patches.dtype)
-        return (patches - mean) / std
 
     @classmethod
     def predict(cls, denoiser: Any, noisy_latents: Any, timesteps: Any, hidden: Any, pooled: Any,

@@ -43,6 +43,7 @@ from finetune_runtime.convention import CallConvention
 from tasks.common.families.base import PredictInputs
 from tasks.common.families.export_profile import ExportProfile
 from tasks.common.families.flow import FlowMatchingFamily
+from tasks.common.families.latent_codec import LatentCodec
 from tasks.common.families.tiny import seeded, t5_config, t5_tokenizer
 
 #: the pipeline's default `frame_rate`, which training's rotary positions use too
@@ -51,11 +52,27 @@ FRAME_RATE = 25
 DEFAULT_FRAMES = 9
 
 
+class _Codec(LatentCodec):
+    """LTX-Video's causal video VAE: clips in as they are, latents normalised per channel."""
+
+    def vae_input(self, pixels: Any) -> Any:
+        """Clips (b, 3, F, H, W) as they are; a batch of images as one-frame clips."""
+        return pixels if pixels.ndim == 5 else pixels.unsqueeze(2)
+
+    def scale_latents(self, vae: Any, latents: Any) -> Any:
+        """LTXPipeline's `_normalize_latents`: per channel, (x - mean) * scaling_factor / std."""
+        shape = (1, -1) + (1,) * (latents.ndim - 2)
+        mean = vae.latents_mean.view(shape).to(latents.device, latents.dtype)
+        std = vae.latents_std.view(shape).to(latents.device, latents.dtype)
+        return (latents - mean) * vae.config.scaling_factor / std
+
+
 class LTXVideo(FlowMatchingFamily):
     name = "ltx"
     title = "LTX-Video"
     builtin = "builtin:tiny-ltx"
     pipeline_class_names = ("LTXPipeline",)
+    codec = _Codec(pixel_multiple=32)
     video = True
     tokenizer_names = ("tokenizer",)
     t5_tokenizer_name = "tokenizer"
@@ -65,7 +82,6 @@ class LTXVideo(FlowMatchingFamily):
     #: the released VAE's factors (32 in space, 8 in time); the rotary scale reads them in `predict`
     spatial_compression: ClassVar[int] = 32
     temporal_compression: ClassVar[int] = 8
-    pixel_multiple = 32
     # not checked against ComfyUI's LTXV key map: `lora_format: comfyui` refused
     export = ExportProfile(ov_pipeline="OVLTXPipeline", comfyui_lora_prefixes=None)
 
@@ -88,19 +104,6 @@ class LTXVideo(FlowMatchingFamily):
         ids = input_ids[0].to(next(t5.parameters()).device)
         hidden = t5(ids)[0]
         return hidden, (ids != components.tokenizers[0].pad_token_id).float()
-
-    @classmethod
-    def vae_input(cls, pixels: Any) -> Any:
-        """Clips (b, 3, F, H, W) as they are; a batch of images as one-frame clips."""
-        return pixels if pixels.ndim == 5 else pixels.unsqueeze(2)
-
-    @classmethod
-    def scale_latents(cls, vae: Any, latents: Any) -> Any:
-        """LTXPipeline's `_normalize_latents`: per channel, (x - mean) * scaling_factor / std."""
-        shape = (1, -1) + (1,) * (latents.ndim - 2)
-        mean = vae.latents_mean.view(shape).to(latents.device, latents.dtype)
-        std = vae.latents_std.view(shape).to(latents.device, latents.dtype)
-        return (latents - mean) * vae.config.scaling_factor / std
 
     @classmethod
     def predict(cls, denoiser: Any, noisy_latents: Any, timesteps: Any, hidden: Any, pooled: Any,

@@ -29,6 +29,7 @@ from typing import Any
 from finetune_runtime.convention import CallConvention
 from tasks.common.families.base import PredictInputs
 from tasks.common.families.flow import FlowMatchingFamily
+from tasks.common.families.latent_codec import LatentCodec
 from tasks.common.families.tiny import qwen_tokenizer, seeded
 
 #: QwenImagePipeline's prompt_template_encode and prompt_template_encode_start_idx
@@ -41,15 +42,32 @@ _SYSTEM_WORDS = ("system", "Describe", "Ġimage", "Ġdetailing", "Ġcolor", "Ġs
                  "Ġtext", "Ġspatial", "Ġrelationships", "Ġobjects")
 
 
+class _Codec(LatentCodec):
+    """Qwen-Image's 3D VAE: images in as one frame, the frame's latents out, normalised per channel."""
+
+    def vae_input(self, pixels: Any) -> Any:
+        return pixels[:, :, None]  # one frame
+
+    def scale_latents(self, vae: Any, latents: Any) -> Any:
+        """The frame's latents, (x - latents_mean) / latents_std (the pipeline decodes x * std + mean)."""
+        import torch
+
+        latents = latents[:, :, 0] if latents.ndim == 5 else latents
+        shape = (1, -1, 1, 1)
+        mean = torch.tensor(vae.config.latents_mean).view(shape).to(latents.device, latents.dtype)
+        std = torch.tensor(vae.config.latents_std).view(shape).to(latents.device, latents.dtype)
+        return (latents - mean) / std
+
+
 class QwenImage(FlowMatchingFamily):
     name = "qwenimage"
     title = "Qwen-Image"
     builtin = "builtin:tiny-qwenimage"
     pipeline_class_names = ("QwenImagePipeline",)
+    codec = _Codec(pixel_multiple=16)
     export = replace(FlowMatchingFamily.export, ov_pipeline="OVQwenImagePipeline")
     trainable_text_encoders = ()
     guidance_in_batch = False  # the negative prompt's pass is a separate call
-    guidance_argument = "true_cfg_scale"
     default_weighting_scheme = "none"  # train_dreambooth_lora_qwen_image.py's default
     default_max_sequence_length = 512  # QwenImagePipeline.__call__'s
 
@@ -61,7 +79,8 @@ class QwenImage(FlowMatchingFamily):
 
     @classmethod
     def call_convention(cls) -> CallConvention:
-        return replace(super().call_convention(), negative_when_guided=" ")
+        """True classifier-free guidance (`true_cfg_scale`), with a blank negative prompt when guided."""
+        return replace(super().call_convention(), guidance_argument="true_cfg_scale", negative_when_guided=" ")
 
     @classmethod
     def tokenize(cls, components: Any, prompts: list[str], max_sequence_length: int | None = None) -> list[Any]:
@@ -80,21 +99,6 @@ class QwenImage(FlowMatchingFamily):
         hidden = qwen(input_ids=ids, attention_mask=mask, output_hidden_states=True).hidden_states[-1]
         mask = mask[:, _DROP:].to(hidden.dtype)
         return hidden[:, _DROP:] * mask[..., None], mask
-
-    @classmethod
-    def vae_input(cls, pixels: Any) -> Any:
-        return pixels[:, :, None]  # one frame
-
-    @classmethod
-    def scale_latents(cls, vae: Any, latents: Any) -> Any:
-        """The frame's latents, (x - latents_mean) / latents_std (the pipeline decodes x * std + mean)."""
-        import torch
-
-        latents = latents[:, :, 0] if latents.ndim == 5 else latents
-        shape = (1, -1, 1, 1)
-        mean = torch.tensor(vae.config.latents_mean).view(shape).to(latents.device, latents.dtype)
-        std = torch.tensor(vae.config.latents_std).view(shape).to(latents.device, latents.dtype)
-        return (latents - mean) / std
 
     @classmethod
     def predict(cls, denoiser: Any, noisy_latents: Any, timesteps: Any, hidden: Any, pooled: Any,

@@ -35,6 +35,7 @@ from finetune_runtime.convention import CallConvention
 from tasks.common.families.base import PredictInputs
 from tasks.common.families.export_profile import ExportProfile
 from tasks.common.families.flow import FlowMatchingFamily
+from tasks.common.families.latent_codec import LatentCodec
 from tasks.common.families.tiny import gemma2_config, gemma_tokenizer, seeded
 
 
@@ -49,7 +50,7 @@ class Sana(FlowMatchingFamily):
     default_max_sequence_length = 300  # SanaPipeline's and the script's
     #: image sides: multiples of the released autoencoder's 32x compression (the tiny one's 4x divides it);
     #: everything at run time reads the loaded VAE's factor (`pipe.vae_scale_factor`)
-    pixel_multiple = 32
+    codec = LatentCodec(pixel_multiple=32)
     #: ComfyUI has no Sana model: no key of a ComfyUI adapter file would load (`lora_format: comfyui` is refused)
     export = ExportProfile(ov_pipeline="OVSanaPipeline", comfyui_lora_prefixes=None)
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any, ClassVar
 
+from finetune_runtime.convention import CallConvention
 from tasks.common.families.base import PredictInputs
 from tasks.common.families.flow import FlowMatchingFamily, flow_scheduler
 from tasks.common.families.qwen3_chat import Qwen3Chat
@@ -37,7 +38,11 @@ class ZImage(FlowMatchingFamily):
     default_max_sequence_length = 512  # ZImagePipeline's
     #: Qwen3 with thinking on, its second-to-last hidden states (ZImagePipeline's)
     conditioner: ClassVar[Qwen3Chat] = Qwen3Chat(thinking=True, layers=(-2,))
-    default_sample_size = 128  # the pipeline's 1024 px over the real VAE's factor 8
+
+    @classmethod
+    def call_convention(cls) -> CallConvention:
+        """ZImagePipeline hard-codes 1024 px when given no size: 128 latents over the real VAE's factor 8."""
+        return replace(super().call_convention(), default_sample_size=128)
 
     @classmethod
     def refused_options(cls) -> dict[str, str]:

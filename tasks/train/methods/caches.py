@@ -71,7 +71,7 @@ class Caches:
 
                 store = DiskLatentStore(self.cfg.disk_cache_dir, self.components.modules["vae"])
                 log.info("latent cache on disk: %s", store.folder)
-            self.latent_cache = LatentCache(store, self.components.family.vae_input)
+            self.latent_cache = LatentCache(store, self.components.family.codec)
         if self.prompt_cache is None or not self.prompt_cache.complete:
             self.prompt_cache = self._new_prompt_cache() if self.caches_prompts() else None
         log.info("caching: latents %s, text embeddings %s",

@@ -22,11 +22,10 @@ class Loss:
         c, cfg = self.components, self.cfg
         rand = RowRandom(batch.noise_seeds)  # per example, any rank
         with torch.no_grad():
-            scale = c.family.scale_latents
             if self.latent_cache is not None:
-                latents = self.latent_cache.latents(modules["vae"], batch, rand, scale)
+                latents = self.latent_cache.latents(modules["vae"], batch, rand)
             else:
-                latents = encode_latents(modules["vae"], batch.pixels, rand, scale, c.family.vae_input)
+                latents = encode_latents(modules["vae"], batch.pixels, rand, c.family.codec)
             references = reference_latents(modules["vae"], batch.references, batch.reference_keys,
                                            self.latent_cache, c.family)
         noised = self.objective.noise(latents, rand)
