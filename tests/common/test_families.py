@@ -52,6 +52,28 @@ def test_every_family_says_what_the_stages_ask() -> None:
     assert not matched, "each pipeline class belongs to one family"
 
 
+#: ModelFamily's members today (about 50 before the export and latent roles); the issue's aim is about 12
+MAX_FAMILY_MEMBERS = 39
+
+
+def test_new_family_facts_go_into_roles() -> None:
+    """The interface does not grow: a new fact joins a role (export profile, latent codec, call
+    convention), each family's role carries the family's title for its messages, and roles are
+    shared records, not per-family copies of the interface."""
+    from tasks.common.families.base import ModelFamily
+    from tasks.common.families.export_profile import ExportProfile
+    from tasks.common.families.latent_codec import LatentCodec
+
+    members = {k for k in (*vars(ModelFamily), *ModelFamily.__annotations__) if not k.startswith("_")}
+    assert len(members) <= MAX_FAMILY_MEMBERS, sorted(members)
+    for family in families.FAMILIES:
+        assert isinstance(family.export, ExportProfile) and family.export.title == family.title
+        assert isinstance(family.codec, LatentCodec) and family.codec.pixel_multiple % 8 == 0
+        refusal = family.export.single_file_refusal({"_class_name": family.pipeline_class_names[0],
+                                                     "text_encoder": ["transformers", "CLIPTextModel"]})
+        assert refusal is None or family.title in refusal
+
+
 def test_an_unknown_pipeline_is_refused_naming_the_supported_ones() -> None:
     with pytest.raises(UserError, match="KandinskyPipeline.*not supported.*FLUX.1"):
         families.from_index({"_class_name": "KandinskyPipeline"}, "base.model")
