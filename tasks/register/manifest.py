@@ -16,7 +16,7 @@ param) but not the param. tests/infra/test_team_stack.py checks this on the auth
 Every load of a registered version checks the files it downloaded against the manifest and refuses
 a changed, missing or added file by name (tasks/register/verified.py: where that happens, and
 which loads are covered). A version registered without a manifest (before this existed, or by
-other code) loads with a warning, or is refused under `FINETUNE_REQUIRE_MANIFEST=1`.
+other code) is refused, naming `FINETUNE_ALLOW_UNVERIFIED=1`, under which it loads with a warning.
 """
 from __future__ import annotations
 
@@ -43,7 +43,8 @@ from tasks.common.fingerprint import sha256_file
 log = logging.getLogger(__name__)
 
 MANIFEST_DIR = "manifests"
-REQUIRE_ENV = "FINETUNE_REQUIRE_MANIFEST"
+#: set to 1 to load (serve, re-score, promote over) a version registered without a manifest, unchecked
+ALLOW_ENV = "FINETUNE_ALLOW_UNVERIFIED"
 #: Written by MLflow itself into a downloaded registered model's root (name and version), every load.
 MLFLOW_META = "registered_model_meta"
 
@@ -116,9 +117,10 @@ def _params(client: Any, run_id: str, what: str) -> dict[str, str]:
 def _unrecorded(what: str) -> None:
     text = (f"{what} was registered without a manifest (before manifests existed, or not by "
             "tasks.register): its files cannot be checked")
-    if os.environ.get(REQUIRE_ENV) == "1":
-        raise ManifestMismatch(f"{text}; {REQUIRE_ENV}=1 refuses it: register it again with `python -m tasks.register`")
-    log.warning("%s; loading it unchecked (%s=1 refuses such versions)", text, REQUIRE_ENV)
+    if os.environ.get(ALLOW_ENV) != "1":
+        raise ManifestMismatch(f"{text}; refusing to load it: register it again with `python -m tasks.register`, "
+                               f"or set {ALLOW_ENV}=1 to load it unchecked")
+    log.warning("%s; loading it unchecked (%s=1)", text, ALLOW_ENV)
 
 
 def expected(client: Any, run_id: str | None, source: str, what: str) -> dict[str, str] | None:

@@ -89,13 +89,14 @@ def test_a_rewritten_lineage_document_gives_the_champion_no_score(tmp_path: Path
     assert "lineage.json in run" in champion.note and "rewritten after registration" in champion.note
 
 
-def test_a_version_registered_without_a_manifest_loads_with_a_warning_or_is_refused_on_demand(
+def test_a_version_registered_without_a_manifest_is_refused_unless_allowed(
     tmp_path: Path, checked: None, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     register(tmp_path, manifested=False)
+    monkeypatch.delenv(manifest.ALLOW_ENV, raising=False)
+    with pytest.raises(manifest.ManifestMismatch, match="without a manifest.*FINETUNE_ALLOW_UNVERIFIED=1"):
+        mlflow.pyfunc.load_model(f"models:/{NAME}/1")
+    monkeypatch.setenv(manifest.ALLOW_ENV, "1")
     with caplog.at_level(logging.WARNING, logger="tasks.register.manifest"):
         assert mlflow.pyfunc.load_model(f"models:/{NAME}/1").predict(["b"]) == ["w1:b"]
-    assert "registered without a manifest" in caplog.text
-    monkeypatch.setenv(manifest.REQUIRE_ENV, "1")
-    with pytest.raises(manifest.ManifestMismatch, match="FINETUNE_REQUIRE_MANIFEST=1 refuses it"):
-        mlflow.pyfunc.load_model(f"models:/{NAME}/1")
+    assert "registered without a manifest" in caplog.text and "loading it unchecked" in caplog.text

@@ -158,3 +158,18 @@ def test_the_reason_of_any_exception_is_one_short_line() -> None:
     assert reason(TimeoutError()) == "TimeoutError"
     long = reason(RuntimeError("10:41:02 INFO x: a\n" + "b" * 1000))
     assert len(long) == 300 and long.startswith("RuntimeError: a b") and "\n" not in long
+
+
+def test_a_champion_registered_without_a_manifest_is_not_rescored(project: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """Unverified by default: a champion with no manifest (registered by other code) is refused before
+    its files are used, the error naming the setting that allows it; the champion then holds."""
+    from tasks.register import manifest
+
+    monkeypatch.setattr(manifest, "record_logged", lambda *args, **kwargs: None)
+    _report(project, "old", 0.2)
+    assert register(*_args(project)).champion_moved
+    monkeypatch.delenv(manifest.ALLOW_ENV, raising=False)
+    refused = attempt(project, "1", "models:/sd-test/1", {"RESCORE_MODE": "crash"}, timeout_s=5)
+    assert "registered without a manifest" in refused["error"] and "FINETUNE_ALLOW_UNVERIFIED=1" in refused["error"]
+    assert "\n" not in refused["error"]
