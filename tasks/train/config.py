@@ -14,7 +14,6 @@ from typing import Any
 from pydantic import field_validator, model_validator
 
 from tasks.common import families
-from tasks.common.adapter_formats import format_refusal
 from tasks.common.errors import UserError
 from tasks.common.safe_remove import own_folder
 from tasks.train.concepts import concepts_problem
@@ -85,7 +84,7 @@ class TrainConfig(LaunchSection, OutputsSection, PrecisionSection, OptimizerSect
 
     def check_family(self, family: Any) -> None:
         """Refuse, before any weights load, a method or option the base model's family does not have."""
-        problems = [r for r in (family_refusal(self.spec, family), format_refusal(self.lora_format, family)) if r]
+        problems = [r for r in (family_refusal(self.spec, family), self.spec.family_problem(self, family)) if r]
         defaults = type(self).model_fields
         for key, why in family.refused_options().items():
             if getattr(self, key) != defaults[key].default:

@@ -182,3 +182,40 @@ def test_a_method_from_one_module_trains_validates_and_saves(tmp_path, tiny_sd, 
     assert outcome.validation, "validation images from the saved output"
     with pytest.raises(ValueError, match="unknown method 'bitfit'"):
         TrainConfig(method=SPEC.name)  # gone once unregistered
+
+
+@pytest.mark.quick
+def test_the_shared_config_reads_no_method_s_option() -> None:
+    """The config and the shared sections ask the spec (`family_problem`, `base_precision_problem`)
+    for a method's own refusals; none of them reads one of its options (`cfg.lora_format`)."""
+    import ast
+
+    options = {key for spec in methods.BUILTIN for key in spec.options}
+    shared = [ROOT / "tasks/train/config.py", ROOT / "tasks/train/no_ops.py", ROOT / "tasks/train/concepts.py",
+              *sorted((ROOT / "tasks/train/sections").glob("*.py"))]
+    found = [f"{path.relative_to(ROOT)}:{node.lineno}: {node.attr}" for path in shared
+             for node in ast.walk(ast.parse(path.read_text()))
+             if isinstance(node, ast.Attribute) and node.attr in options]
+    assert not found, "a method's option read in shared code (give its spec a check):\n" + "\n".join(found)
+
+
+@pytest.mark.quick
+def test_a_method_s_own_family_and_precision_checks_live_on_its_spec() -> None:
+    from types import SimpleNamespace
+
+    from tasks.common import families
+    from tasks.common.quantize import BasePrecision
+    from tasks.train.config import TrainConfig
+
+    lora, full = methods.method_spec("lora"), methods.method_spec("full")
+    sana = families.by_name("sana")
+    cfg = TrainConfig(method="lora", lora_format="comfyui")
+    assert "train.lora_format: comfyui is not available for Sana" in lora.family_problem(cfg, sana)
+    assert lora.family_problem(cfg, families.by_name("sd")) is None
+    assert full.family_problem(TrainConfig(method="full"), sana) is None, "no check of its own: nothing refused"
+    nf4 = BasePrecision.parse("nf4")
+    assert "cannot train lora_type: lokr" in lora.base_precision_problem(SimpleNamespace(lora_type="lokr"), nf4)
+    asked = []
+    spec = methods.MethodSpec(name="probe", trains="adapters", output="adapters", trainer="x:Y",
+                              base_precision_check=lambda c, p: asked.append((c, p)) or "no")
+    assert spec.base_precision_problem("cfg", nf4) == "no" and asked == [("cfg", nf4)]

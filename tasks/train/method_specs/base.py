@@ -45,6 +45,13 @@ class MethodSpec:
     default_caption_column: str | None = None
     #: its own config problems (the train config in, a message or None out)
     check: Callable[[Any], str | None] | None = None
+    #: its own refusals for the base's family, before any weights load (the train config and a
+    #: ModelFamily in, a message or None out): e.g. LoRA's output format a family's readers cannot load
+    family_check: Callable[[Any, Any], str | None] | None = None
+    #: its own refusals on a quantized base (the train config and the parsed BasePrecision in, a
+    #: message or None out): e.g. LoRA's adapter types that peft cannot put on some quantized layers;
+    #: None: only the precision's own checks (its package)
+    base_precision_check: Callable[[Any, Any], str | None] | None = None
 
     @property
     def options(self) -> tuple[str, ...]:
@@ -59,6 +66,16 @@ class MethodSpec:
     def fits(self, family: Any) -> bool:
         """Whether `family` (a ModelFamily) can train this method."""
         return family.trains_embeddings or not self.needs_embeddings
+
+    def family_problem(self, cfg: Any, family: Any) -> str | None:
+        """Why this method's options in `cfg` do not fit `family` (its own `family_check`), or None."""
+        return self.family_check(cfg, family) if self.family_check else None
+
+    def base_precision_problem(self, cfg: Any, precision: Any) -> str | None:
+        """Why `cfg` cannot train this method on a base quantized as `precision` (a BasePrecision), or None."""
+        if self.base_precision_check:
+            return self.base_precision_check(cfg, precision)
+        return precision.problem()
 
     def trainer_class(self) -> type:
         if isinstance(self.trainer, type):

@@ -2,7 +2,7 @@
 encoders' with train_text_encoder), over a frozen, possibly quantized base; adapter files."""
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field, field_validator
 
@@ -31,6 +31,16 @@ class LoRAOptions(StageConfig):
         return v
 
 
+def _family_problem(cfg: Any, family: Any) -> str | None:
+    """An output format the family's readers cannot load (ComfyUI has no Sana model)."""
+    return adapter_formats.format_refusal(cfg.lora_format, family)
+
+
+def _base_precision_problem(cfg: Any, precision: Any) -> str | None:
+    """The precision's own checks, and the adapter types peft cannot put on its quantized layers."""
+    return precision.problem(adapter=cfg.lora_type)
+
+
 SPEC = MethodSpec(
     name="lora",
     trains="adapters",
@@ -46,4 +56,6 @@ SPEC = MethodSpec(
                              "only method: lora with lora_type: lokr has a Kronecker factor"),
     },
     not_in_run_key=frozenset({"fuse_lora", "lora_format"}),
+    family_check=_family_problem,
+    base_precision_check=_base_precision_problem,
 )

@@ -144,7 +144,7 @@ def base_precision_problem(cfg: Any) -> str | None:
                 "or base_model_precision: none")
     if cfg.launcher == "xla":
         return f"{key}: XLA has none of the quantized kernels; use launcher local, accelerate or mpirun"
-    return precision.problem(adapter=cfg.lora_type if spec.trains == "adapters" else None)
+    return spec.base_precision_problem(cfg, precision)  # the method's own (LoRA's adapter types)
 
 
 def text_precision_problem(cfg: Any) -> str | None:
