@@ -118,6 +118,24 @@ def add_run_arguments(parser: argparse.ArgumentParser, results: Path | None) -> 
     parser.add_argument("--runs", type=int, default=1, help="ours then theirs, this many times per cell")
     parser.add_argument("--results", type=Path, default=results)
     parser.add_argument("--table", action="store_true", help="print the table of --results and exit")
+    parser.add_argument("--compute", choices=["auto", "bf16", "fp32"], default="auto",
+                        help="both sides' compute precision; auto: bf16 where this CPU computes it natively "
+                             "(AVX512-BF16, AMX-BF16), fp32 where PyTorch emulates it (about 500x slower)")
+
+
+def compute_precision(asked: str) -> str:
+    """`bf16` or `fp32` for both sides of a benchmark: `auto` asks finetune_runtime/cpu_formats.py, as
+    train.mixed_precision: auto does, so that neither side runs emulated bf16 on an AVX2-only CPU."""
+    if asked != "auto":
+        return asked
+    from finetune_runtime.cpu_formats import detect
+
+    return "bf16" if detect().bf16 else "fp32"
+
+
+def mixed_precision(compute: str) -> str:
+    """train.mixed_precision, and diffusers' scripts' --mixed_precision, for a compute precision."""
+    return "bf16" if compute == "bf16" else "no"
 
 
 def timed(name: str, command: list[str], work: Path, warmup: int, env: dict[str, str] | None = None) -> dict:

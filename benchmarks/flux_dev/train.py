@@ -46,7 +46,7 @@ from pathlib import Path
 import yaml
 
 from benchmarks.sd35.train import PROMPT, make_images
-from benchmarks.steptimer import add_run_arguments, summary, timed
+from benchmarks.steptimer import add_run_arguments, compute_precision, mixed_precision, summary, timed
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
@@ -78,7 +78,8 @@ def theirs_command(base: Path, work: Path, data: Path, args: argparse.Namespace,
             "--instance_data_dir", str(data), "--instance_prompt", PROMPT, "--output_dir", str(work / "theirs-out"),
             "--resolution", str(args.resolution), "--center_crop", "--train_batch_size", "1",
             "--max_train_steps", str(args.steps), "--learning_rate", "1e-4", "--lr_scheduler", "constant",
-            "--mixed_precision", "bf16", "--rank", str(args.rank), "--gradient_checkpointing",
+            "--mixed_precision", mixed_precision(compute_precision(args.compute)), "--rank", str(args.rank),
+            "--gradient_checkpointing",
             "--max_sequence_length", str(args.max_sequence_length), "--checkpointing_steps", str(10 ** 6),
             "--seed", "0", "--report_to", "mlflow"]
 
@@ -120,8 +121,9 @@ def make_clips(work: Path, n: int, args: argparse.Namespace) -> Path:
 def ours_command(base: Path, work: Path, data: Path, args: argparse.Namespace, clips: bool = False) -> list[str]:
     train = dict(
         method="lora", instance_prompt=PROMPT, with_prior_preservation=False, resolution=args.resolution,
-        train_batch_size=1, max_train_steps=args.steps, learning_rate=1e-4, mixed_precision="bf16", rank=args.rank,
-        base_model_precision=args.precision, text_encoder_precision=args.text_precision,
+        train_batch_size=1, max_train_steps=args.steps, learning_rate=1e-4, rank=args.rank,
+        mixed_precision=mixed_precision(compute_precision(args.compute)), base_model_precision=args.precision,
+        text_encoder_precision=args.text_precision,
         gradient_checkpointing=True, max_sequence_length=args.max_sequence_length,
         fuse_lora=False, checkpointing_steps=10 ** 6, validation_prompts=[], num_validation_images=0,
         validation_steps=0, checkpoints_dir=str(work / "checkpoints"), resume="none", seed=0,
@@ -223,7 +225,8 @@ def main() -> None:
            "text_precision": args.text_precision, "resolution": args.resolution,
            "rank": args.rank, "max_sequence_length": args.max_sequence_length, "gradient_checkpointing": True,
            **({"frames": args.frames, "clips": args.clips} if model.get("clips") else {}),
-           "batch": 1, "date": time.strftime("%Y-%m-%d"), "cpu": _cpu(), "threads": os.cpu_count(), **timing}
+           "batch": 1, "compute": compute_precision(args.compute), "date": time.strftime("%Y-%m-%d"), "cpu": _cpu(),
+           "threads": os.cpu_count(), **timing}
     if args.loop == "ours":
         row.update(_stage_report(args.work))
     out = args.work / ("out" if args.loop == "ours" else "theirs-out")

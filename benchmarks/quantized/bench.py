@@ -46,7 +46,7 @@ def one(precision: str, steps: int, warmup: int, base: Path | None, lora_type: s
         cfg = TrainConfig(method="lora", rank=16, lora_type=lora_type, base_model_precision=precision,
                           resolution=256, train_batch_size=1, max_train_steps=warmup + steps, learning_rate=1e-4,
                           with_prior_preservation=False, num_validation_images=0, fuse_lora=False,
-                          mixed_precision="bf16", cache_latents=True, cache_text_encoder_outputs=True,
+                          mixed_precision="auto", cache_latents=True, cache_text_encoder_outputs=True,
                           checkpointing_steps=10**6, checkpoints_dir=Path(tmp) / "ckpt")
         start, cpu = time.perf_counter(), time.process_time()
         outcome = train(cfg, base, data, None, Path(tmp) / "out")

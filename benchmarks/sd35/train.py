@@ -27,7 +27,7 @@ from pathlib import Path
 
 import yaml
 
-from benchmarks.steptimer import add_run_arguments, timed
+from benchmarks.steptimer import add_run_arguments, compute_precision, mixed_precision, timed
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
@@ -56,7 +56,8 @@ def make_images(work: Path, n: int) -> tuple[Path, Path]:
 def ours_command(base: Path, work: Path, data: Path, args: argparse.Namespace) -> list[str]:
     train = dict(
         method="lora", instance_prompt=PROMPT, with_prior_preservation=False, resolution=args.resolution,
-        train_batch_size=1, max_train_steps=args.steps, learning_rate=1e-4, mixed_precision="bf16", rank=args.rank,
+        train_batch_size=1, max_train_steps=args.steps, learning_rate=1e-4, rank=args.rank,
+        mixed_precision=mixed_precision(compute_precision(args.compute)),
         checkpointing_steps=10 ** 6, validation_prompts=[], num_validation_images=0, validation_steps=0,
         checkpoints_dir=str(work / "checkpoints"), resume="none", seed=0, base_model_precision=args.precision,
         text_encoder_precision=args.text_precision,
@@ -76,7 +77,8 @@ def theirs_command(base: Path, work: Path, images: Path, args: argparse.Namespac
             "--instance_data_dir", str(images), "--instance_prompt", PROMPT, "--output_dir", str(work / "theirs-out"),
             "--resolution", str(args.resolution), "--center_crop", "--train_batch_size", "1",
             "--max_train_steps", str(args.steps), "--learning_rate", "1e-4", "--lr_scheduler", "constant",
-            "--mixed_precision", "bf16", "--rank", str(args.rank), "--lora_layers", LORA_LAYERS,
+            "--mixed_precision", mixed_precision(compute_precision(args.compute)), "--rank", str(args.rank),
+            "--lora_layers", LORA_LAYERS,
             "--checkpointing_steps", str(10 ** 6), "--seed", "0", "--report_to", "mlflow"]
 
 
@@ -129,7 +131,8 @@ def main() -> None:
             for leftover in ("ours-out", "theirs-out", "checkpoints"):
                 shutil.rmtree(args.work / leftover, ignore_errors=True)
             row = {"run": run, "model": args.model, "method": "lora", "resolution": args.resolution,
-                   "batch": 1, "rank": args.rank, "precision": "bf16", "date": time.strftime("%Y-%m-%d"),
+                   "batch": 1, "rank": args.rank, "precision": compute_precision(args.compute),
+                   "date": time.strftime("%Y-%m-%d"),
                    "base_model_precision": args.precision if loop == "ours" else "none",
                    "text_encoder_precision": args.text_precision if loop == "ours" else "none",
                    "cpu": platform.processor() or platform.machine(), "threads": os.cpu_count(),

@@ -36,7 +36,7 @@ from pathlib import Path
 
 import yaml
 
-from benchmarks.steptimer import add_run_arguments, timed
+from benchmarks.steptimer import add_run_arguments, compute_precision, mixed_precision, timed
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
@@ -131,11 +131,12 @@ LOOPS = ["theirs", "theirs-tcmalloc", *OURS_VARIANTS]
 
 
 def ours_command(method: Method, base: Path, work: Path, data: dict[str, Path], resolution: int, steps: int,
-                 variant: str = "ours"):
+                 variant: str = "ours", compute: str = "bf16"):
     train = dict(
         method=method.name, instance_prompt=INSTANCE, class_prompt=CLASS, with_prior_preservation=method.prior,
         resolution=resolution, train_batch_size=1, max_train_steps=steps, learning_rate=method.lr,
-        lr_scheduler="constant", mixed_precision="bf16", checkpointing_steps=10 ** 6, validation_prompts=[],
+        lr_scheduler="constant", mixed_precision=mixed_precision(compute), checkpointing_steps=10 ** 6,
+        validation_prompts=[],
         num_validation_images=0, checkpoints_dir=str(work / "checkpoints"), resume="none", seed=0,
         system_metrics_interval=0, **method.ours, **OURS_VARIANTS[variant],
     )
@@ -146,7 +147,8 @@ def ours_command(method: Method, base: Path, work: Path, data: dict[str, Path], 
             "--report", str(work / "ours-report.json"), "--plot", str(work / "ours-loss.csv"), "--params", str(params)]
 
 
-def theirs_command(method: Method, base: Path, work: Path, data: dict[str, Path], resolution: int, steps: int):
+def theirs_command(method: Method, base: Path, work: Path, data: dict[str, Path], resolution: int, steps: int,
+                   compute: str = "bf16"):
     from benchmarks.diffusers_scripts import script
 
     if method.name == "full":
@@ -159,7 +161,8 @@ def theirs_command(method: Method, base: Path, work: Path, data: dict[str, Path]
     return [str(script(method.script)), "--pretrained_model_name_or_path", str(base), *inputs,
             "--output_dir", str(work / "theirs-out"), "--resolution", str(resolution), "--center_crop",
             "--train_batch_size", "1", "--max_train_steps", str(steps), "--learning_rate", str(method.lr),
-            "--lr_scheduler", "constant", "--mixed_precision", "bf16", "--checkpointing_steps", str(10 ** 6),
+            "--lr_scheduler", "constant", "--mixed_precision", mixed_precision(compute),
+            "--checkpointing_steps", str(10 ** 6),
             "--seed", "0", "--report_to", "mlflow", *method.theirs]
 
 
@@ -173,11 +176,12 @@ def run_pair(method: Method, base: Path, work: Path, data: dict[str, Path], args
         for leftover in ("ours-out", "theirs-out", "checkpoints", "hf-datasets"):
             shutil.rmtree(work / leftover, ignore_errors=True)
         if loop in OURS_VARIANTS:  # writes this variant's params.yaml
-            command = ours_command(method, base, work, data, resolution, args.steps, loop)
+            command = ours_command(method, base, work, data, resolution, args.steps, loop, args.compute)
         else:
-            command = theirs_command(method, base, work, data, resolution, args.steps)
+            command = theirs_command(method, base, work, data, resolution, args.steps, args.compute)
         row = {"run": run, "model": "sd15-arch", "method": method.name, "resolution": resolution, "batch": 1,
-               "images_per_step": 2 if method.prior else 1, "precision": "bf16", "date": time.strftime("%Y-%m-%d"),
+               "images_per_step": 2 if method.prior else 1, "precision": args.compute,
+               "date": time.strftime("%Y-%m-%d"),
                "images": args.images, "instance_images": len(list(data["instance-images"].glob("*.png"))),
                "steps": args.steps, "warmup": args.warmup, **machine(), **versions(),
                **timed(loop, command, work, args.warmup, {**env, **extra.get(loop, {})})}
@@ -269,6 +273,7 @@ def main() -> None:
         print(table(json.loads(args.results.read_text())))
         return
     args.base, args.work = args.base.resolve(), args.work.resolve()  # the runs' cwd is the work folder
+    args.compute = compute_precision(args.compute)
     if not (args.base / "model_index.json").is_file():
         raise SystemExit(f"{args.base} is missing: run `.venv/bin/python -c \"from benchmarks.export.sd15_random "
                          f"import build_sd15; build_sd15('{args.base}')\"`")
