@@ -230,7 +230,7 @@ serve: $(STAMP)
 figures: $(STAMP)
 	$(BIN)/python -m benchmarks.figures $(ROWS)
 
-# A registered version over HTTP (README "The registry"): MODEL (a models:/ URI), PORT, SERVE_ARGS
+# A registered version over HTTP (docs/registry.md, "The registry"): MODEL (a models:/ URI), PORT, SERVE_ARGS
 # (more `mlflow models serve` options, e.g. --timeout 120 --workers 2). This environment's bin goes
 # on PATH: mlflow starts its scoring server by execing `uvicorn` by name. MLflow's CLI runs through
 # tasks.register.verified: the version's files are checked against its registered manifest first, and

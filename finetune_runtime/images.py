@@ -6,7 +6,7 @@ input images it takes (its call convention's `input_images`); a request sends th
 a JSON list of such files (`json.dumps([b64, b64])`) for more than one; every prompt of the request
 edits them. One string, not a list param: MLflow turns a list param into a fixed-width numpy array
 (count x longest string x 4 bytes) before the model's own checks run, so a 4 MB request of one long
-string and 300 short ones asked it for gigabytes; a string param is copied once (README "Limits of
+string and 300 short ones asked it for gigabytes; a string param is copied once (docs/registry.md, "Limits of
 a served model"). Each image is refused with HTTP 400 naming `image[i]` when it is not base64, not
 one of those formats, too long, too small or too large (`opened` reads a file's header before its
 pixels, so a decompression bomb is refused unread). `opened` checks before the queue; `decoded`,

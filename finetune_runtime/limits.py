@@ -5,7 +5,7 @@ range (the signature is built from it), and `check_request` refuses anything out
 any image is generated, with an MlflowException of INVALID_PARAMETER_VALUE that names the field
 and the allowed range (`mlflow models serve` answers it with HTTP 400).
 
-Serving cannot be tied up (README "The registry", "Limits of a served model"):
+Serving cannot be tied up (docs/registry.md, "The registry", "Limits of a served model"):
 - cost: prompts x num_images_per_prompt x num_inference_steps x height x width must stay within
   the model's budget, `budget_images` images at its default size and steps (model_config; an edit
   model's images are edits, each with the most input images it takes at that size), checked
@@ -59,7 +59,7 @@ class Setting:
         return f"{kind} from {low} to {high} (default {default})"
 
 
-#: Every limit of a request, in one place (README "The registry" lists them).
+#: Every limit of a request, in one place (docs/registry.md, "The registry", lists them).
 SETTINGS: dict[str, Setting] = {
     "seed": Setting("long", 0, 0, 2**32 - 1),
     "num_inference_steps": Setting("long", 20, 1, 100),

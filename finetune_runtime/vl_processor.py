@@ -1,7 +1,7 @@
 """Qwen2.5-VL's processor for images and text only, so that Qwen-Image-Edit loads without torchvision.
 
 transformers' Qwen2VLProcessor (5.15.1) holds a video processor too, which needs torchvision, and
-this stack cannot install torchvision (PyPI has none for torch 2.15; README "Dependencies"). The
+this stack cannot install torchvision (PyPI has none for torch 2.15; docs/development.md, "Dependencies"). The
 class here is Qwen2VLProcessor with its image processor and tokenizer only: the same text expansion
 of each `<|image_pad|>` into the image's vision tokens and the same image preprocessing (the PIL
 image processor transformers falls back to), no video. A pipeline saved with it records this module

@@ -228,11 +228,11 @@ def repro(
 
 def lock_hint(root: Path) -> str | None:
     """DVC's advice, once: when git sees dvc.lock as new or changed in `root`, what to do with it
-    (README, "dvc.lock"); None when git has it as it is, or `root` is not a git repository."""
+    (docs/pipeline.md, "dvc.lock"); None when git has it as it is, or `root` is not a git repository."""
     proc = subprocess.run(["git", "status", "--porcelain", "--", "dvc.lock"], cwd=root, capture_output=True,
                           text=True)
     if proc.returncode != 0 or not proc.stdout.strip():
         return None
     return ("dvc.lock records what this run used and made (new or changed for git): commit it "
             "(git add dvc.lock) to share the run through git, as the team stack's machines read it; "
-            "README, \"dvc.lock\"")
+            "docs/pipeline.md, \"dvc.lock\"")

@@ -346,7 +346,7 @@ def generate(root: Path = ROOT) -> tuple[str, list[Key]]:
         "allowed ones stops the stage before it does anything, naming the key. A key left out takes",
         "its default; `null` means \"not set\" where the type allows it (the description says what",
         "happens then). `params.yaml` holds the offline demo's values (the built-in tiny model at",
-        "64 px); what the stages do: [README.md, \"The stages\"](../README.md#the-stages).",
+        "64 px); what the stages do: [docs/pipeline.md, \"The stages\"](pipeline.md#the-stages).",
         "",
         f"{count} parameters: one section per stage in dvc.yaml's order, then {extra} (the flow's",
         "last step, after the stages).",

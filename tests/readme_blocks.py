@@ -3,7 +3,8 @@
 A fence the walkthrough runs is preceded by `<!-- readme-test: run -->`; one it does not run by
 `<!-- readme-test: skip (why) -->`; a recipe another test runs as written (its params.yaml settings,
 its request) by `<!-- readme-test: recipe NAME -->` (`recipe(NAME)` finds it). Every ```bash, ```sh
-and ```python fence carries one of them.
+and ```python fence carries one of them. The README's detail lives in docs/*.md, marked the same way:
+the walkthrough runs the README's fences only; a recipe is found in whichever page holds it.
 """
 from __future__ import annotations
 
@@ -13,6 +14,9 @@ from pathlib import Path
 from typing import Any
 
 README = Path(__file__).resolve().parents[1] / "README.md"
+#: the pages whose fences are marked: the README and the docs it links to (docs/recipes.md holds the
+#: recipes, docs/registry.md the edit request, docs/orchestration.md the Prefect commands)
+PAGES = (README, *sorted((README.parent / "docs").glob("*.md")))
 MARK = re.compile(r"^<!-- readme-test: (run|skip \((?P<why>.+)\)|recipe (?P<name>[\w-]+)) -->$")
 FENCE = re.compile(r"^```(?P<lang>\w*)\s*$")
 COMMAND_LANGS = ("bash", "sh", "python")
@@ -54,11 +58,13 @@ def unmarked(readme: Path = README) -> list[Block]:
     return [b for b in blocks(readme) if b.lang in COMMAND_LANGS and b.mark is None]
 
 
-def recipe(name: str, readme: Path = README) -> Block:
-    """The fence marked `<!-- readme-test: recipe NAME -->`: exactly one."""
-    found = [b for b in blocks(readme) if b.mark == "recipe" and b.name == name]
+def recipe(name: str, readme: Path | None = None) -> Block:
+    """The fence marked `<!-- readme-test: recipe NAME -->`: exactly one, in `readme` or else in all PAGES."""
+    pages = PAGES if readme is None else (readme,)
+    found = [b for page in pages for b in blocks(page) if b.mark == "recipe" and b.name == name]
     if len(found) != 1:
-        raise LookupError(f"{readme.name}: {len(found)} fences marked <!-- readme-test: recipe {name} -->")
+        where = pages[0].name if readme is not None else "README.md and docs/*.md"
+        raise LookupError(f"{where}: {len(found)} fences marked <!-- readme-test: recipe {name} -->")
     return found[0]
 
 

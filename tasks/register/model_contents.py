@@ -1,7 +1,7 @@
 """What a registered version carries: its artifacts, the packages it pins, how it calls its pipeline.
 
-`model_artifacts` decides which folders a version logs for each train output and export (README
-"The registry", method x export table); `call_convention` what the served model's config records
+`model_artifacts` decides which folders a version logs for each train output and export
+(docs/registry.md, "The registry", method x export table); `call_convention` what the served model's config records
 about its family's pipeline call; `pip_requirements` the versions that logged it.
 """
 from __future__ import annotations
@@ -41,7 +41,7 @@ def model_artifacts(finetuned: Path, openvino: Path, base: Path | None) -> dict[
     """The pyfunc's artifacts: the fine-tuned pipeline and its OpenVINO export; for LoRA adapters
     saved without `fuse_lora`, the adapters and the base pipeline they apply to.
 
-    Every train output reaches the registry (README "The registry", method x export table):
+    Every train output reaches the registry (docs/registry.md, "The registry", method x export table):
     a full pipeline (dreambooth, full, textual_inversion, lora with fuse_lora) as it is; an
     adapters-only folder (lora, fuse_lora: false) with `base`, loaded by the pyfunc as
     `DiffusionPipeline.from_pretrained(base).load_lora_weights(finetuned)`.

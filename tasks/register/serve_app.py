@@ -10,7 +10,7 @@ has MLflow start uvicorn on this module's `app` instead of `mlflow.pyfunc.scorin
 
 The limit: FINETUNE_SERVE_MAX_BODY_BYTES (bytes; default 65 MiB: four input images of 12 MB,
 base64-encoded 16 MiB each, with the prompts and params around them). Plain `mlflow models serve`
-has no such limit: put it behind a proxy that sets one (README "Limits of a served model").
+has no such limit: put it behind a proxy that sets one (docs/registry.md, "Limits of a served model").
 """
 from __future__ import annotations
 

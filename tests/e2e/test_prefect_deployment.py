@@ -1,5 +1,5 @@
 """End to end with the real `prefect`, by the README's commands (its "Orchestration: Prefect"
-block, read from README.md): `make serve` (server, work pool, `prefect deploy`, worker) on a free
+block, read from docs/orchestration.md): `make serve` (server, work pool, `prefect deploy`, worker) on a free
 loopback port in a copy of the repo, then `.venv/bin/prefect deployment run finetune/main
 --watch`: the first run's worker is killed (SIGKILL, with everything it started) in the middle of
 `train`; serve restarts the worker and marks that run Crashed; the next run skips the finished
@@ -22,7 +22,7 @@ import pytest
 import yaml
 
 from tests.e2e_util import QUICK_CHECKS, VENV_BIN, copy_repo, e2e_env, free_port
-from tests.readme_blocks import blocks
+from tests.readme_blocks import README, blocks
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(3600)]
 
@@ -32,7 +32,8 @@ STAGES = ["base", "ingest", "class_images", "train", "export", "evaluate"]
 def readme_commands() -> tuple[list[str], str, list[str]]:
     """The README's Prefect block: the serve command, the export line it says serve prints, and
     the deployment run."""
-    block = next(b for b in blocks() if "prefect deployment run finetune/main" in b.text)
+    block = next(b for b in blocks(README.parent / "docs" / "orchestration.md")
+                 if "prefect deployment run finetune/main" in b.text)
     serve, export, run = [ln.split("#", 1)[0].strip() for ln in block.text.splitlines() if ln.strip()]
     assert export.startswith("export PREFECT_API_URL=http://127.0.0.1:4200/api"), export
     return shlex.split(serve), export, shlex.split(run)
