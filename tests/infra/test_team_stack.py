@@ -60,7 +60,10 @@ print(info.registered_model_version)
 """
 
 LOAD = """
-import mlflow
+import os, mlflow
+# a plain MLflow model, registered without the pipeline's manifest: loading one is refused unless
+# allowed (tasks/register/manifest.py; tests/register/test_manifest.py)
+os.environ["FINETUNE_ALLOW_UNVERIFIED"] = "1"
 model = mlflow.pyfunc.load_model("models:/stack-model@champion")
 print(model.predict([1, 2]))
 """

@@ -25,6 +25,7 @@ from finetune_runtime.limits import TIMEOUT_ENV
 from finetune_runtime.load import Loaded
 from finetune_runtime.model import DiffusionImageModel
 from finetune_runtime.registered import LINEAGE_PARAM, model_key
+from tasks.register import manifest
 from tests.runtime.test_limits import SlowPipe
 
 pytestmark = pytest.mark.quick  # make test-fast
@@ -43,7 +44,8 @@ def register_adapter(root: Path, name: str, kb: int, lineage_key: str | None = K
     """A version of `name` laid out as the register stage lays out a run-time adapter version: its
     `adapter` artifact (a LoRA file of about `kb` KB, runtime_adapter.json) and, in its run, a
     lineage.json naming base export `lineage_key` (None: no lineage document; `lineage`: that
-    document instead) with its SHA-256 as the run's param, as the register stage records it."""
+    document instead) with its SHA-256 as the run's param, and the manifest of its files, as the register
+    stage records them."""
     import mlflow
     from mlflow.exceptions import MlflowException
     from safetensors.numpy import save_file
@@ -58,6 +60,7 @@ def register_adapter(root: Path, name: str, kb: int, lineage_key: str | None = K
     run = client.create_run(experiment)
     client.log_artifacts(run.info.run_id, str(folder), "model/artifacts/adapter")
     source = f"{run.info.artifact_uri}/model"
+    manifest.record(client, run.info.run_id, source, source)  # its files' manifest, as register records it
     if lineage_key is not None:
         doc = lineage or {"model": {"name": name, "source": source}, "base_export": {"key": lineage_key}}
         text = json.dumps(doc)
