@@ -17,10 +17,15 @@ the denoiser's prediction.
 
 Both draw every random number per batch row from the row's own generator (`RowRandom`), so a row's
 noise does not depend on the batch it is in, the rank or the step it resumes from.
+
+First-frame conditioning (`first_frame_conditioning_p`, video families; `FirstFrame`): a share of the
+clips trains as image-to-video, as LTXImageToVideoPipeline runs the model: the first latent frame
+stays clean in the noisy input, its tokens get timestep 0, and it is left out of the loss.
 """
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -106,6 +111,50 @@ class FlowMatching:
         if weights is not None:
             return weights.mean(err)
         return err.reshape(err.shape[0], -1).mean(dim=1)
+
+
+@dataclass(frozen=True)
+class FirstFrame:
+    """Image-to-video conditioning of one batch of clip latents (b, C, f, h, w): `rows` (bool, (b,)) are
+    the clips whose first latent frame is the given condition, as LTXImageToVideoPipeline treats it."""
+
+    rows: torch.Tensor
+
+    @classmethod
+    def draw(cls, p: float, latents: torch.Tensor, rand: RowRandom | None) -> FirstFrame | None:
+        """Each row conditioned with chance `p`, drawn from the row's own generator after every other draw
+        of the step (so its noise is as without conditioning). None, with nothing drawn, when `p` is 0 (the
+        rows' streams and the step exactly as without the option), when the latents are not clips of two
+        or more latent frames, or when no row is drawn."""
+        if not p or latents.ndim != 5 or latents.shape[2] < 2:
+            return None
+        if rand is None:
+            draws = torch.rand(latents.shape[0])
+        else:
+            draws = torch.cat([torch.rand(1, generator=g) for g in rand.generators])
+        rows = (draws < p).to(latents.device)
+        return cls(rows) if bool(rows.any()) else None
+
+    def noise(self, noised: NoisedBatch, latents: torch.Tensor) -> NoisedBatch:
+        """The conditioned rows' first latent frame clean in the noisy input, and the timesteps per latent
+        frame ((b, f): the row's on every frame, 0 on a conditioned row's first), which the family's
+        `predict` spreads over each frame's tokens (the pipeline's `timestep * (1 - conditioning_mask)`)."""
+        keep = self.rows.view(-1, 1, 1, 1, 1)
+        noisy = noised.noisy_latents.clone()
+        noisy[:, :, :1] = torch.where(keep, latents[:, :, :1].to(noisy.dtype), noisy[:, :, :1])
+        timesteps = noised.timesteps.reshape(-1, 1).repeat(1, latents.shape[2])
+        timesteps[:, 0] = torch.where(self.rows, torch.zeros_like(timesteps[:, 0]), timesteps[:, 0])
+        return replace(noised, noisy_latents=noisy, timesteps=timesteps)
+
+    def weights(self, masks: LossWeights | None, pred: torch.Tensor) -> LossWeights:
+        """The loss weights with the conditioned rows' first latent frame at 0, each row's loss the mean
+        over the frames that count (a conditioned clip's frames 1.., every other clip's all frames; any
+        subject-mask weights multiply in)."""
+        frames = torch.ones(pred.shape[0], 1, pred.shape[2], 1, 1, device=pred.device)
+        frames[self.rows.to(pred.device), :, 0] = 0.0
+        if masks is not None:
+            frames = frames * masks.weights.to(pred.device).unsqueeze(2)  # (b, 1, h, w) on every frame
+        return LossWeights(frames, normalize=True)
 
 
 #: Every objective, by the name a family's `objective` gives.

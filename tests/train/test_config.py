@@ -140,7 +140,7 @@ def test_shipped_params_are_valid_and_the_surface_is_frozen() -> None:
         "adam_beta2", "adam_weight_decay", "adam_epsilon", "max_grad_norm", "mixed_precision", "full_bf16",
         "allow_tf32", "prediction_type", "snr_gamma", "noise_offset",
         "weighting_scheme", "logit_mean", "logit_std", "mode_scale", "guidance_scale", "max_sequence_length",
-        "timestep_sampling", "sigmoid_scale", "timestep_shift",
+        "timestep_sampling", "sigmoid_scale", "timestep_shift", "first_frame_conditioning_p",
         "use_ema", "ema_decay", "offload_ema", "ema_update_every",
         "cache_latents", "cache_latents_to_disk", "cache_text_encoder_outputs_to_disk",
         "disk_cache_dir", "cache_text_encoder_outputs", "channels_last", "cpu_backend", "torch_compile", "xla",

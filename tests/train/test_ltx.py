@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -157,3 +158,133 @@ def test_the_served_model_answers_a_playable_mp4_and_counts_every_frame(ltx_pipe
         model.predict(None, ["a"], {"num_frames": 16})
     assert "num_frames" in [p.name for p in signature(video=True).params.params]
     assert "num_frames" not in [p.name for p in signature().params.params]
+
+
+# image-to-video training (train.first_frame_conditioning_p), as LTXImageToVideoPipeline runs the model
+
+
+@pytest.fixture(scope="module")
+def ltx_lora(tmp_path_factory, tiny_ltx, clips_dir):
+    """A LoRA method on the tiny LTX-Video with its caches, and a batch of the two 17-frame demo clips."""
+    from tasks.train.methods import METHODS
+    from tasks.train.models import load_components
+
+    tmp = tmp_path_factory.mktemp("ltx_i2v")
+    method = METHODS["lora"](_config(tmp, method="lora", resolution=64, caption_column="text"))
+    dataset = method.dataset(clips_dir, None, True)
+    components = load_components(tiny_ltx)
+    method.bind(components)
+    method.configure()
+    method.setup_caches()
+    examples = [dataset[(0, i)] for i in range(len(dataset))]
+    batch = method.collate([e for e in examples if e["instance"]["pixels"].shape[1] == 17])
+    assert len(batch.noise_seeds) == 2
+    return method, components, batch
+
+
+def _loss(method, components, batch, **settings) -> torch.Tensor:
+    """The batch's loss with `settings` over the method's config (the same draws: seeded per row)."""
+    cfg = method.cfg
+    method.cfg = cfg.model_copy(update=settings)
+    try:
+        with torch.no_grad():
+            return method.compute_loss(batch, components.modules)[0]
+    finally:
+        method.cfg = cfg
+
+
+def test_a_conditioned_clip_keeps_its_first_frame_clean_at_timestep_0_and_out_of_the_loss(
+        ltx_lora, monkeypatch) -> None:
+    """p = 1: the transformer's input holds the clean latents in latent frame 0 and the noised ones after,
+    its (b, tokens) timestep is 0 on frame 0's tokens and the row's own after; the loss is the mean over
+    frames 1.. only, and does not move when frame 0's prediction does."""
+    from diffusers import LTXPipeline as Pipe
+
+    method, components, batch = ltx_lora
+    noise, drawn, seen = method.objective.noise, [], []
+    monkeypatch.setattr(method.objective, "noise", lambda latents, rand: drawn.append((latents, noise(latents, rand)))
+                        or drawn[-1][1])
+    denoiser = components.modules["transformer"]
+    hook = denoiser.register_forward_hook(lambda m, a, kw, out: seen.append((kw, out[0])), with_kwargs=True)
+    loss = _loss(method, components, batch, first_frame_conditioning_p=1.0)
+    hook.remove()
+    ((latents, noised),), ((kwargs, out),) = drawn, seen
+    _, _, f, h, w = latents.shape
+    assert (f, h, w) == (3, 2, 2)  # 17 frames / 8 + 1, 64 px / 32
+    given = Pipe._unpack_latents(kwargs["hidden_states"], f, h, w)
+    assert torch.equal(given[:, :, 0], latents[:, :, 0])
+    assert torch.equal(given[:, :, 1:], noised.noisy_latents[:, :, 1:])
+    timestep = kwargs["timestep"]
+    assert timestep.shape == (2, f * h * w) and (timestep[:, :h * w] == 0).all()
+    assert torch.equal(timestep[:, h * w:], noised.timesteps[:, None].expand(2, (f - 1) * h * w))
+    assert (noised.timesteps > 0).all()
+    pred = Pipe._unpack_latents(out, f, h, w)
+    frames_after = ((pred[:, :, 1:].float() - noised.target[:, :, 1:].float()) ** 2).mean(dim=(1, 2, 3, 4)).mean()
+    assert torch.allclose(loss, frames_after, rtol=1e-5, atol=0), (loss, frames_after)
+    family, predict = components.family, components.family.predict
+
+    def frame_0_moved(*args):
+        pred = predict(*args).clone()
+        pred[:, :, 0] += 100.0
+        return pred
+
+    monkeypatch.setattr(family, "predict", frame_0_moved)
+    assert torch.equal(_loss(method, components, batch, first_frame_conditioning_p=1.0), loss)
+    monkeypatch.setattr(family, "predict", predict)
+    assert not torch.equal(_loss(method, components, batch), loss)
+
+
+def test_without_first_frame_conditioning_the_loss_is_exactly_todays(ltx_lora) -> None:
+    """p = 0 draws nothing (the step as without the option); a p that draws no row changes nothing either."""
+    method, components, batch = ltx_lora
+    unset = _loss(method, components, batch)
+    assert method.cfg.first_frame_conditioning_p == 0.0
+    assert torch.equal(_loss(method, components, batch, first_frame_conditioning_p=0.0), unset)
+    assert torch.equal(_loss(method, components, batch, first_frame_conditioning_p=1e-12), unset)
+
+
+def test_each_clip_draws_its_conditioning_from_its_own_seed() -> None:
+    """A row's draw depends on its seed only, not on the batch it is in."""
+    from tasks.train.diffusion import RowRandom
+    from tasks.train.objectives import FirstFrame
+
+    latents = torch.zeros(8, 4, 3, 2, 2)
+    seeds = list(range(100, 108))
+    together = FirstFrame.draw(0.5, latents, RowRandom(seeds)).rows
+    alone = [FirstFrame.draw(0.5, latents[:1], RowRandom([s])) for s in seeds]
+    assert together.tolist() == [a is not None for a in alone] and 0 < int(together.sum()) < 8
+    assert FirstFrame.draw(1.0, latents[:, :, :1], RowRandom(seeds)) is None  # one latent frame: nothing to continue
+    assert FirstFrame.draw(0.0, latents, RowRandom(seeds)) is None
+
+
+def test_first_frame_conditioning_is_refused_for_an_image_family(tmp_path) -> None:
+    from tasks.train.config import TrainConfig
+
+    cfg = TrainConfig(method="lora", with_prior_preservation=False, first_frame_conditioning_p=0.5)
+    images = [f for f in families.FAMILIES if not f.video]
+    assert images and any(f.objective == "flow_matching" for f in images) and any(f.objective == "ddpm" for f in images)
+    for family in images:
+        with pytest.raises(UserError, match=rf"train.first_frame_conditioning_p: trains a video family's clips as "
+                                            rf"image-to-video .*; {re.escape(family.title)} makes images, not clips; remove it "
+                                            rf"or set it to 0.0"):
+            cfg.check_family(family)
+    for family in families.FAMILIES:
+        if family.video:
+            cfg.check_family(family)  # a video family takes it
+
+
+def test_a_lora_trains_as_image_to_video_on_the_demo_clips(tmp_path, tiny_ltx, clips_dir) -> None:
+    """Two LoRA steps with every clip conditioned on its first frame, through the train stage's function:
+    finite losses, and a LoRA that loads into LTXImageToVideoPipeline."""
+    from diffusers import LTXImageToVideoPipeline
+
+    from tasks.train.core import train
+
+    cfg = _config(tmp_path, method="lora", resolution=64, train_batch_size=2, caption_column="text",
+                  first_frame_conditioning_p=1.0)
+    outcome = train(cfg, tiny_ltx, clips_dir, None, tmp_path / "out")
+    losses = [h.loss for h in outcome.history]
+    assert outcome.family == "ltx" and len(losses) == 2 and all(np.isfinite(losses)), losses
+    pipe = LTXImageToVideoPipeline.from_pretrained(tiny_ltx)
+    pipe.load_lora_weights(tmp_path / "out")
+    assert any("lora" in n for n, _ in pipe.transformer.named_parameters())

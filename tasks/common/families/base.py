@@ -221,8 +221,16 @@ class ModelFamily:
         why = f"a flow-matching option (SD3, FLUX); {cls.title} trains with DDPM noise"
         keys = ("weighting_scheme", "logit_mean", "logit_std", "mode_scale", "max_sequence_length",
                 "timestep_sampling", "sigmoid_scale", "timestep_shift")
-        return {**dict.fromkeys(keys, why),
+        return {**dict.fromkeys(keys, why), **cls.video_option_refusals(),
                 "guidance_scale": f"the guidance input of guidance-distilled FLUX bases; {cls.title} has none"}
+
+    @classmethod
+    def video_option_refusals(cls) -> dict[str, str]:
+        """The train.* keys only a video family reads (key: why), refused by every other family."""
+        if cls.video:
+            return {}
+        return {"first_frame_conditioning_p": "trains a video family's clips as image-to-video (their first frame "
+                                              f"kept clean); {cls.title} makes images, not clips"}
 
     @classmethod
     def objective_options(cls) -> dict[str, Any]:

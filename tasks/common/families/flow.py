@@ -39,7 +39,7 @@ class FlowMatchingFamily(ModelFamily):
     @classmethod
     def refused_options(cls) -> dict[str, str]:
         why = _NOT_FLOW.format(title=cls.title)
-        return {"prediction_type": why, "snr_gamma": why, "noise_offset": why}
+        return {"prediction_type": why, "snr_gamma": why, "noise_offset": why, **cls.video_option_refusals()}
 
     @classmethod
     def objective_options(cls) -> dict[str, Any]:

@@ -20,6 +20,12 @@ unpacks the prediction, so the loss lies on the (b, C, f, h, w) latents. Flow ma
 FlowMatchEulerDiscreteScheduler, timesteps on its 0-1000 scale as the pipeline passes them; the
 velocity noise - x0.
 
+Image-to-video (train.first_frame_conditioning_p, tasks/train/objectives.py `FirstFrame`): a drawn
+share of the clips keeps its first latent frame clean, its tokens at timestep 0 and out of the loss,
+as LTXImageToVideoPipeline runs the model (the image's latents in frame 0, `timestep * (1 -
+conditioning_mask)`, only frames 1.. stepped). `predict` then takes the timesteps per latent frame,
+(b, f), and gives each frame's timestep to its tokens: the transformer's (b, tokens) timestep.
+
 Frame rate: the rotary embedding's time axis is scaled by (VAE's temporal factor / frame_rate). The
 pipeline's `frame_rate` defaults to 25; training uses the same 25 whatever fps the clips were sampled
 at (ingest.video.fps), and every generation passes it (the call convention), so training and
@@ -114,6 +120,9 @@ class LTXVideo(FlowMatchingFamily):
         p, pt = config.patch_size, config.patch_size_t
         _, _, frames, height, width = noisy_latents.shape
         packed = LTXPipeline._pack_latents(noisy_latents, p, pt)
+        if timesteps.ndim == 2 and timesteps.shape[1] == frames:
+            # one per latent frame (first-frame conditioning), each on its frame's tokens; (b, tokens) as given
+            timesteps = timesteps[:, ::pt].repeat_interleave((height // p) * (width // p), dim=1)
         rope = (cls.temporal_compression / FRAME_RATE, cls.spatial_compression, cls.spatial_compression)
         pred = denoiser(hidden_states=packed, encoder_hidden_states=hidden, timestep=timesteps,
                         encoder_attention_mask=pooled, num_frames=frames // pt, height=height // p,

@@ -1,5 +1,6 @@
-"""One micro-batch's loss: latents (cached or encoded), noise from the objective, conditioning
-(cached or encoded), the family's denoiser call, masks and concept weights, prior preservation.
+"""One micro-batch's loss: latents (cached or encoded), noise from the objective (a video family's
+first-frame conditioning), conditioning (cached or encoded), the family's denoiser call, masks and
+concept weights, prior preservation.
 A mixin of TrainingMethod."""
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from tasks.train.batch import Batch
 from tasks.train.concepts import weighted
 from tasks.train.diffusion import RowRandom, encode_latents
 from tasks.train.masks import loss_weights
+from tasks.train.objectives import FirstFrame
 from tasks.train.references import reference_latents
 
 
@@ -29,6 +31,9 @@ class Loss:
             references = reference_latents(modules["vae"], batch.references, batch.reference_keys,
                                            self.latent_cache, c.family)
         noised = self.objective.noise(latents, rand)
+        first = FirstFrame.draw(cfg.first_frame_conditioning_p, latents, rand)  # video: image-to-video rows
+        if first is not None:
+            noised = first.noise(noised, latents)
         family = c.family
         encoders = [modules[n] for n in c.text_encoder_names()]
         if self.prompt_cache is not None:
@@ -43,7 +48,10 @@ class Loss:
             sample = sample.contiguous(memory_format=torch.channels_last)
         pred = family.predict(modules[family.denoiser_name], sample, noised.timesteps, hidden, pooled,
                               batch.predict_inputs(cfg.resolution, cfg.guidance_scale, references))
-        losses = self.objective.loss(pred, noised, loss_weights(cfg, batch.masks, batch.mask_off, pred))
+        weights = loss_weights(cfg, batch.masks, batch.mask_off, pred)
+        if first is not None:
+            weights = first.weights(weights, pred)  # the conditioned rows' first latent frame out of the loss
+        losses = self.objective.loss(pred, noised, weights)
         losses = weighted(losses, batch, self.concepts_seen)  # each row's concept weight; examples counted
         n = batch.num_instances
         if n == losses.shape[0]:

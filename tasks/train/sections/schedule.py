@@ -1,5 +1,6 @@
 """How long, and what each step draws: steps, accumulation, the learning-rate schedule, the seed,
-the training target and noise, and the flow-matching timestep density (diffusers' names)."""
+the training target and noise, the flow-matching timestep density (diffusers' names), and a video
+family's first-frame (image-to-video) conditioning."""
 from __future__ import annotations
 
 from typing import Literal
@@ -39,6 +40,11 @@ class ScheduleSection(StageConfig):
     timestep_shift: float | Literal["auto"] | None = Field(
         None, description="shift of the sampled sigmas (SD3: 3.0; above 1: noisier); auto: FLUX's "
                           "resolution-dependent shift; null: the base scheduler's")
+    # image-to-video conditioning (video families; LTX-Video-Trainer's name)
+    first_frame_conditioning_p: float = Field(
+        0.0, ge=0.0, le=1.0, description="video families: chance that a clip trains as image-to-video (its first "
+        "latent frame kept clean, at timestep 0 and out of the loss, as LTXImageToVideoPipeline runs it), drawn "
+        "per clip and step; 0: every clip trains as text-to-video")
     guidance_scale: float = Field(3.5, ge=0.0, description="FLUX guidance-distilled bases: the guidance input")
     max_sequence_length: int | None = Field(
         None, ge=1, le=512, description="T5 tokens per prompt; null: the family's (SD3 77, FLUX 512), at most "
