@@ -264,9 +264,10 @@ def test_first_frame_conditioning_is_refused_for_an_image_family(tmp_path) -> No
     images = [f for f in families.FAMILIES if not f.video]
     assert images and any(f.objective == "flow_matching" for f in images) and any(f.objective == "ddpm" for f in images)
     for family in images:
+        title = re.escape(family.title)
         with pytest.raises(UserError, match=rf"train.first_frame_conditioning_p: trains a video family's clips as "
-                                            rf"image-to-video .*; {re.escape(family.title)} makes images, not clips; remove it "
-                                            rf"or set it to 0.0"):
+                                            rf"image-to-video .*; {title} makes images, not clips; remove it or set "
+                                            rf"it to 0.0"):
             cfg.check_family(family)
     for family in families.FAMILIES:
         if family.video:
