@@ -221,16 +221,8 @@ class ModelFamily:
         why = f"a flow-matching option (SD3, FLUX); {cls.title} trains with DDPM noise"
         keys = ("weighting_scheme", "logit_mean", "logit_std", "mode_scale", "max_sequence_length",
                 "timestep_sampling", "sigmoid_scale", "timestep_shift")
-        return {**dict.fromkeys(keys, why), **cls.video_option_refusals(),
+        return {**dict.fromkeys(keys, why), **video_option_refusals(cls),
                 "guidance_scale": f"the guidance input of guidance-distilled FLUX bases; {cls.title} has none"}
-
-    @classmethod
-    def video_option_refusals(cls) -> dict[str, str]:
-        """The train.* keys only a video family reads (key: why), refused by every other family."""
-        if cls.video:
-            return {}
-        return {"first_frame_conditioning_p": "trains a video family's clips as image-to-video (their first frame "
-                                              f"kept clean); {cls.title} makes images, not clips"}
 
     @classmethod
     def objective_options(cls) -> dict[str, Any]:
@@ -327,6 +319,15 @@ class ModelFamily:
         channels = int(getattr(pipe, cls.denoiser_name).config["in_channels"])
         vsf = int(pipe.vae_scale_factor)
         return (channels, height // vsf, width // vsf)
+
+
+def video_option_refusals(family: type[ModelFamily]) -> dict[str, str]:
+    """The train.* keys only a video family reads (key: why), refused by every other family (each
+    family's `refused_options()` includes them)."""
+    if family.video:
+        return {}
+    return {"first_frame_conditioning_p": "trains a video family's clips as image-to-video (their first frame "
+                                          f"kept clean); {family.title} makes images, not clips"}
 
 
 def _library_class(entry: list[str]) -> Any:

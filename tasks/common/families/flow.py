@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, ClassVar
 
-from tasks.common.families.base import ModelFamily
+from tasks.common.families.base import ModelFamily, video_option_refusals
 from tasks.common.families.export_profile import ExportProfile
 from tasks.common.families.latent_codec import LatentCodec
 
@@ -39,7 +39,7 @@ class FlowMatchingFamily(ModelFamily):
     @classmethod
     def refused_options(cls) -> dict[str, str]:
         why = _NOT_FLOW.format(title=cls.title)
-        return {"prediction_type": why, "snr_gamma": why, "noise_offset": why, **cls.video_option_refusals()}
+        return {"prediction_type": why, "snr_gamma": why, "noise_offset": why, **video_option_refusals(cls)}
 
     @classmethod
     def objective_options(cls) -> dict[str, Any]:
