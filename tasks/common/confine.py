@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from tasks.common import relay_artifacts
-from tasks.common.credentials import MLFLOW, allowed, stage_environ
+from tasks.common.credentials import LOGS_NO_RUN, MLFLOW, allowed, stage_environ
 from tasks.common.errors import UserError
 from tasks.common.stop_signals import relay
 from tasks.common.tracking import experiment_name, tracking_uri, wait_for_server
@@ -43,7 +43,7 @@ def confine(stage: str) -> None:
     env = stage_environ(stage)
     if env.keys() == os.environ.keys():
         return
-    remote = tracking_uri().startswith(("http://", "https://"))
+    remote = tracking_uri().startswith(("http://", "https://")) and stage not in LOGS_NO_RUN
     if remote and any(os.environ.get(k) for k in MLFLOW) and not set(MLFLOW) & set(allowed(stage)):
         sys.exit(run_relayed(stage, list(sys.orig_argv), env))
     os.execve(sys.executable, list(sys.orig_argv), env)

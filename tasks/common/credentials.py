@@ -40,8 +40,7 @@ DVC_REMOTE = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN")
 #: stage -> the credential variables its process may hold. Everything else secret-looking is removed.
 STAGE_CREDENTIALS: dict[str, tuple[str, ...]] = {
     "base": (*MLFLOW, *HUB),     # logs its run; downloads the base model (gated ones need the token)
-    "data_manifest": (),         # lists the data folder (tasks/ingest/manifest.py); logs no run. Not confined yet:
-                                 # it keeps what `dvc` was given
+    "data_manifest": (),         # lists the data folder (tasks/ingest/manifest.py); logs no run, so nothing to relay
     "ingest": (),                # parses untrusted files: its run is relayed (tasks.common.confine)
     "class_images": (),          # its run is relayed, as ingest's
     "train": MLFLOW,             # rank 0 logs the run; every rank gets the same environment
@@ -49,6 +48,9 @@ STAGE_CREDENTIALS: dict[str, tuple[str, ...]] = {
     "evaluate": MLFLOW,
     "dvc": (*MLFLOW, *HUB, *DVC_REMOTE),  # `dvc repro`/`pull`/`push` as the flow runs them
 }
+
+#: stages that log no MLflow run: confined by re-executing with their row only, never relayed
+LOGS_NO_RUN = frozenset({"data_manifest"})
 
 REDACTED = "***"
 

@@ -34,6 +34,8 @@ from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
+from tasks.common.confine import confine
+
 log = logging.getLogger(__name__)
 
 #: The module dvc.yaml's manifest stage runs, as its command names it.
@@ -188,6 +190,7 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    confine("data_manifest")  # no credential: it only lists the data folder
     args = parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     manifest = write(args.data, args.out, args.state)

@@ -136,3 +136,29 @@ def test_the_nightly_compares_the_folder_with_the_manifest_dvc_lock_records(tmp_
         assert manifest_changes(root)[1] == []
     finally:
         os.chdir(cwd)
+
+
+def test_the_manifest_stage_runs_with_no_credential(tmp_path: Path) -> None:
+    """It only lists the data folder: its process holds none of the secrets `dvc` was given (MLflow's,
+    the hub's, the DVC remote's), and with a tracking server named it is not relayed (it logs no run),
+    so it runs even where that server does not answer."""
+    import json
+    import subprocess
+    import sys
+
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(  # the environment of the process that does the work, at its exit
+        "import atexit, json, os\n"
+        "atexit.register(lambda: open(os.environ['ENV_DUMP'], 'w').write(json.dumps(sorted(os.environ))))\n")
+    secrets = {"MLFLOW_TRACKING_USERNAME": "pipeline", "MLFLOW_TRACKING_PASSWORD": "pw", "HF_TOKEN": "hf",
+               "AWS_SECRET_ACCESS_KEY": "s3"}
+    env = {**os.environ, **secrets, "MLFLOW_TRACKING_URI": "http://127.0.0.1:9", "ENV_DUMP": str(tmp_path / "env"),
+           "PYTHONPATH": os.pathsep.join([str(hook), str(REPO)])}
+    out = tmp_path / "manifest.json"
+    done = subprocess.run([sys.executable, "-m", "tasks.ingest.manifest", "--data", str(folder(tmp_path)),
+                           "--out", str(out)], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert len(json.loads(out.read_text())["entries"]) == 3
+    held = set(json.loads((tmp_path / "env").read_text()))
+    assert "ENV_DUMP" in held and not held & set(secrets), held & set(secrets)
