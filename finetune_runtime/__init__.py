@@ -11,7 +11,9 @@ libraries.
 - size.py: the one rule for the size of the images a call makes;
 - pipeline_call.py: one call of a pipeline, for every stage and the served model;
 - adapters.py: adapters applied to a loaded pipeline;
-- load.py: a version's artifacts loaded as the pipeline that serves them;
+- load.py: a version's artifacts loaded as the pipeline that serves them (its back ends: `BACKENDS`);
+- registry.py: `Registry`, the one registry style of families, methods, adapter types, adapter output
+  formats and serving back ends (here, so the served model's back ends use it too);
 - limits.py, images.py: what a request may ask, its input images;
 - genai_serving.py, adapter_cache.py, base_reference.py: a base export serving registered adapters,
   and a base registered by reference;

@@ -5,16 +5,19 @@ precision the export stage validated it at (its openvino_runtime.json), with dyn
 size it was exported at as its default; a base export with GenAI's run-time adapters
 (genai_serving.py); the diffusers pipeline otherwise, the fine-tune's own or its adapters applied to
 its base (a copy in the version, or the one its reference names: base_reference.py).
-`FINETUNE_PYFUNC_BACKEND=openvino|diffusers` forces one.
+`FINETUNE_PYFUNC_BACKEND=openvino|diffusers` forces one. Each back end is a `Backend` record in
+`BACKENDS` (registry.py); the served model asks its record what it can do, never compares its name.
 """
 from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from finetune_runtime import adapters, base_reference, layout
+from finetune_runtime.registry import Registry
 
 log = logging.getLogger("sd_pyfunc")
 
@@ -32,13 +35,28 @@ class Loaded:
     exported: tuple[int, int] | None = None
 
 
+@dataclass(frozen=True)
+class Backend:
+    """What serves a version, as `Loaded.backend` names it: what it can do beside the pipeline call."""
+
+    name: str
+    #: FINETUNE_PYFUNC_BACKEND may name it (GenAI is chosen by the export's contents, not by name)
+    forced: bool = False
+    #: it applies registered adapters per request (the `adapter` param: GenAI's run-time LoRA),
+    #: with classifier-free guidance compiled in
+    request_adapters: bool = False
+    #: the pipeline of `loaded`'s model that starts a clip from an image, named by class (None: it cannot)
+    first_frame: Callable[[Loaded, str], Any] | None = None
+
+
 def want_openvino() -> bool:
     """Whether the OpenVINO export serves (FINETUNE_PYFUNC_BACKEND, else whether optimum-intel imports)."""
     choice = os.environ.get(BACKEND_ENV, "auto").lower()
-    if choice not in ("auto", "openvino", "diffusers"):
-        raise ValueError(f"{BACKEND_ENV} must be auto, openvino or diffusers, not {choice!r}")
+    forced = [b.name for b in BACKENDS if b.forced]
+    if choice != "auto" and choice not in forced:
+        raise ValueError(f"{BACKEND_ENV} must be auto, {', '.join(forced[:-1])} or {forced[-1]}, not {choice!r}")
     if choice != "auto":
-        return choice == "openvino"
+        return choice == OPENVINO.name
     try:
         import optimum.intel  # noqa: F401
     except ImportError:
@@ -66,13 +84,27 @@ def openvino_pipeline(path: str, class_name: str | None = None) -> tuple[Any, tu
 def first_frame_pipeline(loaded: Loaded, class_name: str) -> Any:
     """The pipeline of `loaded`'s model that starts a clip from its first frame (the call convention's
     `first_frame_pipeline`): diffusers' on the same modules, or optimum-intel's "OV" one on the same export."""
-    if loaded.backend == "openvino":
-        return openvino_pipeline(loaded.path, f"OV{class_name}")[0]
-    if loaded.backend != "diffusers":
+    make = BACKENDS.get(loaded.backend).first_frame if loaded.backend in BACKENDS else None
+    if make is None:
         raise ValueError(f"the {loaded.backend} back end cannot start a clip from an image")
+    return make(loaded, class_name)
+
+
+def _openvino_first_frame(loaded: Loaded, class_name: str) -> Any:
+    return openvino_pipeline(loaded.path, f"OV{class_name}")[0]
+
+
+def _diffusers_first_frame(loaded: Loaded, class_name: str) -> Any:
     import diffusers
 
     return getattr(diffusers, class_name).from_pipe(loaded.pipe)
+
+
+OPENVINO = Backend("openvino", forced=True, first_frame=_openvino_first_frame)
+GENAI = Backend("genai", request_adapters=True)
+DIFFUSERS = Backend("diffusers", forced=True, first_frame=_diffusers_first_frame)
+#: every serving back end, in the order load() tries them (registry.py: the project's one registry style)
+BACKENDS: Registry[Backend] = Registry("serving back end", (GENAI, OPENVINO, DIFFUSERS))
 
 
 def diffusers_pipeline(artifacts: dict[str, str], precision: dict[str, str] | None = None) -> Any:
@@ -114,9 +146,9 @@ def load(artifacts: dict[str, str], model_config: dict[str, Any] | None, cache_m
 
         allowed = adapter_cache.allowed_models(model_config)  # the models whose versions it applies
         return Loaded(genai_serving.AdapterServer(path, layout.runtime_config(path), cache_mb, own=own,
-                                                  allowed=allowed), "genai", path)
+                                                  allowed=allowed), GENAI.name, path)
     if path and want_openvino():
         pipe, exported = openvino_pipeline(path)
-        return Loaded(pipe, "openvino", path, exported)
+        return Loaded(pipe, OPENVINO.name, path, exported)
     precision = (model_config or {}).get("base_precision")
-    return Loaded(diffusers_pipeline(artifacts, precision), "diffusers", artifacts[layout.FINETUNED])
+    return Loaded(diffusers_pipeline(artifacts, precision), DIFFUSERS.name, artifacts[layout.FINETUNED])

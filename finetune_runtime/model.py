@@ -32,7 +32,7 @@ import pandas as pd
 
 from finetune_runtime import images, limits, pipeline_call
 from finetune_runtime.convention import CallConvention
-from finetune_runtime.load import Loaded, first_frame_pipeline, load
+from finetune_runtime.load import BACKENDS, Backend, Loaded, first_frame_pipeline, load
 from finetune_runtime.quiet import libraries_quiet
 from finetune_runtime.size import shape_of
 
@@ -81,6 +81,8 @@ class DiffusionImageModel(mlflow.pyfunc.PythonModel):
         config = limits.serving_config(model_config)
         self.convention = CallConvention.from_config(model_config)
         self.pipe, self.backend, self.path = loaded.pipe, loaded.backend, loaded.path
+        # what the back end can do beside the call (load.BACKENDS; a stand-in pipeline's: nothing more)
+        self.serving = BACKENDS.get(self.backend) if self.backend in BACKENDS else Backend(self.backend)
         self.loaded, self.first_frame = loaded, None  # a video model's image-to-video pipeline, made at first use
         self.pipe.set_progress_bar_config(disable=True)
         self.shape = shape_of(self.pipe, self.convention, loaded.exported)
@@ -127,10 +129,11 @@ class DiffusionImageModel(mlflow.pyfunc.PythonModel):
     def _adapter_spec(self, spec: str, settings: dict[str, Any]) -> str | None:
         """The `adapter` param checked before the queue (no look-up): None where the endpoint
         applies no adapter or its own; a bad_request names the field."""
-        if self.backend == "genai" and settings["guidance_scale"] <= 1:
+        per_request = self.serving.request_adapters  # GenAI's run-time adapters
+        if per_request and settings["guidance_scale"] <= 1:
             raise limits.bad_request(f"guidance_scale: {settings['guidance_scale']:g}; this base export is compiled "
                               "with classifier-free guidance: allowed above 1")
-        if self.backend != "genai" or self.pipe.own is not None:
+        if not per_request or self.pipe.own is not None:
             if spec:
                 raise limits.bad_request(f"{limits.ADAPTER_PARAM}: this endpoint serves one fine-tune; adapters are "
                                   "applied by the endpoint of their registered base export (<model>-base)")
@@ -146,7 +149,7 @@ class DiffusionImageModel(mlflow.pyfunc.PythonModel):
     def _adapters(self, spec: str | None, deadline: float | None) -> dict[str, Any]:
         """The pipeline call's extra argument: the adapters `spec` names, looked up and downloaded
         now (a bad_request names the field; PastDeadline past the deadline)."""
-        if self.backend != "genai":
+        if not self.serving.request_adapters:
             return {}
         if spec is None:
             return {"adapters": [(self.pipe.own, 1.0)] if self.pipe.own is not None else []}

@@ -22,7 +22,7 @@ from typing import Any
 
 from finetune_runtime import cpu_formats
 from tasks.common import edit_data, families
-from tasks.common.adapters import RUNTIME_TYPES
+from tasks.common.adapters import adapter_type
 from tasks.common.errors import UserError
 
 FUSED = "or set export.adapters: fused"
@@ -45,7 +45,7 @@ def _runtime_method(train: Any) -> list[str]:
         what = {"pipeline": "a full pipeline", "embedding": "a text embedding"}.get(spec.output, spec.output)
         return [f"export.adapters: runtime applies a LoRA file at run time, but train.method: {train.method} "
                 f"writes {what}: set train.method: lora, {FUSED}"]
-    if train.lora_type not in RUNTIME_TYPES:
+    if not adapter_type(train.lora_type).runtime:
         return [f"export.adapters: runtime cannot take train.lora_type: {train.lora_type} (OpenVINO GenAI applies "
                 f"plain LoRA layers only): set train.lora_type: lora, {FUSED}"]
     return []

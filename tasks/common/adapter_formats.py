@@ -15,7 +15,8 @@ the formats that work:
   for a family that has ComfyUI key prefixes (`ModelFamily.export.comfyui_lora_prefixes` is not None:
   Sana's is None, ComfyUI has no Sana model to map the keys to).
 
-A new format is one `AdapterFormat` added with `register` (the train config then accepts its name).
+A new format is one `AdapterFormat` added with `register` (the train config then accepts its name);
+`FORMATS` is the registry (finetune_runtime/registry.py, the one style of every name-chosen record).
 """
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from finetune_runtime.registry import Registry
 from tasks.common import comfyui_lora  # torch-free until it writes
 
 
@@ -55,32 +57,31 @@ COMFYUI = AdapterFormat(
     supports=lambda family: family.export.comfyui_lora_prefixes is not None,
     unsupported="ComfyUI has no {title} model, so its LoRA loader would map none of the file's keys")
 
-_FORMATS: dict[str, AdapterFormat] = {f.name: f for f in (DIFFUSERS, COMFYUI)}
+#: every format, in the order the parameter reference lists them
+FORMATS: Registry[AdapterFormat] = Registry("adapter format", (DIFFUSERS, COMFYUI))
 
 
 def register(fmt: AdapterFormat) -> None:
     """Add (or replace) a format; train.lora_format then accepts its name."""
-    _FORMATS[fmt.name] = fmt
+    FORMATS.register(fmt)
 
 
 def unregister(name: str) -> None:
-    _FORMATS.pop(name, None)
+    FORMATS.unregister(name)
 
 
 def names() -> tuple[str, ...]:
-    return tuple(_FORMATS)
+    return FORMATS.names()
 
 
 def adapter_format(name: str) -> AdapterFormat:
     """The format called `name`, or a ValueError naming the known ones."""
-    if name not in _FORMATS:
-        raise ValueError(f"unknown adapter format {name!r}; choose one of {', '.join(_FORMATS)}")
-    return _FORMATS[name]
+    return FORMATS.get(name)
 
 
 def names_for(family: Any) -> list[str]:
     """The formats `family` (a ModelFamily) can have its adapters written in."""
-    return [f.name for f in _FORMATS.values() if f.supports(family)]
+    return [f.name for f in FORMATS.where(lambda f: f.supports(family))]
 
 
 def format_refusal(name: str, family: Any) -> str | None:
@@ -95,4 +96,4 @@ def format_refusal(name: str, family: Any) -> str | None:
 
 def describe() -> str:
     """Every format with what it writes, for the config's field description."""
-    return " | ".join(f"{f.name}: {f.description}" for f in _FORMATS.values())
+    return " | ".join(f"{f.name}: {f.description}" for f in FORMATS)

@@ -10,41 +10,105 @@
 
 The train stage builds the configs and saves the folders here. With `train.lora_format:
 comfyui` any of the four is also written as one file under ComfyUI's keys (tasks/common/comfyui_lora.py).
+
+Each type is an `AdapterType` record in `TYPES` (finetune_runtime/registry.py): code asks its record
+(`adapter_type(cfg.lora_type).diffusers_file`, `.runtime`, `.lycoris`), never compares its name. A new
+type is one record, `TYPES.register(AdapterType(...))`, before tasks.train.config is imported.
 """
 from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from finetune_runtime.layout import PEFT_CONFIG as CONFIG_NAME
 from finetune_runtime.layout import PEFT_WEIGHTS as WEIGHTS_NAME
+from finetune_runtime.registry import Registry
 
 log = logging.getLogger(__name__)
 
-ADAPTER_TYPES = ("lora", "dora", "lokr", "loha")
-#: the types saved as diffusers' LoRA file; the others in peft's layout under PEFT_DIR
-DIFFUSERS_FORMAT = ("lora", "dora")
-#: the types OpenVINO GenAI applies at run time (`export.adapters: runtime`): plain LoRA only
-RUNTIME_TYPES = ("lora",)
+@dataclass(frozen=True)
+class AdapterType:
+    """One `train.lora_type`: how peft builds it, how it is saved and who can read it."""
+
+    name: str
+    #: peft's config for it: (rank, alpha, dropout, targets, decompose_factor) -> config (peft imported inside)
+    peft_config: Callable[..., Any]
+    #: saved as diffusers' LoRA file (what every family's load_lora_weights reads); else in peft's
+    #: layout under PEFT_DIR. It also has LoRA's dropout (peft's LoraConfig, the one with a dropout)
+    diffusers_file: bool = False
+    #: OpenVINO GenAI applies it at run time (`export.adapters: runtime`)
+    runtime: bool = False
+    #: a LyCORIS type (kohya's network module lycoris.kohya, LyCORIS' ComfyUI key prefixes)
+    lycoris: bool = False
+    #: it reads train.decompose_factor (LoKr's Kronecker factor)
+    decompose_factor: bool = False
+    #: kohya's `ss_network_args` in the ComfyUI file's metadata (None: none)
+    network_args: dict[str, Any] | None = None
+
+
+def _lora_config(dora: bool) -> Callable[..., Any]:
+    def config(rank: int, alpha: float, dropout: float, targets: list[str], decompose_factor: int) -> Any:
+        from peft import LoraConfig
+
+        return LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=dropout, init_lora_weights="gaussian",
+                          target_modules=targets, use_dora=dora)
+    return config
+
+
+def _lokr_config(rank: int, alpha: float, dropout: float, targets: list[str], decompose_factor: int) -> Any:
+    from peft import LoKrConfig
+
+    return LoKrConfig(r=rank, alpha=alpha, target_modules=targets, decompose_factor=decompose_factor)
+
+
+def _loha_config(rank: int, alpha: float, dropout: float, targets: list[str], decompose_factor: int) -> Any:
+    from peft import LoHaConfig
+
+    return LoHaConfig(r=rank, alpha=alpha, target_modules=targets)
+
+
+#: every adapter type, in the order the parameter reference lists them (finetune_runtime/registry.py).
+#: One registered after tasks.train.config is imported is not a train.lora_type value (its choices are
+#: fixed then), as with a method's options.
+TYPES: Registry[AdapterType] = Registry("adapter type", (
+    AdapterType("lora", _lora_config(dora=False), diffusers_file=True, runtime=True),
+    AdapterType("dora", _lora_config(dora=True), diffusers_file=True, network_args={"dora_wd": True}),
+    AdapterType("lokr", _lokr_config, lycoris=True, decompose_factor=True, network_args={"algo": "lokr"}),
+    AdapterType("loha", _loha_config, lycoris=True, network_args={"algo": "loha"}),
+))
 PREFIX = "base_model.model."
+
+
+def adapter_type(name: str) -> AdapterType:
+    """The adapter type called `name`, or a ValueError naming the known ones."""
+    return TYPES.get(name)
+
+
+def names_where(test: Callable[[AdapterType], bool]) -> tuple[str, ...]:
+    """The adapter types for which `test(type)` holds, e.g. `names_where(lambda t: t.runtime)`."""
+    return tuple(t.name for t in TYPES.where(test))
+
+
+def __getattr__(name: str) -> Any:
+    """The old tuples, read from the registry: every type, those saved as diffusers' LoRA file, those
+    GenAI applies at run time."""
+    found = {"ADAPTER_TYPES": lambda t: True, "DIFFUSERS_FORMAT": lambda t: t.diffusers_file,
+             "RUNTIME_TYPES": lambda t: t.runtime}.get(name)
+    if found is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return names_where(found)
 
 
 def peft_config(lora_type: str, rank: int, alpha: float | None, dropout: float, targets: list[str],
                 decompose_factor: int = -1) -> Any:
     """peft's config for one adapter type on `targets` (module names)."""
-    from peft import LoHaConfig, LoKrConfig, LoraConfig
-
-    alpha = alpha or rank
-    if lora_type in DIFFUSERS_FORMAT:
-        return LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=dropout, init_lora_weights="gaussian",
-                          target_modules=targets, use_dora=lora_type == "dora")
-    if lora_type == "lokr":
-        return LoKrConfig(r=rank, alpha=alpha, target_modules=targets, decompose_factor=decompose_factor)
-    if lora_type == "loha":
-        return LoHaConfig(r=rank, alpha=alpha, target_modules=targets)
-    raise ValueError(f"lora_type: {lora_type!r} is not one of {', '.join(ADAPTER_TYPES)}")
+    if lora_type not in TYPES:
+        raise ValueError(f"lora_type: {lora_type!r} is not one of {', '.join(TYPES.names())}")
+    return adapter_type(lora_type).peft_config(rank, alpha or rank, dropout, targets, decompose_factor)
 
 
 def save_peft_adapters(folder: Path, modules: dict[str, Any]) -> None:

@@ -26,6 +26,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from tasks.common.adapters import adapter_type
+
 #: the file the train stage writes beside its other outputs with `lora_format: comfyui`
 COMFYUI_LORA_NAME = "comfyui_lora.safetensors"
 
@@ -34,8 +36,11 @@ SUFFIXES = {"lora_A.weight": "lora_down.weight", "lora_B.weight": "lora_up.weigh
             "lora_magnitude_vector": "dora_scale",
             **{s: s for s in ("hada_w1_a", "hada_w1_b", "hada_w2_a", "hada_w2_b", "hada_t1", "hada_t2",
                               "lokr_w1", "lokr_w1_a", "lokr_w1_b", "lokr_w2", "lokr_w2_a", "lokr_w2_b", "lokr_t2")}}
-#: kohya's `ss_network_module` per adapter type (LyCORIS' kohya network for LoKr and LoHa)
-NETWORK_MODULES = {"lora": "networks.lora", "dora": "networks.lora", "lokr": "lycoris.kohya", "loha": "lycoris.kohya"}
+
+
+def network_module(lora_type: str) -> str:
+    """kohya's `ss_network_module` of an adapter type (LyCORIS' kohya network for LoKr and LoHa)."""
+    return "lycoris.kohya" if adapter_type(lora_type).lycoris else "networks.lora"
 
 
 def stem(prefix: str, path: str) -> str:
@@ -102,13 +107,11 @@ def comfyui_state(family: Any, modules: dict[str, Any], lora_type: str) -> dict[
 def metadata(family: Any, lora_type: str, rank: int, alpha: float | None) -> dict[str, str]:
     """kohya's safetensors metadata (what kohya's and LyCORIS' tools and LoRA managers read; ComfyUI's
     loader needs none of it) and the family."""
-    meta = {"ss_network_module": NETWORK_MODULES[lora_type], "ss_network_dim": str(rank),
+    meta = {"ss_network_module": network_module(lora_type), "ss_network_dim": str(rank),
             "ss_network_alpha": str(float(alpha or rank)), "ss_base_model_version": family.name,
             "modelspec.architecture": f"{family.name}/{lora_type}", "format": "pt"}
-    if lora_type in ("lokr", "loha"):
-        meta["ss_network_args"] = json.dumps({"algo": lora_type})
-    elif lora_type == "dora":
-        meta["ss_network_args"] = json.dumps({"dora_wd": True})
+    if (args := adapter_type(lora_type).network_args) is not None:
+        meta["ss_network_args"] = json.dumps(args)
     return meta
 
 

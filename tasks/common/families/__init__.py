@@ -3,15 +3,16 @@
     family = families.detect(Path("models/base"))      # from model_index.json
     family.export.ov_pipeline_class(), family.objective, family.trains_embeddings, family.build_tiny(seed) ...
 
-Adding a family is adding a module with a `ModelFamily` subclass and listing it in FAMILIES
-(tasks/common/families/README.md says what it must define).
+Adding a family is adding a module with a `ModelFamily` subclass and listing it in REGISTRY (or
+`register(Family, first=True)` from outside; tasks/common/families/README.md says what it must define).
 """
 from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from finetune_runtime.registry import Registry
 from tasks.common.errors import UserError
 from tasks.common.families.base import Components, ModelFamily, PredictInputs
 from tasks.common.families.flux import Flux
@@ -26,36 +27,45 @@ from tasks.common.families.sd3 import StableDiffusion3
 from tasks.common.families.sdxl import StableDiffusionXL
 from tasks.common.families.zimage import ZImage
 
-#: Every family, in the order detection tries them (the more specific first).
-FAMILIES: tuple[type[ModelFamily], ...] = (StableDiffusionXL, StableDiffusion3, StableDiffusion, Flux, Flux2Klein,
-                                           ZImage, QwenImage, Sana, FluxKontext, QwenImageEdit, LTXVideo)
-#: `base.model` values of the built-in tiny models.
-BUILTINS: dict[str, type[ModelFamily]] = {f.builtin: f for f in FAMILIES}
+#: Every family, in the order detection tries them (the more specific first); `FAMILIES` (a tuple)
+#: and `BUILTINS` (`base.model` values of the built-in tiny models -> family) are read from it.
+REGISTRY: Registry[type[ModelFamily]] = Registry("model family", (
+    StableDiffusionXL, StableDiffusion3, StableDiffusion, Flux, Flux2Klein, ZImage, QwenImage, Sana, FluxKontext,
+    QwenImageEdit, LTXVideo))
+
+
+if TYPE_CHECKING:
+    FAMILIES: tuple[type[ModelFamily], ...]
+    BUILTINS: dict[str, type[ModelFamily]]
+
+
+def __getattr__(name: str) -> Any:
+    """`FAMILIES` and `BUILTINS`, read from the registry when asked, so they follow register/unregister."""
+    if name == "FAMILIES":
+        return REGISTRY.items()
+    if name == "BUILTINS":
+        return {f.builtin: f for f in REGISTRY}
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def register(family: type[ModelFamily], first: bool = False) -> None:
     """Add a family (a module's ModelFamily subclass) to FAMILIES and its built-in to BUILTINS;
     `first`: detection tries it before the others (a family more specific than one listed)."""
-    global FAMILIES, BUILTINS
-    others = tuple(f for f in FAMILIES if f.name != family.name)
-    FAMILIES = (family, *others) if first else (*others, family)
-    BUILTINS = {f.builtin: f for f in FAMILIES}
+    REGISTRY.register(family, first=first)
 
 
 def unregister(name: str) -> None:
     """Remove the family called `name` (a test's toy family, once the test is done)."""
-    global FAMILIES, BUILTINS
-    FAMILIES = tuple(f for f in FAMILIES if f.name != name)
-    BUILTINS = {f.builtin: f for f in FAMILIES}
+    REGISTRY.unregister(name)
 
 
 def supported() -> str:
-    return ", ".join(f"{f.title} ({', '.join(f.pipeline_class_names)})" for f in FAMILIES)
+    return ", ".join(f"{f.title} ({', '.join(f.pipeline_class_names)})" for f in REGISTRY)
 
 
 def denoiser_names() -> tuple[str, ...]:
     """Every family's denoiser folder ("unet", "transformer"), for recognising a folder before its family."""
-    return tuple(dict.fromkeys(f.denoiser_name for f in FAMILIES))
+    return tuple(dict.fromkeys(f.denoiser_name for f in REGISTRY))
 
 
 def ov_component_names(family: type[ModelFamily]) -> tuple[str, ...]:
@@ -65,15 +75,13 @@ def ov_component_names(family: type[ModelFamily]) -> tuple[str, ...]:
 
 
 def by_name(name: str) -> type[ModelFamily]:
-    for family in FAMILIES:
-        if family.name == name:
-            return family
-    raise ValueError(f"unknown model family {name!r}; known: {', '.join(f.name for f in FAMILIES)}")
+    """The family called `name`, or a ValueError naming the known ones."""
+    return REGISTRY.get(name)
 
 
 def from_index(index: dict[str, Any], where: str = "the pipeline") -> type[ModelFamily]:
     """The family a model_index.json belongs to, or a UserError naming the supported ones."""
-    for family in FAMILIES:
+    for family in REGISTRY:
         if family.matches(index):
             return family
     raise UserError(f"{where}: pipeline class {index.get('_class_name')!r} is not supported; "
@@ -126,14 +134,15 @@ def of_pipeline(pipe: Any) -> type[ModelFamily]:
 
 def build_tiny_pipeline(kind: str, seed: int, out: Path) -> Path:
     """Build a built-in tiny model (`builtin:tiny-sd`, ...) from `seed` and save it to `out` (safetensors)."""
-    if kind not in BUILTINS:
-        raise ValueError(f"unknown built-in model {kind!r}; choose one of {', '.join(BUILTINS)}")
+    builtins = {f.builtin: f for f in REGISTRY}
+    if kind not in builtins:
+        raise ValueError(f"unknown built-in model {kind!r}; choose one of {', '.join(builtins)}")
     out = Path(out)
-    BUILTINS[kind].build_tiny(seed).save_pretrained(out, safe_serialization=True)
+    builtins[kind].build_tiny(seed).save_pretrained(out, safe_serialization=True)
     return out
 
 
-__all__ = ["BUILTINS", "FAMILIES", "Components", "ModelFamily", "PredictInputs", "StableDiffusion", "StableDiffusionXL",
-           "StableDiffusion3", "Flux", "Flux2Klein", "ZImage", "QwenImage", "Sana", "build_tiny_pipeline",
-           "by_name", "denoiser_names", "detect", "from_index", "of_pipeline", "ov_component_names", "read_index",
-           "register", "stored_dtypes", "supported", "unregister"]
+__all__ = ["BUILTINS", "FAMILIES", "REGISTRY", "Components", "ModelFamily", "PredictInputs", "StableDiffusion",
+           "StableDiffusionXL", "StableDiffusion3", "Flux", "Flux2Klein", "ZImage", "QwenImage", "Sana",
+           "build_tiny_pipeline", "by_name", "denoiser_names", "detect", "from_index", "of_pipeline",
+           "ov_component_names", "read_index", "register", "stored_dtypes", "supported", "unregister"]

@@ -23,13 +23,16 @@ from typing import Any
 
 from pydantic import BaseModel
 
+from finetune_runtime.registry import Registry
 from tasks.train.method_specs import dreambooth, full, lora, textual_inversion
 from tasks.train.method_specs.base import MethodSpec, OptionRule, Trains
 
 #: the built-in methods, in the order they are documented in
 BUILTIN = (dreambooth.SPEC, textual_inversion.SPEC, lora.SPEC, full.SPEC)
 
-_SPECS: dict[str, MethodSpec] = {spec.name: spec for spec in BUILTIN}
+#: every method, in order (finetune_runtime/registry.py: the registry style of families, adapter types,
+#: output formats and serving back ends too)
+SPECS: Registry[MethodSpec] = Registry("method", BUILTIN)
 #: the options models TrainConfig was built from (`options_models()`); None: not built yet
 _BUILT: tuple[type[BaseModel], ...] | None = None
 
@@ -41,20 +44,20 @@ def register(spec: MethodSpec) -> None:
         raise ValueError(f"method {spec.name}: its options ({', '.join(spec.options)}) are train.* keys, which "
                          "TrainConfig fixed when tasks.train.config was imported; register the method before "
                          "that import (or list it in BUILTIN)")
-    _SPECS[spec.name] = spec
+    SPECS.register(spec)
 
 
 def unregister(name: str) -> None:
-    _SPECS.pop(name, None)
+    SPECS.unregister(name)
 
 
 def names() -> tuple[str, ...]:
-    return tuple(_SPECS)
+    return SPECS.names()
 
 
 def names_for(family: Any) -> list[str]:
     """The methods `family` can train."""
-    return [s.name for s in _SPECS.values() if s.fits(family)]
+    return [s.name for s in SPECS if s.fits(family)]
 
 
 def family_refusal(spec: MethodSpec, family: Any) -> str | None:
@@ -67,14 +70,12 @@ def family_refusal(spec: MethodSpec, family: Any) -> str | None:
 
 def names_training(what: Trains) -> list[str]:
     """The methods that train `what` (the base's own weights, adapters, an embedding)."""
-    return [s.name for s in _SPECS.values() if s.trains == what]
+    return [s.name for s in SPECS if s.trains == what]
 
 
 def method_spec(name: str) -> MethodSpec:
     """The spec of `train.method` `name`, or a ValueError naming the known ones."""
-    if name not in _SPECS:
-        raise ValueError(f"unknown method {name!r}; choose one of {', '.join(_SPECS)}")
-    return _SPECS[name]
+    return SPECS.get(name)
 
 
 def options_models() -> tuple[type[BaseModel], ...]:
@@ -82,7 +83,7 @@ def options_models() -> tuple[type[BaseModel], ...]:
     holds their keys flat beside the shared sections' (tasks/train/config.py). Two models may not
     declare the same key (two methods reading one key share one model)."""
     global _BUILT
-    models = tuple(dict.fromkeys(s.options_model for s in _SPECS.values() if s.options_model is not None))
+    models = tuple(dict.fromkeys(s.options_model for s in SPECS if s.options_model is not None))
     owners: dict[str, str] = {}
     for model in models:
         for key in model.model_fields:
@@ -96,16 +97,16 @@ def options_models() -> tuple[type[BaseModel], ...]:
 
 def not_in_run_key() -> frozenset[str]:
     """The methods' options that change what is written, not a step (left out of the run key)."""
-    return frozenset().union(*(s.not_in_run_key for s in _SPECS.values()))
+    return frozenset().union(*(s.not_in_run_key for s in SPECS))
 
 
 def option_rules() -> dict[str, OptionRule]:
     """Every method's options as no-op rules: an option matters only under a method that reads it
     (and, with the method's finer rule, only where that rule says)."""
     rules: dict[str, OptionRule] = {}
-    for spec in _SPECS.values():
+    for spec in SPECS:
         for key in spec.options:
-            readers = [s.name for s in _SPECS.values() if key in s.options]
+            readers = [s.name for s in SPECS if key in s.options]
             rules[key] = (lambda c, key=key: key in method_spec(c.method).options,
                           f"only method: {' or '.join(readers)} reads it")
         rules.update(spec.option_rules)

@@ -6,8 +6,7 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator
 
-from tasks.common import adapter_formats
-from tasks.common.adapters import ADAPTER_TYPES, DIFFUSERS_FORMAT
+from tasks.common import adapter_formats, adapters
 from tasks.common.config import StageConfig
 from tasks.train.method_specs.base import MethodSpec
 
@@ -19,7 +18,7 @@ class LoRAOptions(StageConfig):
     lora_alpha: float | None = Field(None, gt=0.0, description="LoRA alpha; null: equal to rank")
     lora_dropout: float = Field(0.0, ge=0.0, lt=1.0, description="dropout probability of the LoRA layers")
     fuse_lora: bool = Field(True, description="also write the base pipeline with the LoRA fused in (for export)")
-    lora_type: Literal[ADAPTER_TYPES] = Field(  # type: ignore[valid-type]
+    lora_type: Literal[adapters.TYPES.names()] = Field(  # type: ignore[valid-type]
         "lora", description="lora | dora (weight-decomposed) | lokr (Kronecker) | loha (Hadamard), peft's layers")
     decompose_factor: int = Field(-1, ge=-1, description="LoKr: the Kronecker factor (peft's name); -1: automatic")
     lora_format: str = Field("diffusers", description=adapter_formats.describe())
@@ -41,6 +40,14 @@ def _base_precision_problem(cfg: Any, precision: Any) -> str | None:
     return precision.problem(adapter=cfg.lora_type)
 
 
+def _dropout(adapter: adapters.AdapterType) -> bool:
+    return adapter.diffusers_file
+
+
+def _factor(adapter: adapters.AdapterType) -> bool:
+    return adapter.decompose_factor
+
+
 SPEC = MethodSpec(
     name="lora",
     trains="adapters",
@@ -49,11 +56,12 @@ SPEC = MethodSpec(
     options_model=LoRAOptions,
     option_rules={
         # peft_config builds peft's LoraConfig, the one with a dropout, for these types only
-        "lora_dropout": (lambda c: c.method == SPEC.name and c.lora_type in DIFFUSERS_FORMAT,
-                         "only method: lora with lora_type lora or dora has LoRA's dropout (peft's LoKr and LoHa "
-                         "do not)"),
-        "decompose_factor": (lambda c: c.method == SPEC.name and c.lora_type == "lokr",
-                             "only method: lora with lora_type: lokr has a Kronecker factor"),
+        "lora_dropout": (lambda c: c.method == SPEC.name and adapters.adapter_type(c.lora_type).diffusers_file,
+                         f"only method: lora with lora_type {' or '.join(adapters.names_where(_dropout))} has "
+                         "LoRA's dropout (peft's LoKr and LoHa do not)"),
+        "decompose_factor": (lambda c: c.method == SPEC.name and adapters.adapter_type(c.lora_type).decompose_factor,
+                             f"only method: lora with lora_type: {' or '.join(adapters.names_where(_factor))} has "
+                             "a Kronecker factor"),
     },
     not_in_run_key=frozenset({"fuse_lora", "lora_format"}),
     family_check=_family_problem,

@@ -23,7 +23,7 @@ from finetune_runtime.layout import LORA_WEIGHTS as WEIGHT_NAME
 from finetune_runtime.layout import PEFT_DIR
 from tasks.common import families, stream_fuse
 from tasks.common.adapter_formats import adapter_format
-from tasks.common.adapters import DIFFUSERS_FORMAT, peft_config, save_peft_adapters
+from tasks.common.adapters import adapter_type, peft_config, save_peft_adapters
 from tasks.common.lora import fuse_lora_file
 from tasks.common.quantize import is_quantized
 from tasks.train.config import TrainConfig
@@ -46,7 +46,7 @@ class LoRA(TrainingMethod):
     @property
     def diffusers_format(self) -> bool:
         """LoRA and DoRA: diffusers' LoRA file; LoKr and LoHa: peft's folders (tasks/common/adapters.py)."""
-        return self.cfg.lora_type in DIFFUSERS_FORMAT
+        return adapter_type(self.cfg.lora_type).diffusers_file
 
     def configure(self) -> None:
         """Freeze every base weight, then add adapters (their weights are the only trainable ones)."""
