@@ -35,6 +35,8 @@ class AdapterType:
     """One `train.lora_type`: how peft builds it, how it is saved and who can read it."""
 
     name: str
+    #: how a version's description writes it (LoRA, DoRA, LoKr, LoHa)
+    title: str
     #: peft's config for it: (rank, alpha, dropout, targets, decompose_factor) -> config (peft imported inside)
     peft_config: Callable[..., Any]
     #: saved as diffusers' LoRA file (what every family's load_lora_weights reads); else in peft's
@@ -75,10 +77,10 @@ def _loha_config(rank: int, alpha: float, dropout: float, targets: list[str], de
 #: One registered after tasks.train.config is imported is not a train.lora_type value (its choices are
 #: fixed then), as with a method's options.
 TYPES: Registry[AdapterType] = Registry("adapter type", (
-    AdapterType("lora", _lora_config(dora=False), diffusers_file=True, runtime=True),
-    AdapterType("dora", _lora_config(dora=True), diffusers_file=True, network_args={"dora_wd": True}),
-    AdapterType("lokr", _lokr_config, lycoris=True, decompose_factor=True, network_args={"algo": "lokr"}),
-    AdapterType("loha", _loha_config, lycoris=True, network_args={"algo": "loha"}),
+    AdapterType("lora", "LoRA", _lora_config(dora=False), diffusers_file=True, runtime=True),
+    AdapterType("dora", "DoRA", _lora_config(dora=True), diffusers_file=True, network_args={"dora_wd": True}),
+    AdapterType("lokr", "LoKr", _lokr_config, lycoris=True, decompose_factor=True, network_args={"algo": "lokr"}),
+    AdapterType("loha", "LoHa", _loha_config, lycoris=True, network_args={"algo": "loha"}),
 ))
 PREFIX = "base_model.model."
 

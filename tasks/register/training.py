@@ -16,6 +16,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from tasks.common import adapters
 from tasks.common.errors import UserError
 
 #: The report's keys a version is tagged with as they are (`train.<key>`), when the report has them;
@@ -26,8 +27,6 @@ TAG_KEYS = ("lora_type", "rank", "lora_alpha", "base_model_precision", "text_enc
 COMPUTE_TITLES = {"no": "fp32", "bf16": "bf16 autocast", "fp16": "fp16 autocast"}
 #: The report's mask keys (with `masked_loss: true`).
 MASK_KEYS = ("masked_images", "masked_loss_unmasked_weight", "unmasked_probability", "normalize_masked_area_loss")
-#: How the description writes each `lora_type`.
-ADAPTER_TITLES = {"lora": "LoRA", "dora": "DoRA", "lokr": "LoKr", "loha": "LoHa"}
 
 
 def read_train_report(path: Path) -> dict[str, Any]:
@@ -90,7 +89,8 @@ def train_tags(report: dict[str, Any]) -> dict[str, Any]:
 def trained_line(report: dict[str, Any]) -> str:
     """One sentence of what trained (the module's docstring has an example)."""
     lora_type = report.get("lora_type")
-    what = (f"{ADAPTER_TITLES.get(lora_type, lora_type)} r{report.get('rank', '?')} (alpha "
+    title = adapters.adapter_type(lora_type).title if lora_type in adapters.TYPES else lora_type
+    what = (f"{title} r{report.get('rank', '?')} (alpha "
             f"{_number(report.get('lora_alpha', '?'))})" if lora_type else str(report.get("method", "?")))
     if report.get("train_text_encoder"):
         what += " with the text encoders"

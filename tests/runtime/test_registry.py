@@ -90,7 +90,7 @@ def test_a_new_adapter_type_is_one_record() -> None:
     from tasks.common.comfyui_lora import metadata, network_module
 
     made = []
-    toy = adapters.AdapterType("toy", lambda *args: made.append(args) or "config", lycoris=True,
+    toy = adapters.AdapterType("toy", "Toy", lambda *args: made.append(args) or "config", lycoris=True,
                                network_args={"algo": "toy"})
     adapters.TYPES.register(toy)
     try:
