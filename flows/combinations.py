@@ -59,8 +59,8 @@ def _runtime_family(train: Any, family: type[families.ModelFamily] | None, model
     if prefixes is None:
         return [f"export.adapters: runtime is not available for {family.title} (base.model: {model}; its LoRA "
                 f"keys have not been checked against OpenVINO GenAI): set export.adapters: fused"]
-    trained = family.trainable_text_encoders
-    encoders = family.text_encoder_names if trained is None else trained
+    trained = family.text.trainable
+    encoders = family.text.encoder_names if trained is None else trained
     if train.train_text_encoder and (extra := [n for n in encoders if n not in prefixes]):
         return [f"export.adapters: runtime cannot take train.train_text_encoder: true for {family.title} (base.model: "
                 f"{model}): OpenVINO GenAI does not apply LoRA layers of {', '.join(extra)} at run time; set "

@@ -54,7 +54,7 @@ def build_ltx(out: Path, seed: int = 0) -> dict[str, int]:
     from tasks.common.families.tiny import t5_tokenizer
 
     out.mkdir(parents=True, exist_ok=True)
-    tokenizer = t5_tokenizer(max_length=LTXVideo.default_max_sequence_length)
+    tokenizer = t5_tokenizer(max_length=LTXVideo.text.max_sequence_length)
     index: dict[str, Any] = {"_class_name": "LTXPipeline", "_diffusers_version": "0.40.0"}
     parts = {"transformer": lambda: LTXVideoTransformer3DModel(**LTX_2B),
              "vae": lambda: AutoencoderKLLTXVideo(**VAE),

@@ -72,7 +72,7 @@ def build_sana(out: Path, seed: int = 0) -> dict[str, int]:
     from tasks.common.families.tiny import gemma_tokenizer
 
     out.mkdir(parents=True, exist_ok=True)
-    tokenizer = gemma_tokenizer(max_length=Sana.default_max_sequence_length)
+    tokenizer = gemma_tokenizer(max_length=Sana.text.max_sequence_length)
     index: dict[str, Any] = {"_class_name": "SanaPipeline", "_diffusers_version": "0.40.0"}
     parts = {"transformer": lambda: SanaTransformer2DModel(**SANA_1600M),
              "vae": lambda: AutoencoderDC(**DC_AE_F32C32),

@@ -89,7 +89,7 @@ def record(pipe: Any, calls: Sequence[Callable[[Any], Any]], denoiser_config: An
     family = families.of_pipeline(pipe)
     outputs: dict[str, dict[str, Any]] = {}
     hooks = []
-    for name in family.text_encoder_names:
+    for name in family.text.encoder_names:
         encoder = getattr(pipe, name, None)
         if isinstance(encoder, torch.nn.Module):
             store = outputs.setdefault(name, {})

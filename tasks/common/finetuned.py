@@ -51,7 +51,8 @@ def detect(src: Path) -> Contents:
 def per_encoder_family(state: dict[str, Any]) -> type[families.ModelFamily] | None:
     """The family whose embedding files key rows per text encoder (`embedding_keys`) as `state` does;
     None for the one-entry {token: rows} layout."""
-    return next((f for f in families.FAMILIES if f.embedding_keys and set(f.embedding_keys) <= set(state)), None)
+    return next((f for f in families.FAMILIES if f.text.embedding_keys and set(f.text.embedding_keys) <= set(state)),
+                None)
 
 
 def load_embeds(pipe: Any, path: Path, token: str | None) -> list[str]:
@@ -60,22 +61,22 @@ def load_embeds(pipe: Any, path: Path, token: str | None) -> list[str]:
 
     state = load_file(path)
     if (keyed := per_encoder_family(state)) is not None:
-        keys = keyed.embedding_keys or ()
+        keys = keyed.text.embedding_keys or ()
         if not token:
             raise UserError(
                 f"{path} is a {keyed.title} embedding (keys {'/'.join(keys)}) and does not carry its token: "
                 "set export.placeholder_token (the train stage's train.placeholder_token)"
             )
         family = families.of_pipeline(pipe)
-        if family.embedding_keys != keyed.embedding_keys:
+        if family.text.embedding_keys != keyed.text.embedding_keys:
             raise UserError(f"{path} is a {keyed.title} embedding but the base pipeline is {family.title}")
-        for key, encoder, tokenizer in zip(keys, family.text_encoder_names, family.tokenizer_names):
+        for key, encoder, tokenizer in zip(keys, family.text.encoder_names, family.text.tokenizer_names):
             pipe.load_textual_inversion(state[key], token=token, text_encoder=getattr(pipe, encoder),
                                         tokenizer=getattr(pipe, tokenizer))
         return [token]
     if len(state) != 1:
-        layouts = " or ".join(f"{'/'.join(f.embedding_keys)} ({f.title})" for f in families.FAMILIES
-                              if f.embedding_keys)
+        layouts = " or ".join(f"{'/'.join(f.text.embedding_keys)} ({f.title})" for f in families.FAMILIES
+                              if f.text.embedding_keys)
         raise UserError(
             f"{path}: expected one {{token: embedding}} entry or {layouts}, found keys {sorted(state)}"
         )

@@ -42,7 +42,7 @@ def export_tokenizers(pipe: Any, out: Path) -> list[str]:
     `out/<name>/` (beside the HF files the export already has); returns the names written."""
     from optimum.exporters.openvino.convert import export_tokenizer
 
-    names = [n for n in families.of_pipeline(pipe).tokenizer_names if getattr(pipe, n, None) is not None]
+    names = [n for n in families.of_pipeline(pipe).text.tokenizer_names if getattr(pipe, n, None) is not None]
     for name in names:
         export_tokenizer(getattr(pipe, name), Path(out) / name)
     return names

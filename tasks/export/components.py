@@ -54,7 +54,7 @@ def groups(index: dict[str, Any], family: type[families.ModelFamily]) -> list[tu
     """(pipeline component loaded, OpenVINO models written from it), in export order: text
     encoders, denoiser, then the VAE (last: its pass writes the pipeline's other files)."""
     present = {k for k, v in index.items() if isinstance(v, list) and v[0] is not None}
-    out = [(name, (name,)) for name in family.text_encoder_names if name in present]
+    out = [(name, (name,)) for name in family.text.encoder_names if name in present]
     out.append((family.denoiser_name, (family.denoiser_name,)))
     out.append(("vae", VAE_PARTS))
     return out
@@ -182,7 +182,7 @@ def _convert(models: dict[str, Any], out: Path, patch_16bit: bool) -> None:
 def _write_pipeline_files(pipe: Any, out: Path) -> None:
     """What optimum-intel writes beside the models: scheduler, tokenizers, model_index.json."""
     pipe.scheduler.save_pretrained(out / "scheduler")
-    for name in ("feature_extractor", "safety_checker", *families.of_pipeline(pipe).tokenizer_names):
+    for name in ("feature_extractor", "safety_checker", *families.of_pipeline(pipe).text.tokenizer_names):
         part = getattr(pipe, name, None)
         if part is not None:
             part.save_pretrained(out / name)

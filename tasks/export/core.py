@@ -72,7 +72,7 @@ def free_text_encoder_batch(pipe: Any) -> None:
     would then reject a single prompt. The text encoders run once per call, so a dynamic batch
     there costs nothing measurable; the UNet and VAE (all the denoising work) stay static.
     """
-    for name in families.of_pipeline(pipe).text_encoder_names:
+    for name in families.of_pipeline(pipe).text.encoder_names:
         part = getattr(pipe, name, None)
         if part is None:
             continue

@@ -211,7 +211,7 @@ def original_state_dict(pipe: Any) -> dict[str, Any]:
         if ".mid.attn_1." in new and new.endswith(".weight") and value.ndim == 2:
             value = value[:, :, None, None]  # linear -> 1x1 convolution
         out[VAE_PREFIX + new] = value
-    encoders = [getattr(pipe, name, None) for name in family.text_encoder_names]
+    encoders = [getattr(pipe, name, None) for name in family.text.encoder_names]
     for (prefix, open_clip), encoder in zip(TEXT_LAYOUTS[kind], encoders):
         state = _transformers_clip_keys(encoder.state_dict())
         if open_clip:

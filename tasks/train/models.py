@@ -34,7 +34,7 @@ def pipeline_from_modules(
     from diffusers import DiffusionPipeline
 
     parts: dict[str, Any] = dict(modules)
-    parts.update(zip(components.family.tokenizer_names, components.tokenizers))
+    parts.update(zip(components.family.text.tokenizer_names, components.tokenizers))
     index = families.read_index(base)
     if "safety_checker" in index and not keep_safety_checker:
         # An SD 1.x base may carry a safety checker; validation images do not need it.

@@ -68,7 +68,7 @@ def test_the_encoders_weights_are_freed_before_the_denoiser_loads(bases) -> None
 
     def keep_refs(cls, *args, **kwargs):
         pipe = from_pretrained(cls, *args, **kwargs)
-        refs.extend(weakref.ref(getattr(pipe, n)) for n in family.text_encoder_names)
+        refs.extend(weakref.ref(getattr(pipe, n)) for n in family.text.encoder_names)
         return pipe
 
     cfg = ClassImagesConfig(**CFG)
@@ -77,7 +77,7 @@ def test_the_encoders_weights_are_freed_before_the_denoiser_loads(bases) -> None
         mp.setattr(family, "load_denoiser", classmethod(load_denoiser))
         pipe = load_pipeline(base, "cpu", encode=text_calls(cfg, [0, 1, 2]))
     assert len(refs) == 2 and not seen, "CLIP and T5 are freed before the transformer loads"
-    assert all(isinstance(getattr(pipe, n), Replay) for n in family.text_encoder_names)
+    assert all(isinstance(getattr(pipe, n), Replay) for n in family.text.encoder_names)
     with pytest.raises(RuntimeError, match="released after encoding the class prompt"):
         family.generate(pipe, ["another prompt"], height=64, width=64, steps=1, guidance=4.0)
 

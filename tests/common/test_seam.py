@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import ast
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, is_dataclass
 from pathlib import Path
 
 import pytest
@@ -62,23 +62,36 @@ def _family_classes() -> list[type[ModelFamily]]:
                               if issubclass(c, ModelFamily) and c is not ModelFamily))
 
 
+def _role_only() -> set[str]:
+    """What only some families' roles have: fields and methods of a role's subclasses (T5's tokenizer
+    folder, the Qwen3 chat template) that the shared role class does not define."""
+    found = set()
+    for family in FAMILIES:
+        for role in (family.text, family.export, family.codec):
+            base = next(c for c in reversed(type(role).__mro__) if is_dataclass(c))
+            shared = set(vars(base)) | {f.name for f in fields(base)}
+            own = {k for c in type(role).__mro__ if c is not base and issubclass(c, base) for k in vars(c)}
+            found |= {k for k in own | {f.name for f in fields(role)} if not k.startswith("_") and k not in shared}
+    return found
+
+
 def _forbidden() -> dict[str, frozenset[str]]:
     classes = _family_classes()
     shared = set(ModelFamily.__annotations__) | set(vars(ModelFamily))
     # "tokenizer" and "processor" are the role's own words: a family loading its tokenizer through a
     # processor folder (Qwen-Image-Edit) makes neither one family's name; tokenizer_2, _3 stay
     roles = {"tokenizer", "processor"}
-    parts = [{*f.text_encoder_names, *(set(f.tokenizer_names) - roles), f.denoiser_name} for f in FAMILIES]
+    parts = [{*f.text.encoder_names, *(set(f.text.tokenizer_names) - roles), f.denoiser_name} for f in FAMILIES]
     return {
         "family class": frozenset(c.__name__ for c in classes),
         "pipeline class": frozenset(n for f in FAMILIES for n in (*f.pipeline_class_names, f.export.ov_pipeline)
                                     if n is not None),
         "component": frozenset(set.union(*parts) - set.intersection(*parts)),
-        "family-only attribute": frozenset(k for c in classes for k in vars(c)
-                                           if not k.startswith("__") and k not in shared),
+        "family-only attribute": frozenset({*(k for c in classes for k in vars(c)
+                                              if not k.startswith("__") and k not in shared), *_role_only()}),
         "explicit": EXPLICIT,
         "family id": frozenset(f.name for f in FAMILIES),
-        "embedding key": frozenset(k for f in FAMILIES for k in f.embedding_keys or ()),
+        "embedding key": frozenset(k for f in FAMILIES for k in f.text.embedding_keys or ()),
         "objective": frozenset(f.objective for f in FAMILIES),
         "built-in id": frozenset(f.builtin for f in FAMILIES),
     }
@@ -219,7 +232,7 @@ def test_the_rule_finds_every_name_inside_the_families() -> None:
     assert {"text_encoder_2", "text_encoder_3", "tokenizer_2", "transformer", "unet"} <= FORBIDDEN["component"]
     assert {"sd", "sdxl", "sd3", "flux", "flux2"} <= FORBIDDEN["family id"]
     assert {"StableDiffusionXLPipeline", "FluxPipeline", "OVFluxPipeline"} <= FORBIDDEN["pipeline class"]
-    assert {"default_weighting_scheme", "t5_tokenizer_name"} <= FORBIDDEN["family-only attribute"]
+    assert {"default_weighting_scheme", "t5_tokenizer", "chat"} <= FORBIDDEN["family-only attribute"]
     assert "flow_matching" in FORBIDDEN["objective"] and "builtin:tiny-sdxl" in FORBIDDEN["built-in id"]
     assert set(FORBIDDEN["built-in id"]) == set(families.BUILTINS)
 

@@ -98,7 +98,7 @@ def small_params(root: Path, name: str) -> None:
 
     params = yaml.safe_load((root / "params.yaml").read_text())
     params["base"]["model"] = by_name(name).builtin
-    with_text = bool(by_name(name).trainable_text_encoders)  # FLUX.2 klein trains no text encoder
+    with_text = bool(by_name(name).text.trainable)  # FLUX.2 klein trains no text encoder
     runtime, edits = RUNTIME.get(name, {}), EDITS.get(name, VIDEO.get(name, {}))
     small = {**SMALL, "train": {**SMALL["train"], "train_text_encoder": with_text, **QUANTIZED.get(name, {}),
                                 **runtime.get("train", {}), **edits.get("train", {})},

@@ -213,7 +213,7 @@ def key_map(family: Any, pipe: Any) -> set[str]:
     if model is None:
         return set()
     kind, slots = model
-    clips = {slot: getattr(pipe, name).config.num_hidden_layers for name, slot in zip(family.text_encoder_names, slots)
+    clips = {slot: getattr(pipe, name).config.num_hidden_layers for name, slot in zip(family.text.encoder_names, slots)
              if slot.startswith("clip_")}
     return _DENOISERS[kind](getattr(pipe, family.denoiser_name)) | _clip_stems(clips)
 

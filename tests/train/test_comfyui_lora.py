@@ -53,7 +53,7 @@ def with_adapters(pipe: object, lora_type: str, text: bool = False, rank: int = 
     family = families.of_pipeline(pipe)
     names = {family.denoiser_name: family.lora_targets}
     if text:
-        names.update({n: family.text_lora_targets for n in family.trainable_text_encoders or family.text_encoder_names})
+        names.update({n: family.text.lora_targets for n in family.text.trainable or family.text.encoder_names})
     generator = torch.Generator().manual_seed(seed)
     trained = {}
     for name, targets in names.items():
@@ -342,7 +342,7 @@ def test_comfyui_maps_and_reads_every_key_of_the_file(name) -> None:
     family = families.by_name(name)
     pipe = family.build_tiny(0)
     stems = comfyui_keymap.key_map(family, pipe)
-    text = family.trainable_text_encoders != ()
+    text = family.text.trainable != ()
     for lora_type, rank in (*((t, 4) for t in ADAPTER_TYPES), ("lokr", 1)):
         keys = set(comfyui_state(family, with_adapters(pipe, lora_type, text, rank=rank, copy=True), lora_type))
         assert keys, (lora_type, rank)

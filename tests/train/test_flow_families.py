@@ -46,13 +46,13 @@ def test_dreambooth_with_prior_preservation(tmp_path, flow_base, one_image, clas
 def test_lora_loads_with_the_family_pipeline(tmp_path, flow_base, one_image) -> None:
     family = detect(flow_base)
     out = tmp_path / "out"
-    with_text = bool(family.trainable_text_encoders)  # FLUX.2 klein: the transformer only
+    with_text = bool(family.text.trainable)  # FLUX.2 klein: the transformer only
     losses = overfit(cfg(tmp_path, method="lora", learning_rate=1e-2, rank=8, train_text_encoder=with_text,
                          max_sequence_length=SEQ), flow_base, one_image, out)
     assert losses[-1] < 0.95 * losses[0], losses
     weights = load_file(out / "pytorch_lora_weights.safetensors")
     # T5 never gets adapters (as in diffusers' scripts); the CLIP encoders do with train_text_encoder.
-    assert {k.split(".")[0] for k in weights} == {"transformer", *family.trainable_text_encoders}
+    assert {k.split(".")[0] for k in weights} == {"transformer", *family.text.trainable}
     pipe = family.pipeline_class().from_pretrained(flow_base)
     # Every adapted layer of the file (their B matrices start at zero) changes when fused: none is
     # left out by the loader, whatever the file's key format.
@@ -63,7 +63,7 @@ def test_lora_loads_with_the_family_pipeline(tmp_path, flow_base, one_image) -> 
     pipe.unload_lora_weights()
     unchanged = [n for n in adapted if torch.equal(before[n], pipe.transformer.get_submodule(n).weight)]
     assert adapted and not unchanged, unchanged
-    for name in family.trainable_text_encoders:  # fused, under the keys transformers loads
+    for name in family.text.trainable:  # fused, under the keys transformers loads
         fused_weights = load_file(out / name / "model.safetensors")
         base_weights = load_file(flow_base / name / "model.safetensors")
         assert fused_weights.keys() == base_weights.keys(), name
@@ -162,9 +162,9 @@ def test_text_encoders_leave_before_the_first_step(tmp_path, tiny_flux, instance
     method.configure()
     method.setup_caches()
     family = components.family
-    ids = family.tokenize(components, ["a photo of a toy"], SEQ)
+    ids = family.text.tokenize(components, ["a photo of a toy"], SEQ)
     with torch.no_grad():
-        expected = family.encode_prompt(components, ids)
+        expected = family.text.encode_prompt(components, ids)
     method.release_text_encoders()
     assert not any(name.startswith("text_encoder") for name in components.modules)
     assert set(method.prompt_cache.store) == {"a photo of sks toy", "a photo of a toy", ""}

@@ -52,9 +52,9 @@ def test_the_family_encodes_and_predicts_what_the_pipeline_computes(tiny_ltx, lt
     assert len(clips[0]) == 17 and clips[0][0].size == (64, 64)
     kwargs, output = seen[0]
     components = family.load_components(tiny_ltx)
-    ids = family.tokenize(components, ["a toy robot waving"])
+    ids = family.text.tokenize(components, ["a toy robot waving"])
     with torch.no_grad():
-        hidden, mask = family.encode_prompt(components, ids)
+        hidden, mask = family.text.encode_prompt(components, ids)
     assert torch.equal(hidden, kwargs["encoder_hidden_states"])
     assert torch.equal(mask.bool(), kwargs["encoder_attention_mask"])
     assert (kwargs["num_frames"], kwargs["height"], kwargs["width"]) == (3, 2, 2)  # 17 frames / 8, 64 px / 32

@@ -32,7 +32,7 @@ def test_the_family_encodes_and_predicts_what_the_pipeline_computes(tiny_qwenima
     from diffusers import QwenImageEditPlusPipeline as Pipe
 
     family = families.detect(tiny_qwenimage_edit)
-    assert family.name == "qwenimage-edit" and family.takes_references and family.text_sees_references
+    assert family.name == "qwenimage-edit" and family.takes_references and family.text.sees_references
     rng = np.random.default_rng(4)
     images = [Image.fromarray(rng.integers(0, 256, (32, 48, 3), dtype=np.uint8)),
               Image.fromarray(rng.integers(0, 256, (64, 64, 3), dtype=np.uint8))]
@@ -48,7 +48,7 @@ def test_the_family_encodes_and_predicts_what_the_pipeline_computes(tiny_qwenima
     components = family.load_components(tiny_qwenimage_edit)
     refs = [_pixels(im) for im in images]
     with torch.no_grad():
-        hidden, mask = family.encode_batch_text(components, ["make it red"], [], None, refs)
+        hidden, mask = family.text.encode_batch_text(components, ["make it red"], [], None, refs)
     assert mask.bool().all() and kwargs["encoder_hidden_states_mask"] is None  # one prompt: nothing masked
     assert torch.allclose(hidden, kwargs["encoder_hidden_states"], atol=1e-5)
     # the references: a megapixel each at their ratio (1248x832 and 1024x1024), 8x smaller, 2x2 tokens

@@ -71,7 +71,7 @@ def denoiser_names() -> tuple[str, ...]:
 def ov_component_names(family: type[ModelFamily]) -> tuple[str, ...]:
     """The compiled models of `family`'s OpenVINO pipeline that run per call: text encoders, denoiser,
     VAE decoder (optimum-intel names them as the diffusers folders, `vae_decoder` aside)."""
-    return (*family.text_encoder_names, family.denoiser_name, "vae_decoder")
+    return (*family.text.encoder_names, family.denoiser_name, "vae_decoder")
 
 
 def by_name(name: str) -> type[ModelFamily]:

@@ -20,6 +20,7 @@ from finetune_runtime import pipeline_call
 from finetune_runtime.convention import MAX_INPUT_IMAGES, CallConvention
 from tasks.common.families.export_profile import ExportProfile
 from tasks.common.families.latent_codec import LatentCodec
+from tasks.common.families.text_conditioner import TextConditioner
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +46,7 @@ class Components:
     def __post_init__(self) -> None:
         f = self.family
         self.modules = {**({f.denoiser_name: self.denoiser} if self.denoiser is not None else {}), "vae": self.vae,
-                        **dict(zip(f.text_encoder_names, self.text_encoders))}
+                        **dict(zip(f.text.encoder_names, self.text_encoders))}
         if self.denoiser is not None:
             self.denoiser_config = dict(self.denoiser.config)
 
@@ -58,10 +59,10 @@ class Components:
             self.modules = {self.family.denoiser_name: self.denoiser, **self.modules}
 
     def text_encoder_names(self) -> list[str]:
-        return list(self.family.text_encoder_names[: len(self.text_encoders)])
+        return list(self.family.text.encoder_names[: len(self.text_encoders)])
 
     def trainable_text_encoder_names(self) -> list[str]:
-        allowed = self.family.trainable_text_encoders
+        allowed = self.family.text.trainable
         return [n for n in self.text_encoder_names() if allowed is None or n in allowed]
 
     def keep_only(self, names: set[str] | list[str]) -> None:
@@ -104,9 +105,8 @@ class ModelFamily:
     pipeline_class_names: ClassVar[tuple[str, ...]]
     #: the denoiser's folder in the pipeline ("unet" or "transformer")
     denoiser_name: ClassVar[str] = "unet"
-    #: text encoder folders, in the order conditioning uses them; tokenizers follow the same order
-    text_encoder_names: ClassVar[tuple[str, ...]] = ("text_encoder",)
-    tokenizer_names: ClassVar[tuple[str, ...]] = ("tokenizer",)
+    #: how a prompt becomes conditioning: text encoders and tokenizers, tokenizing, encoding, which train
+    text: ClassVar[TextConditioner] = TextConditioner()
     #: "ddpm" (noise or v prediction on a DDPM schedule) or "flow_matching" (rectified flow): the name
     #: of the objective in tasks/train/objectives.py's OBJECTIVES; `objective_options()` says its settings
     objective: ClassVar[str] = "ddpm"
@@ -115,25 +115,16 @@ class ModelFamily:
     #: trains on (reference images, target, instruction) triples: reference latents join the denoiser's
     #: input sequence (ingest's `reference_file_names`); a family without refuses a dataset that has them
     takes_references: ClassVar[bool] = False
-    #: its text encoder sees the reference images too (Qwen-Image-Edit): `encode_batch_text` takes them,
-    #: and training does not cache text embeddings (a target's conditioning is its prompt and its references)
-    text_sees_references: ClassVar[bool] = False
     #: a video model: trains on clips (ingest's clips.jsonl, pixels (3, F, H, W)), its pipeline makes clips
     video: ClassVar[bool] = False
     #: a new text embedding trains here (what textual inversion needs; tasks/train/method_specs/ asks)
     trains_embeddings: ClassVar[bool] = True
-    #: peft target modules of the denoiser's and the text encoders' attention projections
+    #: peft target modules of the denoiser's attention projections (the text encoders': `text.lora_targets`)
     lora_targets: ClassVar[tuple[str, ...]] = ("to_k", "to_q", "to_v", "to_out.0")
-    text_lora_targets: ClassVar[tuple[str, ...]] = ("q_proj", "k_proj", "v_proj", "out_proj")
-    #: text encoders that train with train.text_encoder (T5 never does, as in diffusers' scripts)
-    trainable_text_encoders: ClassVar[tuple[str, ...] | None] = None
     #: train.launcher xla (PyTorch/XLA SPMD) has been run on this family's tiny model
     xla_tested: ClassVar[bool] = True
     #: classifier-free guidance runs the denoiser on a doubled batch (FLUX.1's distilled guidance does not)
     guidance_in_batch: ClassVar[bool] = True
-    #: keys of a textual-inversion embedding file per text encoder, in `text_encoder_names` order
-    #: (None: one {token: rows} entry)
-    embedding_keys: ClassVar[tuple[str, ...] | None] = None
     #: how a fine-tune leaves training: OpenVINO pipeline, GenAI and ComfyUI adapter keys, single file
     export: ClassVar[ExportProfile] = ExportProfile(ov_pipeline=None)
 
@@ -166,7 +157,7 @@ class ModelFamily:
     @classmethod
     def load_components(cls, base: Path, prediction_type: str | None = None, denoiser: bool = True,
                         text_quantize: Any = None) -> Components:
-        """Every part of a base folder; text encoders and tokenizers in `text_encoder_names` order.
+        """Every part of a base folder; text encoders and tokenizers in `text.encoder_names` order.
         `denoiser=False`: all but the denoiser's weights (`Components.load_denoiser` loads them later).
         `text_quantize` (a BasePrecision): the text encoders' Linear layers quantized as they load, in
         bf16 (tasks/common/weights_load.py, as the denoiser)."""
@@ -177,7 +168,7 @@ class ModelFamily:
         base = Path(base)
         index = _index(base)
         tokenizers, encoders = [], []
-        for tok_name, enc_name in zip(cls.tokenizer_names, cls.text_encoder_names):
+        for tok_name, enc_name in zip(cls.text.tokenizer_names, cls.text.encoder_names):
             if (index.get(enc_name) or [None])[0] is None:
                 continue  # an optional encoder left out (SD3 without T5)
             tokenizers.append(_library_class(index[tok_name]).from_pretrained(base, subfolder=tok_name))
@@ -242,33 +233,9 @@ class ModelFamily:
         return scheduler
 
     @classmethod
-    def tokenize(cls, components: Components, prompts: list[str], max_sequence_length: int | None = None
-                 ) -> list[Any]:
-        """Token ids per tokenizer, padded/truncated to each tokenizer's max length (CLIP: 77)."""
-        return [
-            tok(prompts, padding="max_length", max_length=tok.model_max_length, truncation=True,
-                return_tensors="pt").input_ids
-            for tok in components.tokenizers
-        ]
-
-    @classmethod
-    def encode_prompt(cls, components: Components, input_ids: list[Any], text_encoders: list[Any] | None = None
-                      ) -> tuple[Any, Any]:
-        """(sequence embeddings, pooled embeddings or None). `text_encoders` may be wrapped copies."""
-        raise NotImplementedError
-
-    @classmethod
     def prepare_base(cls, folder: Path) -> None:
         """Make a base folder the base stage wrote (downloaded, copied or built) loadable here; nothing
         for most families (Qwen-Image-Edit names a processor that needs no torchvision)."""
-
-    @classmethod
-    def encode_batch_text(cls, components: Components, prompts: list[str], input_ids: list[Any],
-                          text_encoders: list[Any] | None = None, references: list[Any] | None = None
-                          ) -> tuple[Any, Any]:
-        """A training batch's text conditioning: `encode_prompt` of its token ids, except in a family
-        whose text encoder sees the rows' reference pixels too (`text_sees_references`)."""
-        return cls.encode_prompt(components, input_ids, text_encoders)
 
     @classmethod
     def reference_pixels(cls, pixels: Any) -> Any:

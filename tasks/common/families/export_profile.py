@@ -55,7 +55,9 @@ class ExportProfile:
         """The ComfyUI file's prefix per component for an adapter type (None: ComfyUI has no such model)."""
         if self.comfyui_lora_prefixes is None:
             return None
-        lycoris = lora_type in ("lokr", "loha") and self.comfyui_lycoris_prefixes is not None
+        from tasks.common.adapters import adapter_type
+
+        lycoris = adapter_type(lora_type).lycoris and self.comfyui_lycoris_prefixes is not None
         return self.comfyui_lycoris_prefixes if lycoris else self.comfyui_lora_prefixes
 
     def comfyui_layers(self, component: str, layers: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:

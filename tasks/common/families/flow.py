@@ -31,10 +31,6 @@ class FlowMatchingFamily(ModelFamily):
     default_weighting_scheme: ClassVar[str] = "none"
     xla_tested = False  # the XLA back end's checkpointing and sharding were built and run for UNets
     codec = LatentCodec(pixel_multiple=16)  # SD3's patch size 2, FLUX's 2x2 packing: even latent sides
-    #: T5 tokens per prompt when train.max_sequence_length is null
-    default_max_sequence_length: ClassVar[int] = 77
-    #: the T5 tokenizer's folder
-    t5_tokenizer_name: ClassVar[str]
 
     @classmethod
     def refused_options(cls) -> dict[str, str]:
@@ -50,18 +46,6 @@ class FlowMatchingFamily(ModelFamily):
         from diffusers import FlowMatchEulerDiscreteScheduler
 
         return FlowMatchEulerDiscreteScheduler.from_pretrained(base, subfolder="scheduler")
-
-    @classmethod
-    def tokenize(cls, components: Any, prompts: list[str], max_sequence_length: int | None = None) -> list[Any]:
-        """CLIP tokenizers to 77, the T5 one to `max_sequence_length` (capped by its model_max_length)."""
-        out = []
-        for name, tok in zip(cls.tokenizer_names, components.tokenizers):
-            length = tok.model_max_length
-            if name == cls.t5_tokenizer_name:
-                length = min(max_sequence_length or cls.default_max_sequence_length, tok.model_max_length)
-            out.append(tok(prompts, padding="max_length", max_length=length, truncation=True,
-                           return_tensors="pt").input_ids)
-        return out
 
 
 def flow_scheduler(shift: float = 3.0, dynamic: bool = False) -> Any:

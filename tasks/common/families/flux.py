@@ -12,7 +12,19 @@ from typing import Any
 from tasks.common.families.base import PredictInputs
 from tasks.common.families.export_profile import ExportProfile
 from tasks.common.families.flow import FlowMatchingFamily, flow_scheduler
+from tasks.common.families.text_conditioner import T5Text
 from tasks.common.families.tiny import clip_text_config, clip_tokenizer, seeded, t5_config, t5_tokenizer, tiny_vae
+
+
+class _Text(T5Text):
+    """T5's last hidden state as the sequence, CLIP's pooled output as the vector."""
+
+    def encode_prompt(self, components: Any, input_ids: list[Any], text_encoders: list[Any] | None = None
+                      ) -> tuple[Any, Any]:
+        clip, t5 = text_encoders or components.text_encoders
+        pooled = clip(input_ids[0].to(next(clip.parameters()).device), return_dict=True).pooler_output
+        hidden = t5(input_ids[1].to(next(t5.parameters()).device), return_dict=True)[0]
+        return hidden, pooled
 
 
 class Flux(FlowMatchingFamily):
@@ -20,10 +32,8 @@ class Flux(FlowMatchingFamily):
     title = "FLUX.1"
     builtin = "builtin:tiny-flux"
     pipeline_class_names = ("FluxPipeline",)
-    text_encoder_names = ("text_encoder", "text_encoder_2")
-    tokenizer_names = ("tokenizer", "tokenizer_2")
-    t5_tokenizer_name = "tokenizer_2"
-    trainable_text_encoders = ("text_encoder",)
+    text = _Text(encoder_names=("text_encoder", "text_encoder_2"), tokenizer_names=("tokenizer", "tokenizer_2"),
+                 t5_tokenizer="tokenizer_2", trainable=("text_encoder",), max_sequence_length=512)
     # ComfyUI maps OneTrainer's kohya-style names for FLUX.1 (comfy/lora.py) and diffusers converts them
     # back (its "mixture" kohya layout); CLIP-L as lora_te1_
     export = ExportProfile(ov_pipeline="OVFluxPipeline",
@@ -31,19 +41,10 @@ class Flux(FlowMatchingFamily):
                            comfyui_lycoris_prefixes={"transformer": "lycoris_", "text_encoder": "lora_te1_"})
     guidance_in_batch = False  # guidance is an input of the distilled transformer
     default_weighting_scheme = "none"  # train_dreambooth_lora_flux.py's default
-    default_max_sequence_length = 512
 
     @classmethod
     def matches(cls, index: dict[str, Any]) -> bool:
         return index.get("_class_name") == "FluxPipeline"
-
-    @classmethod
-    def encode_prompt(cls, components: Any, input_ids: list[Any], text_encoders: list[Any] | None = None
-                      ) -> tuple[Any, Any]:
-        clip, t5 = text_encoders or components.text_encoders
-        pooled = clip(input_ids[0].to(next(clip.parameters()).device), return_dict=True).pooler_output
-        hidden = t5(input_ids[1].to(next(t5.parameters()).device), return_dict=True)[0]
-        return hidden, pooled
 
     @classmethod
     def image_tokens(cls, latents: Any, inputs: PredictInputs) -> tuple[Any, Any]:

@@ -14,8 +14,8 @@ LoRA loader has no Qwen3 part.
 from __future__ import annotations
 
 import re
-from dataclasses import replace
-from typing import Any, ClassVar
+from dataclasses import dataclass, replace
+from typing import Any
 
 from finetune_runtime.convention import CallConvention
 from tasks.common.families.base import PredictInputs
@@ -23,6 +23,7 @@ from tasks.common.families.export_profile import ExportProfile
 from tasks.common.families.flow import FlowMatchingFamily, flow_scheduler
 from tasks.common.families.latent_codec import LatentCodec
 from tasks.common.families.qwen3_chat import Qwen3Chat
+from tasks.common.families.text_conditioner import TextConditioner
 from tasks.common.families.tiny import qwen3_config, qwen_tokenizer, seeded
 
 #: LoRA targets of diffusers' klein script: the double-stream blocks' attention projections, the
@@ -121,21 +122,41 @@ class _Codec(LatentCodec):
         return (patches - mean) / std
 
 
+@dataclass(frozen=True)
+class _Text(TextConditioner):
+    """Qwen3 through its chat template (`chat`), the chosen hidden states side by side."""
+
+    #: the chat template's thinking switch and the hidden states read
+    chat: Any = None
+
+    def tokenize(self, components: Any, prompts: list[str], max_sequence_length: int | None = None) -> list[Any]:
+        """Each prompt as a chat turn (Qwen3's template, thinking off), padded to `max_sequence_length`."""
+        length = max_sequence_length or self.max_sequence_length
+        return self.chat.tokenize(components.tokenizers[0], prompts, length)
+
+    def encode_prompt(self, components: Any, input_ids: list[Any], text_encoders: list[Any] | None = None
+                      ) -> tuple[Any, Any]:
+        """(the chosen hidden states side by side per token, None)."""
+        import torch
+
+        (qwen,) = text_encoders or components.text_encoders
+        layers, _ = self.chat.hidden_states(qwen, input_ids[0], components.tokenizers[0].pad_token_id)
+        hidden = torch.stack(layers, dim=1)
+        b, n, length, width = hidden.shape
+        return hidden.permute(0, 2, 1, 3).reshape(b, length, n * width), None
+
+
 class Flux2Klein(FlowMatchingFamily):
     name = "flux2"
     title = "FLUX.2 [klein]"
     builtin = "builtin:tiny-flux2"
     pipeline_class_names = ("Flux2KleinPipeline",)
+    text = _Text(trainable=(), max_sequence_length=512, chat=Qwen3Chat(thinking=False, layers=(9, 18, 27)))
     codec = _Codec(pixel_multiple=16)
     lora_targets = _LORA_TARGETS
-    trainable_text_encoders = ()
     guidance_in_batch = False  # the unconditional branch is a separate call
     takes_references = True  # Flux2KleinPipeline's `image` inputs: reference tokens beside the noisy ones
     default_weighting_scheme = "none"  # train_dreambooth_lora_flux2_klein.py's default
-    default_max_sequence_length = 512  # Flux2KleinPipeline's
-    #: Qwen3 with thinking off, its hidden states 9, 18 and 27 side by side (Flux2KleinPipeline's
-    #: text_encoder_out_layers)
-    conditioner: ClassVar[Qwen3Chat] = Qwen3Chat(thinking=False, layers=(9, 18, 27))
     # ComfyUI's FLUX.2 has BFL's module names (comfyui_layers), kohya-style; LoKr and LoHa keep
     # diffusers' under `lycoris_` (a Kronecker or Hadamard product does not fuse)
     export = _Export(ov_pipeline="OVFlux2KleinPipeline", comfyui_lora_prefixes={"transformer": "lora_unet_"},
@@ -150,24 +171,6 @@ class Flux2Klein(FlowMatchingFamily):
     def refused_options(cls) -> dict[str, str]:
         return {**super().refused_options(),
                 "train_text_encoder": f"{cls.title} trains the transformer only (its LoRA loader has no Qwen3 part)"}
-
-    @classmethod
-    def tokenize(cls, components: Any, prompts: list[str], max_sequence_length: int | None = None) -> list[Any]:
-        """Each prompt as a chat turn (Qwen3's template, thinking off), padded to `max_sequence_length`."""
-        length = max_sequence_length or cls.default_max_sequence_length
-        return cls.conditioner.tokenize(components.tokenizers[0], prompts, length)
-
-    @classmethod
-    def encode_prompt(cls, components: Any, input_ids: list[Any], text_encoders: list[Any] | None = None
-                      ) -> tuple[Any, Any]:
-        """(the chosen hidden states side by side per token, None)."""
-        import torch
-
-        (qwen,) = text_encoders or components.text_encoders
-        layers, _ = cls.conditioner.hidden_states(qwen, input_ids[0], components.tokenizers[0].pad_token_id)
-        hidden = torch.stack(layers, dim=1)
-        b, n, length, width = hidden.shape
-        return hidden.permute(0, 2, 1, 3).reshape(b, length, n * width), None
 
     @classmethod
     def predict(cls, denoiser: Any, noisy_latents: Any, timesteps: Any, hidden: Any, pooled: Any,

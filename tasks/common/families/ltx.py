@@ -50,6 +50,7 @@ from tasks.common.families.base import PredictInputs
 from tasks.common.families.export_profile import ExportProfile
 from tasks.common.families.flow import FlowMatchingFamily
 from tasks.common.families.latent_codec import LatentCodec
+from tasks.common.families.text_conditioner import T5Text
 from tasks.common.families.tiny import seeded, t5_config, t5_tokenizer
 
 #: the pipeline's default `frame_rate`, which training's rotary positions use too
@@ -73,17 +74,26 @@ class _Codec(LatentCodec):
         return (latents - mean) * vae.config.scaling_factor / std
 
 
+class _Text(T5Text):
+    """T5's last hidden state on unmasked ids, the tokenizer's mask in the pooled slot."""
+
+    def encode_prompt(self, components: Any, input_ids: list[Any], text_encoders: list[Any] | None = None
+                      ) -> tuple[Any, Any]:
+        """(T5's last hidden state, the float attention mask); T5 reads the ids unmasked, as the pipeline."""
+        (t5,) = text_encoders or components.text_encoders
+        ids = input_ids[0].to(next(t5.parameters()).device)
+        hidden = t5(ids)[0]
+        return hidden, (ids != components.tokenizers[0].pad_token_id).float()
+
+
 class LTXVideo(FlowMatchingFamily):
     name = "ltx"
     title = "LTX-Video"
     builtin = "builtin:tiny-ltx"
     pipeline_class_names = ("LTXPipeline",)
+    text = _Text(tokenizer_names=("tokenizer",), t5_tokenizer="tokenizer", trainable=(), max_sequence_length=128)
     codec = _Codec(pixel_multiple=32)
     video = True
-    tokenizer_names = ("tokenizer",)
-    t5_tokenizer_name = "tokenizer"
-    trainable_text_encoders = ()
-    default_max_sequence_length = 128  # LTXPipeline's
     default_weighting_scheme = "none"
     #: the released VAE's factors (32 in space, 8 in time); the rotary scale reads them in `predict`
     spatial_compression: ClassVar[int] = 32
@@ -101,15 +111,6 @@ class LTXVideo(FlowMatchingFamily):
     def class_images_refusal(cls) -> str | None:
         return (f"{cls.title} trains on clips and the class_images stage makes images, not clips, so it cannot "
                 "make its class images")
-
-    @classmethod
-    def encode_prompt(cls, components: Any, input_ids: list[Any], text_encoders: list[Any] | None = None
-                      ) -> tuple[Any, Any]:
-        """(T5's last hidden state, the float attention mask); T5 reads the ids unmasked, as the pipeline."""
-        (t5,) = text_encoders or components.text_encoders
-        ids = input_ids[0].to(next(t5.parameters()).device)
-        hidden = t5(ids)[0]
-        return hidden, (ids != components.tokenizers[0].pad_token_id).float()
 
     @classmethod
     def predict(cls, denoiser: Any, noisy_latents: Any, timesteps: Any, hidden: Any, pooled: Any,
@@ -181,7 +182,7 @@ class LTXVideo(FlowMatchingFamily):
         )
         from transformers import T5EncoderModel
 
-        tokenizer = t5_tokenizer(max_length=cls.default_max_sequence_length)
+        tokenizer = t5_tokenizer(max_length=cls.text.max_sequence_length)
         text_encoder = seeded(seed + 2, lambda: T5EncoderModel(t5_config(len(tokenizer), d_model=32)))
         transformer = seeded(seed, lambda: LTXVideoTransformer3DModel(
             in_channels=8, out_channels=8, patch_size=1, patch_size_t=1, num_attention_heads=2, attention_head_dim=8,

@@ -6,7 +6,7 @@ pipeline's fixed template (a system turn describing the image, the user turn, th
 opening), the last hidden state is taken and its first `drop` (34) tokens, the system turn, are
 dropped. The pipeline cuts each prompt to its own length and pads to the longest of the call; here
 `encode_prompt` returns `(hidden, mask)`: `hidden` padded with zeros to a fixed length
-(train.max_sequence_length or `default_max_sequence_length`, so the text cache can concatenate rows)
+(train.max_sequence_length or the conditioner's `max_sequence_length`, so the text cache can concatenate rows)
 and the text attention mask as a float (b, L) tensor in the slot other families give a pooled
 vector (the text cache stores it as one); `predict` reads that slot as the transformer's
 `encoder_hidden_states_mask` (masked padding is not attended to, and the text's rotary positions
@@ -30,6 +30,7 @@ from finetune_runtime.convention import CallConvention
 from tasks.common.families.base import PredictInputs
 from tasks.common.families.flow import FlowMatchingFamily
 from tasks.common.families.latent_codec import LatentCodec
+from tasks.common.families.text_conditioner import TextConditioner
 from tasks.common.families.tiny import qwen_tokenizer, seeded
 
 #: QwenImagePipeline's prompt_template_encode and prompt_template_encode_start_idx
@@ -59,17 +60,36 @@ class _Codec(LatentCodec):
         return (latents - mean) / std
 
 
+class QwenVLText(TextConditioner):
+    """Qwen2.5-VL through the pipeline's template, the system turn dropped, its mask in the pooled slot."""
+
+    def tokenize(self, components: Any, prompts: list[str], max_sequence_length: int | None = None) -> list[Any]:
+        """The pipeline's template around each prompt, padded to the system turn + `max_sequence_length`."""
+        length = _DROP + (max_sequence_length or self.max_sequence_length)
+        return [components.tokenizers[0]([_TEMPLATE.format(p) for p in prompts], padding="max_length",
+                                         max_length=length, truncation=True, return_tensors="pt").input_ids]
+
+    def encode_prompt(self, components: Any, input_ids: list[Any], text_encoders: list[Any] | None = None
+                      ) -> tuple[Any, Any]:
+        """(last hidden state after the system turn, zero where padded; its mask, float (b, L))."""
+        (qwen,) = text_encoders or components.text_encoders
+        ids = input_ids[0].to(next(qwen.parameters()).device)
+        mask = (ids != components.tokenizers[0].pad_token_id).long()  # the template never holds the pad token
+        hidden = qwen(input_ids=ids, attention_mask=mask, output_hidden_states=True).hidden_states[-1]
+        mask = mask[:, _DROP:].to(hidden.dtype)
+        return hidden[:, _DROP:] * mask[..., None], mask
+
+
 class QwenImage(FlowMatchingFamily):
     name = "qwenimage"
     title = "Qwen-Image"
     builtin = "builtin:tiny-qwenimage"
     pipeline_class_names = ("QwenImagePipeline",)
+    text = QwenVLText(trainable=(), max_sequence_length=512)
     codec = _Codec(pixel_multiple=16)
     export = replace(FlowMatchingFamily.export, ov_pipeline="OVQwenImagePipeline")
-    trainable_text_encoders = ()
     guidance_in_batch = False  # the negative prompt's pass is a separate call
     default_weighting_scheme = "none"  # train_dreambooth_lora_qwen_image.py's default
-    default_max_sequence_length = 512  # QwenImagePipeline.__call__'s
 
     @classmethod
     def refused_options(cls) -> dict[str, str]:
@@ -81,24 +101,6 @@ class QwenImage(FlowMatchingFamily):
     def call_convention(cls) -> CallConvention:
         """True classifier-free guidance (`true_cfg_scale`), with a blank negative prompt when guided."""
         return replace(super().call_convention(), guidance_argument="true_cfg_scale", negative_when_guided=" ")
-
-    @classmethod
-    def tokenize(cls, components: Any, prompts: list[str], max_sequence_length: int | None = None) -> list[Any]:
-        """The pipeline's template around each prompt, padded to the system turn + `max_sequence_length`."""
-        length = _DROP + (max_sequence_length or cls.default_max_sequence_length)
-        return [components.tokenizers[0]([_TEMPLATE.format(p) for p in prompts], padding="max_length",
-                                         max_length=length, truncation=True, return_tensors="pt").input_ids]
-
-    @classmethod
-    def encode_prompt(cls, components: Any, input_ids: list[Any], text_encoders: list[Any] | None = None
-                      ) -> tuple[Any, Any]:
-        """(last hidden state after the system turn, zero where padded; its mask, float (b, L))."""
-        (qwen,) = text_encoders or components.text_encoders
-        ids = input_ids[0].to(next(qwen.parameters()).device)
-        mask = (ids != components.tokenizers[0].pad_token_id).long()  # the template never holds the pad token
-        hidden = qwen(input_ids=ids, attention_mask=mask, output_hidden_states=True).hidden_states[-1]
-        mask = mask[:, _DROP:].to(hidden.dtype)
-        return hidden[:, _DROP:] * mask[..., None], mask
 
     @classmethod
     def predict(cls, denoiser: Any, noisy_latents: Any, timesteps: Any, hidden: Any, pooled: Any,

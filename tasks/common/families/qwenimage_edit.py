@@ -8,7 +8,7 @@ read from QwenImageEditPlusPipeline (diffusers 0.40.0) and done the same way her
   expands each image's pad token to its vision tokens (the image scaled to about 384x384,
   `CONDITION_PIXELS`, sides multiples of 32), and the first 64 tokens (the system turn) are dropped.
   So the conditioning of a target depends on its references: `encode_batch_text` takes them, and
-  training does not cache text embeddings for this family (`text_sees_references`).
+  training does not cache text embeddings for this family (its conditioner's `sees_references`).
 - Each input image is scaled to about a megapixel (`REFERENCE_PIXELS`, sides multiples of 32),
   smaller ones up too, encoded (the posterior's mode, normalised as the targets), packed 2x2, and
   its tokens join the transformer's sequence after the noisy target's, with one `img_shapes` entry
@@ -36,7 +36,7 @@ from typing import Any
 
 from finetune_runtime.convention import CallConvention
 from tasks.common.families.base import PredictInputs
-from tasks.common.families.qwenimage import QwenImage, _latent_statistics, tiny_qwen25vl, tiny_transformer
+from tasks.common.families.qwenimage import QwenImage, QwenVLText, _latent_statistics, tiny_qwen25vl, tiny_transformer
 from tasks.common.families.tiny import qwen_tokenizer, seeded
 
 #: QwenImageEditPlusPipeline's prompt_template_encode, its start index, and the per-image prefix
@@ -73,42 +73,14 @@ def _to_pil(pixels: Any) -> Any:
     return Image.fromarray(array)
 
 
-class QwenImageEdit(QwenImage):
-    name = "qwenimage-edit"
-    title = "Qwen-Image-Edit"
-    builtin = "builtin:tiny-qwenimage-edit"
-    pipeline_class_names = ("QwenImageEditPlusPipeline",)
-    # optimum-intel 2.2.0 exports Qwen-Image's text-to-image pipeline only
-    export = replace(QwenImage.export, ov_pipeline=None)
-    tokenizer_names = ("processor",)  # Qwen2VLProcessor: the tokenizer and the image processor together
-    takes_references = True
-    text_sees_references = True
-    trains_embeddings = False
+class _Text(QwenVLText):
+    """Qwen2.5-VL reading each prompt with its input images, as QwenImageEditPlusPipeline does."""
 
-    @classmethod
-    def call_convention(cls) -> CallConvention:
-        return replace(super().call_convention(), min_input_images=1, input_pixels=REFERENCE_PIXELS)
-
-    @classmethod
-    def prepare_base(cls, folder: Any) -> None:
-        """model_index.json's processor as finetune_runtime.vl_processor's (the hub's names transformers'
-        Qwen2VLProcessor, which cannot load without torchvision); its files are the same."""
-        import json
-        from pathlib import Path
-
-        path = Path(folder) / "model_index.json"
-        index = json.loads(path.read_text())
-        entry = ["finetune_runtime.vl_processor", "ImageQwen2VLProcessor"]
-        if index.get("processor") not in (None, entry):
-            path.write_text(json.dumps({**index, "processor": entry}, indent=2) + "\n")
-
-    @classmethod
-    def tokenize(cls, components: Any, prompts: list[str], max_sequence_length: int | None = None) -> list[Any]:
+    def tokenize(self, components: Any, prompts: list[str], max_sequence_length: int | None = None) -> list[Any]:
         """Nothing: a prompt is tokenized with its input images' vision tokens (`encode_batch_text`)."""
         return []
 
-    @classmethod
-    def encode_batch_text(cls, components: Any, prompts: list[str], input_ids: list[Any],
+    def encode_batch_text(self, components: Any, prompts: list[str], input_ids: list[Any],
                           text_encoders: list[Any] | None = None, references: list[Any] | None = None
                           ) -> tuple[Any, Any]:
         """(hidden, mask) as QwenImageEditPlusPipeline._get_qwen_prompt_embeds makes them for each row's
@@ -118,7 +90,7 @@ class QwenImageEdit(QwenImage):
         from diffusers.image_processor import VaeImageProcessor
 
         if not references:
-            raise ValueError(f"{cls.title} conditions its text on input images; this batch has none")
+            raise ValueError("Qwen-Image-Edit conditions its text on input images; this batch has none")
         (qwen,) = text_encoders or components.text_encoders
         processor = components.tokenizers[0]
         resize = VaeImageProcessor().resize
@@ -141,6 +113,37 @@ class QwenImageEdit(QwenImage):
         mask = torch.stack([(torch.arange(longest, device=hidden.device) < r.shape[0]).to(hidden.dtype)
                             for r in rows])
         return hidden, mask
+
+
+class QwenImageEdit(QwenImage):
+    name = "qwenimage-edit"
+    title = "Qwen-Image-Edit"
+    builtin = "builtin:tiny-qwenimage-edit"
+    pipeline_class_names = ("QwenImageEditPlusPipeline",)
+    # optimum-intel 2.2.0 exports Qwen-Image's text-to-image pipeline only
+    export = replace(QwenImage.export, ov_pipeline=None)
+    # Qwen2VLProcessor (the tokenizer and the image processor together); its text sees the references
+    text = _Text(tokenizer_names=("processor",), trainable=(), max_sequence_length=QwenImage.text.max_sequence_length,
+                 sees_references=True)
+    takes_references = True
+    trains_embeddings = False
+
+    @classmethod
+    def call_convention(cls) -> CallConvention:
+        return replace(super().call_convention(), min_input_images=1, input_pixels=REFERENCE_PIXELS)
+
+    @classmethod
+    def prepare_base(cls, folder: Any) -> None:
+        """model_index.json's processor as finetune_runtime.vl_processor's (the hub's names transformers'
+        Qwen2VLProcessor, which cannot load without torchvision); its files are the same."""
+        import json
+        from pathlib import Path
+
+        path = Path(folder) / "model_index.json"
+        index = json.loads(path.read_text())
+        entry = ["finetune_runtime.vl_processor", "ImageQwen2VLProcessor"]
+        if index.get("processor") not in (None, entry):
+            path.write_text(json.dumps({**index, "processor": entry}, indent=2) + "\n")
 
     @classmethod
     def reference_pixels(cls, pixels: Any) -> Any:

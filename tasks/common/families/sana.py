@@ -36,7 +36,29 @@ from tasks.common.families.base import PredictInputs
 from tasks.common.families.export_profile import ExportProfile
 from tasks.common.families.flow import FlowMatchingFamily
 from tasks.common.families.latent_codec import LatentCodec
+from tasks.common.families.text_conditioner import TextConditioner
 from tasks.common.families.tiny import gemma2_config, gemma_tokenizer, seeded
+
+
+class _Text(TextConditioner):
+    """Gemma-2's last hidden state, padded to a fixed length, its mask in the pooled slot."""
+
+    def tokenize(self, components: Any, prompts: list[str], max_sequence_length: int | None = None) -> list[Any]:
+        """Lowercased, stripped prompts (the pipeline's preprocessing without clean_caption), padded on
+        the right to `max_sequence_length`."""
+        length = max_sequence_length or self.max_sequence_length
+        texts = [p.lower().strip() for p in prompts]
+        return [components.tokenizers[0](texts, padding="max_length", max_length=length, truncation=True,
+                                         add_special_tokens=True, padding_side="right", return_tensors="pt").input_ids]
+
+    def encode_prompt(self, components: Any, input_ids: list[Any], text_encoders: list[Any] | None = None
+                      ) -> tuple[Any, Any]:
+        """(Gemma-2's last hidden state, the float attention mask)."""
+        (gemma,) = text_encoders or components.text_encoders
+        ids = input_ids[0].to(next(gemma.parameters()).device)
+        mask = (ids != components.tokenizers[0].pad_token_id).long()  # right padding: the pads are the tail
+        hidden = gemma(input_ids=ids, attention_mask=mask)[0]
+        return hidden, mask.float()
 
 
 class Sana(FlowMatchingFamily):
@@ -44,10 +66,9 @@ class Sana(FlowMatchingFamily):
     title = "Sana"
     builtin = "builtin:tiny-sana"
     pipeline_class_names = ("SanaPipeline",)
+    text = _Text(trainable=(), max_sequence_length=300)
     lora_targets = ("to_k", "to_q", "to_v")  # train_dreambooth_lora_sana.py's default
-    trainable_text_encoders = ()
     default_weighting_scheme = "none"  # the script's default
-    default_max_sequence_length = 300  # SanaPipeline's and the script's
     #: image sides: multiples of the released autoencoder's 32x compression (the tiny one's 4x divides it);
     #: everything at run time reads the loaded VAE's factor (`pipe.vae_scale_factor`)
     codec = LatentCodec(pixel_multiple=32)
@@ -59,25 +80,6 @@ class Sana(FlowMatchingFamily):
         return {**super().refused_options(),
                 "guidance_scale": f"the guidance input of guidance-distilled FLUX bases; {cls.title} has none",
                 "train_text_encoder": f"{cls.title} trains the transformer only (its LoRA loader has no Gemma part)"}
-
-    @classmethod
-    def tokenize(cls, components: Any, prompts: list[str], max_sequence_length: int | None = None) -> list[Any]:
-        """Lowercased, stripped prompts (the pipeline's preprocessing without clean_caption), padded on
-        the right to `max_sequence_length`."""
-        length = max_sequence_length or cls.default_max_sequence_length
-        texts = [p.lower().strip() for p in prompts]
-        return [components.tokenizers[0](texts, padding="max_length", max_length=length, truncation=True,
-                                         add_special_tokens=True, padding_side="right", return_tensors="pt").input_ids]
-
-    @classmethod
-    def encode_prompt(cls, components: Any, input_ids: list[Any], text_encoders: list[Any] | None = None
-                      ) -> tuple[Any, Any]:
-        """(Gemma-2's last hidden state, the float attention mask)."""
-        (gemma,) = text_encoders or components.text_encoders
-        ids = input_ids[0].to(next(gemma.parameters()).device)
-        mask = (ids != components.tokenizers[0].pad_token_id).long()  # right padding: the pads are the tail
-        hidden = gemma(input_ids=ids, attention_mask=mask)[0]
-        return hidden, mask.float()
 
     @classmethod
     def predict(cls, denoiser: Any, noisy_latents: Any, timesteps: Any, hidden: Any, pooled: Any,
@@ -103,7 +105,7 @@ class Sana(FlowMatchingFamily):
         from diffusers import AutoencoderDC, DPMSolverMultistepScheduler, SanaPipeline, SanaTransformer2DModel
         from transformers import Gemma2Model
 
-        tokenizer = gemma_tokenizer(max_length=cls.default_max_sequence_length)
+        tokenizer = gemma_tokenizer(max_length=cls.text.max_sequence_length)
         transformer = seeded(seed, lambda: SanaTransformer2DModel(
             patch_size=1, in_channels=4, out_channels=4, num_layers=2, num_attention_heads=2, attention_head_dim=8,
             num_cross_attention_heads=2, cross_attention_head_dim=8, cross_attention_dim=16, caption_channels=16,

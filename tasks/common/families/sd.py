@@ -10,6 +10,7 @@ from typing import Any
 
 from tasks.common.families.base import Components, ModelFamily, PredictInputs
 from tasks.common.families.export_profile import ExportProfile
+from tasks.common.families.text_conditioner import TextConditioner
 from tasks.common.families.tiny import clip_text_config, clip_tokenizer, ddpm_kwargs, seeded, tiny_vae
 
 
@@ -23,12 +24,22 @@ class _Export(ExportProfile):
         return "sd2" if pipe.unet.config["cross_attention_dim"] == 1024 else "sd1"
 
 
+class _Text(TextConditioner):
+    """One CLIP encoder: its last hidden state, nothing pooled."""
+
+    def encode_prompt(self, components: Components, input_ids: list[Any], text_encoders: list[Any] | None = None
+                      ) -> tuple[Any, Any]:
+        encoder = (text_encoders or components.text_encoders)[0]
+        device = next(encoder.parameters()).device
+        return encoder(input_ids[0].to(device), return_dict=True).last_hidden_state, None
+
+
 class StableDiffusion(ModelFamily):
     name = "sd"
     title = "Stable Diffusion 1.x/2.x"
     builtin = "builtin:tiny-sd"
     pipeline_class_names = ("StableDiffusionPipeline",)
-    embedding_keys = None
+    text = _Text()
     export = _Export(ov_pipeline="OVStableDiffusionPipeline",
                      genai_lora_prefixes={"unet": "lora_unet", "text_encoder": "lora_te"})
 
@@ -39,13 +50,6 @@ class StableDiffusion(ModelFamily):
         name = index.get("_class_name", "")
         return name.startswith("StableDiffusion") and "XL" not in name and "3" not in name \
             and (index.get("text_encoder_2") or [None])[0] is None
-
-    @classmethod
-    def encode_prompt(cls, components: Components, input_ids: list[Any], text_encoders: list[Any] | None = None
-                      ) -> tuple[Any, Any]:
-        encoder = (text_encoders or components.text_encoders)[0]
-        device = next(encoder.parameters()).device
-        return encoder(input_ids[0].to(device), return_dict=True).last_hidden_state, None
 
     @classmethod
     def predict(cls, denoiser: Any, noisy_latents: Any, timesteps: Any, hidden: Any, pooled: Any,

@@ -13,41 +13,17 @@ from typing import Any
 from tasks.common.families.base import PredictInputs
 from tasks.common.families.export_profile import ExportProfile
 from tasks.common.families.flow import FlowMatchingFamily, flow_scheduler
+from tasks.common.families.text_conditioner import T5Text
 from tasks.common.families.tiny import clip_text_config, clip_tokenizer, seeded, t5_config, t5_tokenizer, tiny_vae
 
 #: CLIP-L and CLIP-G in the ComfyUI file, as SDXL's
 _CLIP_COMFYUI = {"text_encoder": "lora_te1_", "text_encoder_2": "lora_te2_"}
 
 
-class StableDiffusion3(FlowMatchingFamily):
-    name = "sd3"
-    title = "Stable Diffusion 3/3.5"
-    builtin = "builtin:tiny-sd3"
-    pipeline_class_names = ("StableDiffusion3Pipeline",)
-    text_encoder_names = ("text_encoder", "text_encoder_2", "text_encoder_3")
-    tokenizer_names = ("tokenizer", "tokenizer_2", "tokenizer_3")
-    t5_tokenizer_name = "tokenizer_3"
-    trainable_text_encoders = ("text_encoder", "text_encoder_2")
-    default_weighting_scheme = "logit_normal"  # train_dreambooth_lora_sd3.py's default
-    default_max_sequence_length = 77
-    # GenAI 2026.4.1 applies an SD3 LoRA to the transformer under this prefix; no prefix tried
-    # (lora_te1/2, lora_te, te1/2, clip_l/g) reached the CLIP encoders, so those layers are refused.
-    # ComfyUI maps OneTrainer's kohya-style names for SD3 (comfy/lora.py), CLIP-L/G as SDXL's
-    export = ExportProfile(ov_pipeline="OVStableDiffusion3Pipeline", genai_lora_prefixes={"transformer": "transformer"},
-                           comfyui_lora_prefixes={"transformer": "lora_transformer_", **_CLIP_COMFYUI},
-                           comfyui_lycoris_prefixes={"transformer": "lycoris_", **_CLIP_COMFYUI})
+class _Text(T5Text):
+    """CLIP-L and CLIP-G side by side, zero-padded to T5's width, T5's sequence after them; both pooled."""
 
-    @classmethod
-    def refused_options(cls) -> dict[str, str]:
-        return {**super().refused_options(),
-                "guidance_scale": f"the guidance input of guidance-distilled FLUX bases; {cls.title} has none"}
-
-    @classmethod
-    def matches(cls, index: dict[str, Any]) -> bool:
-        return index.get("_class_name", "").startswith("StableDiffusion3")
-
-    @classmethod
-    def encode_prompt(cls, components: Any, input_ids: list[Any], text_encoders: list[Any] | None = None
+    def encode_prompt(self, components: Any, input_ids: list[Any], text_encoders: list[Any] | None = None
                       ) -> tuple[Any, Any]:
         import torch
         import torch.nn.functional as F
@@ -66,6 +42,32 @@ class StableDiffusion3(FlowMatchingFamily):
             t5 = torch.zeros(clip.shape[0], input_ids[0].shape[1], t5_width, device=clip.device, dtype=clip.dtype)
         clip = F.pad(clip, (0, t5_width - clip.shape[-1]))
         return torch.cat([clip, t5.to(clip.dtype)], dim=-2), torch.cat(pooled, dim=-1)
+
+
+class StableDiffusion3(FlowMatchingFamily):
+    name = "sd3"
+    title = "Stable Diffusion 3/3.5"
+    builtin = "builtin:tiny-sd3"
+    pipeline_class_names = ("StableDiffusion3Pipeline",)
+    text = _Text(encoder_names=("text_encoder", "text_encoder_2", "text_encoder_3"),
+                 tokenizer_names=("tokenizer", "tokenizer_2", "tokenizer_3"), t5_tokenizer="tokenizer_3",
+                 trainable=("text_encoder", "text_encoder_2"), max_sequence_length=77)
+    default_weighting_scheme = "logit_normal"  # train_dreambooth_lora_sd3.py's default
+    # GenAI 2026.4.1 applies an SD3 LoRA to the transformer under this prefix; no prefix tried
+    # (lora_te1/2, lora_te, te1/2, clip_l/g) reached the CLIP encoders, so those layers are refused.
+    # ComfyUI maps OneTrainer's kohya-style names for SD3 (comfy/lora.py), CLIP-L/G as SDXL's
+    export = ExportProfile(ov_pipeline="OVStableDiffusion3Pipeline", genai_lora_prefixes={"transformer": "transformer"},
+                           comfyui_lora_prefixes={"transformer": "lora_transformer_", **_CLIP_COMFYUI},
+                           comfyui_lycoris_prefixes={"transformer": "lycoris_", **_CLIP_COMFYUI})
+
+    @classmethod
+    def refused_options(cls) -> dict[str, str]:
+        return {**super().refused_options(),
+                "guidance_scale": f"the guidance input of guidance-distilled FLUX bases; {cls.title} has none"}
+
+    @classmethod
+    def matches(cls, index: dict[str, Any]) -> bool:
+        return index.get("_class_name", "").startswith("StableDiffusion3")
 
     @classmethod
     def predict(cls, denoiser: Any, noisy_latents: Any, timesteps: Any, hidden: Any, pooled: Any,

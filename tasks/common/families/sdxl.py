@@ -12,6 +12,7 @@ from typing import Any
 from tasks.common.errors import UserError
 from tasks.common.families.base import Components, ModelFamily, PredictInputs
 from tasks.common.families.export_profile import ExportProfile
+from tasks.common.families.text_conditioner import TextConditioner
 from tasks.common.families.tiny import clip_text_config, clip_tokenizer, ddpm_kwargs, seeded, tiny_vae
 
 REFINER = ("an SDXL refiner (one OpenCLIP text encoder) has no supported original single-file layout here; "
@@ -30,14 +31,28 @@ class _Export(ExportProfile):
         return "sdxl"
 
 
+class _Text(TextConditioner):
+    """Two CLIP encoders: their penultimate hidden states side by side, the second's pooled projection."""
+
+    def encode_prompt(self, components: Components, input_ids: list[Any], text_encoders: list[Any] | None = None
+                      ) -> tuple[Any, Any]:
+        import torch
+
+        hidden, pooled = [], None
+        for encoder, ids in zip(text_encoders or components.text_encoders, input_ids):
+            out = encoder(ids.to(next(encoder.parameters()).device), output_hidden_states=True, return_dict=True)
+            hidden.append(out.hidden_states[-2])
+            pooled = getattr(out, "text_embeds", None)  # the last encoder (with projection) gives it
+        return torch.cat(hidden, dim=-1), pooled
+
+
 class StableDiffusionXL(ModelFamily):
     name = "sdxl"
     title = "Stable Diffusion XL"
     builtin = "builtin:tiny-sdxl"
     pipeline_class_names = ("StableDiffusionXLPipeline",)
-    text_encoder_names = ("text_encoder", "text_encoder_2")
-    tokenizer_names = ("tokenizer", "tokenizer_2")
-    embedding_keys = ("clip_l", "clip_g")
+    text = _Text(encoder_names=("text_encoder", "text_encoder_2"), tokenizer_names=("tokenizer", "tokenizer_2"),
+                 embedding_keys=("clip_l", "clip_g"))
     export = _Export(ov_pipeline="OVStableDiffusionXLPipeline",
                      genai_lora_prefixes={"unet": "lora_unet", "text_encoder": "lora_te1",
                                           "text_encoder_2": "lora_te2"},
@@ -48,18 +63,6 @@ class StableDiffusionXL(ModelFamily):
     def matches(cls, index: dict[str, Any]) -> bool:
         name = index.get("_class_name", "")
         return name.startswith("StableDiffusionXL")
-
-    @classmethod
-    def encode_prompt(cls, components: Components, input_ids: list[Any], text_encoders: list[Any] | None = None
-                      ) -> tuple[Any, Any]:
-        import torch
-
-        hidden, pooled = [], None
-        for encoder, ids in zip(text_encoders or components.text_encoders, input_ids):
-            out = encoder(ids.to(next(encoder.parameters()).device), output_hidden_states=True, return_dict=True)
-            hidden.append(out.hidden_states[-2])
-            pooled = getattr(out, "text_embeds", None)  # the last encoder (with projection) gives it
-        return torch.cat(hidden, dim=-1), pooled
 
     @classmethod
     def predict(cls, denoiser: Any, noisy_latents: Any, timesteps: Any, hidden: Any, pooled: Any,

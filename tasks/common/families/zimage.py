@@ -17,14 +17,35 @@ No text-encoder training and no textual inversion, as diffusers' train_dreamboot
 """
 from __future__ import annotations
 
-from dataclasses import replace
-from typing import Any, ClassVar
+from dataclasses import dataclass, replace
+from typing import Any
 
 from finetune_runtime.convention import CallConvention
 from tasks.common.families.base import PredictInputs
 from tasks.common.families.flow import FlowMatchingFamily, flow_scheduler
 from tasks.common.families.qwen3_chat import Qwen3Chat
+from tasks.common.families.text_conditioner import TextConditioner
 from tasks.common.families.tiny import qwen3_config, qwen_tokenizer, seeded, tiny_vae
+
+
+@dataclass(frozen=True)
+class _Text(TextConditioner):
+    """Qwen3 through its chat template (`chat`), the chosen hidden states cut by the mask."""
+
+    #: the chat template's thinking switch and the hidden states read
+    chat: Any = None
+
+    def tokenize(self, components: Any, prompts: list[str], max_sequence_length: int | None = None) -> list[Any]:
+        """Each prompt as a chat turn (Qwen3's template, thinking on), padded to `max_sequence_length`."""
+        length = max_sequence_length or self.max_sequence_length
+        return self.chat.tokenize(components.tokenizers[0], prompts, length)
+
+    def encode_prompt(self, components: Any, input_ids: list[Any], text_encoders: list[Any] | None = None
+                      ) -> tuple[Any, Any]:
+        """(the second-to-last hidden states with the padding zeroed, the float attention mask)."""
+        (qwen,) = text_encoders or components.text_encoders
+        (hidden,), mask = self.chat.hidden_states(qwen, input_ids[0], components.tokenizers[0].pad_token_id)
+        return hidden * mask.unsqueeze(-1).to(hidden.dtype), mask.float()
 
 
 class ZImage(FlowMatchingFamily):
@@ -32,12 +53,9 @@ class ZImage(FlowMatchingFamily):
     title = "Z-Image"
     builtin = "builtin:tiny-zimage"
     pipeline_class_names = ("ZImagePipeline",)
+    text = _Text(trainable=(), max_sequence_length=512, chat=Qwen3Chat(thinking=True, layers=(-2,)))
     export = replace(FlowMatchingFamily.export, ov_pipeline="OVZImagePipeline")
-    trainable_text_encoders = ()
     default_weighting_scheme = "none"
-    default_max_sequence_length = 512  # ZImagePipeline's
-    #: Qwen3 with thinking on, its second-to-last hidden states (ZImagePipeline's)
-    conditioner: ClassVar[Qwen3Chat] = Qwen3Chat(thinking=True, layers=(-2,))
 
     @classmethod
     def call_convention(cls) -> CallConvention:
@@ -48,20 +66,6 @@ class ZImage(FlowMatchingFamily):
     def refused_options(cls) -> dict[str, str]:
         return {**super().refused_options(),
                 "train_text_encoder": f"{cls.title} trains the transformer only (its LoRA loader has no Qwen3 part)"}
-
-    @classmethod
-    def tokenize(cls, components: Any, prompts: list[str], max_sequence_length: int | None = None) -> list[Any]:
-        """Each prompt as a chat turn (Qwen3's template, thinking on), padded to `max_sequence_length`."""
-        length = max_sequence_length or cls.default_max_sequence_length
-        return cls.conditioner.tokenize(components.tokenizers[0], prompts, length)
-
-    @classmethod
-    def encode_prompt(cls, components: Any, input_ids: list[Any], text_encoders: list[Any] | None = None
-                      ) -> tuple[Any, Any]:
-        """(the second-to-last hidden states with the padding zeroed, the float attention mask)."""
-        (qwen,) = text_encoders or components.text_encoders
-        (hidden,), mask = cls.conditioner.hidden_states(qwen, input_ids[0], components.tokenizers[0].pad_token_id)
-        return hidden * mask.unsqueeze(-1).to(hidden.dtype), mask.float()
 
     @classmethod
     def predict(cls, denoiser: Any, noisy_latents: Any, timesteps: Any, hidden: Any, pooled: Any,

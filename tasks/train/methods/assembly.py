@@ -92,7 +92,8 @@ class DataAssembly:
 
     def collate(self, examples: list[dict[str, Any]]) -> Batch:
         batch = collate(examples)
-        batch.input_ids = self.components.family.tokenize(self.components, batch.prompts, self.cfg.max_sequence_length)
+        text = self.components.family.text
+        batch.input_ids = text.tokenize(self.components, batch.prompts, self.cfg.max_sequence_length)
         return batch
 
     def validation_prompts(self) -> list[str]:

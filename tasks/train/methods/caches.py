@@ -32,7 +32,7 @@ class Caches:
         the text encoder sees the reference images: Qwen-Image-Edit)."""
         trains_text = any(n.startswith("text_encoder") for n in self.trainable())
         return (self.cfg.cache_text_encoder_outputs and not trains_text and not self.prompts_vary()
-                and not self.components.family.text_sees_references)
+                and not self.components.family.text.sees_references)
 
     def place_frozen_first(self, device: torch.device, dtype: torch.dtype) -> None:
         """Before the denoiser is loaded (core.py): the frozen parts already loaded (the VAE, the
@@ -80,7 +80,7 @@ class Caches:
                                                          if self.cfg.cache_text_encoder_outputs else ""))
 
     def _why_text_uncached(self) -> str:
-        if self.components.family.text_sees_references:
+        if self.components.family.text.sees_references:
             return f" ({self.components.family.title}'s text encoder sees each target's reference images)"
         return " (text encoder trains or tags shuffle)"
 
@@ -150,8 +150,8 @@ class Caches:
         with torch.no_grad():  # in chunks: with the disk store, memory stays flat for any number of captions
             for first in range(0, len(prompts), 64):
                 chunk = prompts[first : first + 64]
-                ids = c.family.tokenize(c, chunk, self.cfg.max_sequence_length)
-                self.prompt_cache.lookup(chunk, ids, lambda one: c.family.encode_prompt(c, one), device)
+                ids = c.family.text.tokenize(c, chunk, self.cfg.max_sequence_length)
+                self.prompt_cache.lookup(chunk, ids, lambda one: c.family.text.encode_prompt(c, one), device)
         names = c.text_encoder_names()
         for name in names:
             del c.modules[name]

@@ -58,7 +58,7 @@ class LoRA(TrainingMethod):
         c.denoiser.train()
         if self.cfg.train_text_encoder:
             for name in c.trainable_text_encoder_names():
-                c.modules[name].add_adapter(self._config(c.family.text_lora_targets))
+                c.modules[name].add_adapter(self._config(c.family.text.lora_targets))
                 c.modules[name].train()
         self._checkpointing()
 

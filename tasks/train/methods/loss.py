@@ -39,10 +39,11 @@ class Loss:
         if self.prompt_cache is not None:
             with torch.no_grad():
                 hidden, pooled = self.prompt_cache.lookup(
-                    batch.prompts, batch.input_ids, lambda ids: family.encode_prompt(c, ids, encoders),
+                    batch.prompts, batch.input_ids, lambda ids: family.text.encode_prompt(c, ids, encoders),
                     latents.device)
         else:
-            hidden, pooled = family.encode_batch_text(c, batch.prompts, batch.input_ids, encoders, batch.references)
+            hidden, pooled = family.text.encode_batch_text(c, batch.prompts, batch.input_ids, encoders,
+                                                           batch.references)
         sample = noised.noisy_latents
         if cfg.channels_last:
             sample = sample.contiguous(memory_format=torch.channels_last)

@@ -144,7 +144,7 @@ class TextualInversion(TrainingMethod):
         """The placeholder rows, keyed as the family's embedding files key them (`embedding_keys`)."""
         rows = [_placeholder_rows(trained[name], ids).detach().float().cpu().contiguous()
                 for name, ids in zip(self.components.text_encoder_names(), self.token_ids)]
-        keys = self.components.family.embedding_keys
+        keys = self.components.family.text.embedding_keys
         if keys is not None:
             return dict(zip(keys, rows))
         return {self.cfg.placeholder_token: rows[0]}
