@@ -132,8 +132,8 @@ class FirstFrame:
             draws = torch.rand(latents.shape[0])
         else:
             draws = torch.cat([torch.rand(1, generator=g) for g in rand.generators])
-        rows = (draws < p).to(latents.device)
-        return cls(rows) if bool(rows.any()) else None
+        picked = draws < p  # decided on the CPU: no device sync per step
+        return cls(picked.to(latents.device)) if bool(picked.any()) else None
 
     def noise(self, noised: NoisedBatch, latents: torch.Tensor) -> NoisedBatch:
         """The conditioned rows' first latent frame clean in the noisy input, and the timesteps per latent
@@ -147,14 +147,18 @@ class FirstFrame:
         return replace(noised, noisy_latents=noisy, timesteps=timesteps)
 
     def weights(self, masks: LossWeights | None, pred: torch.Tensor) -> LossWeights:
-        """The loss weights with the conditioned rows' first latent frame at 0, each row's loss the mean
-        over the frames that count (a conditioned clip's frames 1.., every other clip's all frames; any
-        subject-mask weights multiply in)."""
-        frames = torch.ones(pred.shape[0], 1, pred.shape[2], 1, 1, device=pred.device)
-        frames[self.rows.to(pred.device), :, 0] = 0.0
-        if masks is not None:
-            frames = frames * masks.weights.to(pred.device).unsqueeze(2)  # (b, 1, h, w) on every frame
-        return LossWeights(frames, normalize=True)
+        """The loss weights with the conditioned rows' first latent frame at 0 and their other f - 1
+        frames at f / (f - 1), so each row's loss is the mean over the frames that count (a conditioned
+        clip's frames 1.., every other clip's all frames); any subject-mask weights multiply in, with
+        their own normalize_masked_area_loss."""
+        f = pred.shape[2]
+        frames = torch.ones(pred.shape[0], 1, f, 1, 1, device=pred.device)
+        rows = self.rows.to(pred.device)
+        frames[rows] = f / (f - 1)
+        frames[rows, :, 0] = 0.0
+        if masks is None:
+            return LossWeights(frames)
+        return LossWeights(frames * masks.weights.to(pred.device).unsqueeze(2), normalize=masks.normalize)
 
 
 #: Every objective, by the name a family's `objective` gives.

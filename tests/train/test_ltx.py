@@ -234,13 +234,19 @@ def test_a_conditioned_clip_keeps_its_first_frame_clean_at_timestep_0_and_out_of
     assert not torch.equal(_loss(method, components, batch), loss)
 
 
-def test_without_first_frame_conditioning_the_loss_is_exactly_todays(ltx_lora) -> None:
-    """p = 0 draws nothing (the step as without the option); a p that draws no row changes nothing either."""
+def test_without_first_frame_conditioning_the_loss_is_exactly_todays(ltx_lora, monkeypatch) -> None:
+    """p = 0 draws nothing (the step as without the option); a p that draws no row changes nothing either:
+    both equal the loss of a step where the conditioning does not exist (its draw never returns a row)."""
+    from tasks.train.objectives import FirstFrame
+
     method, components, batch = ltx_lora
-    unset = _loss(method, components, batch)
     assert method.cfg.first_frame_conditioning_p == 0.0
-    assert torch.equal(_loss(method, components, batch, first_frame_conditioning_p=0.0), unset)
-    assert torch.equal(_loss(method, components, batch, first_frame_conditioning_p=1e-12), unset)
+    with monkeypatch.context() as patched:
+        patched.setattr(FirstFrame, "draw", classmethod(lambda cls, p, latents, rand: None))
+        without = _loss(method, components, batch, first_frame_conditioning_p=1.0)
+    assert torch.equal(_loss(method, components, batch), without)
+    assert torch.equal(_loss(method, components, batch, first_frame_conditioning_p=1e-12), without)
+    assert not torch.equal(_loss(method, components, batch, first_frame_conditioning_p=1.0), without)
 
 
 def test_each_clip_draws_its_conditioning_from_its_own_seed() -> None:
