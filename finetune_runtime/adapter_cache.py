@@ -46,7 +46,6 @@ log = logging.getLogger("sd_pyfunc.adapters")
 #: The registered adapter version's artifact (genai_lora.safetensors, runtime_adapter.json, ...).
 ADAPTER_ARTIFACT = layout.ADAPTER
 ADAPTER_INFO = "runtime_adapter.json"
-LINEAGE_ARTIFACT = "lineage.json"
 #: A folder the cache made (and so may delete) carries this file.
 MARKER = ".sd-adapter-cache"
 MAX_ADAPTERS = 8  # the compiled pipeline covers every cached adapter's layers: bounds a recompile

@@ -62,7 +62,7 @@ class RegisterConfig(StageConfig):
     )
     serve_adapter_models: list[Annotated[str, Field(min_length=1, max_length=256,
                                                     pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")]] | None = Field(
-        None,
+        None, min_length=1,
         description="a base export's endpoint (export.adapters: runtime): the registered models whose versions "
                     "a request may name as `adapter` (any other gets HTTP 400 naming `adapter`); null: the one "
                     "model this pipeline registers the base's fine-tunes under (`<model>` of `<model>-base`). "
