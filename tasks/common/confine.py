@@ -5,7 +5,8 @@ credentials recorded on a tracking server all the same (`run_relayed`).
 the table and why the stage's own entry is where stripping happens.
 
 ingest parses untrusted files and class_images runs under launchers; neither is given the MLflow
-password (tasks/common/credentials.py). When the tracking URI is an http(s) server, the stage runs
+password (tasks/common/credentials.py). A stage that logs no run (`LOGS_NO_RUN`: data_manifest) is
+only re-executed with its row, never relayed. When the tracking URI is an http(s) server, the stage runs
 as a child of this process under its stripped environment, logging to a throw-away local store
 (SQLite, artifacts beside it); this process, which holds the credentials and runs no stage code,
 checks the server before the child starts (nothing runs without a record) and copies the child's

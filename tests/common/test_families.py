@@ -52,14 +52,14 @@ def test_every_family_says_what_the_stages_ask() -> None:
     assert not matched, "each pipeline class belongs to one family"
 
 
-#: ModelFamily's members today (about 50 before the export, latent and text roles); the issue's aim is about 12
+#: ModelFamily's members today (52 before the export, latent and text roles); the issue's aim is about 12
 MAX_FAMILY_MEMBERS = 31
 
 
 def test_new_family_facts_go_into_roles() -> None:
     """The interface does not grow: a new fact joins a role (export profile, latent codec, text
-    conditioner, call convention), each family's role carries the family's title for its messages, and roles are
-    shared records, not per-family copies of the interface."""
+    conditioner, call convention); the export profile carries the family's title for its messages;
+    roles are shared records, not per-family copies of the interface."""
     from tasks.common.families.base import ModelFamily
     from tasks.common.families.export_profile import ExportProfile
     from tasks.common.families.latent_codec import LatentCodec

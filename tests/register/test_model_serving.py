@@ -128,10 +128,10 @@ def _post_raw(url: str, body: bytes) -> tuple[int, bytes]:
 @pytest.mark.e2e
 @pytest.mark.timeout(900)
 def test_the_readmes_serve_command_runs_as_written(project: Path, tmp_path: Path) -> None:
-    """`make serve-model` (README, "The registry") serves with this environment's bin off PATH, as a new
-    user's shell has it: MLflow execs `uvicorn` by name, which `.venv/bin/mlflow models serve` alone
-    cannot find. The install stamp is taken as it is (`-o`): the test is of serving, not installing.
-    It prints uvicorn's lines only."""
+    """`make serve-model` (README.md, "What you get, and where to look") serves with this environment's
+    bin off PATH, as a new user's shell has it: MLflow execs `uvicorn` by name, which
+    `.venv/bin/mlflow models serve` alone cannot find. The install stamp is taken as it is (`-o`): the
+    test is of serving, not installing. It prints uvicorn's lines only."""
     import os
     import subprocess
     import sys

@@ -30,7 +30,7 @@ COMFYUI_SOURCE = {
 }
 
 #: the ComfyUI model (comfy/model_base.py class whose key map applies) and CLIP slots of each family's
-#: text encoders, in the family's `text_encoder_names` order; None: ComfyUI has no such model (Sana)
+#: text encoders, in the family's `text.encoder_names` order; None: ComfyUI has no such model (Sana)
 COMFYUI_MODELS: dict[str, tuple[str, tuple[str, ...]] | None] = {
     "sd": ("unet", ("clip_l",)),
     "sdxl": ("unet", ("clip_l", "clip_g")),

@@ -1,4 +1,4 @@
-"""Where and how it runs (tasks/common/launch.py; README "Launchers"): the launcher and its
+"""Where and how it runs (tasks/common/launch.py; tasks/train/README.md, "Launchers"): the launcher and its
 topology, the CPU back end, torch.compile, PyTorch/XLA's options (`train.xla`)."""
 from __future__ import annotations
 
