@@ -95,16 +95,6 @@ def names_where(test: Callable[[AdapterType], bool]) -> tuple[str, ...]:
     return tuple(t.name for t in TYPES.where(test))
 
 
-def __getattr__(name: str) -> Any:
-    """The old tuples, read from the registry: every type, those saved as diffusers' LoRA file, those
-    GenAI applies at run time."""
-    found = {"ADAPTER_TYPES": lambda t: True, "DIFFUSERS_FORMAT": lambda t: t.diffusers_file,
-             "RUNTIME_TYPES": lambda t: t.runtime}.get(name)
-    if found is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return names_where(found)
-
-
 def peft_config(lora_type: str, rank: int, alpha: float | None, dropout: float, targets: list[str],
                 decompose_factor: int = -1) -> Any:
     """peft's config for one adapter type on `targets` (module names)."""

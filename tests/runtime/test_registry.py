@@ -59,8 +59,9 @@ def test_families_methods_adapter_types_formats_and_back_ends_are_each_a_registr
     assert families.by_name("sd") is families.REGISTRY.get("sd")
     assert method_specs.names() == method_specs.SPECS.names()
     assert adapter_formats.names() == adapter_formats.FORMATS.names() == ("diffusers", "comfyui")
-    assert adapters.ADAPTER_TYPES == adapters.TYPES.names() == ("lora", "dora", "lokr", "loha")
-    assert adapters.DIFFUSERS_FORMAT == ("lora", "dora") and adapters.RUNTIME_TYPES == ("lora",)
+    assert adapters.TYPES.names() == ("lora", "dora", "lokr", "loha")
+    assert adapters.names_where(lambda t: t.diffusers_file) == ("lora", "dora")
+    assert adapters.names_where(lambda t: t.runtime) == ("lora",)
     assert load.BACKENDS.names() == ("genai", "openvino", "diffusers")
     assert [b.name for b in load.BACKENDS if b.request_adapters] == ["genai"]
     with pytest.raises(ValueError, match="unknown serving back end 'onnx'; choose one of genai, openvino, diffusers"):
@@ -95,11 +96,11 @@ def test_a_new_adapter_type_is_one_record() -> None:
     adapters.TYPES.register(toy)
     try:
         assert adapters.peft_config("toy", 4, None, 0.0, ["to_q"]) == "config" and made == [(4, 4, 0.0, ["to_q"], -1)]
-        assert network_module("toy") == "lycoris.kohya" and "toy" in adapters.ADAPTER_TYPES
+        assert network_module("toy") == "lycoris.kohya" and "toy" in adapters.TYPES.names()
         sd = type("Fam", (), {"name": "sd"})
         assert metadata(sd, "toy", 4, None)["ss_network_args"] == '{"algo": "toy"}'
     finally:
         adapters.TYPES.unregister("toy")
-    assert "toy" not in adapters.ADAPTER_TYPES
+    assert "toy" not in adapters.TYPES.names()
     with pytest.raises(ValueError, match="lora_type: 'toy' is not one of lora, dora, lokr, loha"):
         adapters.peft_config("toy", 4, None, 0.0, ["to_q"])

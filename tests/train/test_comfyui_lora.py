@@ -27,7 +27,8 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from tasks.common import adapter_formats, families
-from tasks.common.adapters import ADAPTER_TYPES, peft_config
+from tasks.common.adapters import TYPES as ADAPTERS
+from tasks.common.adapters import peft_config
 from tasks.common.comfyui_lora import COMFYUI_LORA_NAME, SUFFIXES, comfyui_state, prefixes, stem
 from tasks.common.errors import UserError
 from tasks.train.config import TrainConfig
@@ -343,7 +344,7 @@ def test_comfyui_maps_and_reads_every_key_of_the_file(name) -> None:
     pipe = family.build_tiny(0)
     stems = comfyui_keymap.key_map(family, pipe)
     text = family.text.trainable != ()
-    for lora_type, rank in (*((t, 4) for t in ADAPTER_TYPES), ("lokr", 1)):
+    for lora_type, rank in (*((t, 4) for t in ADAPTERS.names()), ("lokr", 1)):
         keys = set(comfyui_state(family, with_adapters(pipe, lora_type, text, rank=rank, copy=True), lora_type))
         assert keys, (lora_type, rank)
         assert not comfyui_keymap.not_loaded(keys, stems), (lora_type, rank)

@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 
 from finetune_runtime.adapters import apply_peft
 from finetune_runtime.layout import PEFT_DIR, peft_components
-from tasks.common.adapters import ADAPTER_TYPES
+from tasks.common.adapters import TYPES as ADAPTERS
 from tasks.common.families import detect
 from tasks.common.quantize import CHOICES, UNSUPPORTED_ADAPTERS, BasePrecision, is_quantized
 from tasks.train.config import TrainConfig
@@ -76,7 +76,7 @@ def _adapters_change_the_denoiser(base: Path, out: Path, adapter: str) -> None:
 
 
 @pytest.mark.parametrize("precision", PRECISIONS)
-@pytest.mark.parametrize("adapter", ADAPTER_TYPES)
+@pytest.mark.parametrize("adapter", ADAPTERS.names())
 def test_each_precision_trains_each_adapter_type_on_tiny_sd(tmp_path, tiny_sd, one_image, precision, adapter) -> None:
     if not _trains(precision, adapter):
         with pytest.raises(ValueError, match=rf"base_model_precision: {precision}.*lora_type: {adapter}"):
