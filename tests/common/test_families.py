@@ -58,8 +58,8 @@ MAX_FAMILY_MEMBERS = 31
 
 def test_new_family_facts_go_into_roles() -> None:
     """The interface does not grow: a new fact joins a role (export profile, latent codec, text
-    conditioner, call convention); the export profile carries the family's title for its messages;
-    roles are shared records, not per-family copies of the interface."""
+    conditioner, call convention); the export profile and the text conditioner carry the family's title
+    for their messages; roles are shared records, not per-family copies of the interface."""
     from tasks.common.families.base import ModelFamily
     from tasks.common.families.export_profile import ExportProfile
     from tasks.common.families.latent_codec import LatentCodec
@@ -70,7 +70,7 @@ def test_new_family_facts_go_into_roles() -> None:
     for family in families.FAMILIES:
         assert isinstance(family.export, ExportProfile) and family.export.title == family.title
         assert isinstance(family.codec, LatentCodec) and family.codec.pixel_multiple % 8 == 0
-        assert isinstance(family.text, TextConditioner)
+        assert isinstance(family.text, TextConditioner) and family.text.title == family.title
         assert set(family.text.trainable or ()) <= set(family.text.encoder_names)
         refusal = family.export.single_file_refusal({"_class_name": family.pipeline_class_names[0],
                                                      "text_encoder": ["transformers", "CLIPTextModel"]})

@@ -133,6 +133,8 @@ class ModelFamily:
         super().__init_subclass__(**kwargs)
         if "title" in vars(cls) or "export" in vars(cls):
             cls.export = replace(cls.export, title=getattr(cls, "title", cls.export.title))
+        if "title" in vars(cls) or "text" in vars(cls):
+            cls.text = replace(cls.text, title=getattr(cls, "title", cls.text.title))
 
     # --- recognising a folder -------------------------------------------------------------------
     @classmethod

@@ -90,7 +90,7 @@ class _Text(QwenVLText):
         from diffusers.image_processor import VaeImageProcessor
 
         if not references:
-            raise ValueError("Qwen-Image-Edit conditions its text on input images; this batch has none")
+            raise ValueError(f"{self.title} conditions its text on input images; this batch has none")
         (qwen,) = text_encoders or components.text_encoders
         processor = components.tokenizers[0]
         resize = VaeImageProcessor().resize

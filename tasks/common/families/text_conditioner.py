@@ -41,6 +41,8 @@ class TextConditioner:
     #: tokens per prompt of a fixed-length tokenizer (T5, a chat template) when train.max_sequence_length
     #: is null; None: CLIP's own 77 only
     max_sequence_length: int | None = None
+    #: the family's title, for messages (ModelFamily sets it)
+    title: str = "this model family"
 
     def tokenize(self, components: Any, prompts: list[str], max_sequence_length: int | None = None) -> list[Any]:
         """Token ids per tokenizer, padded/truncated to each tokenizer's max length (CLIP: 77)."""
