@@ -14,7 +14,7 @@ LoRA loader has no Qwen3 part.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
 from finetune_runtime.convention import CallConvention
@@ -22,8 +22,7 @@ from tasks.common.families.base import PredictInputs
 from tasks.common.families.export_profile import ExportProfile
 from tasks.common.families.flow import FlowMatchingFamily, flow_scheduler
 from tasks.common.families.latent_codec import LatentCodec
-from tasks.common.families.qwen3_chat import Qwen3Chat
-from tasks.common.families.text_conditioner import TextConditioner
+from tasks.common.families.qwen3_chat import Qwen3Chat, Qwen3ChatText
 from tasks.common.families.tiny import qwen3_config, qwen_tokenizer, seeded
 
 #: LoRA targets of diffusers' klein script: the double-stream blocks' attention projections, the
@@ -122,17 +121,8 @@ class _Codec(LatentCodec):
         return (patches - mean) / std
 
 
-@dataclass(frozen=True)
-class _Text(TextConditioner):
+class _Text(Qwen3ChatText):
     """Qwen3 through its chat template (`chat`), the chosen hidden states side by side."""
-
-    #: the chat template's thinking switch and the hidden states read
-    chat: Any = None
-
-    def tokenize(self, components: Any, prompts: list[str], max_sequence_length: int | None = None) -> list[Any]:
-        """Each prompt as a chat turn (Qwen3's template, thinking off), padded to `max_sequence_length`."""
-        length = max_sequence_length or self.max_sequence_length
-        return self.chat.tokenize(components.tokenizers[0], prompts, length)
 
     def encode_prompt(self, components: Any, input_ids: list[Any], text_encoders: list[Any] | None = None
                       ) -> tuple[Any, Any]:
@@ -151,6 +141,8 @@ class Flux2Klein(FlowMatchingFamily):
     title = "FLUX.2 [klein]"
     builtin = "builtin:tiny-flux2"
     pipeline_class_names = ("Flux2KleinPipeline",)
+    # Qwen3 with thinking off, its hidden states 9, 18 and 27 side by side (Flux2KleinPipeline's
+    # text_encoder_out_layers), 512 tokens (Flux2KleinPipeline's); the transformer trains alone
     text = _Text(trainable=(), max_sequence_length=512, chat=Qwen3Chat(thinking=False, layers=(9, 18, 27)))
     codec = _Codec(pixel_multiple=16)
     lora_targets = _LORA_TARGETS

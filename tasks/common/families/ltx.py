@@ -91,6 +91,7 @@ class LTXVideo(FlowMatchingFamily):
     title = "LTX-Video"
     builtin = "builtin:tiny-ltx"
     pipeline_class_names = ("LTXPipeline",)
+    # one T5 (it never trains, as in diffusers' scripts), 128 tokens (LTXPipeline's)
     text = _Text(tokenizer_names=("tokenizer",), t5_tokenizer="tokenizer", trainable=(), max_sequence_length=128)
     codec = _Codec(pixel_multiple=32)
     video = True

@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from tasks.common.families.text_conditioner import TextConditioner
+
 
 @dataclass(frozen=True)
 class Qwen3Chat:
@@ -34,3 +36,16 @@ class Qwen3Chat:
         mask = ids != pad_token_id
         out = qwen(input_ids=ids, attention_mask=mask.long(), output_hidden_states=True, use_cache=False)
         return [out.hidden_states[k] for k in self.layers], mask
+
+
+@dataclass(frozen=True)
+class Qwen3ChatText(TextConditioner):
+    """A text conditioner on one Qwen3 encoder read through `chat`; a family writes how it combines the
+    chosen hidden states (`encode_prompt`)."""
+
+    chat: Qwen3Chat | None = None
+
+    def tokenize(self, components: Any, prompts: list[str], max_sequence_length: int | None = None) -> list[Any]:
+        """Each prompt as a chat turn, padded to `max_sequence_length` (the family's where None)."""
+        length = max_sequence_length or self.max_sequence_length
+        return self.chat.tokenize(components.tokenizers[0], prompts, length)

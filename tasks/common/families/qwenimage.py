@@ -85,7 +85,7 @@ class QwenImage(FlowMatchingFamily):
     title = "Qwen-Image"
     builtin = "builtin:tiny-qwenimage"
     pipeline_class_names = ("QwenImagePipeline",)
-    text = QwenVLText(trainable=(), max_sequence_length=512)
+    text = QwenVLText(trainable=(), max_sequence_length=512)  # QwenImagePipeline.__call__'s length
     codec = _Codec(pixel_multiple=16)
     export = replace(FlowMatchingFamily.export, ov_pipeline="OVQwenImagePipeline")
     guidance_in_batch = False  # the negative prompt's pass is a separate call

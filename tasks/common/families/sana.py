@@ -66,7 +66,7 @@ class Sana(FlowMatchingFamily):
     title = "Sana"
     builtin = "builtin:tiny-sana"
     pipeline_class_names = ("SanaPipeline",)
-    text = _Text(trainable=(), max_sequence_length=300)
+    text = _Text(trainable=(), max_sequence_length=300)  # SanaPipeline's and the script's length
     lora_targets = ("to_k", "to_q", "to_v")  # train_dreambooth_lora_sana.py's default
     default_weighting_scheme = "none"  # the script's default
     #: image sides: multiples of the released autoencoder's 32x compression (the tiny one's 4x divides it);

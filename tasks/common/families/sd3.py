@@ -49,6 +49,7 @@ class StableDiffusion3(FlowMatchingFamily):
     title = "Stable Diffusion 3/3.5"
     builtin = "builtin:tiny-sd3"
     pipeline_class_names = ("StableDiffusion3Pipeline",)
+    # CLIP-L and CLIP-G train with train_text_encoder, T5 never (as in diffusers' scripts)
     text = _Text(encoder_names=("text_encoder", "text_encoder_2", "text_encoder_3"),
                  tokenizer_names=("tokenizer", "tokenizer_2", "tokenizer_3"), t5_tokenizer="tokenizer_3",
                  trainable=("text_encoder", "text_encoder_2"), max_sequence_length=77)

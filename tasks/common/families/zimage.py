@@ -17,28 +17,18 @@ No text-encoder training and no textual inversion, as diffusers' train_dreamboot
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
 from finetune_runtime.convention import CallConvention
 from tasks.common.families.base import PredictInputs
 from tasks.common.families.flow import FlowMatchingFamily, flow_scheduler
-from tasks.common.families.qwen3_chat import Qwen3Chat
-from tasks.common.families.text_conditioner import TextConditioner
+from tasks.common.families.qwen3_chat import Qwen3Chat, Qwen3ChatText
 from tasks.common.families.tiny import qwen3_config, qwen_tokenizer, seeded, tiny_vae
 
 
-@dataclass(frozen=True)
-class _Text(TextConditioner):
+class _Text(Qwen3ChatText):
     """Qwen3 through its chat template (`chat`), the chosen hidden states cut by the mask."""
-
-    #: the chat template's thinking switch and the hidden states read
-    chat: Any = None
-
-    def tokenize(self, components: Any, prompts: list[str], max_sequence_length: int | None = None) -> list[Any]:
-        """Each prompt as a chat turn (Qwen3's template, thinking on), padded to `max_sequence_length`."""
-        length = max_sequence_length or self.max_sequence_length
-        return self.chat.tokenize(components.tokenizers[0], prompts, length)
 
     def encode_prompt(self, components: Any, input_ids: list[Any], text_encoders: list[Any] | None = None
                       ) -> tuple[Any, Any]:
@@ -53,6 +43,7 @@ class ZImage(FlowMatchingFamily):
     title = "Z-Image"
     builtin = "builtin:tiny-zimage"
     pipeline_class_names = ("ZImagePipeline",)
+    # Qwen3 with thinking on, its second-to-last hidden states, 512 tokens (ZImagePipeline's)
     text = _Text(trainable=(), max_sequence_length=512, chat=Qwen3Chat(thinking=True, layers=(-2,)))
     export = replace(FlowMatchingFamily.export, ov_pipeline="OVZImagePipeline")
     default_weighting_scheme = "none"
