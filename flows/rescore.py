@@ -23,6 +23,13 @@ running past `register.rescore_timeout_min`), never stops the flow: `attempt` re
 in one short line (tasks/register/oneline.py; the command's whole output goes to the flow's log),
 the candidate is still registered, `champion` holds, and the candidate's tag
 `champion.rescore_error` and its description say why (tasks/register/registry.py, `rescored`).
+
+Every MLflow run the command starts carries the tag `rescore.id` (one id per re-score, given through
+MLflow's own MLFLOW_RUN_CONTEXT); a run it left RUNNING because it was stopped or failed is ended
+through the flow's client (`close_runs`): KILLED when the command was stopped (timeout, signal),
+FAILED when it exited with an error, its `error` tag saying why. A killed command cannot end its run
+itself; otherwise it stayed RUNNING until the flow's run ended (and closed it as a stage killed for
+memory), or for good when the re-score had no parent run.
 """
 from __future__ import annotations
 
@@ -35,6 +42,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import uuid
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -46,10 +54,15 @@ from finetune_runtime.genai_serving import ADAPTER_ARTIFACT
 from tasks.common.errors import UserError
 from tasks.register.base_export import runtime_export_of
 from tasks.register.naming import Lineage
-from tasks.register.oneline import last_error, reason
+from tasks.register.oneline import last_error, one_line, reason
 from tasks.register.promotion import Champion, other_lineage
 
 log = logging.getLogger(__name__)
+
+#: The tag of every MLflow run a re-score's command starts: its re-score's id (`close_runs`).
+RESCORE_TAG = "rescore.id"
+#: MLflow's own variable: JSON tags added to every run a process starts with `mlflow.start_run`.
+RUN_CONTEXT_ENV = "MLFLOW_RUN_CONTEXT"
 
 #: Arguments of the evaluate command that name where it writes (replaced by a temporary folder).
 _OUTPUT_ARGS = ("--out", "--report", "--metrics")
@@ -121,7 +134,7 @@ def rescore(workdir: Path, model_uri: str, env: Mapping[str, str],
         if "--report" not in cmd[:-1]:
             raise UserError(f"{workdir / 'dvc.yaml'}: the evaluate command has no --report to read the scores from")
         start = time.monotonic()
-        _run(cmd, workdir, stage_env(env), model_uri, timeout_s)
+        _run(cmd, workdir, tagged(stage_env(env), uuid.uuid4().hex), model_uri, timeout_s)
         report_path = Path(cmd[cmd.index("--report") + 1])
         if not report_path.is_file():
             raise UserError(f"re-scoring {model_uri}: the evaluate command succeeded but wrote no report "
@@ -159,9 +172,45 @@ def _inputs(local: Path, model_uri: str, tmp: Path) -> dict[str, Path]:
     return artifacts
 
 
+def tagged(env: Mapping[str, str], rescore_id: str) -> dict[str, str]:
+    """`env` whose MLflow runs carry RESCORE_TAG=`rescore_id` (beside the MLFLOW_RUN_CONTEXT tags it had)."""
+    context = json.loads(env.get(RUN_CONTEXT_ENV) or "{}")
+    return {**env, RUN_CONTEXT_ENV: json.dumps({**context, RESCORE_TAG: rescore_id})}
+
+
+def close_runs(env: Mapping[str, str], workdir: Path, status: str, why: str) -> list[str]:
+    """End as `status` (KILLED, FAILED), with `why` as their `error` tag, the runs that the command run
+    under `env` (made by `tagged`) started and left RUNNING; their ids. Never raises: a run that
+    cannot be ended is logged, the re-score's own reason stays the one handed on."""
+    import mlflow
+
+    from tasks.common.tracking import tracking_uri
+
+    rescore_id = json.loads(env[RUN_CONTEXT_ENV])[RESCORE_TAG]
+    uri = env.get("MLFLOW_TRACKING_URI") or tracking_uri(workdir)  # where the command logged
+    closed: list[str] = []
+    try:
+        client = mlflow.MlflowClient(uri)
+        experiments = [e.experiment_id for e in client.search_experiments()]
+        left = client.search_runs(experiments, filter_string=(
+            f"tags.`{RESCORE_TAG}` = '{rescore_id}' and attributes.status = 'RUNNING'")) if experiments else []
+        for run in left:
+            client.set_tag(run.info.run_id, "error", one_line(why, 5000))
+            client.set_terminated(run.info.run_id, status)
+            closed.append(run.info.run_id)
+    except Exception as err:  # the re-score failed already: say this, keep its reason
+        log.warning("the re-score's MLflow runs left RUNNING at %s could not be ended (%s): %s", uri,
+                    reason(err), ", ".join(closed) or "none ended")
+        return closed
+    if closed:
+        log.warning("ended the re-score's MLflow run(s) %s as %s: %s", ", ".join(closed), status, why)
+    return closed
+
+
 def _run(cmd: list[str], workdir: Path, env: dict[str, str], model_uri: str, timeout_s: float | None) -> None:
     """Run the evaluate command in its own process group; its whole output in the flow's log when it
-    fails, its error in one line for the tags. Past `timeout_s` the group is killed."""
+    fails, its error in one line for the tags. Past `timeout_s` the group is killed. The MLflow runs
+    it left RUNNING when it fails are ended (`close_runs`)."""
     proc = subprocess.Popen(cmd, cwd=workdir, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, start_new_session=True)
     try:
@@ -172,11 +221,16 @@ def _run(cmd: list[str], workdir: Path, env: dict[str, str], model_uri: str, tim
         output, _ = proc.communicate()
         log.warning("re-scoring %s: the evaluate command's output before it was stopped:\n%s", model_uri,
                     (output or "")[-6000:])
-        raise UserError(f"re-scoring {model_uri} stopped after {timeout_s:.0f} s "
-                        "(register.rescore_timeout_min)") from None
+        why = f"re-scoring {model_uri} stopped after {timeout_s:.0f} s (register.rescore_timeout_min)"
+        close_runs(env, workdir, "KILLED", why)
+        raise UserError(why) from None
     if proc.returncode != 0:
         log.warning("re-scoring %s: the evaluate command's output:\n%s", model_uri, (output or "")[-6000:])
         if proc.returncode < 0:  # what it printed last is not why: a signal stopped it
-            raise UserError(f"re-scoring {model_uri} failed: the evaluate command was killed by "
-                            f"{signal.Signals(-proc.returncode).name} (out of memory?); the flow's log has its output")
-        raise UserError(f"re-scoring {model_uri} failed (exit {proc.returncode}): {last_error(output or '')}")
+            why = (f"re-scoring {model_uri} failed: the evaluate command was killed by "
+                   f"{signal.Signals(-proc.returncode).name} (out of memory?); the flow's log has its output")
+            close_runs(env, workdir, "KILLED", why)
+            raise UserError(why)
+        why = f"re-scoring {model_uri} failed (exit {proc.returncode}): {last_error(output or '')}"
+        close_runs(env, workdir, "FAILED", why)
+        raise UserError(why)

@@ -15,7 +15,8 @@ import mlflow
 import pytest
 from mlflow.exceptions import MlflowException
 
-from flows.rescore import attempt
+from flows.rescore import RESCORE_TAG, attempt
+from tasks.common.tracking import PARENT_ENV
 from tasks.register.core import register
 from tests.register.conftest import EVAL_PASS
 
@@ -29,6 +30,13 @@ if mode == "crash":
     raise RuntimeError("the denoiser's weights do not match this family")
 if mode == "killed":
     os.kill(os.getpid(), signal.SIGKILL)
+if mode in ("run-hang", "run-exit"):  # as tasks.evaluate does: its stage run, child of the flow's
+    from tasks.common.tracking import stage_run
+    with stage_run("evaluate"):
+        print("scoring", flush=True)
+        if mode == "run-exit":
+            os._exit(3)  # dies without ending its run
+        time.sleep(120)
 if mode == "hang":
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
     open("grandchild.pid", "w").write(str(child.pid))
@@ -106,6 +114,31 @@ def test_every_failed_rescore_holds_the_champion_with_a_one_line_reason(champion
     assert f"re-scoring it failed: {results['crash']['error']}" in decision
     summary = mv.description.split("\n\n")[0]
     assert decision in summary and "\n" not in summary and not _LOG_PREFIX.search(summary)
+
+
+def test_the_runs_a_stopped_or_failed_rescore_left_running_are_ended(champion: Path) -> None:
+    """The evaluate command started its MLflow run (a child of the flow's run), then hung past the
+    timeout, or died without ending it: its run is ended KILLED or FAILED with the reason; the flow's
+    run and another run still RUNNING are left alone."""
+    client = mlflow.MlflowClient()
+    experiment = client.get_experiment_by_name("finetune") or client.get_experiment(
+        client.create_experiment("finetune"))
+    parent = client.create_run(experiment.experiment_id, tags={"pipeline": "finetune"}).info.run_id
+    other = client.create_run(experiment.experiment_id, tags={"mlflow.parentRunId": parent}).info.run_id
+    uri = "models:/sd-test/1"
+    env = {PARENT_ENV: parent}
+    hung = attempt(champion, "1", uri, {**env, "RESCORE_MODE": "run-hang"}, timeout_s=15)
+    exited = attempt(champion, "1", uri, {**env, "RESCORE_MODE": "run-exit"}, timeout_s=60)
+    assert hung["error"] == f"re-scoring {uri} stopped after 15 s (register.rescore_timeout_min)"
+    assert exited["error"].startswith(f"re-scoring {uri} failed (exit 3): ")
+    runs = client.search_runs([experiment.experiment_id], filter_string="tags.stage = 'evaluate'",
+                              order_by=["attributes.start_time ASC"])
+    assert [(r.info.status, r.data.tags["mlflow.parentRunId"]) for r in runs] == [
+        ("KILLED", parent), ("FAILED", parent)], "the command's run was not started, or not ended"
+    assert [r.data.tags["error"] for r in runs] == [hung["error"], exited["error"]]
+    assert len({r.data.tags[RESCORE_TAG] for r in runs}) == 2, "one id per re-score"
+    assert all(r.info.end_time for r in runs)
+    assert [client.get_run(run).info.status for run in (parent, other)] == ["RUNNING", "RUNNING"]
 
 
 def test_a_rescore_report_without_a_usable_score_holds_the_champion(champion: Path) -> None:
