@@ -450,3 +450,62 @@ def test_a_champion_rewritten_through_the_artifact_proxy_is_refused_at_load_nami
         pipeline.log_param(mv.run_id, key, "0" * 64)
     pipeline.restore_run(mv.run_id)
     assert pipeline.get_run(mv.run_id).data.params[key] == digest
+
+
+#: `make serve-model`'s recipe (Makefile): the entry the test below runs, as the Makefile runs it.
+SERVE_MODEL = '-m tasks.register.verified models serve -m "$$model" --env-manager local -h 127.0.0.1 -p $(PORT)'
+
+
+def test_a_version_registered_without_a_manifest_is_served_or_rescored_only_when_allowed(
+    mlflow_on_postgres: tuple[str, Path], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """tasks/register/manifest.py's FINETUNE_ALLOW_UNVERIFIED on the real server: a version the
+    pipeline user registered without a manifest (by other code) is refused by `make serve-model`'s
+    entry, run by a reader, and by the flow's re-score, both naming the setting; with it set to 1,
+    the same command serves the version and the re-score gets past the check."""
+    from flows.rescore import attempt
+    from tasks.register.manifest import ALLOW_ENV
+    from tests.register.http_serve import post, wait_ready
+    from tests.register.manifest_model import register_echo
+
+    assert SERVE_MODEL in (REPO / "Makefile").read_text(), "make serve-model runs another entry now"
+    uri, _ = mlflow_on_postgres
+    model = compose_env("mlflow-init")["REGISTERED_MODEL"]
+    reader = ("erin", f"reader/{uuid.uuid4().hex}")
+    access_tool(monkeypatch, uri, "add-user", reader[0], stdin=reader[1])
+    pipeline = pipeline_client(uri, monkeypatch)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    monkeypatch.delenv(ALLOW_ENV, raising=False)
+    experiment = pipeline.create_experiment(f"unverified-{uuid.uuid4().hex[:8]}")
+    mv, _ = register_echo(tmp_path, model, experiment, manifested=False)
+    model_uri = f"models:/{model}/{mv.version}"
+    env = e2e_env(REPO, MLFLOW_TRACKING_URI=uri, MLFLOW_TRACKING_USERNAME=reader[0],
+                  MLFLOW_TRACKING_PASSWORD=reader[1])
+    env.pop(ALLOW_ENV, None)
+
+    def serve(port: int) -> list[str]:
+        return [sys.executable, "-m", "tasks.register.verified", "models", "serve", "-m", model_uri,
+                "--env-manager", "local", "-h", "127.0.0.1", "-p", str(port)]
+
+    log, url = tmp_path / "serve.log", f"http://127.0.0.1:{free_port()}"
+    with open(log, "wb") as sink:  # allowed, while the same command without the setting is refused
+        server = subprocess.Popen(serve(int(url.rsplit(":", 1)[1])), cwd=tmp_path, env={**env, ALLOW_ENV: "1"},
+                                  stdout=sink, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        refused = subprocess.run(serve(free_port()), cwd=tmp_path, env=env, capture_output=True, text=True,
+                                 timeout=120)
+        wait_ready(url, server, log, timeout=120)
+        assert post(url, {"inputs": ["a"]}, timeout=60) == (200, {"predictions": ["w1:a"]})
+    finally:
+        stop_process_group(server)
+    assert refused.returncode == 2, refused.stdout[-3000:] + refused.stderr[-3000:]
+    assert f"registered model {model} version {mv.version} was registered without a manifest" in refused.stderr
+    assert f"set {ALLOW_ENV}=1 to load it unchecked" in refused.stderr and "Traceback" not in refused.stderr
+    assert f"loading it unchecked ({ALLOW_ENV}=1)" in log.read_text()
+
+    # the flow's re-score (as the pipeline): refused before any file is used, so the champion holds
+    held = attempt(tmp_path, mv.version, model_uri, {}, timeout_s=60)
+    assert "registered without a manifest" in held["error"] and f"{ALLOW_ENV}=1" in held["error"]
+    monkeypatch.setenv(ALLOW_ENV, "1")
+    past = attempt(tmp_path, mv.version, model_uri, {}, timeout_s=60)  # an echo model has no fine-tune
+    assert past["error"] == f"{model_uri} has no fine-tuned model to re-score (artifacts/finetuned)"
