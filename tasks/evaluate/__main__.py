@@ -13,7 +13,9 @@ Applies the gate in params.yaml (`evaluate.gate`), and writes the report (DVC me
 optional flat metrics file, and a plots folder: grid.png, grid_base.png, grid_export.png,
 per_prompt.csv. When --instance-data is an edit dataset (targets with reference images), both models
 also edit its first `evaluate.edits.max_pairs` triples, scored against the targets (edit_* metrics;
-grid_edits.png, per_edit.csv). One pipeline is in memory at a time and the encoders load after the
+grid_edits.png, per_edit.csv). A video model trained as image-to-video (train.first_frame_conditioning_p > 0)
+also continues the subject clips from their first frames with both models (i2v_* metrics; grid_i2v.png,
+grid_i2v_base.png, preview_i2v.gif, per_i2v.csv). One pipeline is in memory at a time and the encoders load after the
 last; each phase's peak RSS is in the report (`memory`) and on the MLflow run; the base's images come
 from `evaluate.base_cache_dir` when a fine-tune of the same base was evaluated under the same protocol
 (tasks/evaluate/README.md).
@@ -34,7 +36,7 @@ from tasks.common.outputs import atomic_dir, check_replaceable, write_json
 from tasks.common.quantize import following_train
 from tasks.common.scoring import split_frames
 from tasks.common.tracking import stage_run
-from tasks.evaluate.config import EvaluateConfig
+from tasks.evaluate.config import EvaluateConfig, following_train_i2v
 from tasks.evaluate.core import Result, evaluate
 
 log = logging.getLogger("tasks.evaluate")
@@ -44,7 +46,8 @@ PREVIEW_MS_PER_FRAME = 125
 
 def write_plots(result: Result, out: Path, images_per_prompt: int) -> dict[str, Path]:
     """grid.png (one row per prompt), grid_base.png, per_prompt.csv (and for an edit set
-    grid_edits.png, per_edit.csv; for a video model preview.gif, the fine-tune's first clip) into `out`."""
+    grid_edits.png, per_edit.csv; for a video model preview.gif, the fine-tune's first clip; for one trained
+    as image-to-video grid_i2v.png, grid_i2v_base.png, preview_i2v.gif, per_i2v.csv) into `out`."""
     paths = {"grid": out / "grid.png", "csv": out / "per_prompt.csv"}
     flat = [im for row in result.images for im in row]
     make_grid(flat, cols=images_per_prompt).save(paths["grid"])
@@ -64,11 +67,27 @@ def write_plots(result: Result, out: Path, images_per_prompt: int) -> dict[str, 
         paths["preview"] = out / "preview.gif"
         first, *rest = split_frames(result.images[0][0], frames)
         first.save(paths["preview"], save_all=True, append_images=rest, duration=PREVIEW_MS_PER_FRAME, loop=0)
+    if result.extra.get("i2v"):
+        paths.update(_write_i2v(result.extra["i2v"], out, images_per_prompt, frames))
     edit_grid = result.extra.get("edit_grid")
     if edit_grid:  # an edit dataset: a row per triple (references, target, fine-tune's, base's edit)
         paths["grid_edits"], paths["edits_csv"] = out / "grid_edits.png", out / "per_edit.csv"
         make_grid(edit_grid[0], cols=edit_grid[1]).save(paths["grid_edits"])
         _write_csv(paths["edits_csv"], result.edit_rows)
+    return paths
+
+
+def _write_i2v(i2v: dict, out: Path, images_per_prompt: int, frames: int) -> dict[str, Path]:
+    """The image-to-video clips: grid_i2v.png (one row per subject clip continued), grid_i2v_base.png,
+    preview_i2v.gif (the fine-tune's first), per_i2v.csv."""
+    paths = {"grid_i2v": out / "grid_i2v.png", "i2v_csv": out / "per_i2v.csv", "preview_i2v": out / "preview_i2v.gif"}
+    make_grid([im for row in i2v["images"] for im in row], cols=images_per_prompt).save(paths["grid_i2v"])
+    if i2v["base_images"] is not None:
+        paths["grid_i2v_base"] = out / "grid_i2v_base.png"
+        make_grid([im for row in i2v["base_images"] for im in row], cols=images_per_prompt).save(paths["grid_i2v_base"])
+    first, *rest = split_frames(i2v["images"][0][0], frames)
+    first.save(paths["preview_i2v"], save_all=True, append_images=rest, duration=PREVIEW_MS_PER_FRAME, loop=0)
+    _write_csv(paths["i2v_csv"], i2v["rows"])
     return paths
 
 
@@ -132,8 +151,9 @@ def main() -> None:
     )
     parser.add_argument("--params", type=Path, default=Path("params.yaml"))
     args = parser.parse_args()
-    cfg = following_train("evaluate", load_config("evaluate", EvaluateConfig, args.params),
-                          read_params(args.params))
+    params = read_params(args.params)  # train's facts the evaluation follows: its precision, image-to-video
+    cfg = following_train_i2v(following_train("evaluate", load_config("evaluate", EvaluateConfig, args.params),
+                                              params), params)
     check_replaceable(args.out)  # before minutes of generation, not after
     with stage_run("evaluate", params=cfg.model_dump()) as run:
         result = evaluate(args.model, args.base, args.instance_data, cfg,
@@ -151,6 +171,8 @@ def main() -> None:
         run.log_table(result.rows, "evaluate/per_prompt_table.json")
         if result.edit_rows:
             run.log_table(result.edit_rows, "evaluate/per_edit_table.json")
+        if result.extra.get("i2v"):
+            run.log_table(result.extra["i2v"]["rows"], "evaluate/per_i2v_table.json")
         run.log_dict(result.report, "evaluate.json")
         gate = result.report["gate"]
         protocol = result.report["protocol"]

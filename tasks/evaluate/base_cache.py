@@ -6,12 +6,13 @@ lossless, so the images read back are the ones generated, bit for bit). The key 
 everything the base's images depend on:
 
 - the base's files (tasks/common/fingerprint.py folder_fingerprint: paths and contents);
-- every job's arguments: the prompts, drift class prompts, held-out captions and the edit set's
-  content hash; the call shape, seed, steps, guidance and images per prompt;
+- every job's arguments: the prompts, drift class prompts, held-out captions, the edit set's and the
+  image-to-video first frames' content hashes; the call shape, seed, steps, guidance and images per prompt;
 - the precision the base is generated in (on a quantized denoiser, also the code that loads it:
   QUANTIZED_CODE);
 - the versions of torch, diffusers and transformers, and the source of the project's generation
-  code (tasks/evaluate/generate.py and edits.py, tasks/common/families/, finetune_runtime's call and size): a
+  code (tasks/evaluate/generate.py, edits.py and image_to_video.py, tasks/common/families/, finetune_runtime's
+  call, size and load (the first-frame pipeline)): a
   change to any of them changes the images, so it is a miss.
 
 An entry is written in a temporary folder beside it and renamed into place in one step: an
@@ -39,8 +40,9 @@ log = logging.getLogger(__name__)
 FORMAT = 1
 MANIFEST = "manifest.json"
 _ROOT = Path(__file__).resolve().parents[2]
-GENERATION_CODE = ("tasks/evaluate/generate.py", "tasks/evaluate/edits.py", "tasks/common/families",
-                   "finetune_runtime/pipeline_call.py", "finetune_runtime/convention.py", "finetune_runtime/size.py")
+GENERATION_CODE = ("tasks/evaluate/generate.py", "tasks/evaluate/edits.py", "tasks/evaluate/image_to_video.py",
+                   "tasks/common/families", "finetune_runtime/pipeline_call.py", "finetune_runtime/convention.py",
+                   "finetune_runtime/size.py", "finetune_runtime/load.py")
 #: also hashed when the base is generated on a quantized denoiser (its precision names a `denoiser`)
 QUANTIZED_CODE = ("tasks/common/quantize.py", "tasks/common/quantized_pipeline.py")
 LIBRARIES = ("torch", "diffusers", "transformers")

@@ -47,6 +47,18 @@ class GateConfig(StageConfig):
         None, ge=-2.0, le=2.0, description="edit set: lowest CLIP-I gain over the base's edits")
     min_gain_edit_dino: float | None = Field(
         None, ge=-2.0, le=2.0, description="edit set: lowest DINO gain over the base's edits")
+    min_i2v_clip_t: float | None = Field(
+        None, ge=-1.0, le=1.0, description="image-to-video clips: lowest CLIP-T to their captions")
+    min_i2v_clip_i: float | None = Field(
+        None, ge=-1.0, le=1.0, description="image-to-video clips: lowest CLIP-I to the subject frames")
+    min_i2v_dino: float | None = Field(
+        None, ge=-1.0, le=1.0, description="image-to-video clips: lowest DINO to the subject frames")
+    min_gain_i2v_clip_t: float | None = Field(
+        None, ge=-2.0, le=2.0, description="image-to-video clips: lowest CLIP-T gain over the base's")
+    min_gain_i2v_clip_i: float | None = Field(
+        None, ge=-2.0, le=2.0, description="image-to-video clips: lowest CLIP-I gain over the base's")
+    min_gain_i2v_dino: float | None = Field(
+        None, ge=-2.0, le=2.0, description="image-to-video clips: lowest DINO gain over the base's")
 
 
 class DriftConfig(StageConfig):
@@ -106,6 +118,21 @@ class EditsConfig(StageConfig):
     max_pairs: int = Field(4, ge=1, le=1000, description="first N (references, target, instruction) triples")
 
 
+class ImageToVideoConfig(StageConfig):
+    """A video model trained as image-to-video (train.first_frame_conditioning_p > 0): clips started from a frame.
+
+    Each of the first `max_clips` subject clips (the instance data's clips.jsonl) is continued from its
+    first frame with its caption, by the fine-tune and the base from the same seeds, through the family's
+    first-frame pipeline; scored as the text-to-video clips are, reported as i2v_* (gated only by the
+    gate's min_i2v_* / min_gain_i2v_* thresholds, all null by default).
+    """
+
+    enabled: bool | None = Field(
+        None, description="make and score the image-to-video clips; null: when train.first_frame_conditioning_p "
+                          "> 0 (the model trained that way)")
+    max_clips: int = Field(2, ge=1, le=1000, description="first N subject clips (clips.jsonl order)")
+
+
 class EvaluateConfig(StageConfig):
     """`evaluate` section: prompts, sampling, encoders and the gate."""
 
@@ -145,6 +172,7 @@ class EvaluateConfig(StageConfig):
     heldout: HeldoutConfig = Field(default_factory=HeldoutConfig)
     export_fidelity: ExportFidelityConfig = Field(default_factory=ExportFidelityConfig)
     edits: EditsConfig = Field(default_factory=EditsConfig)
+    image_to_video: ImageToVideoConfig = Field(default_factory=ImageToVideoConfig)
     base_cache_dir: str | None = Field(
         None,
         description="the base's images kept here by the base's fingerprint, the prompts and the generation "
@@ -189,7 +217,7 @@ class EvaluateConfig(StageConfig):
     @model_validator(mode="after")
     def _gains_need_base(self) -> EvaluateConfig:
         keys = ("min_gain_clip_t", "min_gain_clip_i", "min_gain_dino", "min_drift_clip_i",
-                "min_drift_dino", *EDIT_GAIN_THRESHOLDS)
+                "min_drift_dino", *EDIT_GAIN_THRESHOLDS, *I2V_GAIN_THRESHOLDS)
         gains = [k for k in keys if getattr(self.gate, k) is not None]
         if gains and not self.compare_base:
             raise ValueError(
@@ -203,7 +231,15 @@ class EvaluateConfig(StageConfig):
         edit = self.edit_thresholds()
         if edit and not self.edits.enabled:
             raise ValueError(f"gate.{edit[0]} needs edits.enabled: true (it scores the edit set)")
+        i2v = self.i2v_thresholds()
+        if i2v and self.image_to_video.enabled is False:
+            raise ValueError(f"gate.{i2v[0]} needs image_to_video.enabled: true or null (it scores the "
+                             "image-to-video clips)")
         return self
+
+    def i2v_thresholds(self) -> list[str]:
+        """The gate's image-to-video thresholds that are set (they need the image-to-video clips)."""
+        return [k for k in (*I2V_THRESHOLDS, *I2V_GAIN_THRESHOLDS) if getattr(self.gate, k) is not None]
 
     def edit_thresholds(self) -> list[str]:
         """The gate's edit-set thresholds that are set (they need an edit set to measure)."""
@@ -212,6 +248,8 @@ class EvaluateConfig(StageConfig):
 
 EDIT_THRESHOLDS = ("min_edit_clip_t", "min_edit_clip_i", "min_edit_dino")
 EDIT_GAIN_THRESHOLDS = ("min_gain_edit_clip_t", "min_gain_edit_clip_i", "min_gain_edit_dino")
+I2V_THRESHOLDS = ("min_i2v_clip_t", "min_i2v_clip_i", "min_i2v_dino")
+I2V_GAIN_THRESHOLDS = ("min_gain_i2v_clip_t", "min_gain_i2v_clip_i", "min_gain_i2v_dino")
 
 
 def check_templates(prompts: list[str]) -> list[str]:
@@ -232,3 +270,19 @@ def check_templates(prompts: list[str]) -> list[str]:
 def quantized(cfg: EvaluateConfig) -> BasePrecision | None:
     """The quantized denoiser `cfg` asks for (its base_model_precision, resolved: following_train)."""
     return BasePrecision.parse(cfg.base_model_precision or "none", key="evaluate.base_model_precision")
+
+
+def following_train_i2v(cfg: EvaluateConfig, params: dict[str, Any]) -> EvaluateConfig:
+    """`cfg` with image_to_video.enabled null replaced by whether params.yaml's train stage trained the model
+    as image-to-video (train.first_frame_conditioning_p > 0; 0, its default, where the train section leaves it
+    out); a UserError names both keys for a value that is not a number."""
+    from tasks.common.errors import UserError
+
+    if cfg.image_to_video.enabled is not None:
+        return cfg
+    value = (params.get("train") or {}).get("first_frame_conditioning_p", 0.0)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise UserError(f"evaluate.image_to_video.enabled is null, so it follows train.first_frame_conditioning_p, "
+                        f"which must be a number from 0 to 1, not {value!r}")
+    section = cfg.image_to_video.model_copy(update={"enabled": value > 0})
+    return cfg.model_copy(update={"image_to_video": section})

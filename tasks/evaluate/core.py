@@ -24,6 +24,7 @@ from tasks.common.tiny_encoders import check_encoder
 from tasks.evaluate import edits as E
 from tasks.evaluate import extra_metrics as X
 from tasks.evaluate import fidelity as F
+from tasks.evaluate import image_to_video as I
 from tasks.evaluate import metrics as M
 from tasks.evaluate import protocol as P
 from tasks.evaluate.config import EvaluateConfig, quantized
@@ -68,6 +69,7 @@ def evaluate(model: Path, base: Path | None, instance_data: Path, cfg: EvaluateC
     prompts, clip_texts = render_prompts(cfg)
     real_images = load_instance_images(instance_data)
     triples = _edit_set(instance_data, cfg)
+    starts = _starts(model, base, instance_data, cfg, prompts)  # refused before any pipeline loads
     if triples:  # refused before any pipeline loads (the export's fidelity images come first)
         E.refuse_family(_family_of(model, base), triples)
     if not triples and (base is not None or (Path(model) / "model_index.json").is_file()):  # (adapters without
@@ -79,7 +81,7 @@ def evaluate(model: Path, base: Path | None, instance_data: Path, cfg: EvaluateC
     check_encoder(cfg.dino_model, "evaluate.dino_model", cfg.dino_revision)
     peaks = PhasePeaks()
     made = generate_all(model, base, cfg.compare_base and base is not None, prompts, cfg, heldout, export,
-                        triples, peaks)
+                        triples, peaks, starts)
     frames = _family_of(model, base).call_convention().frames or 1  # a video model's clips: scored per frame
     with peaks.phase("score"):  # the encoders load once every pipeline is gone
         start = time.perf_counter()
@@ -91,9 +93,13 @@ def evaluate(model: Path, base: Path | None, instance_data: Path, cfg: EvaluateC
     report["edits"] = {"pairs": len(triples), "rows": scores.edit_rows} if triples else None
     edit_grid = (E.grid_cells(triples, made.tuned["edits"][0], made.based["edits"][0] if made.based else None)
                  if triples else None)
+    report["image_to_video"] = ({"clips": [s.clip for s in starts], "prompts": [s.caption for s in starts],
+                                 "rows": scores.i2v_rows} if starts else None)
+    i2v = ({"images": made.tuned["i2v"][0], "base_images": made.based["i2v"][0] if made.based else None,
+            "rows": scores.i2v_rows} if starts else None)
     return Result(report, scores.rows, made.tuned["main"][0], made.based["main"][0] if made.based else None,
                   {"export_images": made.exported["images"] if made.exported else None,
-                   "edit_grid": edit_grid, "frames": frames}, scores.edit_rows)
+                   "edit_grid": edit_grid, "frames": frames, "i2v": i2v}, scores.edit_rows)
 
 
 @dataclass
@@ -103,6 +109,7 @@ class _Scores:
     fidelity: dict[str, Any] | None  # the export's (None: not compared)
     edit_rows: list[dict[str, Any]]  # per triple of the edit set
     dims: tuple[int, int]  # the CLIP and DINO embeddings' sizes
+    i2v_rows: list[dict[str, Any]] = field(default_factory=list)  # per subject clip continued (image-to-video)
 
 
 def _score(cfg: EvaluateConfig, made: Generated, triples: list[E.Triple], prompts: list[str],
@@ -115,8 +122,13 @@ def _score(cfg: EvaluateConfig, made: Generated, triples: list[E.Triple], prompt
     metrics, rows = _fine_tuning_metrics(scorer, prompts, clip_texts, made.tuned, made.based, made.heldout)
     edit_metrics, edit_rows = _edit_scores(encoders, triples, made, cfg.identifier)
     metrics.update(edit_metrics)
+    i2v_rows: list[dict[str, Any]] = []
+    if made.jobs.i2v:  # the image-to-video clips, against their captions and the same subject frames
+        i2v_metrics, i2v_rows = I.scores(encoders, real_images, frames, made.jobs.i2v["starts"], made.tuned["i2v"][0],
+                                         made.based["i2v"][0] if made.based else None, cfg.identifier)
+        metrics.update(i2v_metrics)
     return _Scores(metrics, rows, _export_fidelity(scorer, made), edit_rows,
-                   (scorer.clip.embedding_dim, scorer.dino.embedding_dim))
+                   (scorer.clip.embedding_dim, scorer.dino.embedding_dim), i2v_rows)
 
 
 def _edit_scores(encoders: Encoders, triples: list[E.Triple], made: Generated,
@@ -132,6 +144,23 @@ def _family_of(model: Path, base: Path | None) -> type[families.ModelFamily]:
     """The fine-tune's family: its own pipeline folder's, else (adapters only) its base's."""
     folder = Path(model) if (Path(model) / "model_index.json").is_file() or base is None else Path(base)
     return families.detect(folder)
+
+
+def _starts(model: Path, base: Path | None, instance_data: Path, cfg: EvaluateConfig,
+            prompts: list[str]) -> list[I.Start]:
+    """The subject clips image-to-video continues (none when evaluate.image_to_video.enabled, resolved, is
+    false); a UserError, before any generation, where the family cannot or the data holds no clips, or where
+    the gate has an image-to-video threshold and there are none to score."""
+    if not cfg.image_to_video.enabled:
+        if thresholds := cfg.i2v_thresholds():
+            raise UserError(f"evaluate.gate.{thresholds[0]} scores image-to-video clips, but "
+                            "evaluate.image_to_video is off (train.first_frame_conditioning_p is 0: the model did "
+                            f"not train as image-to-video); set evaluate.gate.{thresholds[0]}: null")
+        return []
+    family = _family_of(model, base)
+    if (why := I.refusal(family)) is not None:
+        raise UserError(f"evaluate.image_to_video: {why}; set evaluate.image_to_video.enabled: false")
+    return I.load_starts(instance_data, cfg.image_to_video.max_clips, prompts[0])
 
 
 def _edit_set(instance_data: Path, cfg: EvaluateConfig) -> list[E.Triple]:
@@ -168,12 +197,16 @@ def _gate_and_report(cfg: EvaluateConfig, scores: _Scores, made: Generated, prom
     report = _report(cfg, metrics, verdict, prompts, clip_texts, made.tuned["main"][0], real_images,
                      made.shape, made.source, drift=made.jobs.drift, heldout=made.heldout,
                      with_base=bool(made.based), fidelity=fidelity, scorer_dims=scores.dims,
-                     edits=made.jobs.edits["triples"] if made.jobs.edits else None, precision=made.precision)
+                     edits=made.jobs.edits["triples"] if made.jobs.edits else None, precision=made.precision,
+                     starts=made.jobs.i2v["starts"] if made.jobs.i2v else None)
     report["generation"]["base_cache"] = made.base_cache
     report["seconds"] = made.seconds
     log.info("CLIP-T %.3f, CLIP-I %.3f, DINO %.3f; gate %s; protocol %s", metrics["clip_t"],
              metrics["clip_i"], metrics["dino"], "passed" if verdict["passed"] else "FAILED",
              report["protocol"]["id"])
+    if "i2v_dino" in metrics:
+        log.info("image-to-video: CLIP-T %.3f, CLIP-I %.3f, DINO %.3f, temporal consistency %.3f",
+                 metrics["i2v_clip_t"], metrics["i2v_clip_i"], metrics["i2v_dino"], metrics["i2v_temporal_consistency"])
     if "edit_dino" in metrics:
         log.info("edit set: DINO %.3f, CLIP-I %.3f to the targets, CLIP-T %.3f to the instructions",
                  metrics["edit_dino"], metrics["edit_clip_i"], metrics["edit_clip_t"])
@@ -226,7 +259,8 @@ def _report(cfg: EvaluateConfig, metrics: dict[str, float], verdict: dict[str, A
             real_images: list[Image.Image], shape: StaticShape, source: dict[str, Any], *,
             drift: dict[str, Any] | None, heldout: Any, with_base: bool,
             fidelity: dict[str, Any] | None, scorer_dims: tuple[int, int],
-            edits: list[E.Triple] | None, precision: dict[str, str]) -> dict[str, Any]:
+            edits: list[E.Triple] | None, precision: dict[str, str],
+            starts: list[I.Start] | None = None) -> dict[str, Any]:
     return {
         "metrics": {k: M._json_number(v) for k, v in metrics.items()},
         "gate": verdict,
@@ -250,6 +284,7 @@ def _report(cfg: EvaluateConfig, metrics: dict[str, float], verdict: dict[str, A
             heldout=P.images_hash(heldout[1]) if heldout else None,
             base_backend="pytorch" if with_base else None,
             export_fidelity=cfg.export_fidelity.max_prompts if fidelity else False,
-            edits={"set": E.set_hash(edits), "pairs": len(edits)} if edits else None),
+            edits={"set": E.set_hash(edits), "pairs": len(edits)} if edits else None,
+            image_to_video=I.starts_hash(starts) if starts else None),
         "reference_dreambooth_paper_table1": M.PAPER_TABLE1,
     }

@@ -29,6 +29,7 @@ from tasks.common.quantized_pipeline import compute_choice
 from tasks.evaluate import base_cache as C
 from tasks.evaluate import edits as E
 from tasks.evaluate import extra_metrics as X
+from tasks.evaluate import image_to_video as I
 from tasks.evaluate.config import EvaluateConfig, quantized
 from tasks.evaluate.generate import generate
 
@@ -96,6 +97,7 @@ class Jobs:
     drift: dict[str, Any] | None
     heldout: dict[str, Any] | None
     edits: dict[str, Any] | None = None  # E.generate's arguments: the triples, seed, steps, guidance
+    i2v: dict[str, Any] | None = None  # I.generate's: the subject clips' first frames, shape, seed, steps, guidance
 
     def run(self, pipe: Any, who: str) -> dict[str, Any]:
         if self.edits:  # before any image: a family without reference inputs is refused
@@ -107,13 +109,15 @@ class Jobs:
             out["heldout"] = generate(pipe, desc=f"{who}: held-out captions", **self.heldout)
         if self.edits:
             out["edits"] = E.generate(pipe, desc=f"{who}: edits", **self.edits)
+        if self.i2v:
+            out["i2v"] = I.generate(pipe, desc=f"{who}: image-to-video", **self.i2v)
         return out
 
     def settings(self) -> dict[str, Any]:
         """Every job's arguments as plain JSON (the call shape as a dict, the edit set as its content
         hash): what, with the base and its precision, decides the base's images (the cache key)."""
         out: dict[str, Any] = {}
-        for name in ("main", "drift", "heldout", "edits"):
+        for name in ("main", "drift", "heldout", "edits", "i2v"):
             job = getattr(self, name)
             if job is None:
                 continue
@@ -124,6 +128,8 @@ class Jobs:
                 plain["triples"] = {"set": E.set_hash(plain["triples"]), "pairs": len(plain["triples"])}
             if plain.get("image"):
                 plain["image"] = E.images_hash(plain["image"])
+            if "starts" in plain:
+                plain["starts"] = I.starts_hash(plain["starts"])
             out[name] = plain
         return out
 
@@ -168,7 +174,7 @@ def export_images(export: Path, prompts: list[str], cfg: EvaluateConfig) -> dict
 
 
 def _jobs(prompts: list[str], cfg: EvaluateConfig, shape: StaticShape, with_base: bool, heldout_data: Any,
-          triples: list[E.Triple], family: type[families.ModelFamily]) -> Jobs:
+          triples: list[E.Triple], family: type[families.ModelFamily], starts: list[I.Start]) -> Jobs:
     common = dict(shape=shape, seed=cfg.seed, num_inference_steps=cfg.num_inference_steps,
                   guidance_scale=cfg.guidance_scale)
     if family.call_convention().min_input_images:  # no image from a prompt alone: the prompts edit the edit
@@ -181,14 +187,17 @@ def _jobs(prompts: list[str], cfg: EvaluateConfig, shape: StaticShape, with_base
         heldout=dict(prompts=heldout_data[0], images_per_prompt=1, **common) if heldout_data else None,
         edits=dict(triples=triples, seed=cfg.seed, num_inference_steps=cfg.num_inference_steps,
                    guidance_scale=cfg.guidance_scale) if triples else None,
+        i2v=dict(starts=starts, images_per_prompt=cfg.images_per_prompt, shape=shape, seed=cfg.seed,
+                 num_inference_steps=cfg.num_inference_steps, guidance_scale=cfg.guidance_scale) if starts else None,
     )
 
 
 def generate_all(model: Path, base: Path | None, with_base: bool, prompts: list[str], cfg: EvaluateConfig,
                  heldout: Path | None, export: Path | None, triples: list[E.Triple],
-                 peaks: PhasePeaks) -> Generated:
+                 peaks: PhasePeaks, starts: list[I.Start] | None = None) -> Generated:
     """The export's fidelity images, the fine-tune's and, `with_base`, the base's (see the module
-    docstring): one pipeline in memory at a time, each phase's peak RSS into `peaks`."""
+    docstring): one pipeline in memory at a time, each phase's peak RSS into `peaks`. `starts`: the
+    subject clips both models continue from their first frames (image_to_video.py; none: no such job)."""
     heldout_data = X.load_heldout(heldout, cfg.heldout.max_images) if cfg.heldout.enabled else None
     exported = None
     if cfg.export_fidelity.enabled and export is not None:
@@ -201,7 +210,7 @@ def generate_all(model: Path, base: Path | None, with_base: bool, prompts: list[
         shape = exported["shape"] if exported else call_shape(pipe, cfg.resolution)
         log.info("generating %d x %d images in %s at %s", len(prompts), cfg.images_per_prompt, precision.label,
                  shape)
-        jobs = _jobs(prompts, cfg, shape, with_base, heldout_data, triples, families.of_pipeline(pipe))
+        jobs = _jobs(prompts, cfg, shape, with_base, heldout_data, triples, families.of_pipeline(pipe), starts or [])
         tuned = jobs.run(pipe, f"fine-tuned ({precision.label})")
         del pipe
         release_memory()

@@ -57,13 +57,16 @@ def describe(cfg: EvaluateConfig, *, prompts: list[str], clip_texts: list[str], 
              precision: dict[str, str], shape: dict[str, Any], instance: str,
              heldout: str | None, base_backend: str | None,
              export_fidelity: int | None | bool = False,
-             edits: dict[str, Any] | None = None) -> dict[str, Any]:
+             edits: dict[str, Any] | None = None,
+             image_to_video: dict[str, Any] | None = None) -> dict[str, Any]:
     """The report's `protocol` section: {id, calibrated, uncalibrated_reason, settings}.
 
     `backend` / `precision` are the fine-tune's (the gains': `base_backend` is the base's, the
     same); `export_fidelity` is False when the export was not compared, else its max_prompts
     (None: all prompts); `edits`: the edit set scored ({set: its content hash, pairs}), None
-    without one (then left out of the settings, so evaluations without edits keep their ids)."""
+    without one (then left out of the settings, so evaluations without edits keep their ids);
+    `image_to_video`: the subject clips continued from their first frames ({set, clips}), None (left
+    out) without them."""
     settings = {
         "clip": _encoder(cfg.clip_model, cfg.clip_revision, cfg.encoder_seed),
         "dino": _encoder(cfg.dino_model, cfg.dino_revision, cfg.encoder_seed),
@@ -85,6 +88,8 @@ def describe(cfg: EvaluateConfig, *, prompts: list[str], clip_texts: list[str], 
     }
     if edits is not None:
         settings["edits"] = edits
+    if image_to_video is not None:
+        settings["image_to_video"] = image_to_video
     text = json.dumps(settings, sort_keys=True, separators=(",", ":"))
     reason = uncalibrated_reason(cfg)
     return {"id": hashlib.sha256(text.encode()).hexdigest()[:12], "calibrated": reason is None,
