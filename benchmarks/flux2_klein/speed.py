@@ -63,7 +63,7 @@ def run_one(mode: str, work: Path, size: int, steps: int, images: int, out: Path
     pipe, family = _pipeline(mode, work)
     pipe.set_progress_bar_config(disable=True)
     load_s = time.monotonic() - start
-    shape = family.latent_shape(pipe, size, size)
+    shape = family.denoiser.latent_shape(pipe, size, size)
 
     def image(seed: int, n_steps: int) -> np.ndarray:
         latents = torch.randn((1, *shape), generator=torch.Generator().manual_seed(seed))

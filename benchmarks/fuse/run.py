@@ -37,18 +37,18 @@ def write_lora(base: Path, path: Path, rank: int, seed: int = 0) -> int:
     from tasks.common import families
 
     family = families.detect(base)
-    config = json.loads((base / family.denoiser_name / "config.json").read_text())
+    config = json.loads((base / family.denoiser.name / "config.json").read_text())
     with torch.device("meta"):
         model = getattr(diffusers, config["_class_name"]).from_config(config)
     generator = torch.Generator().manual_seed(seed)
     tensors = {}
     for name, module in model.named_modules():
-        if isinstance(module, torch.nn.Linear) and any(name.endswith(t) for t in family.lora_targets):
-            key = f"{family.denoiser_name}.{name}"
+        if isinstance(module, torch.nn.Linear) and any(name.endswith(t) for t in family.denoiser.lora_targets):
+            key = f"{family.denoiser.name}.{name}"
             tensors[f"{key}.lora_A.weight"] = torch.randn(rank, module.in_features, generator=generator) * 0.01
             tensors[f"{key}.lora_B.weight"] = torch.randn(module.out_features, rank, generator=generator) * 0.01
-    meta = {f"{family.denoiser_name}.{k}": v for k, v in
-            {"r": rank, "lora_alpha": rank, "target_modules": list(family.lora_targets)}.items()}
+    meta = {f"{family.denoiser.name}.{k}": v for k, v in
+            {"r": rank, "lora_alpha": rank, "target_modules": list(family.denoiser.lora_targets)}.items()}
     save_file(tensors, path, metadata={"format": "pt", "lora_adapter_metadata": json.dumps(meta)})
     return len(tensors) // 2
 
@@ -60,7 +60,7 @@ def one(mode: str, base: Path, out: Path) -> dict[str, float]:
     from tasks.train.methods.lora import LoRA
 
     method = LoRA(TrainConfig(method="lora"))
-    method.fused_components = [families.detect(base).denoiser_name]
+    method.fused_components = [families.detect(base).denoiser.name]
     before_gb = rss_mb() / 1024  # the libraries imported, before any weight is read
     start = time.perf_counter()
     (method.complete_output if mode == "stream" else method.fuse_in_memory)(base, out)

@@ -110,8 +110,8 @@ def plain_loop(cfg, base: Path, data: Path, class_dir: Path, steps: int, fused: 
             timesteps = torch.randint(0, c.noise_scheduler.config.num_train_timesteps, (latents.shape[0],))
             noisy = c.noise_scheduler.add_noise(latents, noise, timesteps)
             hidden, pooled = c.family.text.encode_prompt(c, batch.input_ids)
-            pred = c.family.predict(c.denoiser, noisy, timesteps, hidden, pooled,
-                                    batch.predict_inputs(cfg.resolution, cfg.guidance_scale))
+            pred = c.family.denoiser.predict(c.denoiser, noisy, timesteps, hidden, pooled,
+                                             batch.predict_inputs(cfg.resolution, cfg.guidance_scale))
             n = batch.num_instances
             if cfg.snr_gamma:
                 snr = compute_snr(c.noise_scheduler, timesteps)

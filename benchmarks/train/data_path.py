@@ -59,10 +59,10 @@ def fill_cache(dataset, sampler, collate) -> int:
         given = batch.cached_latents or [None] * len(batch.latent_keys)
         for i, key in enumerate(batch.latent_keys):
             if given[i] is None:
-                h, w = batch.target_sizes[i].tolist()
+                h, w = batch.geometry.target_sizes[i].tolist()
                 dataset.latent_store[key] = {"parameters": torch.zeros(1, 8, h // 8, w // 8),
-                                             "original_size": batch.original_sizes[i],
-                                             "crop_top_left": batch.crops_top_left[i]}
+                                             "original_size": batch.geometry.original_sizes[i],
+                                             "crop_top_left": batch.geometry.crops_top_left[i]}
                 written += 1
     return written
 

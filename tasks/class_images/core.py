@@ -232,7 +232,7 @@ def load_pipeline(base: Path, device: Any = None, precision: str = "auto", quant
 
     def encode_first(pipe: Any, index: dict[str, Any]) -> None:
         if encode:
-            name = families.from_index(index, str(base)).denoiser_name
+            name = families.from_index(index, str(base)).denoiser.name
             config = FrozenDict(getattr(diffusers, index[name][1]).load_config(base, subfolder=name))
             encoded.release_text_encoders(pipe, encoded.record(pipe, encode, config))
 

@@ -96,7 +96,7 @@ def record(pipe: Any, calls: Sequence[Callable[[Any], Any]], denoiser_config: An
             hooks.append(encoder.register_forward_hook(
                 lambda _m, args, kwargs, out, store=store: store.__setitem__(_key(args, kwargs), out),
                 with_kwargs=True))
-    object.__setattr__(pipe, family.denoiser_name, _NotLoadedYet(denoiser_config))
+    object.__setattr__(pipe, family.denoiser.name, _NotLoadedYet(denoiser_config))
     try:
         for call in calls:
             try:

@@ -177,8 +177,8 @@ class GenAIRunner:
         self.config = json.loads((export / "model_index.json").read_text())
         self.diffusers_class_name = self.config["_class_name"]
         family = families.from_index(self.config, str(export))
-        denoiser = json.loads((export / family.denoiser_name / "config.json").read_text())
-        setattr(self, family.denoiser_name, SimpleNamespace(config=denoiser))
+        denoiser = json.loads((export / family.denoiser.name / "config.json").read_text())
+        setattr(self, family.denoiser.name, SimpleNamespace(config=denoiser))
         vae = json.loads((export / "vae_decoder" / "config.json").read_text())
         self.vae_scale_factor = 2 ** (len(vae["block_out_channels"]) - 1)
         self.shape = shape

@@ -27,7 +27,7 @@ def fuse_lora_file(pipe: Any, lora: Path, components: list[str] | None = None) -
     pipe.load_lora_weights(Path(lora).parent, weight_name=Path(lora).name)
     family = families.of_pipeline(pipe)
     loadable = getattr(pipe, "_lora_loadable_modules", None)  # FLUX.1's T5 takes no LoRA
-    lora_names = [n for n in names if (n == family.denoiser_name or n in family.text.encoder_names)
+    lora_names = [n for n in names if (n == family.denoiser.name or n in family.text.encoder_names)
                   and (loadable is None or n in loadable)]
     pipe.fuse_lora(components=lora_names)
     pipe.unload_lora_weights()

@@ -142,9 +142,9 @@ def static_shape(pipe: Any) -> StaticShape | None:
     works too. Height and width come from the VAE decoder (latent size x vae_scale_factor).
     """
     family = families.of_pipeline(pipe)
-    batch = _dim(getattr(pipe, family.denoiser_name).model.inputs[0], 0)
+    batch = _dim(getattr(pipe, family.denoiser.name).model.inputs[0], 0)
     height, width = pipe.height, pipe.width
-    per_image = 2 if family.guidance_in_batch else 1
+    per_image = 2 if family.denoiser.guidance_in_batch else 1
     if -1 in (batch, height, width) or batch % per_image:
         return None
     return StaticShape(batch // per_image, height, width, 1)

@@ -35,20 +35,20 @@ def compute_choice(folder: Path, device_type: str = "cpu") -> tuple[Any, str]:
     from tasks.common.weights_load import stored_dtype
 
     family = families.from_index(families.read_index(folder), str(folder))
-    stored = stored_dtype(Path(folder) / family.denoiser_name)
+    stored = stored_dtype(Path(folder) / family.denoiser.name)
     dtype = cpu_formats.compute_dtype(stored, device_type=device_type)
     name = str(stored).removeprefix("torch.") if stored is not None else "no safetensors"
     if stored not in (torch.bfloat16, torch.float16):
-        return dtype, f"the base's {family.denoiser_name} is stored in {name}"
+        return dtype, f"the base's {family.denoiser.name} is stored in {name}"
     if device_type != "cpu":
-        return dtype, f"the base's {family.denoiser_name} is stored in {name}, on {device_type}"
-    choice = cpu_formats.auto_bf16(key=f"the base's {family.denoiser_name} is stored in {name}")
+        return dtype, f"the base's {family.denoiser.name} is stored in {name}, on {device_type}"
+    choice = cpu_formats.auto_bf16(key=f"the base's {family.denoiser.name} is stored in {name}")
     return dtype, choice.why
 
 
 def place_denoiser(pipe: Any, denoiser: Any) -> None:
     """The loaded denoiser where the pipeline (loaded without it) has its place."""
-    object.__setattr__(pipe, families.of_pipeline(pipe).denoiser_name, denoiser)
+    object.__setattr__(pipe, families.of_pipeline(pipe).denoiser.name, denoiser)
 
 
 def load_with_denoiser_last(folder: Path, dtype: Any, device: Any, quantize: BasePrecision | None,
@@ -64,11 +64,11 @@ def load_with_denoiser_last(folder: Path, dtype: Any, device: Any, quantize: Bas
     index = families.read_index(folder)
     family = families.from_index(index, str(folder))
     pipe = DiffusionPipeline.from_pretrained(folder, dtype=dtype, **(extra or {}),
-                                             **{family.denoiser_name: None}).to(device)
+                                             **{family.denoiser.name: None}).to(device)
     pipe.set_progress_bar_config(disable=True)
     if before_denoiser is not None:
         before_denoiser(pipe, index)
-    denoiser = family.load_denoiser(folder, dtype, quantize)
+    denoiser = family.denoiser.load(folder, dtype, quantize)
     if quantize is not None:  # a quantized layer's weight keeps its format
         place_quantized(denoiser, device, dtype)
     else:

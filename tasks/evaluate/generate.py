@@ -58,7 +58,7 @@ def initial_latents(seeds: list[int], pipe: Any, height: int, width: int) -> Any
     """Float32 latents (one row per seed, in the family's layout), row i from a CPU generator seeded seeds[i]."""
     import torch
 
-    size = (1, *families.of_pipeline(pipe).latent_shape(pipe, height, width))
+    size = (1, *families.of_pipeline(pipe).denoiser.latent_shape(pipe, height, width))
     rows = [torch.randn(size, generator=torch.Generator().manual_seed(s)) for s in seeds]
     return torch.cat(rows)
 

@@ -55,7 +55,7 @@ def groups(index: dict[str, Any], family: type[families.ModelFamily]) -> list[tu
     encoders, denoiser, then the VAE (last: its pass writes the pipeline's other files)."""
     present = {k for k, v in index.items() if isinstance(v, list) and v[0] is not None}
     out = [(name, (name,)) for name in family.text.encoder_names if name in present]
-    out.append((family.denoiser_name, (family.denoiser_name,)))
+    out.append((family.denoiser.name, (family.denoiser.name,)))
     out.append(("vae", VAE_PARTS))
     return out
 

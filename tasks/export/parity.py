@@ -76,7 +76,7 @@ def pytorch_call(pt_pipe: Any, shape: StaticShape, cfg: ParityConfig) -> PyTorch
     pt_pipe.set_progress_bar_config(disable=True)
     generator = torch.Generator().manual_seed(cfg.seed)
     family = families.of_pipeline(pt_pipe)
-    size = (shape.images_per_call, *family.latent_shape(pt_pipe, shape.height, shape.width))
+    size = (shape.images_per_call, *family.denoiser.latent_shape(pt_pipe, shape.height, shape.width))
     latents = torch.randn(size, generator=generator)
     call = dict(prompts=[cfg.prompt] * shape.batch_size, images_per_prompt=shape.num_images_per_prompt,
                 height=shape.height, width=shape.width, steps=cfg.num_inference_steps,

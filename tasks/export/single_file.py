@@ -201,7 +201,7 @@ def original_state_dict(pipe: Any) -> dict[str, Any]:
     family = families.of_pipeline(pipe)
     kind = family.export.single_file_layout(pipe)
     out: dict[str, Any] = {}
-    denoiser = getattr(pipe, family.denoiser_name)  # a UNet: every family with a layout has one
+    denoiser = getattr(pipe, family.denoiser.name)  # a UNet: every family with a layout has one
     unet_blocks = _unet_blocks(denoiser.config)
     for key, value in denoiser.state_dict().items():
         out[UNET_PREFIX + _rename(key, unet_blocks)] = value

@@ -113,7 +113,7 @@ def base_precision(base: Path | None, trained: dict[str, Any] | None) -> dict[st
     if base is None or not trained:
         return {}
     family = families.detect(base)
-    wanted = {family.denoiser_name: trained.get("base_model_precision", "none"),
+    wanted = {family.denoiser.name: trained.get("base_model_precision", "none"),
               **{name: trained.get("text_encoder_precision", "none") for name in family.text.encoder_names}}
     present = families.read_index(base)
     return {name: value for name, value in wanted.items() if value not in (None, "none") and name in present}

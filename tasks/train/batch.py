@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from tasks.common.families import PredictInputs
+from tasks.common.families import Geometry, PredictInputs
 
 
 @dataclass
@@ -18,10 +18,9 @@ class Batch:
     #: each row's key in the latent cache, and the seed of its noise (the same on any rank)
     latent_keys: list[str]
     noise_seeds: list[int]
-    #: SDXL's micro-conditioning, (n, 2) each: source size, crop corner, size trained at
-    original_sizes: torch.Tensor
-    crops_top_left: torch.Tensor
-    target_sizes: torch.Tensor
+    #: where each row came from: source size, crop corner, size trained at ((n, 2) each), which
+    #: SDXL's micro-conditioning reads and the latent cache keys a crop by
+    geometry: Geometry
     #: how many rows are instance images (the rest are class images, for prior preservation)
     num_instances: int
     #: the concept of each instance row (None outside concepts)
@@ -47,18 +46,19 @@ class Batch:
         return replace(self, **{f.name: _to(getattr(self, f.name), device, non_blocking) for f in fields(self)})
 
     def tensors(self) -> dict[str, torch.Tensor]:
-        """The top-level tensor fields by name (the XLA back end shards and logs them)."""
-        return {f.name: v for f in fields(self) if isinstance(v := getattr(self, f.name), torch.Tensor)}
+        """The tensor fields by name, the geometry's as `geometry.<field>` (the XLA back end logs them)."""
+        named = {f.name: getattr(self, f.name) for f in fields(self)}
+        named.update({f"geometry.{f.name}": getattr(self.geometry, f.name) for f in fields(self.geometry)})
+        return {k: v for k, v in named.items() if isinstance(v, torch.Tensor)}
 
     def predict_inputs(self, resolution: int, guidance_scale: float, references: Any = None) -> PredictInputs:
         """What a family's denoiser call reads from this batch and the train settings (`references`:
         the reference images' latents)."""
-        return PredictInputs(resolution, guidance_scale, self.original_sizes, self.crops_top_left, self.target_sizes,
-                             references)
+        return PredictInputs(resolution, guidance_scale, self.geometry, references)
 
 
 def _to(value: Any, device: Any, non_blocking: bool) -> Any:
-    if isinstance(value, torch.Tensor):
+    if isinstance(value, (torch.Tensor, Geometry)):
         return value.to(device, non_blocking=non_blocking)
     if isinstance(value, list) and any(isinstance(v, torch.Tensor) for v in value):
         return [v.to(device, non_blocking=non_blocking) if isinstance(v, torch.Tensor) else v for v in value]

@@ -86,7 +86,7 @@ class TrainConfig(LaunchSection, OutputsSection, PrecisionSection, OptimizerSect
         """Refuse, before any weights load, a method or option the base model's family does not have."""
         problems = [r for r in (family_refusal(self.spec, family), self.spec.family_problem(self, family)) if r]
         defaults = type(self).model_fields
-        for key, why in family.refused_options().items():
+        for key, why in families.refused_options(family).items():
             if getattr(self, key) != defaults[key].default:
                 problems.append(f"train.{key}: {why}; remove it or set it to {defaults[key].default}")
         problems += family_no_ops(self, family)

@@ -28,6 +28,7 @@ from PIL import Image
 from torch.utils.data import Dataset, Sampler
 
 from tasks.common.errors import UserError
+from tasks.common.families import Geometry
 from tasks.common.images import apply_exif_orientation, cover_size, follow_geometry, to_rgb
 from tasks.train.batch import Batch
 from tasks.train.clips import clip_digest, clip_pixels
@@ -394,9 +395,8 @@ def collate(examples: list[dict[str, Any]]) -> Batch:
         prompts=prompts,
         latent_keys=[p["latent_key"] for p in parts],
         noise_seeds=[p["noise_seed"] for p in parts],
-        original_sizes=torch.tensor([p["original_size"] for p in parts], dtype=torch.long),
-        crops_top_left=torch.tensor([p["crop_top_left"] for p in parts], dtype=torch.long),
-        target_sizes=torch.tensor([p["target_size"] for p in parts], dtype=torch.long),
+        geometry=Geometry(*(torch.tensor([p[k] for p in parts], dtype=torch.long)
+                            for k in ("original_size", "crop_top_left", "target_size"))),
         num_instances=len(examples),
         concepts=[e.get("concept") for e in examples],  # of the instance rows (examples seen per concept)
         # an instance and its class image share their concept's weight

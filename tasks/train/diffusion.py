@@ -110,8 +110,8 @@ class LatentCache:
                 self.hits += 1
                 rows.append(self.store[key]["parameters"])
                 continue
-            rows.append(self.encode(vae, key, pixels[j : j + 1], batch.original_sizes[i],
-                                    batch.crops_top_left[i], masks[i]))
+            rows.append(self.encode(vae, key, pixels[j : j + 1], batch.geometry.original_sizes[i],
+                                    batch.geometry.crops_top_left[i], masks[i]))
         # (`misses` counts encodings: with a disk store, entries an earlier run wrote are hits)
         stacked = torch.cat([r.to(param.device) for r in rows])
         return self.codec.scale_latents(vae, _sample(_distribution(stacked), rand))

@@ -57,7 +57,7 @@ def config_no_ops(cfg: Any) -> list[str]:
 def family_no_ops(cfg: Any, family: Any) -> list[str]:
     """Density keys the timestep density never reads: `timestep_sampling`'s, else the weighting
     scheme's (the config's, else the family's own; sigma_sqrt, cosmap and none draw uniformly)."""
-    own = family.objective_options()  # the objective's settings where the config leaves them null
+    own = family.denoiser.objective_options()  # the objective's settings where the config leaves them null
     if "weighting_scheme" not in own:
         return []  # an objective without schemes: the family's refused_options name these keys
     scheme = cfg.weighting_scheme or own["weighting_scheme"]

@@ -1,4 +1,4 @@
-"""The training objective a model family declares (`family.objective`, the name of one of OBJECTIVES,
+"""The training objective a model family declares (`family.denoiser.objective`, the name of one of OBJECTIVES,
 built with the family's `objective_options()`): what noise is added at which level, and the loss on
 the denoiser's prediction.
 
@@ -167,6 +167,7 @@ OBJECTIVES: dict[str, type[Ddpm] | type[FlowMatching]] = {o.name: o for o in (Dd
 
 def make_objective(family: Any, scheduler: Any, cfg: Any) -> Ddpm | FlowMatching:
     """The family's objective on `scheduler`, with `cfg`'s settings (the family's where they are null)."""
-    if family.objective not in OBJECTIVES:
-        raise ValueError(f"{family.title}: unknown objective {family.objective!r}; known: {', '.join(OBJECTIVES)}")
-    return OBJECTIVES[family.objective](scheduler, cfg, family.objective_options())
+    denoiser = family.denoiser
+    if denoiser.objective not in OBJECTIVES:
+        raise ValueError(f"{family.title}: unknown objective {denoiser.objective!r}; known: {', '.join(OBJECTIVES)}")
+    return OBJECTIVES[denoiser.objective](scheduler, cfg, denoiser.objective_options())

@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from tasks.common.errors import UserError
+from tasks.common.families import Geometry
 from tasks.train.backend_base import Backend
 from tasks.train.batch import Batch
 from tasks.train.config import TrainConfig, XlaConfig
@@ -152,7 +153,7 @@ class XlaBackend(Backend):
         """Shard every other batch tensor (token ids, sizes) over the data axis too."""
         import torch_xla.distributed.spmd as xs
 
-        if isinstance(value, Batch):
+        if isinstance(value, (Batch, Geometry)):
             return replace(value, **{f.name: self._shard(getattr(value, f.name)) for f in fields(value)})
         if isinstance(value, dict):
             return {k: self._shard(v) for k, v in value.items()}

@@ -54,12 +54,13 @@ def test_the_encoders_weights_are_freed_before_the_denoiser_loads(bases) -> None
     base = bases["builtin:tiny-flux"]
     family = by_name("flux")
     seen: list[weakref.ref] = []
-    original = family.load_denoiser.__func__
+    role = type(family.denoiser)
+    original = role.load
 
-    def load_denoiser(cls, *args, **kwargs):  # what is alive when the denoiser starts loading
+    def load_denoiser(self, *args, **kwargs):  # what is alive when the denoiser starts loading
         gc.collect()
         seen.extend(ref for ref in refs if ref() is not None)
-        return original(cls, *args, **kwargs)
+        return original(self, *args, **kwargs)
 
     refs: list[weakref.ref] = []
     from diffusers import DiffusionPipeline
@@ -74,7 +75,7 @@ def test_the_encoders_weights_are_freed_before_the_denoiser_loads(bases) -> None
     cfg = ClassImagesConfig(**CFG)
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(DiffusionPipeline, "from_pretrained", classmethod(keep_refs))
-        mp.setattr(family, "load_denoiser", classmethod(load_denoiser))
+        mp.setattr(role, "load", load_denoiser)
         pipe = load_pipeline(base, "cpu", encode=text_calls(cfg, [0, 1, 2]))
     assert len(refs) == 2 and not seen, "CLIP and T5 are freed before the transformer loads"
     assert all(isinstance(getattr(pipe, n), Replay) for n in family.text.encoder_names)

@@ -52,7 +52,7 @@ def test_a_family_from_one_module_trains_exports_and_serves(toy, tmp_path):
     outcome = train(cfg, base, _one_image(tmp_path / "data"), None, out)
     assert outcome.family == toy.name
     layers = {k.split(".lora")[0].rsplit(".", 1)[1] for k in load_file(out / "pytorch_lora_weights.safetensors")}
-    assert layers == set(toy.lora_targets), layers
+    assert layers == set(toy.denoiser.lora_targets), layers
     assert ("StableDiffusionPipeline", 2, 32, 32) in CALLS, CALLS  # validation went through the family
 
     CALLS.clear()

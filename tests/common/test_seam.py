@@ -6,7 +6,7 @@ What counts as naming a family, read from the code (comments and docstrings are 
 - an identifier, attribute, keyword, parameter, definition or import named like a family's class
   (StableDiffusionXL, FlowMatchingFamily), its pipeline or OpenVINO class (FluxPipeline,
   OVStableDiffusion3Pipeline), a component not every family has (unet, transformer, text_encoder_2,
-  tokenizer_3), an attribute only some families define (default_weighting_scheme), or one of
+  tokenizer_3), an attribute only some families define (temporal_compression), or one of
   EXPLICIT; or an import of a family's own module (tasks.common.families.sdxl);
 - a string that is one of those names, a family id (sd, sdxl, sd3, flux, flux2) or an embedding key
   (clip_l), or holds such a name as a word where the name cannot be an English word (it has a digit,
@@ -64,10 +64,10 @@ def _family_classes() -> list[type[ModelFamily]]:
 
 def _role_only() -> set[str]:
     """What only some families' roles have: fields and methods of a role's subclasses (T5's tokenizer
-    folder, the Qwen3 chat template) that the shared role class does not define."""
+    folder, the Qwen3 chat template, LTX-Video's VAE factors) that the shared role class does not define."""
     found = set()
     for family in FAMILIES:
-        for role in (family.text, family.export, family.codec):
+        for role in (family.text, family.export, family.codec, family.denoiser):
             base = next(c for c in reversed(type(role).__mro__) if is_dataclass(c))
             shared = set(vars(base)) | {f.name for f in fields(base)}
             own = {k for c in type(role).__mro__ if c is not base and issubclass(c, base) for k in vars(c)}
@@ -81,7 +81,7 @@ def _forbidden() -> dict[str, frozenset[str]]:
     # "tokenizer" and "processor" are the role's own words: a family loading its tokenizer through a
     # processor folder (Qwen-Image-Edit) makes neither one family's name; tokenizer_2, _3 stay
     roles = {"tokenizer", "processor"}
-    parts = [{*f.text.encoder_names, *(set(f.text.tokenizer_names) - roles), f.denoiser_name} for f in FAMILIES]
+    parts = [{*f.text.encoder_names, *(set(f.text.tokenizer_names) - roles), f.denoiser.name} for f in FAMILIES]
     return {
         "family class": frozenset(c.__name__ for c in classes),
         "pipeline class": frozenset(n for f in FAMILIES for n in (*f.pipeline_class_names, f.export.ov_pipeline)
@@ -92,7 +92,7 @@ def _forbidden() -> dict[str, frozenset[str]]:
         "explicit": EXPLICIT,
         "family id": frozenset(f.name for f in FAMILIES),
         "embedding key": frozenset(k for f in FAMILIES for k in f.text.embedding_keys or ()),
-        "objective": frozenset(f.objective for f in FAMILIES),
+        "objective": frozenset(f.denoiser.objective for f in FAMILIES),
         "built-in id": frozenset(f.builtin for f in FAMILIES),
     }
 
@@ -232,7 +232,7 @@ def test_the_rule_finds_every_name_inside_the_families() -> None:
     assert {"text_encoder_2", "text_encoder_3", "tokenizer_2", "transformer", "unet"} <= FORBIDDEN["component"]
     assert {"sd", "sdxl", "sd3", "flux", "flux2"} <= FORBIDDEN["family id"]
     assert {"StableDiffusionXLPipeline", "FluxPipeline", "OVFluxPipeline"} <= FORBIDDEN["pipeline class"]
-    assert {"default_weighting_scheme", "t5_tokenizer", "chat"} <= FORBIDDEN["family-only attribute"]
+    assert {"temporal_compression", "t5_tokenizer", "chat"} <= FORBIDDEN["family-only attribute"]
     assert "flow_matching" in FORBIDDEN["objective"] and "builtin:tiny-sdxl" in FORBIDDEN["built-in id"]
     assert set(FORBIDDEN["built-in id"]) == set(families.BUILTINS)
 
@@ -241,8 +241,8 @@ def test_the_rule_reports_each_kind_of_naming_with_its_line() -> None:
     source = '''"""Docstrings may say sdxl, text_encoder_2, FluxPipeline and flow_matching."""
 from tasks.common.families.sdxl import add_time_ids
 from diffusers import StableDiffusionXLPipeline
-if family.objective == "flow_matching":
-    scheme = getattr(family, "default_weighting_scheme", None)
+if family.denoiser.objective == "flow_matching":
+    scheme = getattr(family, "temporal_compression", None)
 encoder = pipe.text_encoder_2
 if model in ("builtin:tiny-sd", "builtin:tiny-sdxl"):
     pass
@@ -250,15 +250,15 @@ kind = {"sdxl": 1}
 raise ValueError(f"no {name}/openvino_model.xml in transformer/")
 part = getattr(pipe, "unet")
 message = "keys clip_l/clip_g of text_encoder_2 (SDXL: 2 transformer blocks)"
-fine = ("ddpm", "builtin:tiny-flux2 | a hub id", "SDXL and FLUX.1 are prose", family.denoiser_name)
+fine = ("ddpm", "builtin:tiny-flux2 | a hub id", "SDXL and FLUX.1 are prose", family.denoiser.name)
 '''
     got = {(m.line, m.name, m.how) for m in mentions(source) if m.violation}
     assert got == {
         (2, "tasks.common.families.sdxl", "import"),
         (3, "StableDiffusionXLPipeline", "identifier"),
         (4, "flow_matching", "decision"),
-        (5, "default_weighting_scheme", "string"),
-        (5, "getattr(family, 'default_weighting_scheme', None)", "probe"),
+        (5, "temporal_compression", "string"),
+        (5, "getattr(family, 'temporal_compression', None)", "probe"),
         (6, "text_encoder_2", "identifier"),
         (7, "builtin:tiny-sd", "decision"),
         (7, "builtin:tiny-sdxl", "decision"),

@@ -33,10 +33,10 @@ def tiny_bases(tmp_path_factory: pytest.TempPathFactory) -> dict:
 def test_the_denoiser_loads_as_from_pretrained_loads_it(tiny_bases, kind, dtype, monkeypatch) -> None:
     family = families.BUILTINS[kind]
     base = tiny_bases[kind]
-    model_class = type(family.load_denoiser(base))
+    model_class = type(family.denoiser.load(base))
     monkeypatch.setattr(weights_load, "CHUNK", 7)  # several mappings of the file, and a partial last one
-    ours = family.load_denoiser(base, dtype)
-    assert_same(ours, model_class.from_pretrained(base, subfolder=family.denoiser_name, torch_dtype=dtype))
+    ours = family.denoiser.load(base, dtype)
+    assert_same(ours, model_class.from_pretrained(base, subfolder=family.denoiser.name, torch_dtype=dtype))
     assert not any(t.is_meta for t in ours.state_dict().values())
 
 

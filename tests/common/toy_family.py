@@ -7,6 +7,7 @@ StableDiffusionPipeline folder while it is registered; no other file of the proj
 """
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from tasks.common.families.sd import StableDiffusion
@@ -19,7 +20,7 @@ class ToyFamily(StableDiffusion):
     name = "toy"
     title = "Toy (SD 1.x parts)"
     builtin = "builtin:tiny-toy"
-    lora_targets = ("to_q", "to_v")
+    denoiser = replace(StableDiffusion.denoiser, lora_targets=("to_q", "to_v"))
 
     @classmethod
     def build_tiny(cls, seed: int) -> Any:

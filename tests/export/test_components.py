@@ -48,7 +48,8 @@ def _images(path, seed=3):
     pipe = load_ov_pipeline(path, static=True, precision="f32")
     pipe.set_progress_bar_config(disable=True)
     family = families.of_pipeline(pipe)
-    latents = torch.randn((1, *family.latent_shape(pipe, 64, 64)), generator=torch.Generator().manual_seed(seed))
+    shape = family.denoiser.latent_shape(pipe, 64, 64)
+    latents = torch.randn((1, *shape), generator=torch.Generator().manual_seed(seed))
     return np.asarray(family.generate(pipe, ["a photo of sks toy"], steps=2, latents=latents, height=64,
                                       width=64, guidance=7.5, output_type="np"))
 

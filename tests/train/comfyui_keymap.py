@@ -215,7 +215,7 @@ def key_map(family: Any, pipe: Any) -> set[str]:
     kind, slots = model
     clips = {slot: getattr(pipe, name).config.num_hidden_layers for name, slot in zip(family.text.encoder_names, slots)
              if slot.startswith("clip_")}
-    return _DENOISERS[kind](getattr(pipe, family.denoiser_name)) | _clip_stems(clips)
+    return _DENOISERS[kind](getattr(pipe, family.denoiser.name)) | _clip_stems(clips)
 
 
 # --- the tensors under a stem (load_lora and weight_adapter's `load`) ------------------------------

@@ -52,7 +52,7 @@ def with_adapters(pipe: object, lora_type: str, text: bool = False, rank: int = 
     import copy as copying
 
     family = families.of_pipeline(pipe)
-    names = {family.denoiser_name: family.lora_targets}
+    names = {family.denoiser.name: family.denoiser.lora_targets}
     if text:
         names.update({n: family.text.lora_targets for n in family.text.trainable or family.text.encoder_names})
     generator = torch.Generator().manual_seed(seed)

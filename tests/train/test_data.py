@@ -82,7 +82,7 @@ def test_examples_depend_only_on_seed_epoch_and_index(instance_dir, class_dir) -
     assert keys == {f"{digest}:32x32:0", f"{digest}:32x32:1"}, "a centre crop is cached per content, size and flip"
     batch = collate([ds[(0, 0)], ds[(0, 1)]])
     assert batch.pixels.shape == (4, 3, 32, 32) and batch.num_instances == 2
-    assert batch.prompts[2:] == ["a toy", "a toy"] and batch.original_sizes.shape == (4, 2)
+    assert batch.prompts[2:] == ["a toy", "a toy"] and batch.geometry.original_sizes.shape == (4, 2)
 
 
 def test_epoch_order_is_a_seeded_permutation() -> None:

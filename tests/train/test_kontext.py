@@ -12,7 +12,7 @@ from PIL import Image
 
 from tasks.common import families
 from tasks.common.errors import UserError
-from tasks.common.families.base import PredictInputs
+from tasks.common.families import PredictInputs
 from tests.train.test_references import _config
 
 
@@ -55,8 +55,8 @@ def test_the_family_predicts_what_the_pipeline_computes_with_an_input_image(tiny
     reference = unpack(kwargs["hidden_states"][:, target:], 16, 24, 1)
     inputs = PredictInputs(resolution=32, guidance_scale=float(kwargs["guidance"][0]), references=[reference])
     with torch.no_grad():
-        pred = family.predict(pipe.transformer, noisy, kwargs["timestep"] * 1000, kwargs["encoder_hidden_states"],
-                              kwargs["pooled_projections"], inputs)
+        pred = family.denoiser.predict(pipe.transformer, noisy, kwargs["timestep"] * 1000,
+                                       kwargs["encoder_hidden_states"], kwargs["pooled_projections"], inputs)
     assert torch.allclose(pred, unpack(output[:, :target], 16, 16, 1), atol=1e-5)
 
 

@@ -12,7 +12,7 @@ from PIL import Image
 
 from tasks.common import families
 from tasks.common.errors import UserError
-from tasks.common.families.base import PredictInputs
+from tasks.common.families import PredictInputs
 from tasks.common.scoring import split_frames
 from tests.conftest import REPO
 from tests.train.test_references import _config
@@ -61,7 +61,7 @@ def test_the_family_encodes_and_predicts_what_the_pipeline_computes(tiny_ltx, lt
     noisy = Pipe._unpack_latents(kwargs["hidden_states"], 3, 2, 2)
     inputs = PredictInputs(resolution=64, guidance_scale=1.0)
     with torch.no_grad():
-        pred = family.predict(ltx_pipe.transformer, noisy, kwargs["timestep"], hidden, mask, inputs)
+        pred = family.denoiser.predict(ltx_pipe.transformer, noisy, kwargs["timestep"], hidden, mask, inputs)
     assert torch.equal(pred, Pipe._unpack_latents(output, 3, 2, 2))
     seed = torch.Generator().manual_seed(0)
     strip = family.generate(ltx_pipe, ["a toy"], steps=2, height=64, width=64, frames=17, generator=seed)[0]
@@ -221,16 +221,17 @@ def test_a_conditioned_clip_keeps_its_first_frame_clean_at_timestep_0_and_out_of
     pred = Pipe._unpack_latents(out, f, h, w)
     frames_after = ((pred[:, :, 1:].float() - noised.target[:, :, 1:].float()) ** 2).mean(dim=(1, 2, 3, 4)).mean()
     assert torch.allclose(loss, frames_after, rtol=1e-5, atol=0), (loss, frames_after)
-    family, predict = components.family, components.family.predict
+    role = type(components.family.denoiser)
+    predict = role.predict
 
-    def frame_0_moved(*args):
-        pred = predict(*args).clone()
+    def frame_0_moved(self, *args):
+        pred = predict(self, *args).clone()
         pred[:, :, 0] += 100.0
         return pred
 
-    monkeypatch.setattr(family, "predict", frame_0_moved)
+    monkeypatch.setattr(role, "predict", frame_0_moved)
     assert torch.equal(_loss(method, components, batch, first_frame_conditioning_p=1.0), loss)
-    monkeypatch.setattr(family, "predict", predict)
+    monkeypatch.setattr(role, "predict", predict)
     assert not torch.equal(_loss(method, components, batch), loss)
 
 
@@ -268,7 +269,8 @@ def test_first_frame_conditioning_is_refused_for_an_image_family(tmp_path) -> No
 
     cfg = TrainConfig(method="lora", with_prior_preservation=False, first_frame_conditioning_p=0.5)
     images = [f for f in families.FAMILIES if not f.video]
-    assert images and any(f.objective == "flow_matching" for f in images) and any(f.objective == "ddpm" for f in images)
+    objectives = {f.denoiser.objective for f in images}
+    assert images and {"flow_matching", "ddpm"} <= objectives
     for family in images:
         title = re.escape(family.title)
         with pytest.raises(UserError, match=rf"train.first_frame_conditioning_p: trains a video family's clips as "

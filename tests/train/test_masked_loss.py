@@ -54,7 +54,7 @@ def _gradients(method, components, batch, outside: torch.Tensor | None) -> list[
         return noised
 
     method.objective.noise = moved
-    denoiser = components.modules[components.family.denoiser_name]
+    denoiser = components.modules[components.family.denoiser.name]
     denoiser.zero_grad(set_to_none=True)
     loss, _ = method.compute_loss(batch, components.modules)
     loss.backward()

@@ -59,7 +59,7 @@ def _adapters_change_the_denoiser(base: Path, out: Path, adapter: str) -> None:
     for LoKr and LoHa) and changes the denoiser's weights."""
     family = detect(base)
     pipe = family.pipeline_class().from_pretrained(base)
-    denoiser = family.denoiser_name
+    denoiser = family.denoiser.name
     before = {k: v.clone() for k, v in getattr(pipe, denoiser).state_dict().items()}
     if adapter in ("lora", "dora"):
         weights = load_file(out / "pytorch_lora_weights.safetensors")
@@ -104,7 +104,7 @@ def test_each_family_trains_on_a_quantized_base_and_fuses(request, tmp_path, one
     _, out = _train(tmp_path, base, one_image, precision, adapter, gradient_checkpointing=True)
     _no_quantized_tensor(out)
     fused = DiffusionPipeline.from_pretrained(out)
-    denoiser = detect(base).denoiser_name
+    denoiser = detect(base).denoiser.name
     adapters_only = tmp_path / "adapters"
     adapters_only.mkdir()
     for item in ("pytorch_lora_weights.safetensors", PEFT_DIR):
@@ -124,13 +124,13 @@ def test_the_denoiser_is_quantized_as_it_loads(tiny_flux, monkeypatch) -> None:
     from tasks.common import weights_load
 
     family = detect(tiny_flux)
-    plain = family.load_denoiser(tiny_flux, torch.bfloat16)
+    plain = family.denoiser.load(tiny_flux, torch.bfloat16)
     calls = []
     quantize = BasePrecision.parse("int8")
     original = BasePrecision.quantize
     monkeypatch.setattr(weights_load, "CHUNK", 8)
     monkeypatch.setattr(BasePrecision, "quantize", lambda self, *a: calls.append(original(self, *a)) or calls[-1])
-    quantized = family.load_denoiser(tiny_flux, torch.bfloat16, quantize)
+    quantized = family.denoiser.load(tiny_flux, torch.bfloat16, quantize)
     linears = [n for n, m in plain.named_modules() if type(m) is torch.nn.Linear]
     assert linears and all(is_quantized(quantized.get_submodule(n).weight) for n in linears)
     assert len([c for c in calls if c]) > 1 and sum(calls) == len(linears)  # in several chunks

@@ -8,7 +8,7 @@ import torch
 from PIL import Image
 
 from tasks.common import families
-from tasks.common.families.base import PredictInputs
+from tasks.common.families import PredictInputs
 from tests.train.test_references import _config
 
 
@@ -69,7 +69,7 @@ def test_the_family_encodes_and_predicts_what_the_pipeline_computes(tiny_qwenima
     noisy = Pipe._unpack_latents(tokens[:, :target], 64, 64, 8)[:, :, 0]
     inputs = PredictInputs(resolution=64, guidance_scale=1.0, references=latents)
     with torch.no_grad():
-        pred = family.predict(edit_pipe.transformer, noisy, kwargs["timestep"] * 1000, hidden, mask, inputs)
+        pred = family.denoiser.predict(edit_pipe.transformer, noisy, kwargs["timestep"] * 1000, hidden, mask, inputs)
     assert torch.allclose(pred, Pipe._unpack_latents(output[:, :target], 64, 64, 8)[:, :, 0], atol=1e-4)
 
 

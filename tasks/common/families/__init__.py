@@ -1,7 +1,7 @@
 """Model families: everything family-specific, one module each; every stage reads them here.
 
     family = families.detect(Path("models/base"))      # from model_index.json
-    family.export.ov_pipeline_class(), family.objective, family.trains_embeddings, family.build_tiny(seed) ...
+    family.export.ov_pipeline_class(), family.denoiser.objective, family.trains_embeddings, family.build_tiny(seed) ...
 
 Adding a family is adding a module with a `ModelFamily` subclass and listing it in REGISTRY (or
 `register(Family, first=True)` from outside; tasks/common/families/README.md says what it must define).
@@ -14,7 +14,8 @@ from typing import TYPE_CHECKING, Any
 
 from finetune_runtime.registry import Registry
 from tasks.common.errors import UserError
-from tasks.common.families.base import Components, ModelFamily, PredictInputs
+from tasks.common.families.base import Components, ModelFamily, refused_options
+from tasks.common.families.denoiser import Geometry, PredictInputs
 from tasks.common.families.flux import Flux
 from tasks.common.families.flux2 import Flux2Klein
 from tasks.common.families.kontext import FluxKontext
@@ -65,13 +66,13 @@ def supported() -> str:
 
 def denoiser_names() -> tuple[str, ...]:
     """Every family's denoiser folder ("unet", "transformer"), for recognising a folder before its family."""
-    return tuple(dict.fromkeys(f.denoiser_name for f in REGISTRY))
+    return tuple(dict.fromkeys(f.denoiser.name for f in REGISTRY))
 
 
 def ov_component_names(family: type[ModelFamily]) -> tuple[str, ...]:
     """The compiled models of `family`'s OpenVINO pipeline that run per call: text encoders, denoiser,
     VAE decoder (optimum-intel names them as the diffusers folders, `vae_decoder` aside)."""
-    return (*family.text.encoder_names, family.denoiser_name, "vae_decoder")
+    return (*family.text.encoder_names, family.denoiser.name, "vae_decoder")
 
 
 def by_name(name: str) -> type[ModelFamily]:
@@ -142,7 +143,8 @@ def build_tiny_pipeline(kind: str, seed: int, out: Path) -> Path:
     return out
 
 
-__all__ = ["BUILTINS", "FAMILIES", "REGISTRY", "Components", "ModelFamily", "PredictInputs", "StableDiffusion",
-           "StableDiffusionXL", "StableDiffusion3", "Flux", "Flux2Klein", "ZImage", "QwenImage", "Sana",
-           "build_tiny_pipeline", "by_name", "denoiser_names", "detect", "from_index", "of_pipeline",
-           "ov_component_names", "read_index", "register", "stored_dtypes", "supported", "unregister"]
+__all__ = ["BUILTINS", "FAMILIES", "REGISTRY", "Components", "Geometry", "ModelFamily", "PredictInputs",
+           "StableDiffusion", "StableDiffusionXL", "StableDiffusion3", "Flux", "Flux2Klein", "ZImage", "QwenImage",
+           "Sana", "build_tiny_pipeline", "by_name", "denoiser_names", "detect", "from_index", "of_pipeline",
+           "ov_component_names", "read_index", "refused_options", "register", "stored_dtypes", "supported",
+           "unregister"]

@@ -2,9 +2,9 @@
 
 A family is one module under tasks/common/families/ with one `ModelFamily` subclass: how it is
 recognised in a diffusers folder, its diffusers and optimum-intel pipeline classes, its built-in
-tiny model, how a prompt becomes conditioning, how the denoiser is called, the training objective,
-which methods and options apply, the LoRA targets and the single-file layout. Stages never test a
-family's name; they ask the family.
+tiny model, and its roles: how a prompt becomes conditioning (`text`), how pixels become latents
+(`codec`), how the denoiser is loaded, trained and called (`denoiser`), how a fine-tune leaves
+training (`export`). Stages never test a family's name; they ask the family.
 
 Everything here imports torch, diffusers and transformers lazily: the stages that only need to
 know a family's name or classes (base, export, evaluate) pay for nothing else.
@@ -18,6 +18,7 @@ from typing import Any, ClassVar
 
 from finetune_runtime import pipeline_call
 from finetune_runtime.convention import MAX_INPUT_IMAGES, CallConvention
+from tasks.common.families.denoiser import Denoiser
 from tasks.common.families.export_profile import ExportProfile
 from tasks.common.families.latent_codec import LatentCodec
 from tasks.common.families.text_conditioner import TextConditioner
@@ -45,7 +46,7 @@ class Components:
 
     def __post_init__(self) -> None:
         f = self.family
-        self.modules = {**({f.denoiser_name: self.denoiser} if self.denoiser is not None else {}), "vae": self.vae,
+        self.modules = {**({f.denoiser.name: self.denoiser} if self.denoiser is not None else {}), "vae": self.vae,
                         **dict(zip(f.text.encoder_names, self.text_encoders))}
         if self.denoiser is not None:
             self.denoiser_config = dict(self.denoiser.config)
@@ -55,8 +56,8 @@ class Components:
         `dtype`: straight into that precision (where training keeps the denoiser's weights frozen);
         `quantize` (tasks/common/quantize.BasePrecision): its Linear layers quantized as they load."""
         if self.denoiser is None:
-            self.denoiser = self.family.load_denoiser(base, dtype, quantize)
-            self.modules = {self.family.denoiser_name: self.denoiser, **self.modules}
+            self.denoiser = self.family.denoiser.load(base, dtype, quantize)
+            self.modules = {self.family.denoiser.name: self.denoiser, **self.modules}
 
     def text_encoder_names(self) -> list[str]:
         return list(self.family.text.encoder_names[: len(self.text_encoders)])
@@ -72,24 +73,17 @@ class Components:
         self.modules = {n: m for n, m in self.modules.items() if n in names}
         self.text_encoders = [self.modules[n] for n in kept_encoders]
         self.vae = self.modules.get("vae")
-        self.denoiser = self.modules.get(self.family.denoiser_name)
+        self.denoiser = self.modules.get(self.family.denoiser.name)
 
 
-@dataclass(frozen=True)
-class PredictInputs:
-    """What a family's denoiser call (`ModelFamily.predict`) reads beyond the noisy latents, the
-    timesteps and the prompt embeddings."""
-
-    #: train.resolution (SDXL's target size where a row has none)
-    resolution: int
-    #: the guidance input of guidance-distilled bases (FLUX); others have none
-    guidance_scale: float
-    #: SDXL's micro-conditioning per row, (n, 2) long tensors: source size, crop corner, target size
-    original_sizes: Any = None
-    crops_top_left: Any = None
-    target_sizes: Any = None
-    #: edit training: the scaled latents of each reference image ([n, C, h, w] per reference), or None
-    references: Any = None
+#: members a family defined before the denoiser role -> where they are now
+_MOVED = {"denoiser_name": "denoiser.name", "objective": "denoiser.objective",
+          "lora_targets": "denoiser.lora_targets", "guidance_in_batch": "denoiser.guidance_in_batch",
+          "default_weighting_scheme": "denoiser.weighting_scheme", "predict": "denoiser.predict",
+          "latent_shape": "denoiser.latent_shape", "load_denoiser": "denoiser.load",
+          "noise_scheduler": "denoiser.noise_scheduler", "objective_options": "denoiser.objective_options",
+          "refused_options": "families.refused_options(family) (the denoiser's, the text's)",
+          "lora_components": "denoiser.name and the trained text encoders"}
 
 
 class ModelFamily:
@@ -103,13 +97,10 @@ class ModelFamily:
     builtin: ClassVar[str]
     #: diffusers pipeline class names (model_index.json `_class_name`) this family loads
     pipeline_class_names: ClassVar[tuple[str, ...]]
-    #: the denoiser's folder in the pipeline ("unet" or "transformer")
-    denoiser_name: ClassVar[str] = "unet"
     #: how a prompt becomes conditioning: text encoders and tokenizers, tokenizing, encoding, which train
     text: ClassVar[TextConditioner] = TextConditioner()
-    #: "ddpm" (noise or v prediction on a DDPM schedule) or "flow_matching" (rectified flow): the name
-    #: of the objective in tasks/train/objectives.py's OBJECTIVES; `objective_options()` says its settings
-    objective: ClassVar[str] = "ddpm"
+    #: how the denoiser is loaded, trained (its objective) and called, where LoRA goes on it
+    denoiser: ClassVar[Denoiser] = Denoiser()
     #: how pixels become the denoiser's latents: the VAE's input, the latents' scaling, the pixel multiple
     codec: ClassVar[LatentCodec] = LatentCodec()
     #: trains on (reference images, target, instruction) triples: reference latents join the denoiser's
@@ -119,22 +110,22 @@ class ModelFamily:
     video: ClassVar[bool] = False
     #: a new text embedding trains here (what textual inversion needs; tasks/train/method_specs/ asks)
     trains_embeddings: ClassVar[bool] = True
-    #: peft target modules of the denoiser's attention projections (the text encoders': `text.lora_targets`)
-    lora_targets: ClassVar[tuple[str, ...]] = ("to_k", "to_q", "to_v", "to_out.0")
     #: train.launcher xla (PyTorch/XLA SPMD) has been run on this family's tiny model
     xla_tested: ClassVar[bool] = True
-    #: classifier-free guidance runs the denoiser on a doubled batch (FLUX.1's distilled guidance does not)
-    guidance_in_batch: ClassVar[bool] = True
     #: how a fine-tune leaves training: OpenVINO pipeline, GenAI and ComfyUI adapter keys, single file
     export: ClassVar[ExportProfile] = ExportProfile(ov_pipeline=None)
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
-        """The family's title in its roles' messages."""
+        """The family's title in its roles' messages; a member that moved into a role is refused, naming
+        where it went (a family written before the role would otherwise be read without it)."""
         super().__init_subclass__(**kwargs)
-        if "title" in vars(cls) or "export" in vars(cls):
-            cls.export = replace(cls.export, title=getattr(cls, "title", cls.export.title))
-        if "title" in vars(cls) or "text" in vars(cls):
-            cls.text = replace(cls.text, title=getattr(cls, "title", cls.text.title))
+        if moved := sorted(set(vars(cls)) & set(_MOVED)):
+            raise TypeError(f"{cls.__name__}: " + "; ".join(f"{k} is now {_MOVED[k]}" for k in moved)
+                            + " (tasks/common/families/README.md)")
+        for role in ("export", "text", "denoiser"):
+            if "title" in vars(cls) or role in vars(cls):
+                record = getattr(cls, role)
+                setattr(cls, role, replace(record, title=getattr(cls, "title", record.title)))
 
     # --- recognising a folder -------------------------------------------------------------------
     @classmethod
@@ -182,57 +173,15 @@ class ModelFamily:
 
                 encoders.append(load_in_dtype(encoder_class, base, enc_name, torch.bfloat16, text_quantize))
         vae = getattr(diffusers, index["vae"][1]).from_pretrained(base, subfolder="vae")
-        scheduler = cls.noise_scheduler(base, prediction_type)
+        role = cls.denoiser
+        scheduler = role.noise_scheduler(base, prediction_type)
         if not denoiser:
-            config = getattr(diffusers, index[cls.denoiser_name][1]).load_config(base, subfolder=cls.denoiser_name)
-            log.info("loaded %s base model from %s (%s objective; %s later)", cls.title, base, cls.objective,
-                     cls.denoiser_name)
+            config = getattr(diffusers, index[role.name][1]).load_config(base, subfolder=role.name)
+            log.info("loaded %s base model from %s (%s objective; %s later)", cls.title, base, role.objective,
+                     role.name)
             return Components(cls, tokenizers, encoders, vae, None, scheduler, denoiser_config=dict(config))
-        log.info("loaded %s base model from %s (%s objective)", cls.title, base, cls.objective)
-        return Components(cls, tokenizers, encoders, vae, cls.load_denoiser(base), scheduler)
-
-    @classmethod
-    def load_denoiser(cls, base: Path, dtype: Any = None, quantize: Any = None) -> Any:
-        """The denoiser (UNet or transformer) of a base folder, in the precision diffusers loads it
-        in, or in `dtype` (a frozen denoiser: loaded tensor by tensor, never the whole file beside it);
-        `quantize`: a frozen denoiser's Linear layers quantized as they load."""
-        import diffusers
-        import torch
-
-        index = _index(Path(base))
-        model_class = getattr(diffusers, index[cls.denoiser_name][1])
-        if dtype is None and quantize is None:
-            return model_class.from_pretrained(base, subfolder=cls.denoiser_name)
-        from tasks.common.weights_load import load_in_dtype
-
-        return load_in_dtype(model_class, base, cls.denoiser_name, dtype or torch.float32, quantize)
-
-    @classmethod
-    def refused_options(cls) -> dict[str, str]:
-        """train.* keys this family refuses when they are set away from their default (key: why):
-        here the flow-matching ones, which a DDPM family has no use for."""
-        why = f"a flow-matching option (SD3, FLUX); {cls.title} trains with DDPM noise"
-        keys = ("weighting_scheme", "logit_mean", "logit_std", "mode_scale", "max_sequence_length",
-                "timestep_sampling", "sigmoid_scale", "timestep_shift")
-        return {**dict.fromkeys(keys, why), **video_option_refusals(cls),
-                "guidance_scale": f"the guidance input of guidance-distilled FLUX bases; {cls.title} has none"}
-
-    @classmethod
-    def objective_options(cls) -> dict[str, Any]:
-        """The objective's own train.* settings, with the value this family gives each where the
-        config leaves it null (flow matching: `weighting_scheme`); DDPM has none."""
-        return {}
-
-    @classmethod
-    def noise_scheduler(cls, base: Path, prediction_type: str | None) -> Any:
-        """The scheduler training draws timesteps and noise levels from: DDPM with the base's betas
-        (the UNet families), optionally with another prediction target."""
-        from diffusers import DDPMScheduler
-
-        scheduler = DDPMScheduler.from_pretrained(base, subfolder="scheduler")
-        if prediction_type is not None:
-            scheduler.register_to_config(prediction_type=prediction_type)
-        return scheduler
+        log.info("loaded %s base model from %s (%s objective)", cls.title, base, role.objective)
+        return Components(cls, tokenizers, encoders, vae, role.load(base), scheduler)
 
     @classmethod
     def prepare_base(cls, folder: Path) -> None:
@@ -244,17 +193,6 @@ class ModelFamily:
         """A training reference (1, 3, H, W) in [-1, 1] as the pipeline encodes an input image of it
         (here: as it is; Qwen-Image-Edit scales it to a megapixel)."""
         return pixels
-
-    @classmethod
-    def predict(cls, denoiser: Any, noisy_latents: Any, timesteps: Any, hidden: Any, pooled: Any,
-                inputs: PredictInputs) -> Any:
-        """The denoiser's prediction, in the latents' shape."""
-        raise NotImplementedError
-
-    @classmethod
-    def lora_components(cls, trained: list[str]) -> list[str]:
-        """Pipeline components that carry LoRA layers, for `fuse_lora(components=...)`."""
-        return [cls.denoiser_name, *(n for n in trained if n.startswith("text_encoder"))]
 
     # --- inference ------------------------------------------------------------------------------
     @classmethod
@@ -282,17 +220,16 @@ class ModelFamily:
             return f"{cls.title} makes no image from a prompt alone, so it cannot make class images"
         return None
 
-    @classmethod
-    def latent_shape(cls, pipe: Any, height: int, width: int) -> tuple[int, ...]:
-        """One image's starting noise as the pipeline's `latents` argument takes it (no batch axis)."""
-        channels = int(getattr(pipe, cls.denoiser_name).config["in_channels"])
-        vsf = int(pipe.vae_scale_factor)
-        return (channels, height // vsf, width // vsf)
+
+def refused_options(family: type[ModelFamily]) -> dict[str, str]:
+    """train.* keys this family refuses when they are set away from their default (key: why): what its
+    denoiser's objective and call have no use for, a text encoder that cannot train, the video-only
+    options where the family makes images."""
+    return {**family.denoiser.refused_options(), **family.text.refused_options(), **_video_option_refusals(family)}
 
 
-def video_option_refusals(family: type[ModelFamily]) -> dict[str, str]:
-    """The train.* keys only a video family reads (key: why), refused by every other family (each
-    family's `refused_options()` includes them)."""
+def _video_option_refusals(family: type[ModelFamily]) -> dict[str, str]:
+    """The train.* keys only a video family reads (key: why), refused by every other family."""
     if family.video:
         return {}
     return {"first_frame_conditioning_p": "trains a video family's clips as image-to-video (their first frame "

@@ -8,44 +8,45 @@ scripts have none, and their T5 encoder would need its own embedding file format
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
-from tasks.common.families.base import ModelFamily, video_option_refusals
+from tasks.common.families.base import ModelFamily
+from tasks.common.families.denoiser import Denoiser
 from tasks.common.families.export_profile import ExportProfile
 from tasks.common.families.latent_codec import LatentCodec
 
 _NOT_FLOW = "is a DDPM option; {title} trains with flow matching (train.weighting_scheme and its logit_* / mode_scale)"
 
 
+@dataclass(frozen=True)
+class FlowDenoiser(Denoiser):
+    """A rectified-flow transformer: the base's FlowMatchEulerDiscreteScheduler, the DDPM options refused."""
+
+    name: str = "transformer"
+    objective: str = "flow_matching"
+    takes_guidance_scale: bool = True
+    weighting_scheme: str | None = "none"
+
+    def noise_scheduler(self, base: Path, prediction_type: str | None) -> Any:
+        from diffusers import FlowMatchEulerDiscreteScheduler
+
+        return FlowMatchEulerDiscreteScheduler.from_pretrained(base, subfolder="scheduler")
+
+    def refused_options(self) -> dict[str, str]:
+        why = _NOT_FLOW.format(title=self.title)
+        return {"prediction_type": why, "snr_gamma": why, "noise_offset": why, **self.guidance_refusal()}
+
+
 class FlowMatchingFamily(ModelFamily):
-    denoiser_name = "transformer"
-    objective = "flow_matching"
     trains_embeddings = False
-    lora_targets = ("to_k", "to_q", "to_v", "to_out.0")
     # ComfyUI: its own key names under `diffusion_model.` (Z-Image, Qwen-Image read diffusers' module
     # paths there); LyCORIS' `lycoris_<path>` for LoKr and LoHa (comfy/lora.py maps both)
     export = ExportProfile(ov_pipeline=None, comfyui_lora_prefixes={"transformer": "diffusion_model."},
                            comfyui_lycoris_prefixes={"transformer": "lycoris_"})
-    #: train.weighting_scheme when it is null (what diffusers' script for the family defaults to)
-    default_weighting_scheme: ClassVar[str] = "none"
     xla_tested = False  # the XLA back end's checkpointing and sharding were built and run for UNets
     codec = LatentCodec(pixel_multiple=16)  # SD3's patch size 2, FLUX's 2x2 packing: even latent sides
-
-    @classmethod
-    def refused_options(cls) -> dict[str, str]:
-        why = _NOT_FLOW.format(title=cls.title)
-        return {"prediction_type": why, "snr_gamma": why, "noise_offset": why, **video_option_refusals(cls)}
-
-    @classmethod
-    def objective_options(cls) -> dict[str, Any]:
-        return {"weighting_scheme": cls.default_weighting_scheme}
-
-    @classmethod
-    def noise_scheduler(cls, base: Path, prediction_type: str | None) -> Any:
-        from diffusers import FlowMatchEulerDiscreteScheduler
-
-        return FlowMatchEulerDiscreteScheduler.from_pretrained(base, subfolder="scheduler")
 
 
 def flow_scheduler(shift: float = 3.0, dynamic: bool = False) -> Any:

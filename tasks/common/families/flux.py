@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from tasks.common.families.base import PredictInputs
+from tasks.common.families.denoiser import PredictInputs
 from tasks.common.families.export_profile import ExportProfile
-from tasks.common.families.flow import FlowMatchingFamily, flow_scheduler
+from tasks.common.families.flow import FlowDenoiser, FlowMatchingFamily, flow_scheduler
 from tasks.common.families.text_conditioner import T5Text
 from tasks.common.families.tiny import clip_text_config, clip_tokenizer, seeded, t5_config, t5_tokenizer, tiny_vae
 
@@ -27,6 +27,42 @@ class _Text(T5Text):
         return hidden, pooled
 
 
+class FluxDenoiser(FlowDenoiser):
+    """The transformer over 2x2-packed latent tokens; distilled guidance as an input, timesteps / 1000."""
+
+    def image_tokens(self, latents: Any, inputs: PredictInputs) -> tuple[Any, Any]:
+        """(the noisy latents packed 2x2 into tokens, their (0, row, column) position ids)."""
+        from diffusers import FluxPipeline
+
+        b, c, h, w = latents.shape
+        packed = FluxPipeline._pack_latents(latents, b, c, h, w)
+        return packed, FluxPipeline._prepare_latent_image_ids(b, h // 2, w // 2, packed.device, packed.dtype)
+
+    def predict(self, denoiser: Any, noisy_latents: Any, timesteps: Any, hidden: Any, pooled: Any,
+                inputs: PredictInputs) -> Any:
+        """The transformer over `image_tokens`; the prediction read from the noisy latents' tokens."""
+        import torch
+        from diffusers import FluxPipeline
+
+        b, c, h, w = noisy_latents.shape
+        packed, img_ids = self.image_tokens(noisy_latents, inputs)
+        txt_ids = torch.zeros(hidden.shape[1], 3, device=packed.device, dtype=packed.dtype)
+        guidance = None
+        if getattr(denoiser, "module", denoiser).config.guidance_embeds:  # (DDP wraps it in .module)
+            guidance = torch.full((b,), float(inputs.guidance_scale), device=packed.device)
+        pred = denoiser(hidden_states=packed, timestep=timesteps / 1000, guidance=guidance,
+                        pooled_projections=pooled, encoder_hidden_states=hidden, txt_ids=txt_ids, img_ids=img_ids,
+                        return_dict=False)[0]
+        pred = pred[:, : (h // 2) * (w // 2)]
+        return FluxPipeline._unpack_latents(pred, h, w, 1)  # (h, w) are latent sizes: scale factor 1
+
+    def latent_shape(self, pipe: Any, height: int, width: int) -> tuple[int, ...]:
+        """Packed: (h/2 x w/2 latent tokens, 4 x channels); FluxPipeline takes `latents` packed."""
+        channels = int(pipe.transformer.config["in_channels"])  # already 4 x the VAE's channels
+        vsf = int(pipe.vae_scale_factor)
+        return ((height // vsf // 2) * (width // vsf // 2), channels)
+
+
 class Flux(FlowMatchingFamily):
     name = "flux"
     title = "FLUX.1"
@@ -39,47 +75,13 @@ class Flux(FlowMatchingFamily):
     export = ExportProfile(ov_pipeline="OVFluxPipeline",
                            comfyui_lora_prefixes={"transformer": "lora_transformer_", "text_encoder": "lora_te1_"},
                            comfyui_lycoris_prefixes={"transformer": "lycoris_", "text_encoder": "lora_te1_"})
-    guidance_in_batch = False  # guidance is an input of the distilled transformer
-    default_weighting_scheme = "none"  # train_dreambooth_lora_flux.py's default
+    # guidance is an input of the distilled transformer, not a doubled batch; weighting_scheme "none" is
+    # train_dreambooth_lora_flux.py's default
+    denoiser = FluxDenoiser(guidance_in_batch=False)
 
     @classmethod
     def matches(cls, index: dict[str, Any]) -> bool:
         return index.get("_class_name") == "FluxPipeline"
-
-    @classmethod
-    def image_tokens(cls, latents: Any, inputs: PredictInputs) -> tuple[Any, Any]:
-        """(the noisy latents packed 2x2 into tokens, their (0, row, column) position ids)."""
-        from diffusers import FluxPipeline
-
-        b, c, h, w = latents.shape
-        packed = FluxPipeline._pack_latents(latents, b, c, h, w)
-        return packed, FluxPipeline._prepare_latent_image_ids(b, h // 2, w // 2, packed.device, packed.dtype)
-
-    @classmethod
-    def predict(cls, denoiser: Any, noisy_latents: Any, timesteps: Any, hidden: Any, pooled: Any,
-                inputs: PredictInputs) -> Any:
-        """The transformer over `image_tokens`; the prediction read from the noisy latents' tokens."""
-        import torch
-        from diffusers import FluxPipeline
-
-        b, c, h, w = noisy_latents.shape
-        packed, img_ids = cls.image_tokens(noisy_latents, inputs)
-        txt_ids = torch.zeros(hidden.shape[1], 3, device=packed.device, dtype=packed.dtype)
-        guidance = None
-        if getattr(denoiser, "module", denoiser).config.guidance_embeds:  # (DDP wraps it in .module)
-            guidance = torch.full((b,), float(inputs.guidance_scale), device=packed.device)
-        pred = denoiser(hidden_states=packed, timestep=timesteps / 1000, guidance=guidance,
-                        pooled_projections=pooled, encoder_hidden_states=hidden, txt_ids=txt_ids, img_ids=img_ids,
-                        return_dict=False)[0]
-        pred = pred[:, : (h // 2) * (w // 2)]
-        return FluxPipeline._unpack_latents(pred, h, w, 1)  # (h, w) are latent sizes: scale factor 1
-
-    @classmethod
-    def latent_shape(cls, pipe: Any, height: int, width: int) -> tuple[int, ...]:
-        """Packed: (h/2 x w/2 latent tokens, 4 x channels); FluxPipeline takes `latents` packed."""
-        channels = int(pipe.transformer.config["in_channels"])  # already 4 x the VAE's channels
-        vsf = int(pipe.vae_scale_factor)
-        return ((height // vsf // 2) * (width // vsf // 2), channels)
 
     @classmethod
     def build_tiny(cls, seed: int) -> Any:

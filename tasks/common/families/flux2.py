@@ -18,9 +18,9 @@ from dataclasses import replace
 from typing import Any
 
 from finetune_runtime.convention import CallConvention
-from tasks.common.families.base import PredictInputs
+from tasks.common.families.denoiser import PredictInputs
 from tasks.common.families.export_profile import ExportProfile
-from tasks.common.families.flow import FlowMatchingFamily, flow_scheduler
+from tasks.common.families.flow import FlowDenoiser, FlowMatchingFamily, flow_scheduler
 from tasks.common.families.latent_codec import LatentCodec
 from tasks.common.families.qwen3_chat import Qwen3Chat, Qwen3ChatText
 from tasks.common.families.tiny import qwen3_config, qwen_tokenizer, seeded
@@ -136,36 +136,10 @@ class _Text(Qwen3ChatText):
         return hidden.permute(0, 2, 1, 3).reshape(b, length, n * width), None
 
 
-class Flux2Klein(FlowMatchingFamily):
-    name = "flux2"
-    title = "FLUX.2 [klein]"
-    builtin = "builtin:tiny-flux2"
-    pipeline_class_names = ("Flux2KleinPipeline",)
-    # Qwen3 with thinking off, its hidden states 9, 18 and 27 side by side (Flux2KleinPipeline's
-    # text_encoder_out_layers), 512 tokens (Flux2KleinPipeline's); the transformer trains alone
-    text = _Text(trainable=(), max_sequence_length=512, chat=Qwen3Chat(thinking=False, layers=(9, 18, 27)))
-    codec = _Codec(pixel_multiple=16)
-    lora_targets = _LORA_TARGETS
-    guidance_in_batch = False  # the unconditional branch is a separate call
-    takes_references = True  # Flux2KleinPipeline's `image` inputs: reference tokens beside the noisy ones
-    default_weighting_scheme = "none"  # train_dreambooth_lora_flux2_klein.py's default
-    # ComfyUI's FLUX.2 has BFL's module names (comfyui_layers), kohya-style; LoKr and LoHa keep
-    # diffusers' under `lycoris_` (a Kronecker or Hadamard product does not fuse)
-    export = _Export(ov_pipeline="OVFlux2KleinPipeline", comfyui_lora_prefixes={"transformer": "lora_unet_"},
-                     comfyui_lycoris_prefixes={"transformer": "lycoris_"})
+class _Denoiser(FlowDenoiser):
+    """The FLUX.2 transformer over packed patchified latents (and the references' tokens after them)."""
 
-    @classmethod
-    def call_convention(cls) -> CallConvention:
-        """Flux2KleinPipeline encodes an input image larger than a megapixel scaled down to one."""
-        return replace(super().call_convention(), edit_pixels=1024 * 1024)
-
-    @classmethod
-    def refused_options(cls) -> dict[str, str]:
-        return {**super().refused_options(),
-                "train_text_encoder": f"{cls.title} trains the transformer only (its LoRA loader has no Qwen3 part)"}
-
-    @classmethod
-    def predict(cls, denoiser: Any, noisy_latents: Any, timesteps: Any, hidden: Any, pooled: Any,
+    def predict(self, denoiser: Any, noisy_latents: Any, timesteps: Any, hidden: Any, pooled: Any,
                 inputs: PredictInputs) -> Any:
         from diffusers import Flux2KleinPipeline
 
@@ -184,11 +158,35 @@ class Flux2Klein(FlowMatchingFamily):
                         encoder_hidden_states=hidden, txt_ids=txt_ids, img_ids=img_ids, return_dict=False)[0]
         return pred[:, : h * w].permute(0, 2, 1).reshape(b, c, h, w)
 
-    @classmethod
-    def latent_shape(cls, pipe: Any, height: int, width: int) -> tuple[int, ...]:
+    def latent_shape(self, pipe: Any, height: int, width: int) -> tuple[int, ...]:
         """Patchified, not packed: (4 x the VAE's channels, h/2, w/2); the pipeline packs `latents` itself."""
         vsf = int(pipe.vae_scale_factor)
         return (int(pipe.transformer.config["in_channels"]), height // vsf // 2, width // vsf // 2)
+
+
+class Flux2Klein(FlowMatchingFamily):
+    name = "flux2"
+    title = "FLUX.2 [klein]"
+    builtin = "builtin:tiny-flux2"
+    pipeline_class_names = ("Flux2KleinPipeline",)
+    # Qwen3 with thinking off, its hidden states 9, 18 and 27 side by side (Flux2KleinPipeline's
+    # text_encoder_out_layers), 512 tokens (Flux2KleinPipeline's); the transformer trains alone
+    text = _Text(trainable=(), max_sequence_length=512, chat=Qwen3Chat(thinking=False, layers=(9, 18, 27)),
+                 frozen_because="its LoRA loader has no Qwen3 part")
+    codec = _Codec(pixel_multiple=16)
+    # the unconditional branch is a separate call; weighting_scheme "none" is
+    # train_dreambooth_lora_flux2_klein.py's default
+    denoiser = _Denoiser(lora_targets=_LORA_TARGETS, guidance_in_batch=False)
+    takes_references = True  # Flux2KleinPipeline's `image` inputs: reference tokens beside the noisy ones
+    # ComfyUI's FLUX.2 has BFL's module names (comfyui_layers), kohya-style; LoKr and LoHa keep
+    # diffusers' under `lycoris_` (a Kronecker or Hadamard product does not fuse)
+    export = _Export(ov_pipeline="OVFlux2KleinPipeline", comfyui_lora_prefixes={"transformer": "lora_unet_"},
+                     comfyui_lycoris_prefixes={"transformer": "lycoris_"})
+
+    @classmethod
+    def call_convention(cls) -> CallConvention:
+        """Flux2KleinPipeline encodes an input image larger than a megapixel scaled down to one."""
+        return replace(super().call_convention(), edit_pixels=1024 * 1024)
 
     @classmethod
     def build_tiny(cls, seed: int) -> Any:

@@ -21,30 +21,14 @@ from dataclasses import replace
 from typing import Any
 
 from finetune_runtime.convention import CallConvention
-from tasks.common.families.base import PredictInputs
-from tasks.common.families.flux import Flux
+from tasks.common.families.denoiser import PredictInputs
+from tasks.common.families.flux import Flux, FluxDenoiser
 
 
-class FluxKontext(Flux):
-    name = "kontext"
-    title = "FLUX.1 Kontext"
-    builtin = "builtin:tiny-flux-kontext"
-    pipeline_class_names = ("FluxKontextPipeline",)
-    export = replace(Flux.export, ov_pipeline=None)  # optimum-intel 2.2.0 exports no Kontext pipeline
-    takes_references = True
-    trains_embeddings = False
+class _Denoiser(FluxDenoiser):
+    """FLUX.1's call with the reference's tokens after the target's."""
 
-    @classmethod
-    def matches(cls, index: dict[str, Any]) -> bool:
-        return index.get("_class_name") == "FluxKontextPipeline"
-
-    @classmethod
-    def call_convention(cls) -> CallConvention:
-        return replace(super().call_convention(), input_images=1, area_argument="max_area",
-                       arguments={"_auto_resize": False})
-
-    @classmethod
-    def image_tokens(cls, latents: Any, inputs: PredictInputs) -> tuple[Any, Any]:
+    def image_tokens(self, latents: Any, inputs: PredictInputs) -> tuple[Any, Any]:
         """The target's tokens, then the reference's, its position ids' first coordinate 1."""
         import torch
         from diffusers import FluxKontextPipeline
@@ -58,6 +42,26 @@ class FluxKontext(Flux):
             ids[..., 0] = 1
             packed, img_ids = torch.cat([packed, tokens], dim=1), torch.cat([img_ids, ids], dim=0)
         return packed, img_ids
+
+
+class FluxKontext(Flux):
+    name = "kontext"
+    title = "FLUX.1 Kontext"
+    builtin = "builtin:tiny-flux-kontext"
+    pipeline_class_names = ("FluxKontextPipeline",)
+    export = replace(Flux.export, ov_pipeline=None)  # optimum-intel 2.2.0 exports no Kontext pipeline
+    takes_references = True
+    denoiser = _Denoiser(guidance_in_batch=False)
+    trains_embeddings = False
+
+    @classmethod
+    def matches(cls, index: dict[str, Any]) -> bool:
+        return index.get("_class_name") == "FluxKontextPipeline"
+
+    @classmethod
+    def call_convention(cls) -> CallConvention:
+        return replace(super().call_convention(), input_images=1, area_argument="max_area",
+                       arguments={"_auto_resize": False})
 
     @classmethod
     def build_tiny(cls, seed: int) -> Any:

@@ -42,13 +42,13 @@ here) and no run-time GenAI adapter.
 """
 from __future__ import annotations
 
-from dataclasses import replace
-from typing import Any, ClassVar
+from dataclasses import dataclass, replace
+from typing import Any
 
 from finetune_runtime.convention import CallConvention
-from tasks.common.families.base import PredictInputs
+from tasks.common.families.denoiser import PredictInputs
 from tasks.common.families.export_profile import ExportProfile
-from tasks.common.families.flow import FlowMatchingFamily
+from tasks.common.families.flow import FlowDenoiser, FlowMatchingFamily
 from tasks.common.families.latent_codec import LatentCodec
 from tasks.common.families.text_conditioner import T5Text
 from tasks.common.families.tiny import seeded, t5_config, t5_tokenizer
@@ -86,35 +86,16 @@ class _Text(T5Text):
         return hidden, (ids != components.tokenizers[0].pad_token_id).float()
 
 
-class LTXVideo(FlowMatchingFamily):
-    name = "ltx"
-    title = "LTX-Video"
-    builtin = "builtin:tiny-ltx"
-    pipeline_class_names = ("LTXPipeline",)
-    # one T5 (it never trains, as in diffusers' scripts), 128 tokens (LTXPipeline's)
-    text = _Text(tokenizer_names=("tokenizer",), t5_tokenizer="tokenizer", trainable=(), max_sequence_length=128)
-    codec = _Codec(pixel_multiple=32)
-    video = True
-    default_weighting_scheme = "none"
-    #: the released VAE's factors (32 in space, 8 in time); the rotary scale reads them in `predict`
-    spatial_compression: ClassVar[int] = 32
-    temporal_compression: ClassVar[int] = 8
-    # not checked against ComfyUI's LTXV key map: `lora_format: comfyui` refused
-    export = ExportProfile(ov_pipeline="OVLTXPipeline", comfyui_lora_prefixes=None)
+@dataclass(frozen=True)
+class _Denoiser(FlowDenoiser):
+    """The video transformer over packed (frame, row, column) tokens, with rotary positions scaled by the
+    VAE's compression and the frame rate."""
 
-    @classmethod
-    def refused_options(cls) -> dict[str, str]:
-        return {**super().refused_options(),
-                "guidance_scale": f"the guidance input of guidance-distilled FLUX bases; {cls.title} has none",
-                "train_text_encoder": f"{cls.title} trains the transformer only (its T5 encoder stays frozen)"}
+    #: the released VAE's factors (32 in space, 8 in time); the rotary scale reads them
+    spatial_compression: int = 32
+    temporal_compression: int = 8
 
-    @classmethod
-    def class_images_refusal(cls) -> str | None:
-        return (f"{cls.title} trains on clips and the class_images stage makes images, not clips, so it cannot "
-                "make its class images")
-
-    @classmethod
-    def predict(cls, denoiser: Any, noisy_latents: Any, timesteps: Any, hidden: Any, pooled: Any,
+    def predict(self, denoiser: Any, noisy_latents: Any, timesteps: Any, hidden: Any, pooled: Any,
                 inputs: PredictInputs) -> Any:
         from diffusers import LTXPipeline
 
@@ -125,11 +106,39 @@ class LTXVideo(FlowMatchingFamily):
         if timesteps.ndim == 2 and timesteps.shape[1] == frames:
             # one per latent frame (first-frame conditioning), each on its frame's tokens; (b, tokens) as given
             timesteps = timesteps[:, ::pt].repeat_interleave((height // p) * (width // p), dim=1)
-        rope = (cls.temporal_compression / FRAME_RATE, cls.spatial_compression, cls.spatial_compression)
+        rope = (self.temporal_compression / FRAME_RATE, self.spatial_compression, self.spatial_compression)
         pred = denoiser(hidden_states=packed, encoder_hidden_states=hidden, timestep=timesteps,
                         encoder_attention_mask=pooled, num_frames=frames // pt, height=height // p,
                         width=width // p, rope_interpolation_scale=rope, return_dict=False)[0]
         return LTXPipeline._unpack_latents(pred, frames // pt, height // p, width // p, p, pt)
+
+    def latent_shape(self, pipe: Any, height: int, width: int, frames: int = DEFAULT_FRAMES) -> tuple[int, ...]:
+        """One clip's starting noise as the pipeline takes it: packed tokens (sequence, channels)."""
+        config = pipe.transformer.config
+        grid = ((frames - 1) // pipe.vae_temporal_compression_ratio + 1) // config.patch_size_t
+        side = pipe.vae_spatial_compression_ratio * config.patch_size
+        return (grid * (height // side) * (width // side),
+                config.in_channels * config.patch_size ** 2 * config.patch_size_t)
+
+
+class LTXVideo(FlowMatchingFamily):
+    name = "ltx"
+    title = "LTX-Video"
+    builtin = "builtin:tiny-ltx"
+    pipeline_class_names = ("LTXPipeline",)
+    # one T5 (it never trains, as in diffusers' scripts), 128 tokens (LTXPipeline's)
+    text = _Text(tokenizer_names=("tokenizer",), t5_tokenizer="tokenizer", trainable=(), max_sequence_length=128,
+                 frozen_because="its T5 encoder stays frozen")
+    codec = _Codec(pixel_multiple=32)
+    video = True
+    denoiser = _Denoiser(takes_guidance_scale=False)
+    # not checked against ComfyUI's LTXV key map: `lora_format: comfyui` refused
+    export = ExportProfile(ov_pipeline="OVLTXPipeline", comfyui_lora_prefixes=None)
+
+    @classmethod
+    def class_images_refusal(cls) -> str | None:
+        return (f"{cls.title} trains on clips and the class_images stage makes images, not clips, so it cannot "
+                "make its class images")
 
     @classmethod
     def call_convention(cls) -> CallConvention:
@@ -138,7 +147,7 @@ class LTXVideo(FlowMatchingFamily):
         which LTXImageToVideoPipeline on the same model starts the clip from."""
         return replace(super().call_convention(), arguments={"frame_rate": FRAME_RATE}, latent_patch=1,
                        frames=DEFAULT_FRAMES, count_argument="num_videos_per_prompt", fps=FRAME_RATE,
-                       frame_step=cls.temporal_compression, input_images=1,
+                       frame_step=cls.denoiser.temporal_compression, input_images=1,
                        first_frame_pipeline="LTXImageToVideoPipeline")
 
     @classmethod
@@ -160,15 +169,6 @@ class LTXVideo(FlowMatchingFamily):
                        extra: dict[str, Any] | None = None, **settings: Any) -> list[list[Any]]:
         """The clips of one call, each a list of PIL frames."""
         return super().generate(pipe, prompts, steps=steps, latents=latents, extra=extra, **settings)
-
-    @classmethod
-    def latent_shape(cls, pipe: Any, height: int, width: int, frames: int = DEFAULT_FRAMES) -> tuple[int, ...]:
-        """One clip's starting noise as the pipeline takes it: packed tokens (sequence, channels)."""
-        config = pipe.transformer.config
-        grid = ((frames - 1) // pipe.vae_temporal_compression_ratio + 1) // config.patch_size_t
-        side = pipe.vae_spatial_compression_ratio * config.patch_size
-        return (grid * (height // side) * (width // side),
-                config.in_channels * config.patch_size ** 2 * config.patch_size_t)
 
     @classmethod
     def build_tiny(cls, seed: int) -> Any:

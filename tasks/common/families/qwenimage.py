@@ -27,8 +27,8 @@ from dataclasses import replace
 from typing import Any
 
 from finetune_runtime.convention import CallConvention
-from tasks.common.families.base import PredictInputs
-from tasks.common.families.flow import FlowMatchingFamily
+from tasks.common.families.denoiser import PredictInputs
+from tasks.common.families.flow import FlowDenoiser, FlowMatchingFamily
 from tasks.common.families.latent_codec import LatentCodec
 from tasks.common.families.text_conditioner import TextConditioner
 from tasks.common.families.tiny import qwen_tokenizer, seeded
@@ -80,30 +80,10 @@ class QwenVLText(TextConditioner):
         return hidden[:, _DROP:] * mask[..., None], mask
 
 
-class QwenImage(FlowMatchingFamily):
-    name = "qwenimage"
-    title = "Qwen-Image"
-    builtin = "builtin:tiny-qwenimage"
-    pipeline_class_names = ("QwenImagePipeline",)
-    text = QwenVLText(trainable=(), max_sequence_length=512)  # QwenImagePipeline.__call__'s length
-    codec = _Codec(pixel_multiple=16)
-    export = replace(FlowMatchingFamily.export, ov_pipeline="OVQwenImagePipeline")
-    guidance_in_batch = False  # the negative prompt's pass is a separate call
-    default_weighting_scheme = "none"  # train_dreambooth_lora_qwen_image.py's default
+class QwenImageDenoiser(FlowDenoiser):
+    """The double-stream MMDiT over packed latents, told each image's token grid (`img_shapes`)."""
 
-    @classmethod
-    def refused_options(cls) -> dict[str, str]:
-        return {**super().refused_options(),
-                "train_text_encoder": f"{cls.title} trains the transformer only (its LoRA loader has no text part)",
-                "guidance_scale": f"the guidance input of guidance-distilled FLUX bases; {cls.title} has none"}
-
-    @classmethod
-    def call_convention(cls) -> CallConvention:
-        """True classifier-free guidance (`true_cfg_scale`), with a blank negative prompt when guided."""
-        return replace(super().call_convention(), guidance_argument="true_cfg_scale", negative_when_guided=" ")
-
-    @classmethod
-    def predict(cls, denoiser: Any, noisy_latents: Any, timesteps: Any, hidden: Any, pooled: Any,
+    def predict(self, denoiser: Any, noisy_latents: Any, timesteps: Any, hidden: Any, pooled: Any,
                 inputs: PredictInputs) -> Any:
         """`pooled` is the text mask (see the module's docstring)."""
         from diffusers import QwenImagePipeline
@@ -115,11 +95,29 @@ class QwenImage(FlowMatchingFamily):
                         return_dict=False)[0]
         return QwenImagePipeline._unpack_latents(pred, h, w, 1)[:, :, 0]  # latent sizes: scale factor 1
 
-    @classmethod
-    def latent_shape(cls, pipe: Any, height: int, width: int) -> tuple[int, ...]:
+    def latent_shape(self, pipe: Any, height: int, width: int) -> tuple[int, ...]:
         """Packed: (h/2 x w/2 latent tokens, 4 x the VAE's channels), as QwenImagePipeline takes `latents`."""
         vsf = int(pipe.vae_scale_factor)
         return ((height // vsf // 2) * (width // vsf // 2), int(pipe.transformer.config["in_channels"]))
+
+
+class QwenImage(FlowMatchingFamily):
+    name = "qwenimage"
+    title = "Qwen-Image"
+    builtin = "builtin:tiny-qwenimage"
+    pipeline_class_names = ("QwenImagePipeline",)
+    text = QwenVLText(trainable=(), max_sequence_length=512,  # QwenImagePipeline.__call__'s length
+                      frozen_because="its LoRA loader has no text part")
+    codec = _Codec(pixel_multiple=16)
+    export = replace(FlowMatchingFamily.export, ov_pipeline="OVQwenImagePipeline")
+    # the negative prompt's pass is a separate call; weighting_scheme "none" is
+    # train_dreambooth_lora_qwen_image.py's default
+    denoiser = QwenImageDenoiser(guidance_in_batch=False, takes_guidance_scale=False)
+
+    @classmethod
+    def call_convention(cls) -> CallConvention:
+        """True classifier-free guidance (`true_cfg_scale`), with a blank negative prompt when guided."""
+        return replace(super().call_convention(), guidance_argument="true_cfg_scale", negative_when_guided=" ")
 
     @classmethod
     def build_tiny(cls, seed: int) -> Any:

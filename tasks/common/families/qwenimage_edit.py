@@ -35,8 +35,15 @@ from dataclasses import replace
 from typing import Any
 
 from finetune_runtime.convention import CallConvention
-from tasks.common.families.base import PredictInputs
-from tasks.common.families.qwenimage import QwenImage, QwenVLText, _latent_statistics, tiny_qwen25vl, tiny_transformer
+from tasks.common.families.denoiser import PredictInputs
+from tasks.common.families.qwenimage import (
+    QwenImage,
+    QwenImageDenoiser,
+    QwenVLText,
+    _latent_statistics,
+    tiny_qwen25vl,
+    tiny_transformer,
+)
 from tasks.common.families.tiny import qwen_tokenizer, seeded
 
 #: QwenImageEditPlusPipeline's prompt_template_encode, its start index, and the per-image prefix
@@ -115,6 +122,28 @@ class _Text(QwenVLText):
         return hidden, mask
 
 
+class _Denoiser(QwenImageDenoiser):
+    """Qwen-Image's call with each reference's tokens after the target's."""
+
+    def predict(self, denoiser: Any, noisy_latents: Any, timesteps: Any, hidden: Any, pooled: Any,
+                inputs: PredictInputs) -> Any:
+        """The target's tokens, then each reference's (qwenimage.py's `predict` with `img_shapes`
+        naming every image); the prediction read from the target's tokens."""
+        import torch
+        from diffusers import QwenImageEditPlusPipeline as Pipe
+
+        b, c, h, w = noisy_latents.shape
+        tokens = [Pipe._pack_latents(noisy_latents, b, c, h, w)]
+        shapes = [(1, h // 2, w // 2)]
+        for reference in inputs.references or []:
+            rb, rc, rh, rw = reference.shape
+            tokens.append(Pipe._pack_latents(reference.to(noisy_latents.device, noisy_latents.dtype), rb, rc, rh, rw))
+            shapes.append((1, rh // 2, rw // 2))
+        pred = denoiser(hidden_states=torch.cat(tokens, dim=1), timestep=timesteps / 1000, encoder_hidden_states=hidden,
+                        encoder_hidden_states_mask=pooled, img_shapes=[shapes] * b, return_dict=False)[0]
+        return Pipe._unpack_latents(pred[:, : tokens[0].shape[1]], h, w, 1)[:, :, 0]
+
+
 class QwenImageEdit(QwenImage):
     name = "qwenimage-edit"
     title = "Qwen-Image-Edit"
@@ -124,7 +153,8 @@ class QwenImageEdit(QwenImage):
     export = replace(QwenImage.export, ov_pipeline=None)
     # Qwen2VLProcessor (the tokenizer and the image processor together); its text sees the references
     text = _Text(tokenizer_names=("processor",), trainable=(), max_sequence_length=QwenImage.text.max_sequence_length,
-                 sees_references=True)
+                 sees_references=True, frozen_because=QwenImage.text.frozen_because)
+    denoiser = _Denoiser(guidance_in_batch=False, takes_guidance_scale=False)
     takes_references = True
     trains_embeddings = False
 
@@ -154,25 +184,6 @@ class QwenImageEdit(QwenImage):
         image = _to_pil(pixels[0])
         width, height = area_size(*image.size, REFERENCE_PIXELS)
         return VaeImageProcessor().preprocess(image, height, width).to(pixels.device, pixels.dtype)
-
-    @classmethod
-    def predict(cls, denoiser: Any, noisy_latents: Any, timesteps: Any, hidden: Any, pooled: Any,
-                inputs: PredictInputs) -> Any:
-        """The target's tokens, then each reference's (qwenimage.py's `predict` with `img_shapes`
-        naming every image); the prediction read from the target's tokens."""
-        import torch
-        from diffusers import QwenImageEditPlusPipeline as Pipe
-
-        b, c, h, w = noisy_latents.shape
-        tokens = [Pipe._pack_latents(noisy_latents, b, c, h, w)]
-        shapes = [(1, h // 2, w // 2)]
-        for reference in inputs.references or []:
-            rb, rc, rh, rw = reference.shape
-            tokens.append(Pipe._pack_latents(reference.to(noisy_latents.device, noisy_latents.dtype), rb, rc, rh, rw))
-            shapes.append((1, rh // 2, rw // 2))
-        pred = denoiser(hidden_states=torch.cat(tokens, dim=1), timestep=timesteps / 1000, encoder_hidden_states=hidden,
-                        encoder_hidden_states_mask=pooled, img_shapes=[shapes] * b, return_dict=False)[0]
-        return Pipe._unpack_latents(pred[:, : tokens[0].shape[1]], h, w, 1)[:, :, 0]
 
     @classmethod
     def build_tiny(cls, seed: int) -> Any:

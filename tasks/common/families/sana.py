@@ -32,9 +32,9 @@ from dataclasses import replace
 from typing import Any
 
 from finetune_runtime.convention import CallConvention
-from tasks.common.families.base import PredictInputs
+from tasks.common.families.denoiser import PredictInputs
 from tasks.common.families.export_profile import ExportProfile
-from tasks.common.families.flow import FlowMatchingFamily
+from tasks.common.families.flow import FlowDenoiser, FlowMatchingFamily
 from tasks.common.families.latent_codec import LatentCodec
 from tasks.common.families.text_conditioner import TextConditioner
 from tasks.common.families.tiny import gemma2_config, gemma_tokenizer, seeded
@@ -61,28 +61,10 @@ class _Text(TextConditioner):
         return hidden, mask.float()
 
 
-class Sana(FlowMatchingFamily):
-    name = "sana"
-    title = "Sana"
-    builtin = "builtin:tiny-sana"
-    pipeline_class_names = ("SanaPipeline",)
-    text = _Text(trainable=(), max_sequence_length=300)  # SanaPipeline's and the script's length
-    lora_targets = ("to_k", "to_q", "to_v")  # train_dreambooth_lora_sana.py's default
-    default_weighting_scheme = "none"  # the script's default
-    #: image sides: multiples of the released autoencoder's 32x compression (the tiny one's 4x divides it);
-    #: everything at run time reads the loaded VAE's factor (`pipe.vae_scale_factor`)
-    codec = LatentCodec(pixel_multiple=32)
-    #: ComfyUI has no Sana model: no key of a ComfyUI adapter file would load (`lora_format: comfyui` is refused)
-    export = ExportProfile(ov_pipeline="OVSanaPipeline", comfyui_lora_prefixes=None)
+class _Denoiser(FlowDenoiser):
+    """The linear-attention DiT: the text mask as its attention mask, its own timestep scale."""
 
-    @classmethod
-    def refused_options(cls) -> dict[str, str]:
-        return {**super().refused_options(),
-                "guidance_scale": f"the guidance input of guidance-distilled FLUX bases; {cls.title} has none",
-                "train_text_encoder": f"{cls.title} trains the transformer only (its LoRA loader has no Gemma part)"}
-
-    @classmethod
-    def predict(cls, denoiser: Any, noisy_latents: Any, timesteps: Any, hidden: Any, pooled: Any,
+    def predict(self, denoiser: Any, noisy_latents: Any, timesteps: Any, hidden: Any, pooled: Any,
                 inputs: PredictInputs) -> Any:
         config = getattr(denoiser, "module", denoiser).config  # (DDP wraps it in .module)
         pred = denoiser(noisy_latents, encoder_hidden_states=hidden, encoder_attention_mask=pooled,
@@ -90,6 +72,22 @@ class Sana(FlowMatchingFamily):
         if config.out_channels // 2 == noisy_latents.shape[1]:  # a learned sigma, as the pipeline drops it
             pred = pred.chunk(2, dim=1)[0]
         return pred
+
+
+class Sana(FlowMatchingFamily):
+    name = "sana"
+    title = "Sana"
+    builtin = "builtin:tiny-sana"
+    pipeline_class_names = ("SanaPipeline",)
+    text = _Text(trainable=(), max_sequence_length=300,  # SanaPipeline's and the script's length
+                 frozen_because="its LoRA loader has no Gemma part")
+    # train_dreambooth_lora_sana.py's LoRA targets and weighting scheme ("none")
+    denoiser = _Denoiser(lora_targets=("to_k", "to_q", "to_v"), takes_guidance_scale=False)
+    #: image sides: multiples of the released autoencoder's 32x compression (the tiny one's 4x divides it);
+    #: everything at run time reads the loaded VAE's factor (`pipe.vae_scale_factor`)
+    codec = LatentCodec(pixel_multiple=32)
+    #: ComfyUI has no Sana model: no key of a ComfyUI adapter file would load (`lora_format: comfyui` is refused)
+    export = ExportProfile(ov_pipeline="OVSanaPipeline", comfyui_lora_prefixes=None)
 
     @classmethod
     def call_convention(cls) -> CallConvention:

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from tasks.common.families.base import Components, ModelFamily, PredictInputs
+from tasks.common.families.base import Components, ModelFamily
+from tasks.common.families.denoiser import Denoiser, PredictInputs
 from tasks.common.families.export_profile import ExportProfile
 from tasks.common.families.text_conditioner import TextConditioner
 from tasks.common.families.tiny import clip_text_config, clip_tokenizer, ddpm_kwargs, seeded, tiny_vae
@@ -34,12 +35,21 @@ class _Text(TextConditioner):
         return encoder(input_ids[0].to(device), return_dict=True).last_hidden_state, None
 
 
+class _Denoiser(Denoiser):
+    """A UNet conditioned on the text's sequence alone."""
+
+    def predict(self, denoiser: Any, noisy_latents: Any, timesteps: Any, hidden: Any, pooled: Any,
+                inputs: PredictInputs) -> Any:
+        return denoiser(noisy_latents, timesteps, encoder_hidden_states=hidden, return_dict=False)[0]
+
+
 class StableDiffusion(ModelFamily):
     name = "sd"
     title = "Stable Diffusion 1.x/2.x"
     builtin = "builtin:tiny-sd"
     pipeline_class_names = ("StableDiffusionPipeline",)
     text = _Text()
+    denoiser = _Denoiser()
     export = _Export(ov_pipeline="OVStableDiffusionPipeline",
                      genai_lora_prefixes={"unet": "lora_unet", "text_encoder": "lora_te"})
 
@@ -50,11 +60,6 @@ class StableDiffusion(ModelFamily):
         name = index.get("_class_name", "")
         return name.startswith("StableDiffusion") and "XL" not in name and "3" not in name \
             and (index.get("text_encoder_2") or [None])[0] is None
-
-    @classmethod
-    def predict(cls, denoiser: Any, noisy_latents: Any, timesteps: Any, hidden: Any, pooled: Any,
-                inputs: PredictInputs) -> Any:
-        return denoiser(noisy_latents, timesteps, encoder_hidden_states=hidden, return_dict=False)[0]
 
     @classmethod
     def build_tiny(cls, seed: int) -> Any:

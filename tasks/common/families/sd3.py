@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from tasks.common.families.base import PredictInputs
+from tasks.common.families.denoiser import PredictInputs
 from tasks.common.families.export_profile import ExportProfile
-from tasks.common.families.flow import FlowMatchingFamily, flow_scheduler
+from tasks.common.families.flow import FlowDenoiser, FlowMatchingFamily, flow_scheduler
 from tasks.common.families.text_conditioner import T5Text
 from tasks.common.families.tiny import clip_text_config, clip_tokenizer, seeded, t5_config, t5_tokenizer, tiny_vae
 
@@ -44,6 +44,15 @@ class _Text(T5Text):
         return torch.cat([clip, t5.to(clip.dtype)], dim=-2), torch.cat(pooled, dim=-1)
 
 
+class _Denoiser(FlowDenoiser):
+    """The MMDiT over the latents, the text's sequence and pooled vector; no guidance input."""
+
+    def predict(self, denoiser: Any, noisy_latents: Any, timesteps: Any, hidden: Any, pooled: Any,
+                inputs: PredictInputs) -> Any:
+        return denoiser(hidden_states=noisy_latents, timestep=timesteps, encoder_hidden_states=hidden,
+                        pooled_projections=pooled, return_dict=False)[0]
+
+
 class StableDiffusion3(FlowMatchingFamily):
     name = "sd3"
     title = "Stable Diffusion 3/3.5"
@@ -53,7 +62,8 @@ class StableDiffusion3(FlowMatchingFamily):
     text = _Text(encoder_names=("text_encoder", "text_encoder_2", "text_encoder_3"),
                  tokenizer_names=("tokenizer", "tokenizer_2", "tokenizer_3"), t5_tokenizer="tokenizer_3",
                  trainable=("text_encoder", "text_encoder_2"), max_sequence_length=77)
-    default_weighting_scheme = "logit_normal"  # train_dreambooth_lora_sd3.py's default
+    denoiser = _Denoiser(takes_guidance_scale=False,
+                         weighting_scheme="logit_normal")  # train_dreambooth_lora_sd3.py's default
     # GenAI 2026.4.1 applies an SD3 LoRA to the transformer under this prefix; no prefix tried
     # (lora_te1/2, lora_te, te1/2, clip_l/g) reached the CLIP encoders, so those layers are refused.
     # ComfyUI maps OneTrainer's kohya-style names for SD3 (comfy/lora.py), CLIP-L/G as SDXL's
@@ -62,19 +72,8 @@ class StableDiffusion3(FlowMatchingFamily):
                            comfyui_lycoris_prefixes={"transformer": "lycoris_", **_CLIP_COMFYUI})
 
     @classmethod
-    def refused_options(cls) -> dict[str, str]:
-        return {**super().refused_options(),
-                "guidance_scale": f"the guidance input of guidance-distilled FLUX bases; {cls.title} has none"}
-
-    @classmethod
     def matches(cls, index: dict[str, Any]) -> bool:
         return index.get("_class_name", "").startswith("StableDiffusion3")
-
-    @classmethod
-    def predict(cls, denoiser: Any, noisy_latents: Any, timesteps: Any, hidden: Any, pooled: Any,
-                inputs: PredictInputs) -> Any:
-        return denoiser(hidden_states=noisy_latents, timestep=timesteps, encoder_hidden_states=hidden,
-                        pooled_projections=pooled, return_dict=False)[0]
 
     @classmethod
     def build_tiny(cls, seed: int) -> Any:

@@ -10,7 +10,8 @@ from __future__ import annotations
 from typing import Any
 
 from tasks.common.errors import UserError
-from tasks.common.families.base import Components, ModelFamily, PredictInputs
+from tasks.common.families.base import Components, ModelFamily
+from tasks.common.families.denoiser import Denoiser, PredictInputs
 from tasks.common.families.export_profile import ExportProfile
 from tasks.common.families.text_conditioner import TextConditioner
 from tasks.common.families.tiny import clip_text_config, clip_tokenizer, ddpm_kwargs, seeded, tiny_vae
@@ -46,6 +47,20 @@ class _Text(TextConditioner):
         return torch.cat(hidden, dim=-1), pooled
 
 
+class _Denoiser(Denoiser):
+    """A UNet that also takes the pooled text and each row's size and crop ("time ids")."""
+
+    def predict(self, denoiser: Any, noisy_latents: Any, timesteps: Any, hidden: Any, pooled: Any,
+                inputs: PredictInputs) -> Any:
+        if pooled is None:
+            raise RuntimeError("SDXL conditioning needs the pooled embeds of text_encoder_2")
+        g = inputs.geometry
+        time_ids = add_time_ids(g.original_sizes, g.crops_top_left, inputs.resolution, g.target_sizes)
+        added = {"text_embeds": pooled, "time_ids": time_ids.to(hidden.device, hidden.dtype)}
+        return denoiser(noisy_latents, timesteps, encoder_hidden_states=hidden, added_cond_kwargs=added,
+                        return_dict=False)[0]
+
+
 class StableDiffusionXL(ModelFamily):
     name = "sdxl"
     title = "Stable Diffusion XL"
@@ -53,6 +68,7 @@ class StableDiffusionXL(ModelFamily):
     pipeline_class_names = ("StableDiffusionXLPipeline",)
     text = _Text(encoder_names=("text_encoder", "text_encoder_2"), tokenizer_names=("tokenizer", "tokenizer_2"),
                  embedding_keys=("clip_l", "clip_g"))
+    denoiser = _Denoiser()
     export = _Export(ov_pipeline="OVStableDiffusionXLPipeline",
                      genai_lora_prefixes={"unet": "lora_unet", "text_encoder": "lora_te1",
                                           "text_encoder_2": "lora_te2"},
@@ -63,17 +79,6 @@ class StableDiffusionXL(ModelFamily):
     def matches(cls, index: dict[str, Any]) -> bool:
         name = index.get("_class_name", "")
         return name.startswith("StableDiffusionXL")
-
-    @classmethod
-    def predict(cls, denoiser: Any, noisy_latents: Any, timesteps: Any, hidden: Any, pooled: Any,
-                inputs: PredictInputs) -> Any:
-        if pooled is None:
-            raise RuntimeError("SDXL conditioning needs the pooled embeds of text_encoder_2")
-        time_ids = add_time_ids(inputs.original_sizes, inputs.crops_top_left, inputs.resolution,
-                                inputs.target_sizes)
-        added = {"text_embeds": pooled, "time_ids": time_ids.to(hidden.device, hidden.dtype)}
-        return denoiser(noisy_latents, timesteps, encoder_hidden_states=hidden, added_cond_kwargs=added,
-                        return_dict=False)[0]
 
     @classmethod
     def build_tiny(cls, seed: int, text_2_width: int = 32) -> Any:

@@ -41,8 +41,16 @@ class TextConditioner:
     #: tokens per prompt of a fixed-length tokenizer (T5, a chat template) when train.max_sequence_length
     #: is null; None: CLIP's own 77 only
     max_sequence_length: int | None = None
+    #: why no text encoder trains where `trainable` is empty (train.train_text_encoder is refused)
+    frozen_because: str = "its text encoders stay frozen"
     #: the family's title, for messages (ModelFamily sets it)
     title: str = "this model family"
+
+    def refused_options(self) -> dict[str, str]:
+        """train.* keys refused for this text side (key: why): train_text_encoder where none trains."""
+        if self.trainable != ():
+            return {}
+        return {"train_text_encoder": f"{self.title} trains the transformer only ({self.frozen_because})"}
 
     def tokenize(self, components: Any, prompts: list[str], max_sequence_length: int | None = None) -> list[Any]:
         """Token ids per tokenizer, padded/truncated to each tokenizer's max length (CLIP: 77)."""

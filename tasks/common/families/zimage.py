@@ -21,8 +21,8 @@ from dataclasses import replace
 from typing import Any
 
 from finetune_runtime.convention import CallConvention
-from tasks.common.families.base import PredictInputs
-from tasks.common.families.flow import FlowMatchingFamily, flow_scheduler
+from tasks.common.families.denoiser import PredictInputs
+from tasks.common.families.flow import FlowDenoiser, FlowMatchingFamily, flow_scheduler
 from tasks.common.families.qwen3_chat import Qwen3Chat, Qwen3ChatText
 from tasks.common.families.tiny import qwen3_config, qwen_tokenizer, seeded, tiny_vae
 
@@ -38,28 +38,10 @@ class _Text(Qwen3ChatText):
         return hidden * mask.unsqueeze(-1).to(hidden.dtype), mask.float()
 
 
-class ZImage(FlowMatchingFamily):
-    name = "zimage"
-    title = "Z-Image"
-    builtin = "builtin:tiny-zimage"
-    pipeline_class_names = ("ZImagePipeline",)
-    # Qwen3 with thinking on, its second-to-last hidden states, 512 tokens (ZImagePipeline's)
-    text = _Text(trainable=(), max_sequence_length=512, chat=Qwen3Chat(thinking=True, layers=(-2,)))
-    export = replace(FlowMatchingFamily.export, ov_pipeline="OVZImagePipeline")
-    default_weighting_scheme = "none"
+class _Denoiser(FlowDenoiser):
+    """The S3-DiT over unpadded captions; it predicts x_0 - noise, the negated velocity."""
 
-    @classmethod
-    def call_convention(cls) -> CallConvention:
-        """ZImagePipeline hard-codes 1024 px when given no size: 128 latents over the real VAE's factor 8."""
-        return replace(super().call_convention(), default_sample_size=128)
-
-    @classmethod
-    def refused_options(cls) -> dict[str, str]:
-        return {**super().refused_options(),
-                "train_text_encoder": f"{cls.title} trains the transformer only (its LoRA loader has no Qwen3 part)"}
-
-    @classmethod
-    def predict(cls, denoiser: Any, noisy_latents: Any, timesteps: Any, hidden: Any, pooled: Any,
+    def predict(self, denoiser: Any, noisy_latents: Any, timesteps: Any, hidden: Any, pooled: Any,
                 inputs: PredictInputs) -> Any:
         """The velocity noise - x_0: the transformer's output negated; `pooled` is the prompts' mask."""
         import torch
@@ -68,6 +50,23 @@ class ZImage(FlowMatchingFamily):
         captions = [row[keep.bool()] for row, keep in zip(hidden, pooled)]
         out = denoiser(images, (1000 - timesteps) / 1000, captions, return_dict=False)[0]
         return -torch.stack(out).squeeze(2).to(noisy_latents.dtype)
+
+
+class ZImage(FlowMatchingFamily):
+    name = "zimage"
+    title = "Z-Image"
+    builtin = "builtin:tiny-zimage"
+    pipeline_class_names = ("ZImagePipeline",)
+    # Qwen3 with thinking on, its second-to-last hidden states, 512 tokens (ZImagePipeline's)
+    text = _Text(trainable=(), max_sequence_length=512, chat=Qwen3Chat(thinking=True, layers=(-2,)),
+                 frozen_because="its LoRA loader has no Qwen3 part")
+    denoiser = _Denoiser()
+    export = replace(FlowMatchingFamily.export, ov_pipeline="OVZImagePipeline")
+
+    @classmethod
+    def call_convention(cls) -> CallConvention:
+        """ZImagePipeline hard-codes 1024 px when given no size: 128 latents over the real VAE's factor 8."""
+        return replace(super().call_convention(), default_sample_size=128)
 
     @classmethod
     def build_tiny(cls, seed: int) -> Any:

@@ -71,13 +71,13 @@ class TrainingMethod(DataAssembly, Caches, Loss, Saving):
     def trainable(self) -> list[str]:
         """Names of the modules with trainable weights (the denoiser, plus the text encoders on request)."""
         c = self.components
-        return [c.family.denoiser_name, *(c.trainable_text_encoder_names() if self.cfg.train_text_encoder else [])]
+        return [c.family.denoiser.name, *(c.trainable_text_encoder_names() if self.cfg.train_text_encoder else [])]
 
     def denoiser_load_dtype(self, dtype: torch.dtype, device: torch.device) -> torch.dtype | None:
         """The precision to load the denoiser in: the training precision where its weights stay
         frozen or train in bf16 (`place` would cast them to it anyway; loading straight into it
         halves the load's peak), None (as stored) where it trains in float32."""
-        frozen = self.components.family.denoiser_name not in self.trainable()
+        frozen = self.components.family.denoiser.name not in self.trainable()
         bf16 = dtype == torch.bfloat16 and self.cfg.bf16_weights(device.type)
         return dtype if (frozen or bf16) and dtype != torch.float32 else None
 
@@ -105,7 +105,7 @@ class TrainingMethod(DataAssembly, Caches, Loss, Saving):
         if bf16:
             log.info("full_bf16: %s trained in bf16 with stochastic rounding", ", ".join(sorted(trainable)))
         if self.cfg.channels_last:
-            for name in (self.components.family.denoiser_name, "vae"):
+            for name in (self.components.family.denoiser.name, "vae"):
                 self.components.modules[name].to(memory_format=torch.channels_last)
 
     def param_groups(self) -> list[dict[str, Any]]:

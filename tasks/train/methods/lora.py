@@ -54,7 +54,7 @@ class LoRA(TrainingMethod):
         for module in c.modules.values():
             module.requires_grad_(False)
             module.eval()
-        c.denoiser.add_adapter(self._config(c.family.lora_targets))
+        c.denoiser.add_adapter(self._config(c.family.denoiser.lora_targets))
         c.denoiser.train()
         if self.cfg.train_text_encoder:
             for name in c.trainable_text_encoder_names():
@@ -82,7 +82,8 @@ class LoRA(TrainingMethod):
         """The adapters of the trained modules: diffusers' LoRA file, or peft's folders (LoKr, LoHa)."""
         from peft.utils import get_peft_model_state_dict
 
-        self.fused_components = self.components.family.lora_components(list(trained))
+        family = self.components.family  # the pipeline's components that carry LoRA layers, for fuse_lora
+        self.fused_components = [family.denoiser.name, *(n for n in trained if n in family.text.encoder_names)]
         self.save_format_file(out_dir, trained)
         if not self.diffusers_format:
             save_peft_adapters(out_dir / PEFT_DIR, trained)

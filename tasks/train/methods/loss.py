@@ -47,8 +47,9 @@ class Loss:
         sample = noised.noisy_latents
         if cfg.channels_last:
             sample = sample.contiguous(memory_format=torch.channels_last)
-        pred = family.predict(modules[family.denoiser_name], sample, noised.timesteps, hidden, pooled,
-                              batch.predict_inputs(cfg.resolution, cfg.guidance_scale, references))
+        denoiser = family.denoiser
+        pred = denoiser.predict(modules[denoiser.name], sample, noised.timesteps, hidden, pooled,
+                                batch.predict_inputs(cfg.resolution, cfg.guidance_scale, references))
         weights = loss_weights(cfg, batch.masks, batch.mask_off, pred)
         if first is not None:
             weights = first.weights(weights, pred)  # the conditioned rows' first latent frame out of the loss
