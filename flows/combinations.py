@@ -111,9 +111,9 @@ def edit_dataset(configs: Mapping[str, Any], root: Path) -> list[str]:
     if train is not None and (problem := edit_data.prior_preservation_problem(ingest, train.with_prior_preservation)):
         found.append(problem)
     family = base_family(base, root) if base is not None else None
-    if family is not None and not family.takes_references:
+    if family is not None and not family.inputs.trains:
         editors = ", ".join(f"{f.title}: {f.builtin}" for f in families.FAMILIES
-                            if f.takes_references and getattr(f, "builtin", None))
+                            if f.inputs.trains and getattr(f, "builtin", None))
         found.append(f"{keys[0]} makes an edit dataset (reference images), but {family.title} (base.model: "
                      f"{getattr(base, 'model', '')}) does not train on reference images; use a base that does "
                      f"({editors}), or ingest without {keys[0].rsplit('.', 1)[1]}")

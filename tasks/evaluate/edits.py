@@ -84,12 +84,12 @@ def refuse_family(family: Any, triples: list[Triple]) -> None:
     """A family without reference inputs would edit text-to-image from the instructions, one that takes
     fewer than a triple has would drop some: refused."""
     most = family.call_convention().input_images
-    if family.takes_references and (over := [t.name for t in triples if len(t.references) > most]):
+    if family.inputs.trains and (over := [t.name for t in triples if len(t.references) > most]):
         raise UserError(
             f"evaluate: the edit set's {', '.join(over)} list more than {most} reference image(s), which "
             f"{family.title} takes at most; ingest an edit set with at most {most}, or set "
             "evaluate.edits.enabled: false")
-    if triples and not family.takes_references:
+    if triples and not family.inputs.trains:
         raise UserError(
             f"evaluate: the instance data is an edit dataset ({len(triples)} targets list reference images, "
             f"metadata.jsonl `reference_file_names`), but {family.title} does not take reference images, so "

@@ -60,7 +60,7 @@ def fill_references(cache: Any, vae: torch.nn.Module, record: Any, target: tuple
     crop = ((height - target[0]) // 2, (width - target[1]) // 2)
     refs = load_references(record, original, target, crop, flip, fixed=True)
     for pixels, key in zip(refs["references"], refs["reference_keys"]):
-        cache.parameters(vae, key, family.reference_pixels(pixels[None]))
+        cache.parameters(vae, key, family.inputs.pixels(pixels[None]))
 
 
 def stack_references(parts: list[dict[str, Any]]) -> tuple[list[torch.Tensor] | None, list[list[str | None]] | None]:
@@ -80,7 +80,7 @@ def reference_latents(vae: torch.nn.Module, pixels: list[torch.Tensor] | None, k
                       cache: Any, family: Any) -> list[torch.Tensor] | None:
     """The scaled latents of each reference index ([n, C, h, w] each): the posterior's mode, from the
     latent cache where the key is there (else encoded, and kept there), as the target's latents; a
-    reference encoded as the family's pipeline encodes an input image (`reference_pixels`)."""
+    reference encoded as the family's pipeline encodes an input image (`inputs.pixels`)."""
     from tasks.train.diffusion import _distribution, _posterior
 
     if not pixels:
@@ -93,9 +93,9 @@ def reference_latents(vae: torch.nn.Module, pixels: list[torch.Tensor] | None, k
             key = keys[j][i] if keys else None
             one = batch_pixels[i : i + 1]
             if cache is not None and key is not None:
-                rows.append(cache.parameters(vae, key, one if key in cache.store else family.reference_pixels(one)))
+                rows.append(cache.parameters(vae, key, one if key in cache.store else family.inputs.pixels(one)))
             else:
-                one = family.reference_pixels(one).to(param.device, param.dtype)
+                one = family.inputs.pixels(one).to(param.device, param.dtype)
                 rows.append(_posterior(vae.encode(family.codec.vae_input(one))).parameters.float())
         stacked = torch.cat([r.to(param.device) for r in rows])
         out.append(family.codec.scale_latents(vae, _distribution(stacked).mode().float()))
@@ -125,13 +125,13 @@ def refuse_references(family: Any, records: list[Any]) -> None:
             f"train: {len(without)} of {len(records)} instance images list no reference images, and {family.title} "
             "edits input images only (it makes no image from a prompt alone); ingest an edit dataset (ingest's "
             "control_dir or cond_image_column: metadata.jsonl `reference_file_names`) or train a text-to-image base.")
-    if with_refs and family.takes_references and (over := [r for r in records if len(r.references) > most]):
+    if with_refs and family.inputs.trains and (over := [r for r in records if len(r.references) > most]):
         counts = sorted({len(r.references) for r in over})
         raise UserError(
             f"train: {len(over)} of {len(records)} instance images list {'/'.join(map(str, counts))} reference images; "
             f"{family.title} takes at most {most} per target (its pipeline's input images); ingest a dataset "
             f"with at most {most} (metadata.jsonl `reference_file_names`).")
-    if with_refs and not family.takes_references:
+    if with_refs and not family.inputs.trains:
         raise UserError(
             f"train: {with_refs} of {len(records)} instance images list reference images (metadata.jsonl "
             f"`reference_file_names`, from ingest's control_dir or cond_image_column), but {family.title} does "

@@ -51,7 +51,7 @@ def generate(pipe: Any, prompts: list[str], cfg: TrainConfig, autocast: Any = No
 def _input_images(family: Any, references: list[Path] | None) -> list[Image.Image] | None:
     """The validation call's input images: an edit model trained on an edit dataset edits the first
     target's references (train refuses a family that needs them on data without: refuse_references)."""
-    if not family.takes_references or not references:
+    if not family.inputs.trains or not references:
         return None
     return [Image.open(path).convert("RGB") for path in references]
 

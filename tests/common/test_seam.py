@@ -67,7 +67,7 @@ def _role_only() -> set[str]:
     folder, the Qwen3 chat template, LTX-Video's VAE factors) that the shared role class does not define."""
     found = set()
     for family in FAMILIES:
-        for role in (family.text, family.export, family.codec, family.denoiser):
+        for role in (family.text, family.export, family.codec, family.denoiser, family.inputs):
             base = next(c for c in reversed(type(role).__mro__) if is_dataclass(c))
             shared = set(vars(base)) | {f.name for f in fields(base)}
             own = {k for c in type(role).__mro__ if c is not base and issubclass(c, base) for k in vars(c)}

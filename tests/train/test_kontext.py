@@ -35,7 +35,7 @@ def test_the_family_predicts_what_the_pipeline_computes_with_an_input_image(tiny
     from diffusers import FluxKontextPipeline
 
     family = families.detect(tiny_kontext)
-    assert family.name == "kontext" and family.takes_references
+    assert family.name == "kontext" and family.inputs.trains
     pipe = FluxKontextPipeline.from_pretrained(tiny_kontext)
     seen = []
     hook = pipe.transformer.register_forward_hook(lambda m, a, kw, out: seen.append((kw, out[0])), with_kwargs=True)

@@ -32,7 +32,7 @@ def test_the_family_encodes_and_predicts_what_the_pipeline_computes(tiny_qwenima
     from diffusers import QwenImageEditPlusPipeline as Pipe
 
     family = families.detect(tiny_qwenimage_edit)
-    assert family.name == "qwenimage-edit" and family.takes_references and family.text.sees_references
+    assert family.name == "qwenimage-edit" and family.inputs.trains and family.text.sees_references
     rng = np.random.default_rng(4)
     images = [Image.fromarray(rng.integers(0, 256, (32, 48, 3), dtype=np.uint8)),
               Image.fromarray(rng.integers(0, 256, (64, 64, 3), dtype=np.uint8))]
@@ -59,7 +59,7 @@ def test_the_family_encodes_and_predicts_what_the_pipeline_computes(tiny_qwenima
     with torch.no_grad():
         latents = []
         for ref, (_, h, w) in zip(refs, shapes[1:]):
-            pixels = family.reference_pixels(ref)
+            pixels = family.inputs.pixels(ref)
             assert pixels.shape[-2:] == (h * 16, w * 16)
             moments = vae.encode(family.codec.vae_input(pixels)).latent_dist.mode()
             latents.append(family.codec.scale_latents(vae, moments))

@@ -1,7 +1,8 @@
 """Model families: everything family-specific, one module each; every stage reads them here.
 
     family = families.detect(Path("models/base"))      # from model_index.json
-    family.export.ov_pipeline_class(), family.denoiser.objective, family.trains_embeddings, family.build_tiny(seed) ...
+    family.export.ov_pipeline_class(), family.denoiser.objective, family.text.trains_embeddings ...
+    family.build_tiny(seed)
 
 Adding a family is adding a module with a `ModelFamily` subclass and listing it in REGISTRY (or
 `register(Family, first=True)` from outside; tasks/common/families/README.md says what it must define).

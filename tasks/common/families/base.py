@@ -17,9 +17,10 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from finetune_runtime import pipeline_call
-from finetune_runtime.convention import MAX_INPUT_IMAGES, CallConvention
+from finetune_runtime.convention import CallConvention
 from tasks.common.families.denoiser import Denoiser
 from tasks.common.families.export_profile import ExportProfile
+from tasks.common.families.input_images import InputImages
 from tasks.common.families.latent_codec import LatentCodec
 from tasks.common.families.text_conditioner import TextConditioner
 
@@ -83,7 +84,9 @@ _MOVED = {"denoiser_name": "denoiser.name", "objective": "denoiser.objective",
           "latent_shape": "denoiser.latent_shape", "load_denoiser": "denoiser.load",
           "noise_scheduler": "denoiser.noise_scheduler", "objective_options": "denoiser.objective_options",
           "refused_options": "families.refused_options(family) (the denoiser's, the text's)",
-          "lora_components": "denoiser.name and the trained text encoders"}
+          "lora_components": "denoiser.name and the trained text encoders",
+          "takes_references": "inputs.trains", "reference_pixels": "inputs.pixels",
+          "trains_embeddings": "text.trains_embeddings"}
 
 
 class ModelFamily:
@@ -103,13 +106,10 @@ class ModelFamily:
     denoiser: ClassVar[Denoiser] = Denoiser()
     #: how pixels become the denoiser's latents: the VAE's input, the latents' scaling, the pixel multiple
     codec: ClassVar[LatentCodec] = LatentCodec()
-    #: trains on (reference images, target, instruction) triples: reference latents join the denoiser's
-    #: input sequence (ingest's `reference_file_names`); a family without refuses a dataset that has them
-    takes_references: ClassVar[bool] = False
+    #: the images its pipeline takes beside the prompt, and whether training pairs targets with them
+    inputs: ClassVar[InputImages] = InputImages()
     #: a video model: trains on clips (ingest's clips.jsonl, pixels (3, F, H, W)), its pipeline makes clips
     video: ClassVar[bool] = False
-    #: a new text embedding trains here (what textual inversion needs; tasks/train/method_specs/ asks)
-    trains_embeddings: ClassVar[bool] = True
     #: train.launcher xla (PyTorch/XLA SPMD) has been run on this family's tiny model
     xla_tested: ClassVar[bool] = True
     #: how a fine-tune leaves training: OpenVINO pipeline, GenAI and ComfyUI adapter keys, single file
@@ -122,7 +122,7 @@ class ModelFamily:
         if moved := sorted(set(vars(cls)) & set(_MOVED)):
             raise TypeError(f"{cls.__name__}: " + "; ".join(f"{k} is now {_MOVED[k]}" for k in moved)
                             + " (tasks/common/families/README.md)")
-        for role in ("export", "text", "denoiser"):
+        for role in ("export", "text", "denoiser", "inputs"):
             if "title" in vars(cls) or role in vars(cls):
                 record = getattr(cls, role)
                 setattr(cls, role, replace(record, title=getattr(cls, "title", record.title)))
@@ -188,12 +188,6 @@ class ModelFamily:
         """Make a base folder the base stage wrote (downloaded, copied or built) loadable here; nothing
         for most families (Qwen-Image-Edit names a processor that needs no torchvision)."""
 
-    @classmethod
-    def reference_pixels(cls, pixels: Any) -> Any:
-        """A training reference (1, 3, H, W) in [-1, 1] as the pipeline encodes an input image of it
-        (here: as it is; Qwen-Image-Edit scales it to a megapixel)."""
-        return pixels
-
     # --- inference ------------------------------------------------------------------------------
     @classmethod
     def generate(cls, pipe: Any, prompts: list[str] | str, *, steps: int, latents: Any = None,
@@ -210,7 +204,7 @@ class ModelFamily:
     def call_convention(cls) -> CallConvention:
         """How this family's pipeline is called (recorded with a registered model, whose served code
         cannot import the families)."""
-        return CallConvention(input_images=MAX_INPUT_IMAGES if cls.takes_references else 0,
+        return CallConvention(input_images=cls.inputs.most, min_input_images=cls.inputs.least,
                                latent_patch=max(1, cls.codec.pixel_multiple // 8))
 
     @classmethod

@@ -40,7 +40,6 @@ class FlowDenoiser(Denoiser):
 
 
 class FlowMatchingFamily(ModelFamily):
-    trains_embeddings = False
     # ComfyUI: its own key names under `diffusion_model.` (Z-Image, Qwen-Image read diffusers' module
     # paths there); LyCORIS' `lycoris_<path>` for LoKr and LoHa (comfy/lora.py maps both)
     export = ExportProfile(ov_pipeline=None, comfyui_lora_prefixes={"transformer": "diffusion_model."},

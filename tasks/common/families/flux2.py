@@ -17,10 +17,11 @@ import re
 from dataclasses import replace
 from typing import Any
 
-from finetune_runtime.convention import CallConvention
+from finetune_runtime.convention import MAX_INPUT_IMAGES, CallConvention
 from tasks.common.families.denoiser import PredictInputs
 from tasks.common.families.export_profile import ExportProfile
 from tasks.common.families.flow import FlowDenoiser, FlowMatchingFamily, flow_scheduler
+from tasks.common.families.input_images import InputImages
 from tasks.common.families.latent_codec import LatentCodec
 from tasks.common.families.qwen3_chat import Qwen3Chat, Qwen3ChatText
 from tasks.common.families.tiny import qwen3_config, qwen_tokenizer, seeded
@@ -177,7 +178,8 @@ class Flux2Klein(FlowMatchingFamily):
     # the unconditional branch is a separate call; weighting_scheme "none" is
     # train_dreambooth_lora_flux2_klein.py's default
     denoiser = _Denoiser(lora_targets=_LORA_TARGETS, guidance_in_batch=False)
-    takes_references = True  # Flux2KleinPipeline's `image` inputs: reference tokens beside the noisy ones
+    # Flux2KleinPipeline's `image` inputs: reference tokens beside the noisy ones
+    inputs = InputImages(most=MAX_INPUT_IMAGES, trains=True)
     # ComfyUI's FLUX.2 has BFL's module names (comfyui_layers), kohya-style; LoKr and LoHa keep
     # diffusers' under `lycoris_` (a Kronecker or Hadamard product does not fuse)
     export = _Export(ov_pipeline="OVFlux2KleinPipeline", comfyui_lora_prefixes={"transformer": "lora_unet_"},

@@ -23,6 +23,7 @@ from typing import Any
 from finetune_runtime.convention import CallConvention
 from tasks.common.families.denoiser import PredictInputs
 from tasks.common.families.flux import Flux, FluxDenoiser
+from tasks.common.families.input_images import InputImages
 
 
 class _Denoiser(FluxDenoiser):
@@ -50,9 +51,8 @@ class FluxKontext(Flux):
     builtin = "builtin:tiny-flux-kontext"
     pipeline_class_names = ("FluxKontextPipeline",)
     export = replace(Flux.export, ov_pipeline=None)  # optimum-intel 2.2.0 exports no Kontext pipeline
-    takes_references = True
+    inputs = InputImages(most=1, trains=True)  # FluxKontextPipeline takes one input image
     denoiser = _Denoiser(guidance_in_batch=False)
-    trains_embeddings = False
 
     @classmethod
     def matches(cls, index: dict[str, Any]) -> bool:
@@ -60,7 +60,7 @@ class FluxKontext(Flux):
 
     @classmethod
     def call_convention(cls) -> CallConvention:
-        return replace(super().call_convention(), input_images=1, area_argument="max_area",
+        return replace(super().call_convention(), area_argument="max_area",
                        arguments={"_auto_resize": False})
 
     @classmethod

@@ -49,6 +49,7 @@ from finetune_runtime.convention import CallConvention
 from tasks.common.families.denoiser import PredictInputs
 from tasks.common.families.export_profile import ExportProfile
 from tasks.common.families.flow import FlowDenoiser, FlowMatchingFamily
+from tasks.common.families.input_images import InputImages
 from tasks.common.families.latent_codec import LatentCodec
 from tasks.common.families.text_conditioner import T5Text
 from tasks.common.families.tiny import seeded, t5_config, t5_tokenizer
@@ -131,6 +132,7 @@ class LTXVideo(FlowMatchingFamily):
                  frozen_because="its T5 encoder stays frozen")
     codec = _Codec(pixel_multiple=32)
     video = True
+    inputs = InputImages(most=1)  # a served request's first frame; training conditions on the clip's own
     denoiser = _Denoiser(takes_guidance_scale=False)
     # not checked against ComfyUI's LTXV key map: `lora_format: comfyui` refused
     export = ExportProfile(ov_pipeline="OVLTXPipeline", comfyui_lora_prefixes=None)
@@ -147,8 +149,7 @@ class LTXVideo(FlowMatchingFamily):
         which LTXImageToVideoPipeline on the same model starts the clip from."""
         return replace(super().call_convention(), arguments={"frame_rate": FRAME_RATE}, latent_patch=1,
                        frames=DEFAULT_FRAMES, count_argument="num_videos_per_prompt", fps=FRAME_RATE,
-                       frame_step=cls.denoiser.temporal_compression, input_images=1,
-                       first_frame_pipeline="LTXImageToVideoPipeline")
+                       frame_step=cls.denoiser.temporal_compression, first_frame_pipeline="LTXImageToVideoPipeline")
 
     @classmethod
     def generate(cls, pipe: Any, prompts: list[str] | str, *, steps: int, latents: Any = None,

@@ -44,6 +44,7 @@ class Qwen3ChatText(TextConditioner):
     chosen hidden states (`encode_prompt`)."""
 
     chat: Qwen3Chat | None = None
+    trains_embeddings: bool = False  # no textual inversion on a chat-template encoder
 
     def tokenize(self, components: Any, prompts: list[str], max_sequence_length: int | None = None) -> list[Any]:
         """Each prompt as a chat turn, padded to `max_sequence_length` (the family's where None)."""

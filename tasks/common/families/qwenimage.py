@@ -107,7 +107,7 @@ class QwenImage(FlowMatchingFamily):
     builtin = "builtin:tiny-qwenimage"
     pipeline_class_names = ("QwenImagePipeline",)
     text = QwenVLText(trainable=(), max_sequence_length=512,  # QwenImagePipeline.__call__'s length
-                      frozen_because="its LoRA loader has no text part")
+                      frozen_because="its LoRA loader has no text part", trains_embeddings=False)
     codec = _Codec(pixel_multiple=16)
     export = replace(FlowMatchingFamily.export, ov_pipeline="OVQwenImagePipeline")
     # the negative prompt's pass is a separate call; weighting_scheme "none" is

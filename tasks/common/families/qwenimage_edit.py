@@ -12,7 +12,7 @@ read from QwenImageEditPlusPipeline (diffusers 0.40.0) and done the same way her
 - Each input image is scaled to about a megapixel (`REFERENCE_PIXELS`, sides multiples of 32),
   smaller ones up too, encoded (the posterior's mode, normalised as the targets), packed 2x2, and
   its tokens join the transformer's sequence after the noisy target's, with one `img_shapes` entry
-  each; the prediction is read from the target's tokens. `reference_pixels` scales a training
+  each; the prediction is read from the target's tokens. `inputs.pixels` scales a training
   reference as the pipeline scales an input image.
 
 Loading: transformers' Qwen2VLProcessor (5.15.1) holds a video processor that needs torchvision,
@@ -34,8 +34,9 @@ import math
 from dataclasses import replace
 from typing import Any
 
-from finetune_runtime.convention import CallConvention
+from finetune_runtime.convention import MAX_INPUT_IMAGES, CallConvention
 from tasks.common.families.denoiser import PredictInputs
+from tasks.common.families.input_images import InputImages
 from tasks.common.families.qwenimage import (
     QwenImage,
     QwenImageDenoiser,
@@ -144,6 +145,19 @@ class _Denoiser(QwenImageDenoiser):
         return Pipe._unpack_latents(pred[:, : tokens[0].shape[1]], h, w, 1)[:, :, 0]
 
 
+class _Inputs(InputImages):
+    """Up to four input images, at least one; each scaled to about a megapixel before the VAE."""
+
+    def pixels(self, pixels: Any) -> Any:
+        """A reference (1, 3, H, W) in [-1, 1] scaled as the pipeline scales an input image before its
+        VAE: to about a megapixel at its ratio (VaeImageProcessor.preprocess of the PIL image)."""
+        from diffusers.image_processor import VaeImageProcessor
+
+        image = _to_pil(pixels[0])
+        width, height = area_size(*image.size, REFERENCE_PIXELS)
+        return VaeImageProcessor().preprocess(image, height, width).to(pixels.device, pixels.dtype)
+
+
 class QwenImageEdit(QwenImage):
     name = "qwenimage-edit"
     title = "Qwen-Image-Edit"
@@ -153,14 +167,13 @@ class QwenImageEdit(QwenImage):
     export = replace(QwenImage.export, ov_pipeline=None)
     # Qwen2VLProcessor (the tokenizer and the image processor together); its text sees the references
     text = _Text(tokenizer_names=("processor",), trainable=(), max_sequence_length=QwenImage.text.max_sequence_length,
-                 sees_references=True, frozen_because=QwenImage.text.frozen_because)
+                 sees_references=True, frozen_because=QwenImage.text.frozen_because, trains_embeddings=False)
     denoiser = _Denoiser(guidance_in_batch=False, takes_guidance_scale=False)
-    takes_references = True
-    trains_embeddings = False
+    inputs = _Inputs(most=MAX_INPUT_IMAGES, least=1, trains=True)
 
     @classmethod
     def call_convention(cls) -> CallConvention:
-        return replace(super().call_convention(), min_input_images=1, input_pixels=REFERENCE_PIXELS)
+        return replace(super().call_convention(), input_pixels=REFERENCE_PIXELS)
 
     @classmethod
     def prepare_base(cls, folder: Any) -> None:
@@ -174,16 +187,6 @@ class QwenImageEdit(QwenImage):
         entry = ["finetune_runtime.vl_processor", "ImageQwen2VLProcessor"]
         if index.get("processor") not in (None, entry):
             path.write_text(json.dumps({**index, "processor": entry}, indent=2) + "\n")
-
-    @classmethod
-    def reference_pixels(cls, pixels: Any) -> Any:
-        """A reference (1, 3, H, W) in [-1, 1] scaled as the pipeline scales an input image before its
-        VAE: to about a megapixel at its ratio (VaeImageProcessor.preprocess of the PIL image)."""
-        from diffusers.image_processor import VaeImageProcessor
-
-        image = _to_pil(pixels[0])
-        width, height = area_size(*image.size, REFERENCE_PIXELS)
-        return VaeImageProcessor().preprocess(image, height, width).to(pixels.device, pixels.dtype)
 
     @classmethod
     def build_tiny(cls, seed: int) -> Any:

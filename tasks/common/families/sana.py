@@ -80,7 +80,7 @@ class Sana(FlowMatchingFamily):
     builtin = "builtin:tiny-sana"
     pipeline_class_names = ("SanaPipeline",)
     text = _Text(trainable=(), max_sequence_length=300,  # SanaPipeline's and the script's length
-                 frozen_because="its LoRA loader has no Gemma part")
+                 frozen_because="its LoRA loader has no Gemma part", trains_embeddings=False)
     # train_dreambooth_lora_sana.py's LoRA targets and weighting scheme ("none")
     denoiser = _Denoiser(lora_targets=("to_k", "to_q", "to_v"), takes_guidance_scale=False)
     #: image sides: multiples of the released autoencoder's 32x compression (the tiny one's 4x divides it);

@@ -41,6 +41,8 @@ class TextConditioner:
     #: tokens per prompt of a fixed-length tokenizer (T5, a chat template) when train.max_sequence_length
     #: is null; None: CLIP's own 77 only
     max_sequence_length: int | None = None
+    #: a new token's embedding trains in these encoders (textual inversion; tasks/train/method_specs/ asks)
+    trains_embeddings: bool = True
     #: why no text encoder trains where `trainable` is empty (train.train_text_encoder is refused)
     frozen_because: str = "its text encoders stay frozen"
     #: the family's title, for messages (ModelFamily sets it)
@@ -79,6 +81,9 @@ class T5Text(TextConditioner):
     #: the T5 tokenizer's folder
     t5_tokenizer: str = ""
     max_sequence_length: int | None = 77
+    #: no textual inversion beside T5 (diffusers' SD3 and FLUX scripts have none; T5's embeddings would
+    #: need their own file format)
+    trains_embeddings: bool = False
 
     def tokenize(self, components: Any, prompts: list[str], max_sequence_length: int | None = None) -> list[Any]:
         out = []

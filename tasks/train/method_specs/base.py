@@ -39,7 +39,7 @@ class MethodSpec:
     concepts: bool = True
     #: it trains through the text encoders (a quantized text encoder cannot give it gradients)
     through_text_encoder: bool = False
-    #: the family must train embeddings (ModelFamily.trains_embeddings)
+    #: the family must train embeddings (its text conditioner's `trains_embeddings`)
     needs_embeddings: bool = False
     #: the caption column it reads when train.caption_column is null (None: the instance prompt)
     default_caption_column: str | None = None
@@ -65,7 +65,7 @@ class MethodSpec:
 
     def fits(self, family: Any) -> bool:
         """Whether `family` (a ModelFamily) can train this method."""
-        return family.trains_embeddings or not self.needs_embeddings
+        return family.text.trains_embeddings or not self.needs_embeddings
 
     def family_problem(self, cfg: Any, family: Any) -> str | None:
         """Why this method's options in `cfg` do not fit `family` (its own `family_check`), or None."""
