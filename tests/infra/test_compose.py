@@ -226,3 +226,20 @@ def test_a_laptop_key_reads_adds_objects_and_never_writes_the_run_cache() -> Non
     assert _allows(policy, "s3:PutObject", own, "alice") and _allows(policy, "s3:DeleteObject", own, "alice")
     assert not _allows(policy, "s3:PutObject", other, "alice")
     assert not _allows(policy, "s3:DeleteObject", other, "alice")
+
+
+def test_the_permissions_table_names_tests_that_exist() -> None:
+    """infra/README.md, "Users and permissions": each role says what it can do, what it cannot, and
+    the tests that show it; every test named is defined in a test file its row names."""
+    section = (INFRA / "README.md").read_text().split("## Users and permissions", 1)[1]
+    table = [line for line in section.strip().split("\n\n", 1)[0].splitlines() if line.startswith("|")]
+    cells = [[cell.strip() for cell in line.strip("|").split(" | ")] for line in table]
+    assert cells[0] == ["role", "what it can do", "what it cannot", "the test that shows it"]
+    assert len(cells) > 3 and all(len(row) == 4 for row in cells[2:]), table
+    for role, can, cannot, shown in cells[2:]:
+        names = re.findall(r"`(test_\w+)`", shown)
+        files = [REPO / f for f in re.findall(r"tests/[\w/]+\.py", shown)]
+        assert can and cannot and names and files, role
+        defined = "".join(f.read_text() for f in files)
+        missing = [n for n in names if f"def {n}(" not in defined]
+        assert not missing, f"{role}: no such test in {[str(f.relative_to(REPO)) for f in files]}: {missing}"

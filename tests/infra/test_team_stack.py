@@ -6,7 +6,10 @@ lines and environments. Runs and registrations land in PostgreSQL, and survive a
 restart between runs. A stage whose MLflow server is killed during its run fails within a bound
 with a clear message, and its rerun against the restarted server completes. The doors are locked:
 anonymous, reader and wrong-password writes refused on MLflow, deployments refused on Prefect
-without the auth string or a CSRF token, a stage run as the wrong user stopped before any work.
+without the auth string or a CSRF token, a stage run as the wrong user stopped before any work,
+each PostgreSQL role kept to its own databases; a version registered without a manifest is refused
+by `make serve-model`'s entry and by the re-score unless FINETUNE_ALLOW_UNVERIFIED=1 (infra/README.md,
+"Users and permissions", names the test of each role).
 
 The real pipeline run by a worker on this stack, two clones sharing a DVC remote, and a
 registration cut off by a dead server: tests/infra/test_team_worker.py. Not tested here
@@ -509,3 +512,56 @@ def test_a_version_registered_without_a_manifest_is_served_or_rescored_only_when
     monkeypatch.setenv(ALLOW_ENV, "1")
     past = attempt(tmp_path, mv.version, model_uri, {}, timeout_s=60)  # an echo model has no fine-tune
     assert past["error"] == f"{model_uri} has no fine-tuned model to re-score (artifacts/finetuned)"
+
+
+def test_each_database_role_connects_only_to_its_own_databases(postgres: Postgres) -> None:
+    """infra/postgres/init.sh: `mlflow` owns `mlflow` and `mlflow_auth`, `prefect` owns `prefect`,
+    PUBLIC's CONNECT revoked; a password is asked of everyone (scram-sha-256), even on loopback."""
+    import asyncio
+
+    import asyncpg
+
+    passwords = {role: compose_env("postgres")[f"{role.upper()}_DB_PASSWORD"] for role in ("mlflow", "prefect")}
+
+    async def connect(user: str, password: str | None, database: str) -> str:
+        try:
+            conn = await asyncpg.connect(host="127.0.0.1", port=postgres.port, user=user, password=password,
+                                         database=database, timeout=30)
+        except (asyncpg.PostgresError, asyncpg.InterfaceError) as err:
+            return type(err).__name__
+        await conn.close()
+        return "connected"
+
+    async def attempts() -> dict[tuple[str, str], str]:
+        return {(user, db): await connect(user, passwords[user], db)
+                for user in passwords for db in ("mlflow", "mlflow_auth", "prefect")}
+
+    assert asyncio.run(attempts()) == {
+        ("mlflow", "mlflow"): "connected", ("mlflow", "mlflow_auth"): "connected",
+        ("mlflow", "prefect"): "InsufficientPrivilegeError",
+        ("prefect", "mlflow"): "InsufficientPrivilegeError", ("prefect", "mlflow_auth"): "InsufficientPrivilegeError",
+        ("prefect", "prefect"): "connected"}
+    refused = asyncio.run(connect("mlflow", "wrong", "mlflow")), asyncio.run(connect("mlflow", None, "mlflow"))
+    assert refused == ("InvalidPasswordError", "InvalidPasswordError")
+
+
+def test_the_pipeline_ends_the_runs_a_stopped_rescore_left_running(
+    mlflow_on_postgres: tuple[str, Path], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """flows/rescore.py `close_runs` on the real server, as the flow's pipeline user: the runs tagged
+    with the stopped re-score's id are ended, another re-score's run is left alone
+    (the command itself: tests/register/test_rescore_fails.py)."""
+    import json
+
+    from flows.rescore import RUN_CONTEXT_ENV, close_runs, tagged
+
+    uri, _ = mlflow_on_postgres
+    pipeline = pipeline_client(uri, monkeypatch)
+    experiment = pipeline.create_experiment(f"rescore-{uuid.uuid4().hex[:8]}")
+    stopped, other = (tagged({"MLFLOW_TRACKING_URI": uri}, uuid.uuid4().hex) for _ in range(2))
+    left, running = (pipeline.create_run(experiment, tags=json.loads(env[RUN_CONTEXT_ENV])).info.run_id
+                     for env in (stopped, other))
+    assert close_runs(stopped, tmp_path, "KILLED", "re-scoring stopped after 5 s") == [left]
+    assert pipeline.get_run(left).info.status == "KILLED"
+    assert pipeline.get_run(left).data.tags["error"] == "re-scoring stopped after 5 s"
+    assert pipeline.get_run(running).info.status == "RUNNING"
