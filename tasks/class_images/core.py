@@ -341,7 +341,7 @@ def run(cfg: ClassImagesConfig, base: Path, out_dir: Path, pipe: Any = None, ran
     if not base.is_dir():
         raise UserError(f"base model folder {base} not found: run the `base` stage first (dvc repro base)")
     family = families.detect(base)
-    if why := family.class_images_refusal():
+    if why := families.class_images_refusal(family):
         raise UserError(f"class images: {why} for prior preservation; set train.with_prior_preservation: false")
     fingerprint = folder_fingerprint(base)
     _, precision = pipeline_choice(base, _device(device), cfg.precision)  # an emulated bf16: refused here

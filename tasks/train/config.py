@@ -90,7 +90,7 @@ class TrainConfig(LaunchSection, OutputsSection, PrecisionSection, OptimizerSect
             if getattr(self, key) != defaults[key].default:
                 problems.append(f"train.{key}: {why}; remove it or set it to {defaults[key].default}")
         problems += family_no_ops(self, family)
-        if self.with_prior_preservation and (why := family.class_images_refusal()):
+        if self.with_prior_preservation and (why := families.class_images_refusal(family)):
             problems.append(f"train.with_prior_preservation: {why}; set train.with_prior_preservation: false")
         if self.launcher == "xla" and not family.xla_tested:
             tested = ", ".join(f.title for f in families.FAMILIES if f.xla_tested)

@@ -14,7 +14,7 @@ from PIL import Image
 from tasks.class_images.config import ClassImagesConfig
 from tasks.class_images.core import load_pipeline, run, text_calls
 from tasks.class_images.encoded import Replay
-from tasks.common.families import BUILTINS, build_tiny_pipeline
+from tasks.common.families import BUILTINS, build_tiny_pipeline, class_images_refusal
 
 #: three images in batches of two (two batch sizes to encode), guided, with a negative prompt
 CFG = dict(prompt="a photo of a toy", negative_prompt="blurry", resolution=64, num_images=3, batch_size=2,
@@ -22,7 +22,7 @@ CFG = dict(prompt="a photo of a toy", negative_prompt="blurry", resolution=64, n
 
 
 #: the built-ins that make an image from a prompt alone (an edit-only model makes no class images)
-TEXT_TO_IMAGE = sorted(kind for kind, family in BUILTINS.items() if not family.class_images_refusal())
+TEXT_TO_IMAGE = sorted(kind for kind, family in BUILTINS.items() if not class_images_refusal(family))
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from finetune_runtime.registry import Registry
 from tasks.common.errors import UserError
-from tasks.common.families.base import Components, ModelFamily, refused_options
+from tasks.common.families.base import Components, ModelFamily, class_images_refusal, refused_options
 from tasks.common.families.denoiser import Geometry, PredictInputs
 from tasks.common.families.flux import Flux
 from tasks.common.families.flux2 import Flux2Klein
@@ -146,6 +146,6 @@ def build_tiny_pipeline(kind: str, seed: int, out: Path) -> Path:
 
 __all__ = ["BUILTINS", "FAMILIES", "REGISTRY", "Components", "Geometry", "ModelFamily", "PredictInputs",
            "StableDiffusion", "StableDiffusionXL", "StableDiffusion3", "Flux", "Flux2Klein", "ZImage", "QwenImage",
-           "Sana", "build_tiny_pipeline", "by_name", "denoiser_names", "detect", "from_index", "of_pipeline",
-           "ov_component_names", "read_index", "refused_options", "register", "stored_dtypes", "supported",
-           "unregister"]
+           "Sana", "build_tiny_pipeline", "by_name", "class_images_refusal", "denoiser_names", "detect",
+           "from_index", "of_pipeline", "ov_component_names", "read_index", "refused_options", "register",
+           "stored_dtypes", "supported", "unregister"]

@@ -86,7 +86,8 @@ _MOVED = {"denoiser_name": "denoiser.name", "objective": "denoiser.objective",
           "refused_options": "families.refused_options(family) (the denoiser's, the text's)",
           "lora_components": "denoiser.name and the trained text encoders",
           "takes_references": "inputs.trains", "reference_pixels": "inputs.pixels",
-          "trains_embeddings": "text.trains_embeddings"}
+          "trains_embeddings": "text.trains_embeddings",
+          "class_images_refusal": "families.class_images_refusal(family) (inputs.least, video)"}
 
 
 class ModelFamily:
@@ -207,12 +208,17 @@ class ModelFamily:
         return CallConvention(input_images=cls.inputs.most, min_input_images=cls.inputs.least,
                                latent_patch=max(1, cls.codec.pixel_multiple // 8))
 
-    @classmethod
-    def class_images_refusal(cls) -> str | None:
-        """Why prior preservation's class images cannot be made with this family (None: they can)."""
-        if cls.call_convention().min_input_images:
-            return f"{cls.title} makes no image from a prompt alone, so it cannot make class images"
-        return None
+
+def class_images_refusal(family: type[ModelFamily]) -> str | None:
+    """Why prior preservation's class images cannot be made with this family (None: they can): a family
+    that needs an input image makes none from a prompt alone, and the class_images stage makes images,
+    not a video family's clips."""
+    if family.inputs.least:
+        return f"{family.title} makes no image from a prompt alone, so it cannot make class images"
+    if family.video:
+        return (f"{family.title} trains on clips and the class_images stage makes images, not clips, so it "
+                "cannot make its class images")
+    return None
 
 
 def refused_options(family: type[ModelFamily]) -> dict[str, str]:

@@ -138,11 +138,6 @@ class LTXVideo(FlowMatchingFamily):
     export = ExportProfile(ov_pipeline="OVLTXPipeline", comfyui_lora_prefixes=None)
 
     @classmethod
-    def class_images_refusal(cls) -> str | None:
-        return (f"{cls.title} trains on clips and the class_images stage makes images, not clips, so it cannot "
-                "make its class images")
-
-    @classmethod
     def call_convention(cls) -> CallConvention:
         """Clips of `frames` frames (DEFAULT_FRAMES where the caller gives none) at the frame rate training's
         rotary positions used, played at that rate; a served request may give the first frame (`image`),
