@@ -20,6 +20,22 @@ QUICK_CHECKS = {"evaluate": {"max_prompts": 2, "images_per_prompt": 1, "num_infe
                 "export": {"parity": {"num_inference_steps": 2}}}
 
 
+def merge_params(path: Path, params: dict[str, dict[str, Any]]) -> None:
+    """Set `params`' keys in the params.yaml at `path`, section by section; a mapping given for a key
+    that holds one updates it ({"ingest": {"captioner": {"mode": "missing"}}} keeps the captioner's
+    other keys), as a user edits the file."""
+    import yaml
+
+    whole = yaml.safe_load(path.read_text())
+    for section, keys in params.items():
+        for key, value in keys.items():
+            if isinstance(value, dict) and isinstance(whole[section].get(key), dict):
+                whole[section][key].update(value)
+            else:
+                whole[section][key] = value
+    path.write_text(yaml.safe_dump(whole, sort_keys=False))
+
+
 def copy_repo(dst: Path, params: dict[str, dict[str, Any]] | None = None) -> Path:
     """Copy what a fresh clone has (tracked and untracked-not-ignored files) into a new git repo
     at `dst`, plus the generated demo images, and commit it, so `dvc` and git lineage work there.
@@ -38,17 +54,7 @@ def copy_repo(dst: Path, params: dict[str, dict[str, Any]] | None = None) -> Pat
         subprocess.run([sys.executable, f"data/demo/{script}", "--out", f"data/demo/{out}"],
                        cwd=dst, env=env, check=True, capture_output=True)
     if params:
-        import yaml
-
-        path = dst / "params.yaml"
-        whole = yaml.safe_load(path.read_text())
-        for section, keys in params.items():
-            for key, value in keys.items():
-                if isinstance(value, dict) and isinstance(whole[section].get(key), dict):
-                    whole[section][key].update(value)
-                else:
-                    whole[section][key] = value
-        path.write_text(yaml.safe_dump(whole, sort_keys=False))
+        merge_params(dst / "params.yaml", params)
     git = ["git", "-c", "user.name=e2e", "-c", "user.email=e2e@localhost"]
     subprocess.run(["git", "init", "-q"], cwd=dst, check=True)
     subprocess.run(["git", "add", "-A"], cwd=dst, check=True)

@@ -7,12 +7,14 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
 
 from tests.conftest import stage_runs
 from tests.e2e_util import QUICK_CHECKS, copy_repo, e2e_env
+from tests.readme_blocks import recipe
 
 pytestmark = pytest.mark.e2e
 
@@ -45,20 +47,22 @@ def skipped_stages(output: str) -> list[str]:
     return re.findall(r"Stage '([\w-]+)' didn't change, skipping", output)
 
 
-#: A dataset as users bring it (data/demo/concepts.py): two concepts in kohya folders, four
-#: subject masks beside their images, seven images without a caption file. The models at ingest
-#: caption and mask the rest; class images and the loss are per concept; the loss is masked.
-CONCEPTS = {
-    "ingest": {"data_dir": "data/demo/concepts", "sources": [{"type": "folder", "kohya_folders": True}],
-               "captioner": {"model": "builtin:tiny-blip", "mode": "missing"},
-               "masker": {"model": "builtin:tiny-clipseg", "prompt": "toy", "threshold": None,
-                          "prompts": {"zwx ball": "ball"}}},
-    "class_images": {"concepts": [{"name": "sks toy", "prompt": "a photo of a toy", "num_images": 3},
-                                  {"name": "zwx ball", "prompt": "a photo of a ball", "num_images": 2}]},
-    "train": {"masked_loss": True, "masked_loss_unmasked_weight": 0.1,
-              "concepts": [{"name": "sks toy", "class_prompt": "a photo of a toy"},
-                           {"name": "zwx ball", "class_prompt": "a photo of a ball", "loss_weight": 0.5}]},
-}
+def _concepts_recipe() -> dict[str, dict[str, Any]]:
+    """docs/recipes.md's concepts recipe as written (a dataset as users bring it, data/demo/concepts.py:
+    two concepts in kohya folders, four subject masks beside their images, seven images without a
+    caption file; the models at ingest caption and mask the rest; class images and the loss per
+    concept, the loss masked), with the offline built-in captioner and masker, as the recipe says, and
+    fewer class images and a background weight, for time."""
+    written = yaml.safe_load(recipe("concepts").text)
+    written["ingest"]["captioner"]["model"] = "builtin:tiny-blip"
+    written["ingest"]["masker"].update(model="builtin:tiny-clipseg", threshold=None)
+    for concept, count in zip(written["class_images"]["concepts"], (3, 2), strict=True):
+        concept["num_images"] = count
+    written["train"]["masked_loss_unmasked_weight"] = 0.1
+    return written
+
+
+CONCEPTS = _concepts_recipe()
 
 
 @pytest.fixture(scope="module")

@@ -3,6 +3,7 @@ both keys, before any stage runs: from params.yaml itself and from a `--set` on 
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -82,6 +83,45 @@ def test_the_readme_edit_recipe_loads_as_written(params: Path) -> None:
     apply_overrides(params, written)
     configs = check_params(params)
     assert configs["train"].train_batch_size > 1 and configs["train"].caption_column is None
+
+
+def test_the_readme_concepts_recipe_loads_as_written(params: Path) -> None:
+    """docs/recipes.md's concepts recipe in params.yaml as it stands: nothing refused, each concept with its
+    class prompt and weight, the loss masked (tests/e2e/test_dvc_pipeline.py runs it through `dvc repro`)."""
+    import yaml
+
+    from tests.e2e_util import merge_params
+    from tests.readme_blocks import recipe
+
+    merge_params(params, yaml.safe_load(recipe("concepts").text))  # its mappings (masker.prompts) whole
+    configs = check_params(params)
+    weights = {c.name: c.loss_weight for c in configs["train"].concepts}
+    assert weights == {"sks toy": 1.0, "zwx ball": 0.5} and configs["train"].masked_loss
+    assert configs["ingest"].sources[0].kohya_folders and configs["ingest"].captioner.mode == "missing"
+
+
+def _one_line_switches() -> list[str]:
+    """The built-ins docs/models.md says a user switches to by one line (`base.model`), in its order."""
+    text = (REPO / "docs" / "models.md").read_text()
+    start = text.index("Switching family is one line:")
+    return re.findall(r"`(?:base\.model: )?(builtin:[\w-]+)`", text[start:text.index("\n\n", start)])
+
+
+def test_each_family_switch_the_docs_name_is_one_line(params: Path) -> None:
+    """Each family docs/models.md switches to in one line (`base.model: builtin:tiny-flux`, ...) passes the
+    flow's up-front check with nothing else changed, and every text-to-image family with an OpenVINO
+    export is named there (the others have their own recipe: edit models, video)."""
+    from tasks.common import families
+
+    named = _one_line_switches()
+    one_line = {f.builtin for f in families.FAMILIES
+                if f.export.ov_pipeline and not families.class_images_refusal(f) and f.builtin != "builtin:tiny-sd"}
+    assert set(named) == one_line, (named, sorted(one_line))
+    original = params.read_text()
+    for builtin in named:
+        params.write_text(original)
+        apply_overrides(params, {"base.model": builtin})
+        assert check_params(params)["base"].model == builtin
 
 
 def test_the_readme_video_recipe_loads_as_written(params: Path) -> None:
