@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from tasks.common.families import Geometry, PredictInputs
+from tasks.train.references import ReferenceImages
 
 
 @dataclass
@@ -36,10 +37,9 @@ class Batch:
     loss_weights: torch.Tensor | None = None
     #: token ids per tokenizer (TrainingMethod.collate adds them)
     input_ids: list[torch.Tensor] | None = None
-    #: edit training: per reference index, the rows' reference pixels (n, 3, H, W) in [-1, 1], and their
-    #: latent cache keys (None with random crops); None without references (tasks/train/references.py)
-    references: list[torch.Tensor] | None = None
-    reference_keys: list[list[str | None]] | None = None
+    #: edit training: the rows' reference images per reference index, with their latent cache keys; None
+    #: without references (tasks/train/references.py)
+    references: ReferenceImages | None = None
 
     def to(self, device: Any, non_blocking: bool = False) -> Batch:
         """The batch with its tensors on `device` (accelerate's data loader calls this)."""
@@ -58,7 +58,7 @@ class Batch:
 
 
 def _to(value: Any, device: Any, non_blocking: bool) -> Any:
-    if isinstance(value, (torch.Tensor, Geometry)):
+    if isinstance(value, (torch.Tensor, Geometry, ReferenceImages)):
         return value.to(device, non_blocking=non_blocking)
     if isinstance(value, list) and any(isinstance(v, torch.Tensor) for v in value):
         return [v.to(device, non_blocking=non_blocking) if isinstance(v, torch.Tensor) else v for v in value]

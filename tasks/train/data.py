@@ -386,7 +386,6 @@ def collate(examples: list[dict[str, Any]]) -> Batch:
         parts += [e["class"] for e in examples]
         prompts += [e["class_prompt"] for e in examples]
     weights = [e.get("loss_weight", 1.0) for e in examples] * (len(parts) // len(examples))
-    references, reference_keys = stack_references(parts)
     decoded = [p["pixels"] for p in parts if p["pixels"] is not None]
     height, width = parts[0]["target_size"]
     return Batch(
@@ -403,6 +402,5 @@ def collate(examples: list[dict[str, Any]]) -> Batch:
         loss_weights=torch.tensor(weights, dtype=torch.float32) if any(w != 1.0 for w in weights) else None,
         masks=[p.get("mask") for p in parts],
         mask_off=[bool(p.get("mask_off", True)) for p in parts],
-        references=references,
-        reference_keys=reference_keys,
+        references=stack_references(parts),
     )

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -23,6 +24,18 @@ from PIL import Image
 
 from tasks.common.errors import UserError
 from tasks.common.images import apply_exif_orientation, cover_size, follow_geometry, to_rgb
+
+
+@dataclass
+class ReferenceImages:
+    """A batch's reference images, one entry per reference index (a batch has one count: batch_groups):
+    the rows' pixels (n, 3, H, W) in [-1, 1], and their latent cache keys (None with random crops)."""
+
+    pixels: list[torch.Tensor]
+    keys: list[list[str | None]]
+
+    def to(self, device: Any, non_blocking: bool = False) -> ReferenceImages:
+        return ReferenceImages([p.to(device, non_blocking=non_blocking) for p in self.pixels], self.keys)
 
 
 def prepare_reference(image: Image.Image, original: tuple[int, int], target: tuple[int, int],
@@ -63,34 +76,34 @@ def fill_references(cache: Any, vae: torch.nn.Module, record: Any, target: tuple
         cache.parameters(vae, key, family.inputs.pixels(pixels[None]))
 
 
-def stack_references(parts: list[dict[str, Any]]) -> tuple[list[torch.Tensor] | None, list[list[str | None]] | None]:
+def stack_references(parts: list[dict[str, Any]]) -> ReferenceImages | None:
     """Per reference index j, the rows' j-th references stacked ([n, 3, H, W]) and their keys; None without."""
     counts = {len(p.get("references") or ()) for p in parts}
     if counts == {0}:
-        return None, None
+        return None
     if len(counts) > 1:
         raise RuntimeError(f"a batch mixes targets with {sorted(counts)} reference images (see batch_groups)")
     (count,) = counts
     pixels = [torch.stack([p["references"][j] for p in parts]) for j in range(count)]
     keys = [[p["reference_keys"][j] for p in parts] for j in range(count)]
-    return pixels, keys
+    return ReferenceImages(pixels, keys)
 
 
-def reference_latents(vae: torch.nn.Module, pixels: list[torch.Tensor] | None, keys: list[list[str | None]] | None,
-                      cache: Any, family: Any) -> list[torch.Tensor] | None:
+def reference_latents(vae: torch.nn.Module, references: ReferenceImages | None, cache: Any,
+                      family: Any) -> list[torch.Tensor] | None:
     """The scaled latents of each reference index ([n, C, h, w] each): the posterior's mode, from the
     latent cache where the key is there (else encoded, and kept there), as the target's latents; a
     reference encoded as the family's pipeline encodes an input image (`inputs.pixels`)."""
     from tasks.train.diffusion import _distribution, _posterior
 
-    if not pixels:
+    if references is None or not references.pixels:
         return None
     param = next(vae.parameters())
     out = []
-    for j, batch_pixels in enumerate(pixels):
+    for j, batch_pixels in enumerate(references.pixels):
         rows = []
         for i in range(batch_pixels.shape[0]):
-            key = keys[j][i] if keys else None
+            key = references.keys[j][i]
             one = batch_pixels[i : i + 1]
             if cache is not None and key is not None:
                 rows.append(cache.parameters(vae, key, one if key in cache.store else family.inputs.pixels(one)))

@@ -35,6 +35,7 @@ from tasks.common.families import Geometry
 from tasks.train.backend_base import Backend
 from tasks.train.batch import Batch
 from tasks.train.config import TrainConfig, XlaConfig
+from tasks.train.references import ReferenceImages
 
 log = logging.getLogger(__name__)
 
@@ -153,7 +154,7 @@ class XlaBackend(Backend):
         """Shard every other batch tensor (token ids, sizes) over the data axis too."""
         import torch_xla.distributed.spmd as xs
 
-        if isinstance(value, (Batch, Geometry)):
+        if isinstance(value, (Batch, Geometry, ReferenceImages)):
             return replace(value, **{f.name: self._shard(getattr(value, f.name)) for f in fields(value)})
         if isinstance(value, dict):
             return {k: self._shard(v) for k, v in value.items()}

@@ -11,6 +11,7 @@ from PIL import Image
 
 from tasks.common.errors import UserError
 from tasks.train.config import TrainConfig
+from tasks.train.references import ReferenceImages
 
 SEQ = 32
 
@@ -73,15 +74,15 @@ def test_flux2_sees_the_reference_tokens_and_they_change_the_prediction(tmp_path
     coordinates 10, 20 as Flux2KleinPipeline gives image inputs; other references, another prediction."""
     method, components, dataset = _batch(tmp_path, tiny_flux2, edit_dir)
     batch = method.collate([dataset[(0, 1)]])  # the target with two references
-    assert len(batch.references) == 2 and batch.references[0].shape == (1, 3, 32, 32)
+    assert len(batch.references.pixels) == 2 and batch.references.pixels[0].shape == (1, 3, 32, 32)
     denoiser = components.modules["transformer"]
     seen = []
     hook = denoiser.register_forward_hook(lambda m, args, kwargs, out: seen.append(kwargs), with_kwargs=True)
     with torch.no_grad():
         loss, _ = method.compute_loss(batch, components.modules)
         swapped = method.collate([dataset[(0, 1)]])
-        swapped.references = [r.flip(-1) for r in swapped.references]
-        swapped.reference_keys = None  # not the cached latents of the unflipped references
+        # not the cached latents of the unflipped references: no keys
+        swapped.references = ReferenceImages([r.flip(-1) for r in swapped.references.pixels], [[None], [None]])
         other, _ = method.compute_loss(swapped, components.modules)
     hook.remove()
     assert torch.isfinite(loss) and loss != other, "the references change the prediction"

@@ -28,8 +28,7 @@ class Loss:
                 latents = self.latent_cache.latents(modules["vae"], batch, rand)
             else:
                 latents = encode_latents(modules["vae"], batch.pixels, rand, c.family.codec)
-            references = reference_latents(modules["vae"], batch.references, batch.reference_keys,
-                                           self.latent_cache, c.family)
+            references = reference_latents(modules["vae"], batch.references, self.latent_cache, c.family)
         noised = self.objective.noise(latents, rand)
         first = FirstFrame.draw(cfg.first_frame_conditioning_p, latents, rand)  # video: image-to-video rows
         if first is not None:
@@ -42,8 +41,8 @@ class Loss:
                     batch.prompts, batch.input_ids, lambda ids: family.text.encode_prompt(c, ids, encoders),
                     latents.device)
         else:
-            hidden, pooled = family.text.encode_batch_text(c, batch.prompts, batch.input_ids, encoders,
-                                                           batch.references)
+            pixels = batch.references.pixels if batch.references is not None else None
+            hidden, pooled = family.text.encode_batch_text(c, batch.prompts, batch.input_ids, encoders, pixels)
         sample = noised.noisy_latents
         if cfg.channels_last:
             sample = sample.contiguous(memory_format=torch.channels_last)
