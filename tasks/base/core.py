@@ -93,6 +93,6 @@ def resolve(model: str, revision: str | None, seed: int, dst: Path) -> dict[str,
         shutil.rmtree(dst / ".cache", ignore_errors=True)  # huggingface_hub's download records, in our fresh dst
     index = families.read_index(dst, _SAVE_PRETRAINED)
     family = families.from_index(index, f"base.model {model}")
-    family.prepare_base(dst)
+    family.pipeline.prepare(dst)
     return {"source": kind, "model": model, "revision": revision, "family": family.name,
             "pipeline_class": index.get("_class_name")}

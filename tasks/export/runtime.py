@@ -166,7 +166,7 @@ def _export_runtime(src: Path, lora: Path, family: type[families.ModelFamily], b
     shape = StaticShape(cfg.batch_size, cfg.height, cfg.width, cfg.num_images_per_prompt)
     f32_dir = scratch / BASE_DIR if scratch is not None else dst / BASE_DIR
     made = base_export(base, f32_dir, cache)
-    pipe = family.pipeline_class().from_pretrained(base, dtype=torch.float32)
+    pipe = family.pipeline.diffusers_class().from_pretrained(base, dtype=torch.float32)
     pipe.load_lora_weights(lora.parent, weight_name=lora.name)
     try:
         layers = write_genai_lora(pipe, dst / GENAI_LORA_NAME)

@@ -37,7 +37,8 @@ def _pixels(folder: Path) -> list[np.ndarray]:
 
 @pytest.mark.parametrize("kind", TEXT_TO_IMAGE)
 def test_released_text_encoders_make_the_whole_pipelines_images(tmp_path: Path, bases, kind: str) -> None:
-    takes_negative = "negative_prompt" in inspect.signature(BUILTINS[kind].pipeline_class().__call__).parameters
+    call = BUILTINS[kind].pipeline.diffusers_class().__call__
+    takes_negative = "negative_prompt" in inspect.signature(call).parameters
     cfg = ClassImagesConfig(**{**CFG, "negative_prompt": CFG["negative_prompt"] if takes_negative else None})
     base = bases[kind]
     run(cfg, base, tmp_path / "whole", pipe=load_pipeline(base, "cpu"))

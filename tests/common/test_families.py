@@ -20,7 +20,7 @@ def test_builtins_are_recognised(tmp_path, kind, latent_channels) -> None:
     family = families.BUILTINS[kind]
     a = families.build_tiny_pipeline(kind, 0, tmp_path / "a")
     assert families.detect(a) is family
-    pipe = family.pipeline_class().from_pretrained(a)
+    pipe = family.pipeline.diffusers_class().from_pretrained(a)
     channels = pipe.vae.config.get("latent_channels", pipe.vae.config.get("z_dim"))  # (Qwen-Image's 3D VAE: z_dim)
     assert channels == latent_channels and families.of_pipeline(pipe) is family
 
@@ -38,7 +38,7 @@ def test_the_t5_tokenizer_loads_with_transformers(tmp_path) -> None:
 def test_every_family_says_what_the_stages_ask() -> None:
     for family in families.FAMILIES:
         assert family.builtin in families.BUILTINS and families.by_name(family.name) is family
-        assert family.pipeline_class().__name__ in family.pipeline_class_names
+        assert family.pipeline.diffusers_class().__name__ in family.pipeline.names
         if family.export.ov_pipeline is None:  # optimum-intel has none: the export says what to set
             with pytest.raises(UserError, match=f"no OpenVINO pipeline for {family.title}.*export.enabled: false"):
                 family.export.ov_pipeline_class()
@@ -46,16 +46,16 @@ def test_every_family_says_what_the_stages_ask() -> None:
             assert family.export.ov_pipeline_class().__name__ == family.export.ov_pipeline
         assert family.denoiser.objective in ("ddpm", "flow_matching")
         assert len(family.text.encoder_names) == len(family.text.tokenizer_names)
-        assert family.matches({"_class_name": family.pipeline_class_names[0]})
-    matched = [f for f in families.FAMILIES for g in families.FAMILIES if f.matches(
-        {"_class_name": g.pipeline_class_names[0]}) and f is not g]
+        assert family.pipeline.matches({"_class_name": family.pipeline.names[0]})
+    matched = [f for f in families.FAMILIES for g in families.FAMILIES if f.pipeline.matches(
+        {"_class_name": g.pipeline.names[0]}) and f is not g]
     assert not matched, "each pipeline class belongs to one family"
 
 
-#: ModelFamily's members today (52 before the export, latent and text roles, 31 before the denoiser and
-#: input-image roles);
+#: ModelFamily's members today (52 before the export, latent and text roles, 31 before the denoiser,
+#: input-image and pipeline-class roles);
 #: the issue's aim is about 12
-MAX_FAMILY_MEMBERS = 18
+MAX_FAMILY_MEMBERS = 15
 
 
 def test_new_family_facts_go_into_roles() -> None:
@@ -80,7 +80,7 @@ def test_new_family_facts_go_into_roles() -> None:
         assert isinstance(family.inputs, InputImages) and family.inputs.title == family.title
         assert family.inputs.least <= family.inputs.most and (family.inputs.most or not family.inputs.trains)
         assert set(family.text.trainable or ()) <= set(family.text.encoder_names)
-        refusal = family.export.single_file_refusal({"_class_name": family.pipeline_class_names[0],
+        refusal = family.export.single_file_refusal({"_class_name": family.pipeline.names[0],
                                                      "text_encoder": ["transformers", "CLIPTextModel"]})
         assert refusal is None or family.title in refusal
 
@@ -107,7 +107,7 @@ def test_conditioning_has_the_pipelines_layout(tmp_path, kind) -> None:
     more = [prompts] * (len(family.text.encoder_names) - 1)  # prompt_2 (, prompt_3)
     with torch.no_grad():
         hidden, pooled = family.text.encode_prompt(components, ids)
-        pipe = family.pipeline_class().from_pretrained(path)
+        pipe = family.pipeline.diffusers_class().from_pretrained(path)
         extra = {"do_classifier_free_guidance": False} if family.name in ("sd3", "zimage", "sana") else {}
         out = pipe.encode_prompt(prompts, *more, max_sequence_length=32, **extra)
     if family.name == "zimage":  # one tensor per prompt, its own length: the mask cuts the padded rows
@@ -177,7 +177,7 @@ def test_a_guidance_value_runs_true_cfg(tiny_qwenimage) -> None:
     assert pipeline_call.call_arguments("a", convention, steps=1, guidance=4.0, negative="blur")["negative_prompt"] \
         == "blur"
     assert "negative_prompt" not in pipeline_call.call_arguments("a", convention, steps=1, guidance=1.0)
-    pipe = family.pipeline_class().from_pretrained(tiny_qwenimage)
+    pipe = family.pipeline.diffusers_class().from_pretrained(tiny_qwenimage)
     calls = []
     pipe.transformer.register_forward_hook(lambda *_: calls.append(1))
     for guidance, passes in ((4.0, 4), (1.0, 2), (None, 2)):
@@ -195,7 +195,7 @@ def test_a_hard_coded_pipeline_size_follows_the_vae(tmp_path) -> None:
     from finetune_runtime.size import shape_of
 
     family = families.BUILTINS["builtin:tiny-zimage"]
-    pipe = family.pipeline_class().from_pretrained(families.build_tiny_pipeline(family.builtin, 0, tmp_path))
+    pipe = family.pipeline.diffusers_class().from_pretrained(families.build_tiny_pipeline(family.builtin, 0, tmp_path))
     assert pipe.vae_scale_factor == 2
     image = family.generate(pipe, "a photo of sks toy", steps=1, guidance=0.0)[0]
     assert image.size == (256, 256)
@@ -210,7 +210,7 @@ def test_sana_generates_from_the_conditioning_it_trains_on(tmp_path) -> None:
     (the instruction before the prompt) is not."""
     family = families.BUILTINS["builtin:tiny-sana"]
     path = families.build_tiny_pipeline("builtin:tiny-sana", 0, tmp_path)
-    pipe = family.pipeline_class().from_pretrained(path)
+    pipe = family.pipeline.diffusers_class().from_pretrained(path)
     seen = []
     pipe.transformer.register_forward_pre_hook(
         lambda _m, _a, kw: seen.append((kw["encoder_hidden_states"][-1], kw["encoder_attention_mask"][-1])),

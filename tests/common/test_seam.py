@@ -84,7 +84,7 @@ def _forbidden() -> dict[str, frozenset[str]]:
     parts = [{*f.text.encoder_names, *(set(f.text.tokenizer_names) - roles), f.denoiser.name} for f in FAMILIES]
     return {
         "family class": frozenset(c.__name__ for c in classes),
-        "pipeline class": frozenset(n for f in FAMILIES for n in (*f.pipeline_class_names, f.export.ov_pipeline)
+        "pipeline class": frozenset(n for f in FAMILIES for n in (*f.pipeline.names, f.export.ov_pipeline)
                                     if n is not None),
         "component": frozenset(set.union(*parts) - set.intersection(*parts)),
         "family-only attribute": frozenset({*(k for c in classes for k in vars(c)

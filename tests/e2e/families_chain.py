@@ -189,7 +189,7 @@ def test_the_lora_loads_with_the_family_pipeline(pipeline) -> None:
     from tasks.common.families import by_name
 
     name, root = pipeline
-    cls = by_name(name).pipeline_class()
+    cls = by_name(name).pipeline.diffusers_class()
     pipe = cls.from_pretrained(root / "models/base")
     before = {k: v.clone() for k, v in pipe.transformer.state_dict().items() if "to_q" in k}
     keys = load_file(root / "models/finetuned/pytorch_lora_weights.safetensors").keys()
@@ -229,7 +229,7 @@ def test_the_export_loads_and_generates(pipeline) -> None:
         assert tuple(image.shape) == (1, 64, 64, 3)
         return
     cls = by_name(name).export.ov_pipeline_class()
-    assert report["pipeline_class"] == cls.__name__ == f"OV{by_name(name).pipeline_class_names[0]}"
+    assert report["pipeline_class"] == cls.__name__ == f"OV{by_name(name).pipeline.names[0]}"
     pipe = cls.from_pretrained(root / "models/openvino", dynamic_shapes=False)
     if name in VIDEO:  # a clip of the frames asked for
         frames = pipe(prompt="a photo of sks toy", num_inference_steps=2, height=64, width=64, num_frames=9).frames[0]

@@ -37,7 +37,7 @@ def test_dreambooth_with_prior_preservation(tmp_path, flow_base, one_image, clas
                      flow_base, one_image, tmp_path / "single-out")
     assert single[-1] < 0.3 * single[0], single
     pipe = DiffusionPipeline.from_pretrained(out)
-    assert type(pipe) is detect(flow_base).pipeline_class()
+    assert type(pipe) is detect(flow_base).pipeline.diffusers_class()
     assert not tensors_equal(out / TRANSFORMER, flow_base / TRANSFORMER), "the transformer trained"
     assert tensors_equal(out / "text_encoder/model.safetensors", flow_base / "text_encoder/model.safetensors")
     generates(pipe)
@@ -53,7 +53,7 @@ def test_lora_loads_with_the_family_pipeline(tmp_path, flow_base, one_image) -> 
     weights = load_file(out / "pytorch_lora_weights.safetensors")
     # T5 never gets adapters (as in diffusers' scripts); the CLIP encoders do with train_text_encoder.
     assert {k.split(".")[0] for k in weights} == {"transformer", *family.text.trainable}
-    pipe = family.pipeline_class().from_pretrained(flow_base)
+    pipe = family.pipeline.diffusers_class().from_pretrained(flow_base)
     # Every adapted layer of the file (their B matrices start at zero) changes when fused: none is
     # left out by the loader, whatever the file's key format.
     adapted = {k.removeprefix("transformer.").split(".lora")[0] for k in weights if k.startswith("transformer.")}
@@ -68,7 +68,7 @@ def test_lora_loads_with_the_family_pipeline(tmp_path, flow_base, one_image) -> 
         base_weights = load_file(flow_base / name / "model.safetensors")
         assert fused_weights.keys() == base_weights.keys(), name
         assert not tensors_equal(out / name / "model.safetensors", flow_base / name / "model.safetensors"), name
-    fused = family.pipeline_class().from_pretrained(out)  # fuse_lora: the full pipeline beside the adapters
+    fused = family.pipeline.diffusers_class().from_pretrained(out)  # fuse_lora: the full pipeline beside the adapters
     streamed = fused.transformer.state_dict()  # fused shard by shard (tasks/common/stream_fuse.py):
     vae = sorted((flow_base / "vae").glob("*.safetensors"))  # what it does not fuse, it links
     assert vae and all((out / "vae" / f.name).samefile(f) for f in vae)

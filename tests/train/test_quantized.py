@@ -58,7 +58,7 @@ def _adapters_change_the_denoiser(base: Path, out: Path, adapter: str) -> None:
     """The output loads with the family's pipeline (diffusers' LoRA loader for LoRA and DoRA, peft
     for LoKr and LoHa) and changes the denoiser's weights."""
     family = detect(base)
-    pipe = family.pipeline_class().from_pretrained(base)
+    pipe = family.pipeline.diffusers_class().from_pretrained(base)
     denoiser = family.denoiser.name
     before = {k: v.clone() for k, v in getattr(pipe, denoiser).state_dict().items()}
     if adapter in ("lora", "dora"):

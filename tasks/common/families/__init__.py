@@ -62,7 +62,7 @@ def unregister(name: str) -> None:
 
 
 def supported() -> str:
-    return ", ".join(f"{f.title} ({', '.join(f.pipeline_class_names)})" for f in REGISTRY)
+    return ", ".join(f"{f.title} ({', '.join(f.pipeline.names)})" for f in REGISTRY)
 
 
 def denoiser_names() -> tuple[str, ...]:
@@ -84,7 +84,7 @@ def by_name(name: str) -> type[ModelFamily]:
 def from_index(index: dict[str, Any], where: str = "the pipeline") -> type[ModelFamily]:
     """The family a model_index.json belongs to, or a UserError naming the supported ones."""
     for family in REGISTRY:
-        if family.matches(index):
+        if family.pipeline.matches(index):
             return family
     raise UserError(f"{where}: pipeline class {index.get('_class_name')!r} is not supported; "
                     f"supported: {supported()}")

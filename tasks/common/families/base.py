@@ -22,6 +22,7 @@ from tasks.common.families.denoiser import Denoiser
 from tasks.common.families.export_profile import ExportProfile
 from tasks.common.families.input_images import InputImages
 from tasks.common.families.latent_codec import LatentCodec
+from tasks.common.families.pipeline_classes import PipelineClasses
 from tasks.common.families.text_conditioner import TextConditioner
 
 log = logging.getLogger(__name__)
@@ -87,7 +88,9 @@ _MOVED = {"denoiser_name": "denoiser.name", "objective": "denoiser.objective",
           "lora_components": "denoiser.name and the trained text encoders",
           "takes_references": "inputs.trains", "reference_pixels": "inputs.pixels",
           "trains_embeddings": "text.trains_embeddings",
-          "class_images_refusal": "families.class_images_refusal(family) (inputs.least, video)"}
+          "class_images_refusal": "families.class_images_refusal(family) (inputs.least, video)",
+          "pipeline_class_names": "pipeline.names", "matches": "pipeline.matches",
+          "pipeline_class": "pipeline.diffusers_class", "prepare_base": "pipeline.prepare"}
 
 
 class ModelFamily:
@@ -99,8 +102,8 @@ class ModelFamily:
     title: ClassVar[str]
     #: `base.model` value of the built-in tiny model
     builtin: ClassVar[str]
-    #: diffusers pipeline class names (model_index.json `_class_name`) this family loads
-    pipeline_class_names: ClassVar[tuple[str, ...]]
+    #: which diffusers pipeline its folders are: the class names it loads, how a folder is recognised
+    pipeline: ClassVar[PipelineClasses]
     #: how a prompt becomes conditioning: text encoders and tokenizers, tokenizing, encoding, which train
     text: ClassVar[TextConditioner] = TextConditioner()
     #: how the denoiser is loaded, trained (its objective) and called, where LoRA goes on it
@@ -127,19 +130,6 @@ class ModelFamily:
             if "title" in vars(cls) or role in vars(cls):
                 record = getattr(cls, role)
                 setattr(cls, role, replace(record, title=getattr(cls, "title", record.title)))
-
-    # --- recognising a folder -------------------------------------------------------------------
-    @classmethod
-    def matches(cls, index: dict[str, Any]) -> bool:
-        """True when a model_index.json belongs to this family."""
-        return index.get("_class_name") in cls.pipeline_class_names
-
-    # --- classes --------------------------------------------------------------------------------
-    @classmethod
-    def pipeline_class(cls) -> type:
-        import diffusers
-
-        return getattr(diffusers, cls.pipeline_class_names[0])
 
     # --- the built-in tiny model -----------------------------------------------------------------
     @classmethod
@@ -183,11 +173,6 @@ class ModelFamily:
             return Components(cls, tokenizers, encoders, vae, None, scheduler, denoiser_config=dict(config))
         log.info("loaded %s base model from %s (%s objective)", cls.title, base, role.objective)
         return Components(cls, tokenizers, encoders, vae, role.load(base), scheduler)
-
-    @classmethod
-    def prepare_base(cls, folder: Path) -> None:
-        """Make a base folder the base stage wrote (downloaded, copied or built) loadable here; nothing
-        for most families (Qwen-Image-Edit names a processor that needs no torchvision)."""
 
     # --- inference ------------------------------------------------------------------------------
     @classmethod

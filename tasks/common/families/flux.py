@@ -12,6 +12,7 @@ from typing import Any
 from tasks.common.families.denoiser import PredictInputs
 from tasks.common.families.export_profile import ExportProfile
 from tasks.common.families.flow import FlowDenoiser, FlowMatchingFamily, flow_scheduler
+from tasks.common.families.pipeline_classes import PipelineClasses
 from tasks.common.families.text_conditioner import T5Text
 from tasks.common.families.tiny import clip_text_config, clip_tokenizer, seeded, t5_config, t5_tokenizer, tiny_vae
 
@@ -67,7 +68,7 @@ class Flux(FlowMatchingFamily):
     name = "flux"
     title = "FLUX.1"
     builtin = "builtin:tiny-flux"
-    pipeline_class_names = ("FluxPipeline",)
+    pipeline = PipelineClasses(("FluxPipeline",))
     text = _Text(encoder_names=("text_encoder", "text_encoder_2"), tokenizer_names=("tokenizer", "tokenizer_2"),
                  t5_tokenizer="tokenizer_2", trainable=("text_encoder",), max_sequence_length=512)
     # ComfyUI maps OneTrainer's kohya-style names for FLUX.1 (comfy/lora.py) and diffusers converts them
@@ -78,10 +79,6 @@ class Flux(FlowMatchingFamily):
     # guidance is an input of the distilled transformer, not a doubled batch; weighting_scheme "none" is
     # train_dreambooth_lora_flux.py's default
     denoiser = FluxDenoiser(guidance_in_batch=False)
-
-    @classmethod
-    def matches(cls, index: dict[str, Any]) -> bool:
-        return index.get("_class_name") == "FluxPipeline"
 
     @classmethod
     def build_tiny(cls, seed: int) -> Any:

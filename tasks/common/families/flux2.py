@@ -23,6 +23,7 @@ from tasks.common.families.export_profile import ExportProfile
 from tasks.common.families.flow import FlowDenoiser, FlowMatchingFamily, flow_scheduler
 from tasks.common.families.input_images import InputImages
 from tasks.common.families.latent_codec import LatentCodec
+from tasks.common.families.pipeline_classes import PipelineClasses
 from tasks.common.families.qwen3_chat import Qwen3Chat, Qwen3ChatText
 from tasks.common.families.tiny import qwen3_config, qwen_tokenizer, seeded
 
@@ -169,7 +170,7 @@ class Flux2Klein(FlowMatchingFamily):
     name = "flux2"
     title = "FLUX.2 [klein]"
     builtin = "builtin:tiny-flux2"
-    pipeline_class_names = ("Flux2KleinPipeline",)
+    pipeline = PipelineClasses(("Flux2KleinPipeline",))
     # Qwen3 with thinking off, its hidden states 9, 18 and 27 side by side (Flux2KleinPipeline's
     # text_encoder_out_layers), 512 tokens (Flux2KleinPipeline's); the transformer trains alone
     text = _Text(trainable=(), max_sequence_length=512, chat=Qwen3Chat(thinking=False, layers=(9, 18, 27)),

@@ -24,6 +24,7 @@ from finetune_runtime.convention import CallConvention
 from tasks.common.families.denoiser import PredictInputs
 from tasks.common.families.flux import Flux, FluxDenoiser
 from tasks.common.families.input_images import InputImages
+from tasks.common.families.pipeline_classes import PipelineClasses
 
 
 class _Denoiser(FluxDenoiser):
@@ -49,14 +50,10 @@ class FluxKontext(Flux):
     name = "kontext"
     title = "FLUX.1 Kontext"
     builtin = "builtin:tiny-flux-kontext"
-    pipeline_class_names = ("FluxKontextPipeline",)
+    pipeline = PipelineClasses(("FluxKontextPipeline",))
     export = replace(Flux.export, ov_pipeline=None)  # optimum-intel 2.2.0 exports no Kontext pipeline
     inputs = InputImages(most=1, trains=True)  # FluxKontextPipeline takes one input image
     denoiser = _Denoiser(guidance_in_batch=False)
-
-    @classmethod
-    def matches(cls, index: dict[str, Any]) -> bool:
-        return index.get("_class_name") == "FluxKontextPipeline"
 
     @classmethod
     def call_convention(cls) -> CallConvention:

@@ -51,6 +51,7 @@ from tasks.common.families.export_profile import ExportProfile
 from tasks.common.families.flow import FlowDenoiser, FlowMatchingFamily
 from tasks.common.families.input_images import InputImages
 from tasks.common.families.latent_codec import LatentCodec
+from tasks.common.families.pipeline_classes import PipelineClasses
 from tasks.common.families.text_conditioner import T5Text
 from tasks.common.families.tiny import seeded, t5_config, t5_tokenizer
 
@@ -126,7 +127,7 @@ class LTXVideo(FlowMatchingFamily):
     name = "ltx"
     title = "LTX-Video"
     builtin = "builtin:tiny-ltx"
-    pipeline_class_names = ("LTXPipeline",)
+    pipeline = PipelineClasses(("LTXPipeline",))
     # one T5 (it never trains, as in diffusers' scripts), 128 tokens (LTXPipeline's)
     text = _Text(tokenizer_names=("tokenizer",), t5_tokenizer="tokenizer", trainable=(), max_sequence_length=128,
                  frozen_because="its T5 encoder stays frozen")

@@ -30,6 +30,7 @@ from finetune_runtime.convention import CallConvention
 from tasks.common.families.denoiser import PredictInputs
 from tasks.common.families.flow import FlowDenoiser, FlowMatchingFamily
 from tasks.common.families.latent_codec import LatentCodec
+from tasks.common.families.pipeline_classes import PipelineClasses
 from tasks.common.families.text_conditioner import TextConditioner
 from tasks.common.families.tiny import qwen_tokenizer, seeded
 
@@ -105,7 +106,7 @@ class QwenImage(FlowMatchingFamily):
     name = "qwenimage"
     title = "Qwen-Image"
     builtin = "builtin:tiny-qwenimage"
-    pipeline_class_names = ("QwenImagePipeline",)
+    pipeline = PipelineClasses(("QwenImagePipeline",))
     text = QwenVLText(trainable=(), max_sequence_length=512,  # QwenImagePipeline.__call__'s length
                       frozen_because="its LoRA loader has no text part", trains_embeddings=False)
     codec = _Codec(pixel_multiple=16)

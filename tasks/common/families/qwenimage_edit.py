@@ -17,7 +17,7 @@ read from QwenImageEditPlusPipeline (diffusers 0.40.0) and done the same way her
 
 Loading: transformers' Qwen2VLProcessor (5.15.1) holds a video processor that needs torchvision,
 which this stack cannot install; the base stage names finetune_runtime.vl_processor's image-only
-processor in model_index.json instead (`prepare_base`), the same files read the same way.
+processor in model_index.json instead (`pipeline.prepare`), the same files read the same way.
 
 The call: the pipeline makes a megapixel image when given no size; every call here passes the size
 finetune_runtime/size.py decides (an edit at its input image's size, as for the other edit
@@ -37,6 +37,7 @@ from typing import Any
 from finetune_runtime.convention import MAX_INPUT_IMAGES, CallConvention
 from tasks.common.families.denoiser import PredictInputs
 from tasks.common.families.input_images import InputImages
+from tasks.common.families.pipeline_classes import PipelineClasses
 from tasks.common.families.qwenimage import (
     QwenImage,
     QwenImageDenoiser,
@@ -145,6 +146,20 @@ class _Denoiser(QwenImageDenoiser):
         return Pipe._unpack_latents(pred[:, : tokens[0].shape[1]], h, w, 1)[:, :, 0]
 
 
+class _Pipeline(PipelineClasses):
+    def prepare(self, folder: Any) -> None:
+        """model_index.json's processor as finetune_runtime.vl_processor's (the hub's names transformers'
+        Qwen2VLProcessor, which cannot load without torchvision); its files are the same."""
+        import json
+        from pathlib import Path
+
+        path = Path(folder) / "model_index.json"
+        index = json.loads(path.read_text())
+        entry = ["finetune_runtime.vl_processor", "ImageQwen2VLProcessor"]
+        if index.get("processor") not in (None, entry):
+            path.write_text(json.dumps({**index, "processor": entry}, indent=2) + "\n")
+
+
 class _Inputs(InputImages):
     """Up to four input images, at least one; each scaled to about a megapixel before the VAE."""
 
@@ -162,7 +177,7 @@ class QwenImageEdit(QwenImage):
     name = "qwenimage-edit"
     title = "Qwen-Image-Edit"
     builtin = "builtin:tiny-qwenimage-edit"
-    pipeline_class_names = ("QwenImageEditPlusPipeline",)
+    pipeline = _Pipeline(("QwenImageEditPlusPipeline",))
     # optimum-intel 2.2.0 exports Qwen-Image's text-to-image pipeline only
     export = replace(QwenImage.export, ov_pipeline=None)
     # Qwen2VLProcessor (the tokenizer and the image processor together); its text sees the references
@@ -174,19 +189,6 @@ class QwenImageEdit(QwenImage):
     @classmethod
     def call_convention(cls) -> CallConvention:
         return replace(super().call_convention(), input_pixels=REFERENCE_PIXELS)
-
-    @classmethod
-    def prepare_base(cls, folder: Any) -> None:
-        """model_index.json's processor as finetune_runtime.vl_processor's (the hub's names transformers'
-        Qwen2VLProcessor, which cannot load without torchvision); its files are the same."""
-        import json
-        from pathlib import Path
-
-        path = Path(folder) / "model_index.json"
-        index = json.loads(path.read_text())
-        entry = ["finetune_runtime.vl_processor", "ImageQwen2VLProcessor"]
-        if index.get("processor") not in (None, entry):
-            path.write_text(json.dumps({**index, "processor": entry}, indent=2) + "\n")
 
     @classmethod
     def build_tiny(cls, seed: int) -> Any:

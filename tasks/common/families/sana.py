@@ -36,6 +36,7 @@ from tasks.common.families.denoiser import PredictInputs
 from tasks.common.families.export_profile import ExportProfile
 from tasks.common.families.flow import FlowDenoiser, FlowMatchingFamily
 from tasks.common.families.latent_codec import LatentCodec
+from tasks.common.families.pipeline_classes import PipelineClasses
 from tasks.common.families.text_conditioner import TextConditioner
 from tasks.common.families.tiny import gemma2_config, gemma_tokenizer, seeded
 
@@ -78,7 +79,7 @@ class Sana(FlowMatchingFamily):
     name = "sana"
     title = "Sana"
     builtin = "builtin:tiny-sana"
-    pipeline_class_names = ("SanaPipeline",)
+    pipeline = PipelineClasses(("SanaPipeline",))
     text = _Text(trainable=(), max_sequence_length=300,  # SanaPipeline's and the script's length
                  frozen_because="its LoRA loader has no Gemma part", trains_embeddings=False)
     # train_dreambooth_lora_sana.py's LoRA targets and weighting scheme ("none")

@@ -11,6 +11,7 @@ from typing import Any
 from tasks.common.families.base import Components, ModelFamily
 from tasks.common.families.denoiser import Denoiser, PredictInputs
 from tasks.common.families.export_profile import ExportProfile
+from tasks.common.families.pipeline_classes import PipelineClasses
 from tasks.common.families.text_conditioner import TextConditioner
 from tasks.common.families.tiny import clip_text_config, clip_tokenizer, ddpm_kwargs, seeded, tiny_vae
 
@@ -23,6 +24,16 @@ class _Export(ExportProfile):
 
     def single_file_layout(self, pipe: Any) -> str:
         return "sd2" if pipe.unet.config["cross_attention_dim"] == 1024 else "sd1"
+
+
+class _Pipeline(PipelineClasses):
+    """Any SD 1.x/2.x pipeline variant saved under another class name (img2img, inpaint) too, as long
+    as it has a single text encoder."""
+
+    def matches(self, index: dict[str, Any]) -> bool:
+        name = index.get("_class_name", "")
+        return name.startswith("StableDiffusion") and "XL" not in name and "3" not in name \
+            and (index.get("text_encoder_2") or [None])[0] is None
 
 
 class _Text(TextConditioner):
@@ -47,19 +58,11 @@ class StableDiffusion(ModelFamily):
     name = "sd"
     title = "Stable Diffusion 1.x/2.x"
     builtin = "builtin:tiny-sd"
-    pipeline_class_names = ("StableDiffusionPipeline",)
+    pipeline = _Pipeline(("StableDiffusionPipeline",))
     text = _Text()
     denoiser = _Denoiser()
     export = _Export(ov_pipeline="OVStableDiffusionPipeline",
                      genai_lora_prefixes={"unet": "lora_unet", "text_encoder": "lora_te"})
-
-    @classmethod
-    def matches(cls, index: dict[str, Any]) -> bool:
-        # Any SD 1.x/2.x pipeline variant saved under another class name (img2img, inpaint) too,
-        # as long as it has a single text encoder.
-        name = index.get("_class_name", "")
-        return name.startswith("StableDiffusion") and "XL" not in name and "3" not in name \
-            and (index.get("text_encoder_2") or [None])[0] is None
 
     @classmethod
     def build_tiny(cls, seed: int) -> Any:

@@ -13,6 +13,7 @@ from typing import Any
 from tasks.common.families.denoiser import PredictInputs
 from tasks.common.families.export_profile import ExportProfile
 from tasks.common.families.flow import FlowDenoiser, FlowMatchingFamily, flow_scheduler
+from tasks.common.families.pipeline_classes import PipelineClasses
 from tasks.common.families.text_conditioner import T5Text
 from tasks.common.families.tiny import clip_text_config, clip_tokenizer, seeded, t5_config, t5_tokenizer, tiny_vae
 
@@ -44,6 +45,13 @@ class _Text(T5Text):
         return torch.cat([clip, t5.to(clip.dtype)], dim=-2), torch.cat(pooled, dim=-1)
 
 
+class _Pipeline(PipelineClasses):
+    """Every SD3 pipeline variant (img2img, inpaint) by its class name's prefix."""
+
+    def matches(self, index: dict[str, Any]) -> bool:
+        return index.get("_class_name", "").startswith("StableDiffusion3")
+
+
 class _Denoiser(FlowDenoiser):
     """The MMDiT over the latents, the text's sequence and pooled vector; no guidance input."""
 
@@ -57,7 +65,7 @@ class StableDiffusion3(FlowMatchingFamily):
     name = "sd3"
     title = "Stable Diffusion 3/3.5"
     builtin = "builtin:tiny-sd3"
-    pipeline_class_names = ("StableDiffusion3Pipeline",)
+    pipeline = _Pipeline(("StableDiffusion3Pipeline",))
     # CLIP-L and CLIP-G train with train_text_encoder, T5 never (as in diffusers' scripts)
     text = _Text(encoder_names=("text_encoder", "text_encoder_2", "text_encoder_3"),
                  tokenizer_names=("tokenizer", "tokenizer_2", "tokenizer_3"), t5_tokenizer="tokenizer_3",
@@ -70,10 +78,6 @@ class StableDiffusion3(FlowMatchingFamily):
     export = ExportProfile(ov_pipeline="OVStableDiffusion3Pipeline", genai_lora_prefixes={"transformer": "transformer"},
                            comfyui_lora_prefixes={"transformer": "lora_transformer_", **_CLIP_COMFYUI},
                            comfyui_lycoris_prefixes={"transformer": "lycoris_", **_CLIP_COMFYUI})
-
-    @classmethod
-    def matches(cls, index: dict[str, Any]) -> bool:
-        return index.get("_class_name", "").startswith("StableDiffusion3")
 
     @classmethod
     def build_tiny(cls, seed: int) -> Any:

@@ -13,6 +13,7 @@ from tasks.common.errors import UserError
 from tasks.common.families.base import Components, ModelFamily
 from tasks.common.families.denoiser import Denoiser, PredictInputs
 from tasks.common.families.export_profile import ExportProfile
+from tasks.common.families.pipeline_classes import PipelineClasses
 from tasks.common.families.text_conditioner import TextConditioner
 from tasks.common.families.tiny import clip_text_config, clip_tokenizer, ddpm_kwargs, seeded, tiny_vae
 
@@ -30,6 +31,13 @@ class _Export(ExportProfile):
         if getattr(pipe, "text_encoder", None) is None:
             raise UserError("export.single_file: " + REFINER)
         return "sdxl"
+
+
+class _Pipeline(PipelineClasses):
+    """Every SDXL pipeline variant (img2img, inpaint) by its class name's prefix."""
+
+    def matches(self, index: dict[str, Any]) -> bool:
+        return index.get("_class_name", "").startswith("StableDiffusionXL")
 
 
 class _Text(TextConditioner):
@@ -65,7 +73,7 @@ class StableDiffusionXL(ModelFamily):
     name = "sdxl"
     title = "Stable Diffusion XL"
     builtin = "builtin:tiny-sdxl"
-    pipeline_class_names = ("StableDiffusionXLPipeline",)
+    pipeline = _Pipeline(("StableDiffusionXLPipeline",))
     text = _Text(encoder_names=("text_encoder", "text_encoder_2"), tokenizer_names=("tokenizer", "tokenizer_2"),
                  embedding_keys=("clip_l", "clip_g"))
     denoiser = _Denoiser()
@@ -74,11 +82,6 @@ class StableDiffusionXL(ModelFamily):
                                           "text_encoder_2": "lora_te2"},
                      comfyui_lora_prefixes={"unet": "lora_unet_", "text_encoder": "lora_te1_",
                                             "text_encoder_2": "lora_te2_"})
-
-    @classmethod
-    def matches(cls, index: dict[str, Any]) -> bool:
-        name = index.get("_class_name", "")
-        return name.startswith("StableDiffusionXL")
 
     @classmethod
     def build_tiny(cls, seed: int, text_2_width: int = 32) -> Any:

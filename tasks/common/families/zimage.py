@@ -23,6 +23,7 @@ from typing import Any
 from finetune_runtime.convention import CallConvention
 from tasks.common.families.denoiser import PredictInputs
 from tasks.common.families.flow import FlowDenoiser, FlowMatchingFamily, flow_scheduler
+from tasks.common.families.pipeline_classes import PipelineClasses
 from tasks.common.families.qwen3_chat import Qwen3Chat, Qwen3ChatText
 from tasks.common.families.tiny import qwen3_config, qwen_tokenizer, seeded, tiny_vae
 
@@ -56,7 +57,7 @@ class ZImage(FlowMatchingFamily):
     name = "zimage"
     title = "Z-Image"
     builtin = "builtin:tiny-zimage"
-    pipeline_class_names = ("ZImagePipeline",)
+    pipeline = PipelineClasses(("ZImagePipeline",))
     # Qwen3 with thinking on, its second-to-last hidden states, 512 tokens (ZImagePipeline's)
     text = _Text(trainable=(), max_sequence_length=512, chat=Qwen3Chat(thinking=True, layers=(-2,)),
                  frozen_because="its LoRA loader has no Qwen3 part")

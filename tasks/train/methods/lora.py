@@ -97,7 +97,7 @@ class LoRA(TrainingMethod):
             config = module.peft_config["default"].to_dict()
             meta = {k: sorted(v) if isinstance(v, set) else v for k, v in config.items()}
             layers[f"{name}_lora_adapter_metadata"] = meta
-        self.components.family.pipeline_class().save_lora_weights(
+        self.components.family.pipeline.diffusers_class().save_lora_weights(
             out_dir, **layers, weight_name=WEIGHT_NAME, safe_serialization=True)
         log.info("saved %s weights (%s, rank %d) to %s", self.cfg.lora_type, ", ".join(sorted(trained)),
                  self.cfg.rank, out_dir / WEIGHT_NAME)
