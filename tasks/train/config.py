@@ -92,8 +92,8 @@ class TrainConfig(LaunchSection, OutputsSection, PrecisionSection, OptimizerSect
         problems += family_no_ops(self, family)
         if self.with_prior_preservation and (why := families.class_images_refusal(family)):
             problems.append(f"train.with_prior_preservation: {why}; set train.with_prior_preservation: false")
-        if self.launcher == "xla" and not family.xla_tested:
-            tested = ", ".join(f.title for f in families.FAMILIES if f.xla_tested)
+        if self.launcher == "xla" and not family.denoiser.xla_tested:
+            tested = ", ".join(f.title for f in families.FAMILIES if f.denoiser.xla_tested)
             problems.append(f"train.launcher: xla has been run for {tested} only, not for "
                             f"{family.title}; use local, accelerate or mpirun")
         multiple = family.codec.pixel_multiple

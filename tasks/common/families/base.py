@@ -90,7 +90,8 @@ _MOVED = {"denoiser_name": "denoiser.name", "objective": "denoiser.objective",
           "trains_embeddings": "text.trains_embeddings",
           "class_images_refusal": "families.class_images_refusal(family) (inputs.least, video)",
           "pipeline_class_names": "pipeline.names", "matches": "pipeline.matches",
-          "pipeline_class": "pipeline.diffusers_class", "prepare_base": "pipeline.prepare"}
+          "pipeline_class": "pipeline.diffusers_class", "prepare_base": "pipeline.prepare",
+          "xla_tested": "denoiser.xla_tested"}
 
 
 class ModelFamily:
@@ -114,8 +115,6 @@ class ModelFamily:
     inputs: ClassVar[InputImages] = InputImages()
     #: a video model: trains on clips (ingest's clips.jsonl, pixels (3, F, H, W)), its pipeline makes clips
     video: ClassVar[bool] = False
-    #: train.launcher xla (PyTorch/XLA SPMD) has been run on this family's tiny model
-    xla_tested: ClassVar[bool] = True
     #: how a fine-tune leaves training: OpenVINO pipeline, GenAI and ComfyUI adapter keys, single file
     export: ClassVar[ExportProfile] = ExportProfile(ov_pipeline=None)
 

@@ -67,6 +67,8 @@ class Denoiser:
     guidance_in_batch: bool = True
     #: train.guidance_scale is one of its inputs (guidance-distilled FLUX bases); elsewhere refused
     takes_guidance_scale: bool = False
+    #: train.launcher xla (PyTorch/XLA SPMD) has been run on this denoiser (its checkpointing and sharding)
+    xla_tested: bool = True
     #: train.weighting_scheme where the config leaves it null (what diffusers' script for the family
     #: defaults to); None: the objective has no weighting (DDPM)
     weighting_scheme: str | None = None

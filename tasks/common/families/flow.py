@@ -28,6 +28,7 @@ class FlowDenoiser(Denoiser):
     objective: str = "flow_matching"
     takes_guidance_scale: bool = True
     weighting_scheme: str | None = "none"
+    xla_tested: bool = False  # the XLA back end's checkpointing and sharding were built and run for UNets
 
     def noise_scheduler(self, base: Path, prediction_type: str | None) -> Any:
         from diffusers import FlowMatchEulerDiscreteScheduler
@@ -44,7 +45,6 @@ class FlowMatchingFamily(ModelFamily):
     # paths there); LyCORIS' `lycoris_<path>` for LoKr and LoHa (comfy/lora.py maps both)
     export = ExportProfile(ov_pipeline=None, comfyui_lora_prefixes={"transformer": "diffusion_model."},
                            comfyui_lycoris_prefixes={"transformer": "lycoris_"})
-    xla_tested = False  # the XLA back end's checkpointing and sharding were built and run for UNets
     codec = LatentCodec(pixel_multiple=16)  # SD3's patch size 2, FLUX's 2x2 packing: even latent sides
 
 
