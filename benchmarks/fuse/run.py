@@ -4,7 +4,7 @@
     .venv/bin/python -m benchmarks.fuse.run --base .cache/bench/sd35-medium --report benchmarks/fuse/results.json
 
 A LoRA of `--rank` on every attention projection of the base's denoiser (the family's
-`lora_targets`, what `train.method: lora` adapts), with seeded random A and B, is fused by the LoRA
+`denoiser.lora_targets`, what `train.method: lora` adapts), with seeded random A and B, is fused by the LoRA
 method's two paths, each in a process of its own: `complete_output` (tasks/common/stream_fuse.py,
 one shard at a time) and `fuse_in_memory` (the whole pipeline loaded, diffusers' `fuse_lora`,
 `save_pretrained`). Reported: wall seconds, the process's peak RSS (and its RSS before, with the

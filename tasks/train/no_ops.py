@@ -59,7 +59,7 @@ def family_no_ops(cfg: Any, family: Any) -> list[str]:
     scheme's (the config's, else the family's own; sigma_sqrt, cosmap and none draw uniformly)."""
     own = family.denoiser.objective_options()  # the objective's settings where the config leaves them null
     if "weighting_scheme" not in own:
-        return []  # an objective without schemes: the family's refused_options name these keys
+        return []  # an objective without schemes: families.refused_options(family) names these keys
     scheme = cfg.weighting_scheme or own["weighting_scheme"]
     if cfg.timestep_sampling:
         density, source = cfg.timestep_sampling, f"timestep_sampling: {cfg.timestep_sampling}"

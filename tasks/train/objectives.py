@@ -1,5 +1,5 @@
 """The training objective a model family declares (`family.denoiser.objective`, the name of one of OBJECTIVES,
-built with the family's `objective_options()`): what noise is added at which level, and the loss on
+built with the denoiser's `objective_options()`): what noise is added at which level, and the loss on
 the denoiser's prediction.
 
 - `ddpm` (SD 1.x/2.x, SDXL): tasks/train/diffusion.py's noise_latents and per_example_loss (noise or
@@ -161,7 +161,7 @@ class FirstFrame:
         return LossWeights(frames * masks.weights.to(pred.device).unsqueeze(2), normalize=masks.normalize)
 
 
-#: Every objective, by the name a family's `objective` gives.
+#: Every objective, by the name a family's `denoiser.objective` gives.
 OBJECTIVES: dict[str, type[Ddpm] | type[FlowMatching]] = {o.name: o for o in (Ddpm, FlowMatching)}
 
 

@@ -83,6 +83,11 @@ def test_new_family_facts_go_into_roles() -> None:
         refusal = family.export.single_file_refusal({"_class_name": family.pipeline.names[0],
                                                      "text_encoder": ["transformers", "CLIPTextModel"]})
         assert refusal is None or family.title in refusal
+    from tasks.common.families.flow import FlowDenoiser, FlowMatchingFamily
+
+    # a flow-matching family that sets no denoiser of its own still trains by flow matching
+    flow = FlowMatchingFamily.denoiser
+    assert isinstance(flow, FlowDenoiser) and flow.objective == "flow_matching" and not flow.xla_tested
 
 
 def test_an_unknown_pipeline_is_refused_naming_the_supported_ones() -> None:
@@ -233,3 +238,7 @@ def test_a_member_moved_into_a_role_is_refused_naming_the_role() -> None:
 
     with pytest.raises(TypeError, match="lora_targets is now denoiser.lora_targets; predict is now denoiser.predict"):
         type("OldStyle", (StableDiffusion,), {"lora_targets": ("to_q",), "predict": classmethod(lambda cls: None)})
+    from tasks.common.families.flux import Flux
+
+    with pytest.raises(TypeError, match="image_tokens is now denoiser.image_tokens"):  # a family's own helper too
+        type("OldFlux", (Flux,), {"image_tokens": classmethod(lambda cls, latents, inputs: None)})

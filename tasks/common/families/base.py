@@ -2,9 +2,10 @@
 
 A family is one module under tasks/common/families/ with one `ModelFamily` subclass: how it is
 recognised in a diffusers folder, its diffusers and optimum-intel pipeline classes, its built-in
-tiny model, and its roles: how a prompt becomes conditioning (`text`), how pixels become latents
-(`codec`), how the denoiser is loaded, trained and called (`denoiser`), how a fine-tune leaves
-training (`export`). Stages never test a family's name; they ask the family.
+tiny model, and its roles: which diffusers pipeline its folders are (`pipeline`), how a prompt
+becomes conditioning (`text`), how pixels become latents (`codec`), how the denoiser is loaded,
+trained and called (`denoiser`), the images its pipeline takes beside the prompt (`inputs`), how a
+fine-tune leaves training (`export`). Stages never test a family's name; they ask the family.
 
 Everything here imports torch, diffusers and transformers lazily: the stages that only need to
 know a family's name or classes (base, export, evaluate) pay for nothing else.
@@ -91,7 +92,9 @@ _MOVED = {"denoiser_name": "denoiser.name", "objective": "denoiser.objective",
           "class_images_refusal": "families.class_images_refusal(family) (inputs.least, video)",
           "pipeline_class_names": "pipeline.names", "matches": "pipeline.matches",
           "pipeline_class": "pipeline.diffusers_class", "prepare_base": "pipeline.prepare",
-          "xla_tested": "denoiser.xla_tested"}
+          "xla_tested": "denoiser.xla_tested", "image_tokens": "denoiser.image_tokens",
+          "spatial_compression": "denoiser.spatial_compression",
+          "temporal_compression": "denoiser.temporal_compression"}
 
 
 class ModelFamily:

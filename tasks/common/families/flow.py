@@ -41,6 +41,7 @@ class FlowDenoiser(Denoiser):
 
 
 class FlowMatchingFamily(ModelFamily):
+    denoiser = FlowDenoiser()  # a family replaces it with its own subclass (its `predict`)
     # ComfyUI: its own key names under `diffusion_model.` (Z-Image, Qwen-Image read diffusers' module
     # paths there); LyCORIS' `lycoris_<path>` for LoKr and LoHa (comfy/lora.py maps both)
     export = ExportProfile(ov_pipeline=None, comfyui_lora_prefixes={"transformer": "diffusion_model."},

@@ -1,5 +1,6 @@
-"""LoRA (Hu et al. 2021) with peft: low-rank adapters on the denoiser's attention projections (the family's
-`lora_targets`), and on the text encoders' with `train_text_encoder`, as diffusers' train_dreambooth_lora*.py add them.
+"""LoRA (Hu et al. 2021) with peft: low-rank adapters on the denoiser's attention projections (its
+`denoiser.lora_targets`), and on the text encoders' with `train_text_encoder`, as diffusers'
+train_dreambooth_lora*.py add them.
 `lora_type` picks peft's layer: LoRA, DoRA, LoKr or LoHa (tasks/common/adapters.py); on a quantized
 base (`base_model_precision`, tasks/common/quantize.py) the adapters train over 8- or 4-bit layers.
 
