@@ -98,6 +98,31 @@ def test_ltx_trains_on_the_demo_clips(tmp_path, tiny_ltx, clips_dir, method) -> 
     assert any(not torch.equal(before[k], after[k]) for k in before)
 
 
+@pytest.mark.parametrize("lora_type", ["lokr", "loha"])
+def test_lokr_and_loha_train_on_the_demo_clips_and_change_the_transformer(tmp_path, tiny_ltx, clips_dir,
+                                                                          lora_type) -> None:
+    """LyCORIS' adapter types on the video transformer: one step on the demo clips writes peft's adapter
+    folder (no diffusers LoRA file), which the served model's loader applies to LTXPipeline, moving the
+    transformer's weights."""
+    from diffusers import LTXPipeline
+
+    from finetune_runtime.adapters import apply_peft
+    from finetune_runtime.layout import PEFT_DIR, peft_components
+    from tasks.train.core import train
+
+    cfg = _config(tmp_path, method="lora", lora_type=lora_type, resolution=64, train_batch_size=2,
+                  caption_column="text", max_train_steps=1)
+    outcome = train(cfg, tiny_ltx, clips_dir, None, tmp_path / "out")
+    assert outcome.family == "ltx" and np.isfinite(outcome.history[0].loss)
+    assert peft_components(tmp_path / "out" / PEFT_DIR) == ["transformer"]
+    assert not (tmp_path / "out" / "pytorch_lora_weights.safetensors").exists()
+    pipe = LTXPipeline.from_pretrained(tiny_ltx)
+    before = {k: v.clone() for k, v in pipe.transformer.state_dict().items()}
+    apply_peft(pipe, tmp_path / "out" / PEFT_DIR)
+    after = pipe.transformer.state_dict()
+    assert after.keys() == before.keys() and any(not torch.equal(before[k], after[k]) for k in before)
+
+
 def test_ltx_refuses_data_without_clips_and_prior_preservation(tmp_path, tiny_ltx, instance_dir) -> None:
     from tasks.train.core import train
 
