@@ -49,7 +49,7 @@ from typing import Any
 import numpy as np
 
 log = logging.getLogger("benchmarks.export.memory_routes")
-ROUTES = ("today", "compress_first", "stream")
+ROUTES = ("today", "compress_first", "stream", "stream_ext", "stream_ext_b1")
 NAME = "transformer"
 SEED = 0
 
@@ -423,6 +423,186 @@ def route_stream(src: Path, work: Path, phases: Phases) -> dict[str, Any]:
             "ir_mb": _sizes(xml.parent)}
 
 
+# ---------------------------------------------------------------- stream_ext: the same, traced without computing
+class QLinear8(__import__("torch").nn.Module):
+    """A Linear with 8-bit weights (uint8, per-row zero point and scale) for the `stream_ext` route."""
+
+    def __init__(self, mod: Any) -> None:
+        import torch
+
+        super().__init__()
+        self.out_features = mod.weight.shape[0]
+        _meta_buffers(self, mod)
+
+    def forward(self, x: Any) -> Any:
+        import torch
+        import torch.nn.functional as F
+
+        w = (self.qweight.to(torch.float32) - self.zero_point.to(torch.float32)) * self.scale
+        return F.linear(x, w.reshape(self.qweight.shape), self.bias)
+
+
+class QConv1x1(QLinear8):
+    """A 1x1, stride-1, unpadded, ungrouped Conv2d with 8-bit weights."""
+
+    def forward(self, x: Any) -> Any:
+        import torch
+        import torch.nn.functional as F
+
+        w = (self.qweight.to(torch.float32) - self.zero_point.to(torch.float32)) * self.scale
+        return F.conv2d(x, w, self.bias)
+
+
+def _meta_buffers(self: Any, mod: Any) -> None:
+    import torch
+
+    shape = tuple(mod.weight.shape)
+    lead = (shape[0],) + (1,) * (len(shape) - 1)
+    self.register_buffer("qweight", torch.empty(shape, dtype=torch.uint8, device="meta"))
+    self.register_buffer("zero_point", torch.empty(lead, dtype=torch.uint8, device="meta"))
+    self.register_buffer("scale", torch.empty(lead, dtype=torch.float32, device="meta"))
+    self.bias = None if mod.bias is None else torch.nn.Parameter(torch.empty(mod.bias.shape, device="meta"),
+                                                                 requires_grad=False)
+
+
+def _ov_extensions() -> tuple[dict[Any, Any], list[Any]]:
+    """ModuleExtensions that trace QLinear8/QConv1x1 as one custom op each without running them (a
+    placeholder output, as OpenVINO's own 16-bit patch does for Linear), and the ConversionExtensions
+    that turn each op into u8 constant -> Convert -> Subtract(zero point) -> Multiply(scale) ->
+    MatMul/Convolution (+ bias): the decompression pattern OpenVINO keeps compressed."""
+    import openvino as ov
+    import openvino.opset13 as ops
+    import torch
+    from openvino.frontend.pytorch import ConversionExtension, ModuleExtension
+
+    def placeholder_linear(module: Any, x: Any) -> Any:
+        return torch.zeros((), dtype=torch.float32).expand(*x.shape[:-1], module.out_features).clone()
+
+    def placeholder_conv(module: Any, x: Any) -> Any:
+        return torch.zeros((), dtype=torch.float32).expand(x.shape[0], module.out_features, *x.shape[2:]).clone()
+
+    def args(module: Any, x: Any) -> tuple[Any, ...]:
+        extra = () if module.bias is None else (module.bias,)
+        return (x, module.qweight, module.zero_point, module.scale) + extra
+
+    modules = {
+        QLinear8: ModuleExtension(QLinear8, "ov_ext::q8_linear",
+                                  convert=lambda m, op, x, *a, **k: op(*args(m, x)),
+                                  evaluate=lambda m, x, *a, **k: placeholder_linear(m, x)),
+        QConv1x1: ModuleExtension(QConv1x1, "ov_ext::q8_conv1x1",
+                                  convert=lambda m, op, x, *a, **k: op(*args(m, x)),
+                                  evaluate=lambda m, x, *a, **k: placeholder_conv(m, x)),
+    }
+
+    def weight(ctx: Any) -> Any:
+        q = ops.convert(ctx.get_input(1), ov.Type.f32)
+        zp = ops.convert(ctx.get_input(2), ov.Type.f32)
+        return ops.multiply(ops.subtract(q, zp), ctx.get_input(3))
+
+    def linear(ctx: Any) -> list[Any]:
+        out = ops.matmul(ctx.get_input(0), weight(ctx), False, True)
+        if ctx.get_input_size() > 4:
+            out = ops.add(out, ctx.get_input(4))
+        return [out.output(0)]
+
+    def conv(ctx: Any) -> list[Any]:
+        out = ops.convolution(ctx.get_input(0), weight(ctx), [1, 1], [0, 0], [0, 0], [1, 1])
+        if ctx.get_input_size() > 4:
+            out = ops.add(out, ops.unsqueeze(ops.unsqueeze(ctx.get_input(4), ops.constant(1)), ops.constant(2)))
+        return [out.output(0)]
+
+    return modules, [ConversionExtension("ov_ext::q8_linear", linear), ConversionExtension("ov_ext::q8_conv1x1", conv)]
+
+
+def stream_int8_model_ext(folder: Path) -> tuple[Any, int]:
+    """As stream_int8_model, with QLinear8 / QConv1x1 modules (depthwise and other convs stay float32)."""
+    import torch
+    from diffusers import SanaTransformer2DModel
+    from safetensors import safe_open
+
+    with torch.device("meta"):
+        model = SanaTransformer2DModel.from_config(SanaTransformer2DModel.load_config(folder))
+    swapped = 0
+    for _, mod in list(model.named_modules()):
+        for child_name, child in list(mod.named_children()):
+            if isinstance(child, torch.nn.Linear):
+                setattr(mod, child_name, QLinear8(child))
+            elif (isinstance(child, torch.nn.Conv2d) and child.kernel_size == (1, 1) and child.stride == (1, 1)
+                  and child.padding == (0, 0) and child.groups == 1 and child.dilation == (1, 1)):
+                setattr(mod, child_name, QConv1x1(child))
+            else:
+                continue
+            swapped += 1
+    modules = dict(model.named_modules())
+    for file in sorted(folder.glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as fh:
+            for key in fh.keys():
+                owner, _, attr = key.rpartition(".")
+                mod = modules[owner]
+                tensor = fh.get_tensor(key)
+                if attr == "weight" and hasattr(mod, "qweight"):
+                    mod.qweight, mod.zero_point, mod.scale = _Int8Weights.quantize(tensor)
+                elif attr in mod._parameters:
+                    mod._parameters[attr] = torch.nn.Parameter(tensor.float(), requires_grad=False)
+                else:
+                    mod._buffers[attr] = tensor.float()
+                del tensor
+    left = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.is_meta]
+    if left:
+        raise RuntimeError(f"not in the safetensors: {left[:5]}")
+    return model.eval(), swapped
+
+
+def route_stream_ext_b1(src: Path, work: Path, phases: Phases) -> dict[str, Any]:
+    """`stream_ext`, traced on a batch of 1 instead of optimum's default 2 (the IR's batch axis stays
+    dynamic): tracing holds every intermediate activation until it ends, so its memory follows the
+    example input's size."""
+    from optimum import utils
+
+    saved = dict(utils.DEFAULT_DUMMY_SHAPES)
+    utils.DEFAULT_DUMMY_SHAPES["batch_size"] = 1
+    try:
+        return route_stream_ext(src, work, phases, stage_name="stream_ext_b1")
+    finally:
+        utils.DEFAULT_DUMMY_SHAPES.clear()
+        utils.DEFAULT_DUMMY_SHAPES.update(saved)
+
+
+def route_stream_ext(src: Path, work: Path, phases: Phases, stage_name: str = "stream_ext") -> dict[str, Any]:
+    """`stream`, with the 8-bit layers traced as custom ops (nothing computed while tracing)."""
+    import gc
+
+    from tasks.common.memory import release_memory
+
+    stage = work / stage_name
+    shutil.rmtree(stage, ignore_errors=True)
+    gc.freeze()
+    phases.mark("load")
+    pipe, _ = _pipeline(src, "vae")
+    model, swapped = stream_int8_model_ext(src / NAME)
+    pipe.register_modules(transformer=model)
+    models = _export_config_models(pipe)
+    module_ext, conversion_ext = _ov_extensions()
+    _, export_config = models[NAME]
+    orig_patch = export_config.patch_model_for_export
+
+    def patch(*a: Any, **k: Any) -> Any:  # optimum reads these two attributes off the patcher
+        patcher = orig_patch(*a, **k)
+        patcher.module_extensions = {**(getattr(patcher, "module_extensions", None) or {}), **module_ext}
+        patcher.conversion_extensions = [*(getattr(patcher, "conversion_extensions", None) or []), *conversion_ext]
+        return patcher
+
+    export_config.patch_model_for_export = patch
+    release_memory()
+    _instrumented_convert(models, stage, False, phases)
+    phases.mark("release_torch")
+    del pipe, models, model
+    release_memory()
+    xml = stage / NAME / "openvino_model.xml"
+    return {"layers_int8": swapped, "parity": _check_written(xml, work, phases, "check_int8"),
+            "ir_mb": _sizes(xml.parent)}
+
+
 # ---------------------------------------------------------------- driver
 def build_cut(out: Path, layers: int, full: Path, seed: int = 0) -> None:
     """`full`'s Sana 1600M pipeline with its transformer cut to `layers` of its 20 layers (same widths,
@@ -464,7 +644,8 @@ def _child(route: str, src: Path, work: Path, out: Path) -> None:
     phases = Phases()
     start = time.perf_counter()
     fn = {"reference": route_reference, "today": route_today, "compress_first": route_compress_first,
-          "stream": route_stream}[route]
+          "stream": route_stream, "stream_ext": route_stream_ext,
+          "stream_ext_b1": route_stream_ext_b1}[route]
     error = None
     try:
         result = fn(src, work, phases)
