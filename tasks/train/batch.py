@@ -8,7 +8,18 @@ from typing import Any
 import torch
 
 from tasks.common.families import Geometry, PredictInputs
-from tasks.train.references import ReferenceImages
+
+
+@dataclass
+class ReferenceImages:
+    """A batch's reference images, one entry per reference index (a batch has one count: batch_groups):
+    the rows' pixels (n, 3, H, W) in [-1, 1], and their latent cache keys (None with random crops)."""
+
+    pixels: list[torch.Tensor]
+    keys: list[list[str | None]]
+
+    def to(self, device: Any, non_blocking: bool = False) -> ReferenceImages:
+        return ReferenceImages([p.to(device, non_blocking=non_blocking) for p in self.pixels], self.keys)
 
 
 @dataclass

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import hashlib
 import io
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -24,18 +23,7 @@ from PIL import Image
 
 from tasks.common.errors import UserError
 from tasks.common.images import apply_exif_orientation, cover_size, follow_geometry, to_rgb
-
-
-@dataclass
-class ReferenceImages:
-    """A batch's reference images, one entry per reference index (a batch has one count: batch_groups):
-    the rows' pixels (n, 3, H, W) in [-1, 1], and their latent cache keys (None with random crops)."""
-
-    pixels: list[torch.Tensor]
-    keys: list[list[str | None]]
-
-    def to(self, device: Any, non_blocking: bool = False) -> ReferenceImages:
-        return ReferenceImages([p.to(device, non_blocking=non_blocking) for p in self.pixels], self.keys)
+from tasks.train.batch import ReferenceImages
 
 
 def prepare_reference(image: Image.Image, original: tuple[int, int], target: tuple[int, int],

@@ -33,9 +33,8 @@ import torch
 from tasks.common.errors import UserError
 from tasks.common.families import Geometry
 from tasks.train.backend_base import Backend
-from tasks.train.batch import Batch
+from tasks.train.batch import Batch, ReferenceImages
 from tasks.train.config import TrainConfig, XlaConfig
-from tasks.train.references import ReferenceImages
 
 log = logging.getLogger(__name__)
 

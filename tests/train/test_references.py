@@ -10,8 +10,8 @@ import torch
 from PIL import Image
 
 from tasks.common.errors import UserError
+from tasks.train.batch import ReferenceImages
 from tasks.train.config import TrainConfig
-from tasks.train.references import ReferenceImages
 
 SEQ = 32
 
