@@ -21,7 +21,13 @@ Routes (all end with the same written int8 IR, checked on the same seeded inputs
 - `stream`: no bf16 module at all: the transformer is built on the meta device, every Linear and
   Conv2d swapped for an 8-bit one (per output channel, asymmetric, as NNCF's INT8_ASYM), and the
   safetensors file read one tensor at a time, each weight quantized as it is read; then the same
-  `export_models`.
+  `export_models`;
+- `stream_ext`: `stream`, the 8-bit Linear and 1x1 Conv layers traced as custom ops (OpenVINO
+  ModuleExtension + ConversionExtension: nothing computed while tracing, the same decompression
+  pattern in the IR);
+- `stream_ext_b1`: `stream_ext` traced on a batch of 1 (optimum's default is 2);
+- `stream_lean`: `stream_ext_b1` with the VAE on the meta device, the safetensors read with plain
+  file reads (no mapping), and the module's tensors freed before the final check.
 
 `reference` (run first) computes the PyTorch bf16 and fp32 outputs on the seeded inputs every
 route is compared with (written to the work folder).
@@ -49,7 +55,7 @@ from typing import Any
 import numpy as np
 
 log = logging.getLogger("benchmarks.export.memory_routes")
-ROUTES = ("today", "compress_first", "stream", "stream_ext", "stream_ext_b1")
+ROUTES = ("today", "compress_first", "stream", "stream_ext", "stream_ext_b1", "stream_lean")
 NAME = "transformer"
 SEED = 0
 
@@ -86,7 +92,8 @@ class Phases:
             s = _status()
             with self._lock:
                 if len(self.timeline) < 20000:
-                    self.timeline.append((round(time.perf_counter() - self._t0, 2), round(s["RssAnon"]), round(s["RssFile"])))
+                    stamp = round(time.perf_counter() - self._t0, 2)
+                    self.timeline.append((stamp, round(s["RssAnon"]), round(s["RssFile"])))
                 if self._open is not None:
                     o = self._open
                     o["anon_max"] = max(o["anon_max"], s["RssAnon"])
@@ -352,7 +359,8 @@ def _q_module(mod: Any) -> Any:
             self.bias = None if mod.bias is None else torch.nn.Parameter(
                 torch.empty(mod.bias.shape, device="meta"), requires_grad=False)
             if conv:
-                self.stride, self.padding, self.dilation, self.groups = mod.stride, mod.padding, mod.dilation, mod.groups
+                self.stride, self.padding = mod.stride, mod.padding
+                self.dilation, self.groups = mod.dilation, mod.groups
 
         def forward(self, x: Any) -> Any:
             w = (self.qweight.to(torch.float32) - self.zero_point.to(torch.float32)) * self.scale
@@ -373,7 +381,7 @@ def stream_int8_model(folder: Path) -> tuple[Any, int]:
     with torch.device("meta"):
         model = SanaTransformer2DModel.from_config(SanaTransformer2DModel.load_config(folder))
     swapped = 0
-    for name, mod in list(model.named_modules()):
+    for _, mod in list(model.named_modules()):
         for child_name, child in list(mod.named_children()):
             if isinstance(child, (torch.nn.Linear, torch.nn.Conv2d)):
                 setattr(mod, child_name, _q_module(child))
@@ -381,7 +389,7 @@ def stream_int8_model(folder: Path) -> tuple[Any, int]:
     modules = dict(model.named_modules())
     for file in sorted(folder.glob("*.safetensors")):
         with safe_open(str(file), framework="pt") as fh:
-            for key in fh.keys():
+            for key in fh.keys():  # noqa: SIM118 (a safetensors handle, not a dict)
                 owner, _, attr = key.rpartition(".")
                 mod = modules[owner]
                 tensor = fh.get_tensor(key)
@@ -428,8 +436,6 @@ class QLinear8(__import__("torch").nn.Module):
     """A Linear with 8-bit weights (uint8, per-row zero point and scale) for the `stream_ext` route."""
 
     def __init__(self, mod: Any) -> None:
-        import torch
-
         super().__init__()
         self.out_features = mod.weight.shape[0]
         _meta_buffers(self, mod)
@@ -536,7 +542,7 @@ def stream_int8_model_ext(folder: Path) -> tuple[Any, int]:
     modules = dict(model.named_modules())
     for file in sorted(folder.glob("*.safetensors")):
         with safe_open(str(file), framework="pt") as fh:
-            for key in fh.keys():
+            for key in fh.keys():  # noqa: SIM118 (a safetensors handle, not a dict)
                 owner, _, attr = key.rpartition(".")
                 mod = modules[owner]
                 tensor = fh.get_tensor(key)
@@ -603,6 +609,126 @@ def route_stream_ext(src: Path, work: Path, phases: Phases, stage_name: str = "s
             "ir_mb": _sizes(xml.parent)}
 
 
+# ---------------------------------------------------------------- stream_lean: stream_ext_b1 without its leftovers
+def read_safetensors(file: Path) -> Any:
+    """(name, tensor) for each tensor of a safetensors file, read with plain file reads one at a time
+    (no mapping: the pages read stay in the page cache, not in this process's RSS)."""
+    import torch
+
+    dtypes = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "I64": torch.int64,
+              "I32": torch.int32, "U8": torch.uint8, "I8": torch.int8, "BOOL": torch.bool}
+    with open(file, "rb") as fh:
+        size = int.from_bytes(fh.read(8), "little")
+        header = json.loads(fh.read(size))
+        base = 8 + size
+        for name, info in header.items():
+            if name == "__metadata__":
+                continue
+            start, end = info["data_offsets"]
+            fh.seek(base + start)
+            buf = bytearray(fh.read(end - start))
+            yield name, torch.frombuffer(buf, dtype=dtypes[info["dtype"]]).reshape(info["shape"]) if buf else \
+                torch.empty(info["shape"], dtype=dtypes[info["dtype"]])
+
+
+def stream_int8_model_lean(folder: Path) -> tuple[Any, int]:
+    """stream_int8_model_ext's model, its tensors read by read_safetensors instead of safe_open."""
+    import torch
+    from diffusers import SanaTransformer2DModel
+
+    with torch.device("meta"):
+        model = SanaTransformer2DModel.from_config(SanaTransformer2DModel.load_config(folder))
+    swapped = 0
+    for _, mod in list(model.named_modules()):
+        for child_name, child in list(mod.named_children()):
+            if isinstance(child, torch.nn.Linear):
+                setattr(mod, child_name, QLinear8(child))
+            elif (isinstance(child, torch.nn.Conv2d) and child.kernel_size == (1, 1) and child.stride == (1, 1)
+                  and child.padding == (0, 0) and child.groups == 1 and child.dilation == (1, 1)):
+                setattr(mod, child_name, QConv1x1(child))
+            else:
+                continue
+            swapped += 1
+    modules = dict(model.named_modules())
+    for file in sorted(folder.glob("*.safetensors")):
+        for key, tensor in read_safetensors(file):
+            owner, _, attr = key.rpartition(".")
+            mod = modules[owner]
+            if attr == "weight" and hasattr(mod, "qweight"):
+                mod.qweight, mod.zero_point, mod.scale = _Int8Weights.quantize(tensor)
+            elif attr in mod._parameters:
+                mod._parameters[attr] = torch.nn.Parameter(tensor.float(), requires_grad=False)
+            else:
+                mod._buffers[attr] = tensor.float()
+            del tensor
+    left = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.is_meta]
+    if left:
+        raise RuntimeError(f"not in the safetensors: {left[:5]}")
+    return model.eval(), swapped
+
+
+def route_stream_lean(src: Path, work: Path, phases: Phases) -> dict[str, Any]:
+    """stream_ext_b1, with the VAE on the meta device too, the weights read without a mapping, and
+    OpenVINO's module patch undone after conversion so the module is freed before the check."""
+    import gc
+
+    import diffusers
+    import torch
+    from openvino.frontend.pytorch.patch_model import unpatch_model
+    from optimum import utils
+
+    from tasks.common import families
+    from tasks.common.memory import release_memory
+    from tasks.export.components import _meta_model, _model_class
+
+    stage = work / "stream_lean"
+    shutil.rmtree(stage, ignore_errors=True)
+    gc.freeze()
+    phases.mark("load")
+    index = families.read_index(src)
+    overrides = {name: _meta_model(src / name, _model_class(spec)) for name, spec in index.items()
+                 if not name.startswith("_") and isinstance(spec, list) and spec[0] is not None
+                 and _model_class(spec) is not None}
+    pipe = getattr(diffusers, index["_class_name"]).from_pretrained(src, **overrides)
+    model, swapped = stream_int8_model_lean(src / NAME)
+    pipe.register_modules(transformer=model)
+    models = _export_config_models(pipe)
+    module_ext, conversion_ext = _ov_extensions()
+    _, export_config = models[NAME]
+    orig_patch = export_config.patch_model_for_export
+
+    def patch(*a: Any, **k: Any) -> Any:
+        patcher = orig_patch(*a, **k)
+        patcher.module_extensions = {**(getattr(patcher, "module_extensions", None) or {}), **module_ext}
+        patcher.conversion_extensions = [*(getattr(patcher, "conversion_extensions", None) or []), *conversion_ext]
+        return patcher
+
+    export_config.patch_model_for_export = patch
+    release_memory()
+    saved = dict(utils.DEFAULT_DUMMY_SHAPES)
+    utils.DEFAULT_DUMMY_SHAPES["batch_size"] = 1
+    try:
+        _instrumented_convert(models, stage, False, phases)
+    finally:
+        utils.DEFAULT_DUMMY_SHAPES.clear()
+        utils.DEFAULT_DUMMY_SHAPES.update(saved)
+    phases.mark("release_torch")
+    unpatch_model(model, "_openvino_module_extension_patch_orig_forward")
+    export_config.patch_model_for_export = orig_patch
+    # Something still holds the module after the patch is undone (the traced graph's custom ops
+    # reference it; not found where); its tensors are emptied so that they go whoever holds it.
+    for mod in model.modules():
+        for store in (mod._parameters, mod._buffers):
+            for key, value in list(store.items()):
+                if value is not None:
+                    store[key] = torch.empty(0, dtype=value.dtype)
+    del pipe, models, model, export_config
+    release_memory()
+    xml = stage / NAME / "openvino_model.xml"
+    return {"layers_int8": swapped, "parity": _check_written(xml, work, phases, "check_int8"),
+            "ir_mb": _sizes(xml.parent)}
+
+
 # ---------------------------------------------------------------- driver
 def build_cut(out: Path, layers: int, full: Path, seed: int = 0) -> None:
     """`full`'s Sana 1600M pipeline with its transformer cut to `layers` of its 20 layers (same widths,
@@ -645,7 +771,7 @@ def _child(route: str, src: Path, work: Path, out: Path) -> None:
     start = time.perf_counter()
     fn = {"reference": route_reference, "today": route_today, "compress_first": route_compress_first,
           "stream": route_stream, "stream_ext": route_stream_ext,
-          "stream_ext_b1": route_stream_ext_b1}[route]
+          "stream_ext_b1": route_stream_ext_b1, "stream_lean": route_stream_lean}[route]
     error = None
     try:
         result = fn(src, work, phases)
@@ -654,7 +780,8 @@ def _child(route: str, src: Path, work: Path, out: Path) -> None:
         result, error = {}, f"{type(exc).__name__}: {exc}"
     phases.close()
     result.update({"route": route, "error": error, "seconds": round(time.perf_counter() - start, 1),
-                   "phases": phases.rows, "ru_maxrss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+                   "phases": phases.rows,
+                   "ru_maxrss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
                    "timeline_anon_file_mb": phases.timeline[::5]})
     out.write_text(json.dumps(result, indent=1))
 
@@ -664,11 +791,13 @@ def _machine() -> dict[str, Any]:
     import openvino
     import torch
 
-    model = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), "")
-    flags = next((line for line in open("/proc/cpuinfo") if line.startswith("flags")), "")
+    cpuinfo = Path("/proc/cpuinfo").read_text().splitlines()
+    model = next((line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("model name")), "")
+    flags = next((line for line in cpuinfo if line.startswith("flags")), "")
     return {"cpu": model, "cores": os.cpu_count(), "amx_bf16": "amx_bf16" in flags,
-            "avx512_bf16": "avx512_bf16" in flags, "mem_total_gb": round(os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / 2 ** 30, 1),
-            "allocator": "glibc malloc" if "LD_PRELOAD" not in os.environ else os.environ["LD_PRELOAD"],
+            "avx512_bf16": "avx512_bf16" in flags,
+            "mem_total_gb": round(os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / 2 ** 30, 1),
+            "allocator": os.environ.get("LD_PRELOAD", "glibc malloc"),
             "python": platform.python_version(), "torch": torch.__version__, "openvino": openvino.__version__,
             "nncf": nncf.__version__}
 
@@ -710,7 +839,8 @@ def main() -> None:
         out.unlink(missing_ok=True)
         proc = subprocess.Popen(cmd)
         killed, status, usage = _watch(proc, args.limit_mb)
-        entry = json.loads(out.read_text()) if out.is_file() else {"route": route, "error": killed or f"exit status {status}"}
+        entry = (json.loads(out.read_text()) if out.is_file()
+                 else {"route": route, "error": killed or f"exit status {status}"})
         entry["wall_s"] = round(time.perf_counter() - start, 1)
         # ru_maxrss is the kernel's high-water mark, which each phase's clear_refs resets: the last
         # stretch's peak only. The route's peak is its largest phase's.
