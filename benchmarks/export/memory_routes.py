@@ -55,7 +55,8 @@ from typing import Any
 import numpy as np
 
 log = logging.getLogger("benchmarks.export.memory_routes")
-ROUTES = ("today", "compress_first", "stream", "stream_ext", "stream_ext_b1", "stream_lean")
+ROUTES = ("today", "compress_first", "stream", "stream_ext", "stream_ext_b1", "stream_lean",
+          "stream_lean_small")
 NAME = "transformer"
 SEED = 0
 
@@ -667,7 +668,15 @@ def stream_int8_model_lean(folder: Path) -> tuple[Any, int]:
     return model.eval(), swapped
 
 
-def route_stream_lean(src: Path, work: Path, phases: Phases) -> dict[str, Any]:
+def route_stream_lean_small(src: Path, work: Path, phases: Phases) -> dict[str, Any]:
+    """stream_lean, traced on an 8x8 latent (7x7 after optimum's "-1") instead of the config's
+    sample_size 32 (31x31): Sana 1.0 has no positional embedding, so the traced graph does not depend
+    on it, and the IR's spatial axes stay dynamic."""
+    return route_stream_lean(src, work, phases, stage_name="stream_lean_small", trace_size=8)
+
+
+def route_stream_lean(src: Path, work: Path, phases: Phases, stage_name: str = "stream_lean",
+                      trace_size: int | None = None) -> dict[str, Any]:
     """stream_ext_b1, with the VAE on the meta device too, the weights read without a mapping, and
     OpenVINO's module patch undone after conversion so the module is freed before the check."""
     import gc
@@ -681,7 +690,7 @@ def route_stream_lean(src: Path, work: Path, phases: Phases) -> dict[str, Any]:
     from tasks.common.memory import release_memory
     from tasks.export.components import _meta_model, _model_class
 
-    stage = work / "stream_lean"
+    stage = work / stage_name
     shutil.rmtree(stage, ignore_errors=True)
     gc.freeze()
     phases.mark("load")
@@ -704,6 +713,8 @@ def route_stream_lean(src: Path, work: Path, phases: Phases) -> dict[str, Any]:
         return patcher
 
     export_config.patch_model_for_export = patch
+    if trace_size is not None:  # the dummy generator reads the normalized config's image_size
+        object.__setattr__(export_config._normalized_config, "image_size", trace_size)
     release_memory()
     saved = dict(utils.DEFAULT_DUMMY_SHAPES)
     utils.DEFAULT_DUMMY_SHAPES["batch_size"] = 1
@@ -771,7 +782,8 @@ def _child(route: str, src: Path, work: Path, out: Path) -> None:
     start = time.perf_counter()
     fn = {"reference": route_reference, "today": route_today, "compress_first": route_compress_first,
           "stream": route_stream, "stream_ext": route_stream_ext,
-          "stream_ext_b1": route_stream_ext_b1, "stream_lean": route_stream_lean}[route]
+          "stream_ext_b1": route_stream_ext_b1, "stream_lean": route_stream_lean,
+          "stream_lean_small": route_stream_lean_small}[route]
     error = None
     try:
         result = fn(src, work, phases)
