@@ -166,3 +166,22 @@ def test_the_runtime_package_imports_nothing_of_the_project() -> None:
                       if name.startswith(own) for other in others if not other.startswith(own))
     assert {"finetune_runtime.model", "finetune_runtime.size"} <= set(runtime)
     assert not problems, "the served model's code must stand alone:\n" + "\n".join(problems)
+
+
+def test_every_param_dvc_yaml_names_is_in_params_yaml() -> None:
+    """DVC refuses to run a stage whose `params:` names a key params.yaml lacks ("Parameters '...' are
+    missing from 'params.yaml'"), even where the stage's config has a default for it: each named key,
+    a section or a dotted key, must be in the file."""
+    import yaml
+
+    params = yaml.safe_load((REPO / "params.yaml").read_text())
+    missing = []
+    for name, stage in yaml.safe_load((REPO / "dvc.yaml").read_text())["stages"].items():
+        for entry in stage.get("params", []):
+            for key in entry if isinstance(entry, dict) else [entry]:
+                node: object = params
+                for part in str(key).split("."):
+                    node = node.get(part, KeyError) if isinstance(node, dict) else KeyError
+                if node is KeyError:
+                    missing.append(f"{name}: {key}")
+    assert not missing, f"dvc.yaml names params that params.yaml lacks: {missing}"
