@@ -521,11 +521,11 @@ def _ov_extensions() -> tuple[dict[Any, Any], list[Any]]:
     return modules, [ConversionExtension("ov_ext::q8_linear", linear), ConversionExtension("ov_ext::q8_conv1x1", conv)]
 
 
-def stream_int8_model_ext(folder: Path) -> tuple[Any, int]:
-    """As stream_int8_model, with QLinear8 / QConv1x1 modules (depthwise and other convs stay float32)."""
+def _meta_model_with_q8_layers(folder: Path) -> tuple[Any, int]:
+    """The transformer built on the meta device, its Linear and plain 1x1 Conv2d layers replaced by
+    QLinear8 / QConv1x1 (depthwise and other convs stay float32); (model, layers replaced)."""
     import torch
     from diffusers import SanaTransformer2DModel
-    from safetensors import safe_open
 
     with torch.device("meta"):
         model = SanaTransformer2DModel.from_config(SanaTransformer2DModel.load_config(folder))
@@ -540,6 +540,15 @@ def stream_int8_model_ext(folder: Path) -> tuple[Any, int]:
             else:
                 continue
             swapped += 1
+    return model, swapped
+
+
+def stream_int8_model_ext(folder: Path) -> tuple[Any, int]:
+    """As stream_int8_model, with QLinear8 / QConv1x1 modules (depthwise and other convs stay float32)."""
+    import torch
+    from safetensors import safe_open
+
+    model, swapped = _meta_model_with_q8_layers(folder)
     modules = dict(model.named_modules())
     for file in sorted(folder.glob("*.safetensors")):
         with safe_open(str(file), framework="pt") as fh:
@@ -635,21 +644,8 @@ def read_safetensors(file: Path) -> Any:
 def stream_int8_model_lean(folder: Path) -> tuple[Any, int]:
     """stream_int8_model_ext's model, its tensors read by read_safetensors instead of safe_open."""
     import torch
-    from diffusers import SanaTransformer2DModel
 
-    with torch.device("meta"):
-        model = SanaTransformer2DModel.from_config(SanaTransformer2DModel.load_config(folder))
-    swapped = 0
-    for _, mod in list(model.named_modules()):
-        for child_name, child in list(mod.named_children()):
-            if isinstance(child, torch.nn.Linear):
-                setattr(mod, child_name, QLinear8(child))
-            elif (isinstance(child, torch.nn.Conv2d) and child.kernel_size == (1, 1) and child.stride == (1, 1)
-                  and child.padding == (0, 0) and child.groups == 1 and child.dilation == (1, 1)):
-                setattr(mod, child_name, QConv1x1(child))
-            else:
-                continue
-            swapped += 1
+    model, swapped = _meta_model_with_q8_layers(folder)
     modules = dict(model.named_modules())
     for file in sorted(folder.glob("*.safetensors")):
         for key, tensor in read_safetensors(file):
